@@ -58,9 +58,10 @@ def _construct_ref(loader: _DataLoader, node: yaml.Node) -> RefNode:
     return RefNode(str(loader.construct_scalar(node)))
 
 
-_DataLoader.add_multi_constructor("!new:", lambda ld, s, n: _construct_tagged(ld, "new:" + s, n))
-_DataLoader.add_multi_constructor("!name:", lambda ld, s, n: _construct_tagged(ld, "name:" + s, n))
-_DataLoader.add_multi_constructor("!apply:", lambda ld, s, n: _construct_tagged(ld, "apply:" + s, n))
+for _kind in ("new", "name", "apply"):
+    _DataLoader.add_multi_constructor(
+        f"!{_kind}:", lambda ld, s, n, k=_kind: _construct_tagged(ld, f"{k}:{s}", n)
+    )
 _DataLoader.add_constructor("!ref", _construct_ref)
 # The loader knows these tags; anything else (e.g. !!python/object) stays a YAML error.
 _DataLoader.yaml_implicit_resolvers = {
@@ -284,7 +285,9 @@ class _Section:
 def _encoder_args(sec: _Section, *, conformer: bool) -> EncoderArgs:
     input_layer = sec.str("input_layer", "linear")
     if input_layer not in ("linear", "linear_legacy"):
-        raise ModelConfigError(f"{sec.source}: unsupported '{sec.path}.input_layer' {input_layer!r}")
+        raise ModelConfigError(
+            f"{sec.source}: unsupported '{sec.path}.input_layer' {input_layer!r}"
+        )
     for key, expected in (("pos_enc_layer_type", "rel_pos_espnet"),
                           ("selfattention_layer_type", "rel_selfattn")):
         if sec.str(key, expected) != expected:

@@ -1,0 +1,82 @@
+"""Public value types of the engine: synthesis options, audio chunks and errors."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import cached_property
+
+import numpy as np
+
+from engine.constants import SAMPLE_RATE
+
+
+class EngineError(Exception):
+    """Base class of errors the engine reports to its callers with a clear message."""
+
+
+class ModelLoadError(EngineError):
+    """A model directory is missing files, or a file is corrupt or does not fit the config."""
+
+
+class UnknownSpeakerError(EngineError, ValueError):
+    """The requested speaker is not in the model's speaker table."""
+
+
+class SynthesisCancelled(EngineError):
+    """The caller's cancel event was set while synthesizing."""
+
+
+@dataclass(frozen=True)
+class StreamSchedule:
+    """How the token stream is cut into audio chunks.
+
+    ``official`` reproduces CosyVoice v1 (first chunk after hop+overlap = 120 tokens, fixed hop
+    100). ``low_latency`` starts after ``first_hop`` tokens and grows the hop by ``growth`` per
+    chunk up to ``max_hop``: the listener hears audio early, later chunks amortise the fixed
+    per-chunk cost.
+    """
+
+    name: str = "low_latency"
+    first_hop: int = 25
+    growth: float = 2.0
+    max_hop: int = 100
+    overlap: int = 20
+
+
+OFFICIAL_SCHEDULE = StreamSchedule(name="official", first_hop=100, growth=1.0, max_hop=100)
+LOW_LATENCY_SCHEDULE = StreamSchedule()
+
+
+@dataclass(frozen=True)
+class SynthesisOptions:
+    """Per-request options; ``None`` means the engine default."""
+
+    speaker: str | None = None
+    stream: bool = True
+    schedule: StreamSchedule = field(default_factory=StreamSchedule)
+    seed: int | None = None
+    n_timesteps: int = 10
+    cfg_rate: float = 0.7
+    instruct: str | None = None
+    # Fixes the number of speech tokens (benchmarks: random weights never emit EOS).
+    force_tokens: int | None = None
+
+
+@dataclass(frozen=True, eq=False)
+class AudioChunk:
+    """A piece of mono float32 audio in [-1, 1] at ``sample_rate`` Hz."""
+
+    samples: np.ndarray
+    sample_rate: int = SAMPLE_RATE
+    # True on the last chunk of a text segment (the server may flush on it).
+    segment_end: bool = False
+
+    @cached_property
+    def pcm16(self) -> bytes:
+        """16-bit little-endian PCM, as Wyoming and WAV files expect."""
+        clipped = np.clip(self.samples, -1.0, 1.0)
+        return (clipped * 32767.0).round().astype("<i2").tobytes()
+
+    @property
+    def duration_s(self) -> float:
+        return len(self.samples) / self.sample_rate
