@@ -1,0 +1,188 @@
+"""Load an official CosyVoice v1 model directory: config, checkpoints and speaker table.
+
+Every checkpoint is opened with ``torch.load(weights_only=True, mmap=True)``: no pickle code runs,
+and the tensors stay memory-mapped. The models are built on the ``meta`` device and the mapped
+tensors are assigned in place, so loading allocates no second copy of any weight. Every failure
+is a :class:`ModelLoadError` that names the file and the offending keys.
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+import zipfile
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from engine.hparams import ModelArgs, ModelConfigError, load_model_args
+from engine.types import ModelLoadError
+
+_LOGGER = logging.getLogger(__name__)
+
+CONFIG_FILE = "cosyvoice.yaml"
+CHECKPOINT_FILES = ("llm.pt", "flow.pt", "hift.pt")
+SPEAKER_FILE = "spk2info.pt"
+REQUIRED_FILES = (CONFIG_FILE, *CHECKPOINT_FILES, SPEAKER_FILE)
+SPEAKER_EMBED_DIM = 192
+_MAX_LISTED_KEYS = 8
+
+
+def missing_model_files(model_dir: Path) -> list[str]:
+    """Names of the required files that ``model_dir`` lacks (empty when complete)."""
+    return [name for name in REQUIRED_FILES if not (Path(model_dir) / name).is_file()]
+
+
+def _list_keys(keys: list[str]) -> str:
+    shown = ", ".join(keys[:_MAX_LISTED_KEYS])
+    more = len(keys) - _MAX_LISTED_KEYS
+    return shown + (f" (and {more} more)" if more > 0 else "")
+
+
+def read_checkpoint(path: Path) -> object:
+    """``torch.load`` a file safely, turning every failure into a clear ModelLoadError."""
+    path = Path(path)
+    if not path.is_file():
+        raise ModelLoadError(f"{path}: file is missing")
+    if path.stat().st_size == 0:
+        raise ModelLoadError(f"{path}: file is empty")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except pickle.UnpicklingError as err:
+        # weights_only refuses anything but tensors and plain containers.
+        first_line = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        raise ModelLoadError(
+            f"{path}: refused to load — it contains Python objects other than plain tensors "
+            f"(only weights_only checkpoints are accepted). {first_line}"
+        ) from err
+    except (RuntimeError, EOFError, OSError, zipfile.BadZipFile, ValueError) as err:
+        raise ModelLoadError(f"{path}: truncated or corrupt checkpoint ({err})") from err
+
+
+def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
+    """Read a checkpoint that must be a flat mapping of names to tensors."""
+    obj = read_checkpoint(path)
+    if not isinstance(obj, Mapping):
+        raise ModelLoadError(
+            f"{path}: expected a state dict (name → tensor), got {type(obj).__name__}"
+        )
+    bad = [str(k) for k, v in obj.items() if not isinstance(k, str) or not torch.is_tensor(v)]
+    if bad:
+        raise ModelLoadError(f"{path}: entries that are not tensors: {_list_keys(bad)}")
+    return dict(obj)
+
+
+def check_state_dict(module: nn.Module, state: Mapping[str, torch.Tensor], path: Path) -> None:
+    """Compare keys and shapes with what ``module`` expects; raise naming every mismatch."""
+    expected = {k: tuple(v.shape) for k, v in module.state_dict(keep_vars=True).items()}
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    wrong = sorted(
+        f"{k} {tuple(state[k].shape)} != {expected[k]}"
+        for k in set(expected) & set(state)
+        if tuple(state[k].shape) != expected[k]
+    )
+    problems = []
+    if missing:
+        problems.append(f"missing keys: {_list_keys(missing)}")
+    if unexpected:
+        problems.append(f"unexpected keys: {_list_keys(unexpected)}")
+    if wrong:
+        problems.append(f"shape mismatches: {_list_keys(wrong)}")
+    if problems:
+        raise ModelLoadError(f"{path} does not fit {CONFIG_FILE}: " + "; ".join(problems))
+
+
+def assign_state_dict(module: nn.Module, state: Mapping[str, torch.Tensor], path: Path) -> None:
+    """Check, then load ``state`` into ``module`` by assignment (mmap'd tensors used in place)."""
+    check_state_dict(module, state, path)
+    floats = {k: (v if v.dtype == torch.float32 else v.float()) for k, v in state.items()}
+    module.load_state_dict(floats, strict=True, assign=True)
+    module.eval()
+    module.requires_grad_(False)
+    # Modules built on the meta device rebuild their derived, non-saved tensors (rel-pos
+    # tables, STFT windows, fused weights) here.
+    for sub in module.modules():
+        materialize = getattr(sub, "materialize_derived", None)
+        if callable(materialize):
+            materialize()
+    leftovers = [n for n, t in [*module.named_parameters(), *module.named_buffers()] if t.is_meta]
+    if leftovers:  # a derived tensor the module did not rebuild after meta construction
+        raise ModelLoadError(f"{path}: internal error, left on meta: {_list_keys(leftovers)}")
+
+
+def load_speakers(path: Path) -> dict[str, torch.Tensor]:
+    """Read ``spk2info.pt`` into {speaker name: (192,) float32 x-vector (un-normalised)}."""
+    obj = read_checkpoint(path)
+    if not isinstance(obj, Mapping):
+        raise ModelLoadError(f"{path}: expected a dict of speakers, got {type(obj).__name__}")
+    speakers: dict[str, torch.Tensor] = {}
+    bad: list[str] = []
+    for name, info in obj.items():
+        embedding = info.get("embedding") if isinstance(info, Mapping) else None
+        if not isinstance(name, str) or not torch.is_tensor(embedding) \
+                or embedding.numel() != SPEAKER_EMBED_DIM:
+            bad.append(str(name))
+            continue
+        speakers[name] = embedding.detach().reshape(SPEAKER_EMBED_DIM).float().clone()
+    if bad:
+        raise ModelLoadError(
+            f"{path}: speakers without a {SPEAKER_EMBED_DIM}-value 'embedding': {_list_keys(bad)}"
+        )
+    return speakers
+
+
+@dataclass
+class LoadedModels:
+    """The three models of one directory plus its speaker table, ready for inference."""
+
+    model_dir: Path
+    args: ModelArgs
+    llm: nn.Module
+    flow: nn.Module
+    hift: nn.Module
+    speakers: dict[str, torch.Tensor]
+
+
+def load_model_dir(model_dir: Path) -> LoadedModels:
+    """Build the LM, flow and HiFT from ``cosyvoice.yaml`` and load the official checkpoints."""
+    # Imported here so this module can be read (e.g. for file checks) without the model code.
+    from engine.flow import FlowModel
+    from engine.hift import HiFTGenerator
+    from engine.llm import TransformerLM
+    from engine.weight_norm import normalize_hift_state_dict
+
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise ModelLoadError(f"model directory {model_dir} does not exist")
+    missing = missing_model_files(model_dir)
+    if missing:
+        raise ModelLoadError(
+            f"model directory {model_dir} is incomplete: missing {', '.join(missing)} "
+            f"(expected {', '.join(REQUIRED_FILES)})"
+        )
+    try:
+        args = load_model_args(model_dir / CONFIG_FILE)
+    except ModelConfigError as err:
+        raise ModelLoadError(str(err)) from err
+
+    llm_sd = read_state_dict(model_dir / "llm.pt")
+    flow_sd = read_state_dict(model_dir / "flow.pt")
+    try:
+        hift_sd = normalize_hift_state_dict(read_state_dict(model_dir / "hift.pt"))
+    except ValueError as err:
+        raise ModelLoadError(f"{model_dir / 'hift.pt'}: {err}") from err
+
+    with torch.device("meta"):
+        llm = TransformerLM(args.llm)
+        flow = FlowModel(args.flow)
+        hift = HiFTGenerator(args.hift)
+    for module, state, name in ((llm, llm_sd, "llm.pt"), (flow, flow_sd, "flow.pt"),
+                                (hift, hift_sd, "hift.pt")):
+        assign_state_dict(module, state, model_dir / name)
+    speakers = load_speakers(model_dir / SPEAKER_FILE)
+    _LOGGER.debug("Loaded %s with %d speakers", model_dir, len(speakers))
+    return LoadedModels(model_dir, args, llm, flow, hift, speakers)
