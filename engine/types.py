@@ -68,8 +68,6 @@ class AudioChunk:
 
     samples: np.ndarray
     sample_rate: int = SAMPLE_RATE
-    # True on the last chunk of a text segment (the server may flush on it).
-    segment_end: bool = False
 
     @cached_property
     def pcm16(self) -> bytes:

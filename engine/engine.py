@@ -1,0 +1,158 @@
+"""CosyVoiceEngine: text in, audio chunks out — the engine's one public entry point.
+
+The engine is a plain synchronous generator API (no asyncio, no wyoming). Callers drive
+``synthesize()`` from any thread; the LM runs in a helper thread per segment so it overlaps with
+the flow and vocoder.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from engine.constants import SAMPLE_RATE
+from engine.streaming import ChunkVocoder, FlowPrompt, GeneratorNoise, stream_audio, whole_audio
+from engine.tokens import ThreadedTokens
+from engine.types import (
+    AudioChunk,
+    SynthesisCancelled,
+    SynthesisOptions,
+    UnknownSpeakerError,
+)
+from engine.weights import LoadedModels, load_model_dir
+
+_LOGGER = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Voice:
+    """Everything that conditions the LM and the flow for one voice."""
+
+    name: str
+    llm_embedding: torch.Tensor  # (1, 192), or (0, 192) when the LM gets no speaker (instruct)
+    flow_embedding: torch.Tensor  # (1, 192)
+    prompt_text_ids: list[int] = field(default_factory=list)
+    llm_prompt_tokens: list[int] = field(default_factory=list)
+    flow_prompt: FlowPrompt | None = None
+
+
+def detect_model_kind(model_dir: Path) -> str:
+    """'instruct', 'base' or 'sft', from the official directory names."""
+    name = model_dir.name.lower()
+    if "instruct" in name:
+        return "instruct"
+    if name.endswith("300m") or name.endswith("300m-base"):
+        return "base"
+    return "sft"
+
+
+class CosyVoiceEngine:
+    """A loaded CosyVoice v1 model directory plus the text frontend."""
+
+    def __init__(self, models: LoadedModels, *, kind: str | None = None,
+                 threads: int | None = None) -> None:
+        from engine.text.frontend import TextFrontend
+
+        self.models = models
+        self.model_dir = models.model_dir
+        self.kind = kind or detect_model_kind(models.model_dir)
+        self.threads = threads
+        self.sample_rate = SAMPLE_RATE
+        self.speakers: list[str] = list(models.speakers)
+        self.frontend = TextFrontend()
+
+    @classmethod
+    def load(cls, model_dir: Path | str, *, threads: int | None = None,
+             kind: str | None = None) -> CosyVoiceEngine:
+        """Load a model directory in the official layout (raises ModelLoadError)."""
+        if threads:
+            torch.set_num_threads(threads)
+        start = time.perf_counter()
+        models = load_model_dir(Path(model_dir))
+        _LOGGER.info("Loaded %s in %.2f s", model_dir, time.perf_counter() - start)
+        return cls(models, kind=kind, threads=threads)
+
+    # --- voices ---------------------------------------------------------------------------
+
+    def voice(self, speaker: str | None, instruct: str | None = None) -> Voice:
+        """The conditioning for a built-in speaker (and an optional instruct text)."""
+        if not self.speakers:
+            raise UnknownSpeakerError(f"model {self.model_dir.name} has no built-in speakers")
+        name = speaker or self.speakers[0]
+        if name not in self.models.speakers:
+            raise UnknownSpeakerError(
+                f"unknown speaker {name!r}; available: {', '.join(self.speakers)}"
+            )
+        embedding = self.models.speakers[name].reshape(1, -1)
+        if instruct and self.kind == "instruct":
+            # Official instruct mode: the LM sees the instruction instead of the speaker.
+            return Voice(name, torch.zeros(0, embedding.shape[1]), embedding,
+                         prompt_text_ids=self.frontend.instruct_ids(instruct))
+        return Voice(name, embedding, embedding)
+
+    # --- synthesis ------------------------------------------------------------------------
+
+    def synthesize(self, text: str, options: SynthesisOptions | None = None,
+                   cancel: threading.Event | None = None) -> Iterator[AudioChunk]:
+        """Yield audio for ``text``: per streamed chunk, or one chunk per segment."""
+        options = options or SynthesisOptions()
+        voice = self.voice(options.speaker, options.instruct)
+        segments = self.frontend.segments(text)
+        seed = options.seed if options.seed is not None else random.randrange(2**31)
+        for index, segment in enumerate(segments):
+            yield from self._segment(segment.token_ids, voice, options, seed + index, cancel)
+
+    def _segment(self, text_ids: list[int], voice: Voice, options: SynthesisOptions,
+                 seed: int, cancel: threading.Event | None) -> Iterator[AudioChunk]:
+        # Separate generators: the LM thread and the vocoder never share an RNG stream, so a
+        # seed reproduces the same audio whatever the thread timing.
+        lm_generator = torch.Generator().manual_seed(seed)
+        noise_generator = torch.Generator().manual_seed(seed + 1_000_003)
+        flow_prompt = voice.flow_prompt or FlowPrompt(voice.flow_embedding)
+        vocoder = ChunkVocoder(self.models.flow, self.models.hift, flow_prompt,
+                               GeneratorNoise(noise_generator), n_timesteps=options.n_timesteps,
+                               cfg_rate=options.cfg_rate)
+
+        def make_tokens() -> Iterator[int]:
+            return self.models.llm.generate(
+                text_ids, voice.prompt_text_ids, voice.llm_prompt_tokens, voice.llm_embedding,
+                generator=lm_generator, max_tokens=options.force_tokens,
+            )
+
+        tokens = ThreadedTokens(make_tokens, cancel)
+
+        def waves() -> Iterator[torch.Tensor]:
+            if options.stream:
+                yield from stream_audio(tokens, vocoder, options.schedule)
+            else:
+                yield whole_audio(tokens, vocoder)
+
+        chunks = waves()
+        try:
+            while True:
+                # inference_mode is thread-local and callers may resume us on any thread.
+                with torch.inference_mode():
+                    wave = next(chunks, None)
+                if wave is None:
+                    break
+                if cancel is not None and cancel.is_set():
+                    raise SynthesisCancelled("synthesis cancelled")
+                yield AudioChunk(wave.reshape(-1).float().numpy().copy())
+        finally:
+            chunks.close()
+            tokens.close()
+
+    def warmup(self) -> None:
+        """Run one short synthesis so the first real request is not slower than later ones."""
+        start = time.perf_counter()
+        options = SynthesisOptions(stream=True, seed=0, force_tokens=60)
+        for _ in self.synthesize("Hello.", options):
+            pass
+        _LOGGER.info("Warm-up took %.2f s", time.perf_counter() - start)

@@ -1,0 +1,175 @@
+"""Speech tokens → audio, whole or in overlapping streamed chunks (CosyVoice v1 ``token2wav``).
+
+A chunk of tokens goes through the flow (tokens → mel) and HiFT (mel → audio). Consecutive
+chunks share ``TOKEN_OVERLAP`` tokens; the seams are hidden exactly as the official runtime does:
+
+* the flow's noise and ``mu`` for the prompt frames and the 34 overlap frames are pinned to the
+  previous chunk's values (flow cache);
+* the first 34 mel frames are cross-faded with the 34 frames held back from the previous chunk;
+* HiFT gets the previous chunk's last 20 mel frames as left context, its source signal is pinned
+  over those 5120 samples, and the first 5120 output samples are cross-faded with the previous
+  chunk's held-back tail.
+
+A :class:`~engine.types.StreamSchedule` decides where chunks are cut: the official schedule (hop
+100, so first audio after 120 tokens) or our low-latency one (small first hop, growing hops).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from engine.constants import HOP, MEL_CACHE, MEL_OVERLAP, N_MELS, SOURCE_CACHE, TOKEN_OVERLAP
+from engine.types import StreamSchedule
+
+# float64, as upstream multiplies float32 tensors by numpy hamming windows (fixtures README §9.5).
+_MEL_WINDOW = torch.from_numpy(np.hamming(2 * MEL_OVERLAP))
+_SPEECH_WINDOW = torch.from_numpy(np.hamming(2 * SOURCE_CACHE))
+# Below this many tokens the flow interpolates a chunk in one piece, so the 20 overlap tokens
+# would not map onto exactly 34 frames; schedules must cut bigger chunks than this.
+MIN_CHUNK_TOKENS = 2 * TOKEN_OVERLAP + 1
+
+
+class NoiseSource(Protocol):
+    """Where the flow and HiFT get their random draws (a seeded generator, or injected)."""
+
+    def flow_noise(self, shape: tuple[int, ...]) -> torch.Tensor: ...
+
+    def hift_noise(self, n_samples: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(phase uniform in [0,1) of shape (1, 9, 1), sine noise of shape (1, 9, n_samples))."""
+        ...
+
+
+@dataclass
+class GeneratorNoise:
+    """Noise drawn from one ``torch.Generator`` (reproducible with a seed)."""
+
+    generator: torch.Generator
+    harmonics: int = 9
+
+    def flow_noise(self, shape: tuple[int, ...]) -> torch.Tensor:
+        return torch.randn(shape, generator=self.generator)
+
+    def hift_noise(self, n_samples: int) -> tuple[torch.Tensor, torch.Tensor]:
+        phase = torch.rand((1, self.harmonics, 1), generator=self.generator)
+        noise = torch.randn((1, self.harmonics, n_samples), generator=self.generator)
+        return phase, noise
+
+
+@dataclass(frozen=True)
+class FlowPrompt:
+    """What conditions the flow: speaker x-vector and (zero-shot) prompt tokens and mel."""
+
+    embedding: torch.Tensor  # (1, 192) un-normalised x-vector
+    tokens: torch.Tensor = field(default_factory=lambda: torch.zeros(1, 0, dtype=torch.int32))
+    feat: torch.Tensor = field(default_factory=lambda: torch.zeros(1, 0, N_MELS))  # (1, T, 80)
+
+
+def fade_in_out(fade_in: torch.Tensor, fade_out: torch.Tensor,
+                window: torch.Tensor) -> torch.Tensor:
+    """Cross-fade the start of ``fade_in`` with the end of ``fade_out`` (float64 maths)."""
+    n = window.numel() // 2
+    head = fade_in[..., :n].double() * window[:n] + fade_out[..., -n:].double() * window[n:]
+    out = fade_in.clone()
+    out[..., :n] = head.to(fade_in.dtype)
+    return out
+
+
+class ChunkVocoder:
+    """Turns token chunks of one utterance into audio, carrying the cross-chunk state."""
+
+    def __init__(self, flow: torch.nn.Module, hift: torch.nn.Module, prompt: FlowPrompt,
+                 noise: NoiseSource, *, n_timesteps: int = 10, cfg_rate: float = 0.7) -> None:
+        self.flow, self.hift, self.prompt, self.noise = flow, hift, prompt, noise
+        self.n_timesteps, self.cfg_rate = n_timesteps, cfg_rate
+        self.flow_cache = torch.zeros(1, N_MELS, 0, 2)  # (1, 80, frames, [z | mu])
+        self.mel_overlap: torch.Tensor | None = None  # (1, 80, 34) held back for the fade
+        self.hift_mel: torch.Tensor | None = None  # (1, 80, 20) left context for HiFT
+        self.hift_source: torch.Tensor | None = None  # (1, 1, 5120) pinned source samples
+        self.hift_speech: torch.Tensor | None = None  # (1, 5120) held-back output tail
+
+    def _flow(self, tokens: torch.Tensor) -> torch.Tensor:
+        prompt_frames = self.prompt.feat.shape[1]
+        n_frames = prompt_frames + int(tokens.shape[1] / 50 * 22050 / HOP)
+        z = self.noise.flow_noise((1, N_MELS, n_frames))
+        mel, self.flow_cache = self.flow.inference(
+            tokens, self.prompt.tokens, self.prompt.feat, self.prompt.embedding, self.flow_cache,
+            noise=z, n_timesteps=self.n_timesteps, cfg_rate=self.cfg_rate,
+        )
+        return mel
+
+    def _hift(self, mel: torch.Tensor,
+              cache_source: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        from engine.hift import HiftNoise
+
+        phase, sine_noise = self.noise.hift_noise(mel.shape[2] * HOP)
+        return self.hift.inference(mel, cache_source,
+                                   noise=HiftNoise(phase_uniform=phase, sine_noise=sine_noise))
+
+    def chunk(self, tokens: torch.Tensor, *, finalize: bool) -> torch.Tensor:
+        """Audio (1, S) for a window of tokens (1, n); ``finalize`` on the utterance's last."""
+        mel = self._flow(tokens)
+        if self.mel_overlap is not None:
+            mel = fade_in_out(mel, self.mel_overlap, _MEL_WINDOW)
+        if self.hift_mel is not None:
+            mel = torch.cat([self.hift_mel, mel], dim=2)
+            cache_source = self.hift_source
+        else:
+            cache_source = torch.zeros(1, 1, 0)
+        if not finalize:
+            self.mel_overlap = mel[:, :, -MEL_OVERLAP:]
+            mel = mel[:, :, :-MEL_OVERLAP]
+        speech, source = self._hift(mel, cache_source)
+        if self.hift_speech is not None:
+            speech = fade_in_out(speech, self.hift_speech, _SPEECH_WINDOW)
+        if finalize:
+            return speech
+        self.hift_mel = mel[:, :, -MEL_CACHE:]
+        self.hift_source = source[:, :, -SOURCE_CACHE:]
+        self.hift_speech = speech[:, -SOURCE_CACHE:]
+        return speech[:, :-SOURCE_CACHE]
+
+
+def hop_sizes(schedule: StreamSchedule) -> Iterator[int]:
+    """The schedule's hops (new tokens per chunk): first_hop, then growing to max_hop."""
+    hop = float(schedule.first_hop)
+    while True:
+        yield max(1, int(round(min(hop, schedule.max_hop))))
+        hop *= schedule.growth
+
+
+def check_schedule(schedule: StreamSchedule) -> None:
+    """Reject schedules whose chunks the flow's fixed 20-token overlap handling cannot cut."""
+    if schedule.overlap != TOKEN_OVERLAP:
+        raise ValueError(f"stream overlap must be {TOKEN_OVERLAP} tokens (the flow hard-codes it)")
+    if schedule.first_hop + schedule.overlap < MIN_CHUNK_TOKENS:
+        raise ValueError(f"first_hop must be at least {MIN_CHUNK_TOKENS - TOKEN_OVERLAP} tokens")
+    if schedule.max_hop < schedule.first_hop or schedule.growth < 1.0:
+        raise ValueError("max_hop must be >= first_hop and growth >= 1")
+
+
+def stream_audio(tokens: Iterable[int], vocoder: ChunkVocoder,
+                 schedule: StreamSchedule) -> Iterator[torch.Tensor]:
+    """Cut a token stream into overlapping chunks per ``schedule`` and yield their audio."""
+    check_schedule(schedule)
+    hops = hop_sizes(schedule)
+    hop = next(hops)
+    window: list[int] = []
+    for token in tokens:
+        window.append(token)
+        if len(window) >= hop + schedule.overlap:
+            chunk = torch.tensor([window[: hop + schedule.overlap]], dtype=torch.int64)
+            yield vocoder.chunk(chunk, finalize=False)
+            window = window[hop:]
+            hop = next(hops)
+    if window:
+        yield vocoder.chunk(torch.tensor([window], dtype=torch.int64), finalize=True)
+
+
+def whole_audio(tokens: Iterable[int], vocoder: ChunkVocoder) -> torch.Tensor:
+    """Non-streaming: all tokens in one flow + HiFT call."""
+    return vocoder.chunk(torch.tensor([list(tokens)], dtype=torch.int64), finalize=True)
