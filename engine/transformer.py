@@ -1,0 +1,319 @@
+"""Relative-position Transformer blocks shared by the LM text encoder, the LM and the flow encoder.
+
+One class, :class:`RelPosEncoder`, covers the three official encoders (SPEC §4.3): an input layer
+(Linear → LayerNorm(1e-5) [→ ReLU for ``linear_legacy``]) scaled by sqrt(d), pre-LN layers with
+ESPnet relative-position self-attention and a position-wise FFN, then ``after_norm``. Attribute
+names equal the official state-dict keys so ``load_state_dict(strict=True)`` works.
+
+Relative positions: score bias ``bd[i, j] = (q_i + pos_bias_v) · P[m]`` with ``m = pos(i) - pos(j)``
+and ``P = linear_pos(pe)``, ``pe`` the interleaved sin/cos table. ``forward`` recomputes P over the
+2T-1 positions (cheap, one call per request). The cached path (LM decode) precomputes
+``P`` for m >= 0 once per layer (``linear_pos`` has no bias and the table is constant), so a decode
+step only slices the last L rows: this removes the O(L·d²) per-step cost of the official code.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from engine.hparams import EncoderArgs
+
+_BASE_TABLE_LEN = 5000  # the official table length; grown (doubling) only if a sequence needs more
+_tables: dict[int, tuple[Tensor, Tensor]] = {}
+_tables_lock = threading.Lock()
+
+
+def _rel_pos_tables(d: int, n: int) -> tuple[Tensor, Tensor]:
+    """(pos, neg), each (N >= n, d) float32: rows m hold the encodings of +m and -m.
+
+    Even dims sin, odd dims cos, w_i = 10000^(-2i/d); computed with the same float32 ops as the
+    official 5000-row table so the values are identical.
+    """
+    cached = _tables.get(d)
+    if cached is not None and cached[0].shape[0] >= n:
+        return cached
+    with _tables_lock:
+        cached = _tables.get(d)
+        if cached is not None and cached[0].shape[0] >= n:
+            return cached
+        size = _BASE_TABLE_LEN
+        while size < n:
+            size *= 2
+        position = torch.arange(0, size, dtype=torch.float32).unsqueeze(1)
+        div_term = torch.exp(
+            torch.arange(0, d, 2, dtype=torch.float32) * -(math.log(10000.0) / d)
+        )
+        pos = torch.zeros(size, d)
+        neg = torch.zeros(size, d)
+        pos[:, 0::2] = torch.sin(position * div_term)
+        pos[:, 1::2] = torch.cos(position * div_term)
+        neg[:, 0::2] = torch.sin(-1 * position * div_term)
+        neg[:, 1::2] = torch.cos(-1 * position * div_term)
+        _tables[d] = (pos, neg)
+        return pos, neg
+
+
+def rel_pos_table(d: int, length: int) -> Tensor:
+    """(2L-1, d) encodings of relative positions L-1, L-2, …, -(L-1) (official slice order)."""
+    pos, neg = _rel_pos_tables(d, length)
+    return torch.cat([pos[:length].flip(0), neg[1:length]], dim=0)
+
+
+def _skew(raw: Tensor, t: int, length: int) -> Tensor:
+    """Relative → absolute key index: out[..., i, j] = raw[..., i, t-1-i+j].
+
+    ``raw`` (..., T, W) is contiguous with column c ↔ relative position (L-1) - c and W >= L+T-1;
+    queries sit at absolute positions L-T+i. Equivalent to the official pad/reshape rel_shift.
+    """
+    if t == 1:
+        return raw[..., :length]
+    w = raw.shape[-1]
+    size = (*raw.shape[:-2], t, length)
+    stride = (*raw.stride()[:-2], w - 1, 1)
+    return raw.as_strided(size, stride, raw.storage_offset() + t - 1)
+
+
+def _weight_key(w: Tensor) -> tuple:
+    """Identity of a weight's current values: storage + in-place version (changes on reload)."""
+    try:
+        version = w._version
+    except RuntimeError:  # inference tensors have no version counter
+        version = -1
+    return (w.data_ptr(), version, w.device, w.dtype)
+
+
+@dataclass
+class KVCache:
+    """Preallocated K/V of every layer: ``kv`` (layers, 2, B, heads, max_len, d_k).
+
+    ``length`` positions are filled. ``key_mask`` (B, max_len) bool, False for left padding of
+    batched prompts of different lengths (None = every position valid).
+    """
+
+    kv: Tensor
+    length: int = 0
+    key_mask: Tensor | None = None
+
+    @property
+    def max_len(self) -> int:
+        return self.kv.shape[4]
+
+    def att_cache(self, batch_index: int = 0) -> Tensor:
+        """The official layout: (layers, heads, length, [K | V]) for one batch row."""
+        kv = self.kv[:, :, batch_index, :, : self.length]  # (layers, 2, h, T, d_k)
+        return torch.cat([kv[:, 0], kv[:, 1]], dim=-1)
+
+
+class _InputLayer(nn.Module):
+    """``embed.out``: Linear → LayerNorm(1e-5) → (Dropout) [→ ReLU for linear_legacy]."""
+
+    def __init__(self, args: EncoderArgs) -> None:
+        super().__init__()
+        mods: list[nn.Module] = [
+            nn.Linear(args.input_size, args.output_size),
+            nn.LayerNorm(args.output_size, eps=1e-5),
+            nn.Identity(),  # dropout slot, keeps the official indices
+        ]
+        if args.input_layer == "linear_legacy":
+            mods.append(nn.ReLU())
+        self.out = nn.Sequential(*mods)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.out(x)
+
+
+class _FeedForward(nn.Module):
+    def __init__(self, d: int, units: int, activation: str) -> None:
+        super().__init__()
+        self.w_1 = nn.Linear(d, units)
+        self.w_2 = nn.Linear(units, d)
+        self.act = F.relu if activation == "relu" else F.silu
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.w_2(self.act(self.w_1(x)))
+
+
+class RelPosAttention(nn.Module):
+    """ESPnet relative-position multi-head self-attention (``self_attn``)."""
+
+    def __init__(self, d: int, heads: int) -> None:
+        super().__init__()
+        self.h, self.d_k = heads, d // heads
+        self.linear_q = nn.Linear(d, d)
+        self.linear_k = nn.Linear(d, d)
+        self.linear_v = nn.Linear(d, d)
+        self.linear_out = nn.Linear(d, d)
+        self.linear_pos = nn.Linear(d, d, bias=False)
+        self.pos_bias_u = nn.Parameter(torch.empty(heads, self.d_k))
+        self.pos_bias_v = nn.Parameter(torch.empty(heads, self.d_k))
+        nn.init.xavier_uniform_(self.pos_bias_u)
+        nn.init.xavier_uniform_(self.pos_bias_v)
+        # (weight key, (h, N, d_k) projections of relative positions N-1 … 0): see _pos_rows
+        self._pos_cache: tuple[tuple, Tensor] | None = None
+
+    def _heads(self, x: Tensor) -> Tensor:
+        b, t, _ = x.shape
+        return x.view(b, t, self.h, self.d_k).transpose(1, 2)  # (B, h, T, d_k)
+
+    def forward(self, x: Tensor, mask: Tensor | None) -> Tensor:
+        """Full pass. x (B, T, d); mask bool broadcastable to (B, 1, T, T), True = attend."""
+        t = x.shape[1]
+        q, k, v = self._heads(self.linear_q(x)), self._heads(self.linear_k(x)), self._heads(
+            self.linear_v(x))
+        pe = rel_pos_table(x.shape[-1], t).to(dtype=x.dtype, device=x.device)
+        p = self.linear_pos(pe).view(2 * t - 1, self.h, self.d_k).permute(1, 2, 0)  # (h,d_k,2T-1)
+        raw = torch.matmul(q + self.pos_bias_v.unsqueeze(1), p)  # (B, h, T, 2T-1)
+        bias = _skew(raw, t, t) * (1.0 / math.sqrt(self.d_k))
+        if mask is not None:
+            bias = bias.masked_fill(~mask, float("-inf"))
+        out = F.scaled_dot_product_attention(q + self.pos_bias_u.unsqueeze(1), k, v,
+                                             attn_mask=bias)
+        return self.linear_out(out.transpose(1, 2).flatten(2))
+
+    def _pos_rows(self, length: int) -> Tensor:
+        """(h, L, d_k) = linear_pos of relative positions L-1 … 0, from a per-layer cache.
+
+        Computed once for a capacity >= L (grown by doubling) and recomputed when the weight
+        changes (load_state_dict copies in place, which bumps the version counter).
+        """
+        w = self.linear_pos.weight
+        key = _weight_key(w)
+        cached = self._pos_cache
+        if cached is None or cached[0] != key or cached[1].shape[1] < length:
+            cap = max(length, 2 * cached[1].shape[1] if cached is not None else 256)
+            pos, _ = _rel_pos_tables(w.shape[1], cap)
+            with torch.no_grad():
+                rows = F.linear(pos[:cap].flip(0).to(dtype=w.dtype, device=w.device), w)
+            rows = rows.view(cap, self.h, self.d_k).transpose(0, 1).contiguous()
+            cached = (key, rows)
+            self._pos_cache = cached
+        rows = cached[1]
+        return rows[:, rows.shape[1] - length:]
+
+    def forward_cached(self, x: Tensor, cache: KVCache, layer: int, start: int,
+                       mask: Tensor | None) -> Tensor:
+        """x (B, T, d) at positions start…start+T-1; appends its K/V to the cache."""
+        t = x.shape[1]
+        length = start + t
+        q, k, v = self._heads(self.linear_q(x)), self._heads(self.linear_k(x)), self._heads(
+            self.linear_v(x))
+        kc, vc = cache.kv[layer, 0], cache.kv[layer, 1]  # (B, h, max_len, d_k)
+        kc[:, :, start:length] = k
+        vc[:, :, start:length] = v
+        rows = self._pos_rows(length)  # (h, L, d_k)
+        raw = torch.matmul(q + self.pos_bias_v.unsqueeze(1), rows.transpose(1, 2))  # (B,h,T,L)
+        if t > 1:  # negative relative positions are masked: zero columns keep the skew in range
+            raw = F.pad(raw, (0, t - 1))
+        bias = _skew(raw, t, length) * (1.0 / math.sqrt(self.d_k))
+        if mask is not None:
+            bias = bias.masked_fill(~mask, float("-inf"))
+        out = F.scaled_dot_product_attention(
+            q + self.pos_bias_u.unsqueeze(1), kc[:, :, :length], vc[:, :, :length], attn_mask=bias)
+        return self.linear_out(out.transpose(1, 2).flatten(2))
+
+
+class _Layer(nn.Module):
+    """Pre-LN block: x + MHA(LN_a(x)), then x + FFN(LN_b(x)); LayerNorm eps 1e-12."""
+
+    def __init__(self, args: EncoderArgs) -> None:
+        super().__init__()
+        d = args.output_size
+        self.self_attn = RelPosAttention(d, args.attention_heads)
+        self.feed_forward = _FeedForward(d, args.linear_units, args.activation)
+        ln_a, ln_b = nn.LayerNorm(d, eps=1e-12), nn.LayerNorm(d, eps=1e-12)
+        if args.conformer:
+            self.norm_mha, self.norm_ff = ln_a, ln_b
+        else:
+            self.norm1, self.norm2 = ln_a, ln_b
+        self._norms = (ln_a, ln_b)  # plain tuple: not registered twice
+
+    def forward(self, x: Tensor, mask: Tensor | None) -> Tensor:
+        ln_a, ln_b = self._norms
+        x = x + self.self_attn(ln_a(x), mask)
+        return x + self.feed_forward(ln_b(x))
+
+    def forward_cached(self, x: Tensor, cache: KVCache, layer: int, start: int,
+                       mask: Tensor | None) -> Tensor:
+        ln_a, ln_b = self._norms
+        x = x + self.self_attn.forward_cached(ln_a(x), cache, layer, start, mask)
+        return x + self.feed_forward(ln_b(x))
+
+
+class RelPosEncoder(nn.Module):
+    """Official ConformerEncoder (no conv/macaron) / TransformerEncoder with rel-pos attention."""
+
+    def __init__(self, args: EncoderArgs) -> None:
+        super().__init__()
+        self.args = args
+        self.embed = _InputLayer(args)
+        self.encoders = nn.ModuleList(_Layer(args) for _ in range(args.num_blocks))
+        self.after_norm = nn.LayerNorm(args.output_size, eps=1e-5)
+        self.xscale = math.sqrt(args.output_size)
+
+    def _mask(self, b: int, t: int, lengths: Tensor | None, device: torch.device) -> Tensor | None:
+        """(B|1, 1, T, T) bool, True = attend: causal AND key-not-padding."""
+        mask = None
+        if self.args.causal:
+            mask = torch.ones(t, t, dtype=torch.bool, device=device).tril().view(1, 1, t, t)
+        if lengths is not None:
+            keys = torch.arange(t, device=device).unsqueeze(0) < lengths.to(device).unsqueeze(1)
+            keys = keys.view(b, 1, 1, t)
+            mask = keys if mask is None else mask & keys
+        return mask
+
+    def forward(self, x: Tensor, lengths: Tensor | None = None) -> Tensor:
+        """x (B, T, input_size) → (B, T, output_size). Rows past ``lengths`` are don't-care."""
+        b, t, _ = x.shape
+        mask = self._mask(b, t, lengths, x.device)
+        x = self.embed(x) * self.xscale
+        for layer in self.encoders:
+            x = layer(x, mask)
+        return self.after_norm(x)
+
+    def new_cache(self, batch: int, max_len: int, *, dtype: torch.dtype | None = None,
+                  device: torch.device | None = None) -> KVCache:
+        """An empty KV cache with room for ``max_len`` positions."""
+        w = self.embed.out[0].weight
+        a = self.args
+        kv = torch.zeros(a.num_blocks, 2, batch, a.attention_heads, max_len,
+                         a.output_size // a.attention_heads,
+                         dtype=dtype or w.dtype, device=device or w.device)
+        return KVCache(kv=kv)
+
+    def forward_cached(self, x: Tensor, cache: KVCache, lengths: Tensor | None = None) -> Tensor:
+        """Append T positions (prefill T > 1 with a causal mask, decode T = 1); (B, T, out).
+
+        ``lengths`` (prefill only): true lengths of left-padded rows; the padded keys are masked
+        for the rest of the sequence (relative distances between real tokens are unchanged).
+        """
+        b, t, _ = x.shape
+        start = cache.length
+        length = start + t
+        if length > cache.max_len:
+            raise ValueError(f"KV cache full: {length} > {cache.max_len} positions")
+        if lengths is not None:
+            if start != 0:
+                raise ValueError("lengths is only accepted by the first prefill")
+            pad = t - lengths.to(device=x.device).view(b, 1)
+            cache.key_mask = torch.arange(cache.max_len, device=x.device).view(1, -1) >= pad
+        mask = None
+        if t > 1:  # causal over the new chunk; every cached key is visible
+            mask = torch.ones(t, length, dtype=torch.bool, device=x.device).tril(start)
+            mask = mask.view(1, 1, t, length)
+        if cache.key_mask is not None:
+            keys = cache.key_mask[:, :length].view(b, 1, 1, length)
+            if t > 1:  # padded queries see themselves, so no row is empty (SDPA would give NaN)
+                pos = torch.arange(length, device=x.device)
+                keys = keys | (pos.view(1, -1) == (pos[start:].view(-1, 1)))
+            mask = keys if mask is None else mask & keys
+        x = self.embed(x) * self.xscale
+        for i, layer in enumerate(self.encoders):
+            x = layer.forward_cached(x, cache, i, start, mask)
+        cache.length = length
+        return self.after_norm(x)
