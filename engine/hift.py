@@ -1,0 +1,278 @@
+"""HiFT vocoder (CosyVoice v1 ``hift.pt``): mel (80 bins) → 22.05 kHz waveform, 256 samples/frame.
+
+Neural source-filter + iSTFT generator: an F0 predictor and a harmonic sine source feed a HiFiGAN-
+style upsampler whose output is an 18-channel (magnitude, phase) spectrum for a tiny iSTFT
+(n_fft 16, hop 4). Convolutions are plain: weight norm is folded at load time by
+:func:`engine.weight_norm.normalize_hift_state_dict`, and attribute names mirror the folded keys so
+``load_state_dict(..., strict=True)`` works directly.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from engine.hparams import HiFTArgs
+
+# float32 constants exactly as the reference computes them (python doubles rounded to float32).
+_TWO_PI_F32 = torch.tensor(2 * math.pi, dtype=torch.float32)
+_PI_F32 = torch.tensor(math.pi, dtype=torch.float32)
+
+
+@dataclass(frozen=True)
+class HiftNoise:
+    """Injected random draws for one call (parity tests).
+
+    phase_uniform: (1, H, 1) values in [0, 1) — mapped to a phase in [-π, π).
+    sine_noise: (1, H, L) standard-normal draws, L = 256·T.
+    """
+
+    phase_uniform: Tensor
+    sine_noise: Tensor
+
+
+class Snake(nn.Module):
+    """x + sin²(αx)/α per channel, with a linear-scale α."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.alpha = nn.Parameter(torch.ones(channels))
+
+    def forward(self, x: Tensor) -> Tensor:
+        alpha = self.alpha.view(1, -1, 1)
+        return x + (1.0 / (alpha + 1e-9)) * torch.sin(x * alpha).pow(2)
+
+
+class ResBlock(nn.Module):
+    """Three (Snake → dilated conv → Snake → conv) residual units sharing one kernel size."""
+
+    def __init__(self, channels: int, kernel: int, dilations: tuple[int, ...]) -> None:
+        super().__init__()
+        self.convs1 = nn.ModuleList(
+            nn.Conv1d(channels, channels, kernel, dilation=d, padding=(kernel * d - d) // 2)
+            for d in dilations
+        )
+        self.convs2 = nn.ModuleList(
+            nn.Conv1d(channels, channels, kernel, padding=(kernel - 1) // 2) for _ in dilations
+        )
+        self.activations1 = nn.ModuleList(Snake(channels) for _ in dilations)
+        self.activations2 = nn.ModuleList(Snake(channels) for _ in dilations)
+
+    def forward(self, x: Tensor) -> Tensor:
+        for c1, c2, a1, a2 in zip(
+            self.convs1, self.convs2, self.activations1, self.activations2, strict=True
+        ):
+            x = x + c2(a2(c1(a1(x))))
+        return x
+
+
+class F0Predictor(nn.Module):
+    """Five k3 convs with ELU, then a per-frame linear map; |·| gives F0 in Hz (no RNN)."""
+
+    def __init__(self, in_channels: int, cond_channels: int) -> None:
+        super().__init__()
+        layers: list[nn.Module] = []
+        for i in range(5):
+            layers += [
+                nn.Conv1d(in_channels if i == 0 else cond_channels, cond_channels, 3, padding=1),
+                nn.ELU(),
+            ]
+        self.condnet = nn.Sequential(*layers)
+        self.classifier = nn.Linear(cond_channels, 1)
+
+    def forward(self, mel: Tensor) -> Tensor:
+        h = self.condnet(mel).transpose(1, 2)
+        return self.classifier(h).squeeze(-1).abs()
+
+
+class SourceModule(nn.Module):
+    """Holds the harmonic merge layer (``m_source.l_linear``); the sine maths lives in HiFT."""
+
+    def __init__(self, harmonics: int) -> None:
+        super().__init__()
+        self.l_linear = nn.Linear(harmonics, 1)
+
+
+class HiFTGenerator(nn.Module):
+    """CosyVoice v1 HiFT vocoder for inference on CPU (float32, batch 1)."""
+
+    def __init__(self, args: HiFTArgs) -> None:
+        super().__init__()
+        self.args = args
+        if args.sampling_rate != 22050:
+            # Other rates use a different sine generator (CosyVoice2), not implemented here.
+            raise ValueError(f"HiFT v1 supports 22050 Hz only, got {args.sampling_rate}")
+        self.n_harm = args.nb_harmonics + 1
+        self.n_fft = args.istft_n_fft
+        self.hop = args.istft_hop_len
+        self.upp = math.prod(args.upsample_rates) * self.hop  # samples per mel frame
+        self.n_kernels = len(args.resblock_kernel_sizes)
+        n_bins = self.n_fft // 2 + 1
+        ch = args.base_channels
+
+        self.m_source = SourceModule(self.n_harm)
+        self.f0_predictor = F0Predictor(args.f0_in_channels, args.f0_cond_channels)
+        self.conv_pre = nn.Conv1d(args.in_channels, ch, 7, padding=3)
+        self.ups = nn.ModuleList()
+        for i, (u, k) in enumerate(
+            zip(args.upsample_rates, args.upsample_kernel_sizes, strict=True)
+        ):
+            self.ups.append(
+                nn.ConvTranspose1d(ch >> i, ch >> (i + 1), k, stride=u, padding=(k - u) // 2)
+            )
+        # The source spectrum enters every stage at that stage's frame rate: stage i is
+        # downsampled by the product of the upsample rates of the later stages.
+        self.source_downs = nn.ModuleList()
+        self.source_resblocks = nn.ModuleList()
+        n_up = len(args.upsample_rates)
+        for i, (k, d) in enumerate(
+            zip(args.source_resblock_kernel_sizes, args.source_resblock_dilation_sizes, strict=True)
+        ):
+            rate = math.prod(args.upsample_rates[i + 1 :])
+            out_ch = ch >> (i + 1)
+            if rate == 1:
+                self.source_downs.append(nn.Conv1d(2 * n_bins, out_ch, 1))
+            else:
+                self.source_downs.append(
+                    nn.Conv1d(2 * n_bins, out_ch, 2 * rate, stride=rate, padding=rate // 2)
+                )
+            self.source_resblocks.append(ResBlock(out_ch, k, tuple(d)))
+        if len(self.source_downs) != n_up:
+            raise ValueError("need one source resblock per upsample stage")
+        self.resblocks = nn.ModuleList(
+            ResBlock(ch >> (i + 1), k, tuple(d))
+            for i in range(n_up)
+            for k, d in zip(args.resblock_kernel_sizes, args.resblock_dilation_sizes, strict=True)
+        )
+        self.conv_post = nn.Conv1d(ch >> n_up, 2 * n_bins, 7, padding=3)
+        # Periodic Hann, computed in float64 and rounded like scipy's window cast to float32.
+        window = torch.hann_window(self.n_fft, periodic=True, dtype=torch.float64).float()
+        self.register_buffer("window", window, persistent=False)
+        self.eval()
+
+    # --- source ------------------------------------------------------------------------------
+
+    def predict_f0(self, mel: Tensor) -> Tensor:
+        """(1, 80, T) mel → (1, T) F0 in Hz."""
+        return self.f0_predictor(mel)
+
+    def make_source(
+        self,
+        f0: Tensor,
+        *,
+        noise: HiftNoise | None = None,
+        generator: torch.Generator | None = None,
+    ) -> tuple[Tensor, Tensor]:
+        """(1, T) F0 → (source (1, 1, L), uv (1, 1, L)), L = 256·T.
+
+        Follows the reference float32 recipe to the bit where it matters: per-harmonic increments
+        f0·k/sr in float32, a cumulative sum accumulated in float64 and rounded per sample (what
+        torch's CPU float32 cumsum does), the modulo after the cumsum, then sin in float32.
+        """
+        a = self.args
+        f_up = f0.repeat_interleave(self.upp, dim=-1).unsqueeze(1)  # (1, 1, L)
+        k = torch.arange(1, self.n_harm + 1, dtype=f0.dtype).view(1, -1, 1)
+        incr = f_up * k / a.sampling_rate  # (1, H, L); multiply then divide, as the reference
+        frac = torch.cumsum(incr, dim=-1, dtype=torch.float64).to(torch.float32) % 1
+        theta = _TWO_PI_F32 * frac
+        if noise is not None:
+            u = noise.phase_uniform.to(torch.float32)
+            sine_noise = noise.sine_noise.to(torch.float32)
+            if u.shape != (1, self.n_harm, 1) or sine_noise.shape != incr.shape:
+                raise ValueError(
+                    f"HiftNoise shapes {tuple(u.shape)}, {tuple(sine_noise.shape)} do not fit "
+                    f"{(1, self.n_harm, 1)}, {tuple(incr.shape)}"
+                )
+        else:
+            u = torch.rand((1, self.n_harm, 1), generator=generator)
+            sine_noise = torch.randn(incr.shape, generator=generator)
+        phase = -_PI_F32 + u * (_PI_F32 - -_PI_F32)
+        phase[:, 0] = 0.0  # the fundamental starts at phase 0
+        sine = a.nsf_alpha * torch.sin(theta + phase)
+        uv = (f_up > a.nsf_voiced_threshold).to(torch.float32)
+        # Left-to-right ((1-uv)·α)/3 as in the reference; α/3 first can differ by an ulp.
+        noise_amp = uv * a.nsf_sigma + (1 - uv) * a.nsf_alpha / 3
+        sine = sine * uv + noise_amp * sine_noise
+        merged = torch.tanh(self.m_source.l_linear(sine.transpose(1, 2)))  # (1, L, 1)
+        return merged.transpose(1, 2), uv
+
+    # --- spectral helpers --------------------------------------------------------------------
+
+    def stft(self, s: Tensor) -> tuple[Tensor, Tensor]:
+        """(1, 1, L) → real, imag (1, n_fft/2+1, L/hop + 1); centred, reflect-padded."""
+        spec = torch.stft(
+            s.squeeze(1),
+            self.n_fft,
+            self.hop,
+            self.n_fft,
+            window=self.window,
+            center=True,
+            pad_mode="reflect",
+            return_complex=True,
+        )
+        return spec.real, spec.imag
+
+    def istft(self, spec: Tensor) -> Tensor:
+        """conv_post output (1, 18, F) → clamped waveform (1, hop·(F−1))."""
+        n_bins = self.n_fft // 2 + 1
+        mag = torch.exp(spec[:, :n_bins]).clamp(max=1e2)
+        # sin() of the raw phase channel is what the trained model expects; not a no-op.
+        phase = torch.sin(spec[:, n_bins:])
+        wave = torch.istft(
+            torch.complex(mag * torch.cos(phase), mag * torch.sin(phase)),
+            self.n_fft,
+            self.hop,
+            self.n_fft,
+            window=self.window,
+            center=True,
+        )
+        return wave.clamp(-self.args.audio_limit, self.args.audio_limit)
+
+    # --- filter ------------------------------------------------------------------------------
+
+    def decode_spec(self, mel: Tensor, source: Tensor) -> Tensor:
+        """Mel (1, 80, T) + source (1, 1, 256T) → conv_post output (1, 18, 64T + 1)."""
+        real, imag = self.stft(source)
+        s_stft = torch.cat([real, imag], dim=1)
+        x = self.conv_pre(mel)
+        n_up = len(self.ups)
+        for i, up in enumerate(self.ups):
+            x = up(F.leaky_relu(x, self.args.lrelu_slope))
+            if i == n_up - 1:
+                # One extra frame on the left so the length matches the centred STFT (64T + 1).
+                x = F.pad(x, (1, 0), mode="reflect")
+            x = x + self.source_resblocks[i](self.source_downs[i](s_stft))
+            blocks = self.resblocks[i * self.n_kernels : (i + 1) * self.n_kernels]
+            acc = blocks[0](x)
+            for block in blocks[1:]:
+                acc = acc + block(x)
+            x = acc / self.n_kernels
+        x = F.leaky_relu(x)  # default slope 0.01 here, unlike inside the stages
+        return self.conv_post(x)
+
+    @torch.inference_mode()
+    def inference(
+        self,
+        mel: Tensor,
+        cache_source: Tensor | None = None,
+        *,
+        noise: HiftNoise | None = None,
+        generator: torch.Generator | None = None,
+    ) -> tuple[Tensor, Tensor]:
+        """Mel (1, 80, T) → (wave (1, 256T), source (1, 1, 256T)).
+
+        ``cache_source`` (1, 1, S), the tail of the previous chunk's source, overwrites the first
+        S source samples so the excitation continues seamlessly across streaming chunks.
+        """
+        mel = mel.to(torch.float32)
+        f0 = self.predict_f0(mel)
+        source, _ = self.make_source(f0, noise=noise, generator=generator)
+        if cache_source is not None and cache_source.shape[-1] > 0:
+            n = min(cache_source.shape[-1], source.shape[-1])
+            source[..., :n] = cache_source[..., :n]
+        spec = self.decode_spec(mel, source)
+        return self.istft(spec), source

@@ -1,0 +1,186 @@
+"""HiFT vocoder parity against the official fixtures (tests/data/hift_fixtures.pt, README §6).
+
+Random draws are injected exactly as the fixtures were made (README §0.1): stored int8/uint8 codes,
+cyclically repeated over the row-major shape and scaled by 1/32 (normals) or 1/256 (uniform).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from torch import Tensor
+
+from engine.hift import HiFTGenerator, HiftNoise
+from engine.hparams import load_model_args
+from engine.weight_norm import normalize_hift_state_dict
+
+DATA = Path(__file__).parent / "data"
+CASES = ("mel100", "cached_mel70")
+AUDIO_ATOL = 1e-4  # README §0 suggested tolerance for HiFT audio
+F0_RTOL = 1e-5
+
+
+def expand(codes: Tensor, shape: tuple[int, ...], scale: float) -> Tensor:
+    n = math.prod(shape)
+    reps = -(-n // codes.numel())
+    return (codes.to(torch.float32).repeat(reps)[:n] * scale).view(shape)
+
+
+@pytest.fixture(scope="module")
+def fixtures() -> dict[str, Tensor]:
+    return torch.load(DATA / "hift_fixtures.pt", weights_only=True)
+
+
+@pytest.fixture(scope="module")
+def legacy_sd() -> dict[str, Tensor]:
+    return torch.load(DATA / "tiny_model" / "hift.pt", weights_only=True)
+
+
+def build(sd: dict[str, Tensor]) -> HiFTGenerator:
+    args = load_model_args(DATA / "tiny_model" / "cosyvoice.yaml").hift
+    model = HiFTGenerator(args)
+    model.load_state_dict(normalize_hift_state_dict(sd), strict=True)
+    return model
+
+
+@pytest.fixture(scope="module")
+def model(legacy_sd: dict[str, Tensor]) -> HiFTGenerator:
+    return build(legacy_sd)
+
+
+def case_noise(fx: dict[str, Tensor], case: str, frames: int | None = None) -> HiftNoise:
+    length = 256 * (frames or fx[f"{case}/in_mel"].shape[-1])
+    return HiftNoise(
+        phase_uniform=expand(fx[f"{case}/rng_phase_uniform_codes"], (1, 9, 1), 1 / 256),
+        sine_noise=expand(fx[f"{case}/rng_sine_noise_codes"], (1, 9, length), 1 / 32),
+    )
+
+
+def close(actual: Tensor, expected: Tensor, atol: float = AUDIO_ATOL, rtol: float = 0.0) -> None:
+    assert actual.shape == expected.shape
+    torch.testing.assert_close(actual, expected, atol=atol, rtol=rtol)
+
+
+# --- weight-norm folding --------------------------------------------------------------------
+
+
+def test_fold_matches_definition(legacy_sd: dict[str, Tensor]) -> None:
+    folded = normalize_hift_state_dict(legacy_sd)
+    for name in ("conv_pre", "ups.0", "resblocks.4.convs1.2"):  # ups.0 is a ConvTranspose1d
+        g, v = legacy_sd[f"{name}.weight_g"], legacy_sd[f"{name}.weight_v"].double()
+        want = g.double() * v / v.flatten(1).norm(dim=1).view(-1, 1, 1)
+        torch.testing.assert_close(folded[f"{name}.weight"].double(), want, rtol=1e-6, atol=1e-7)
+    assert not any("weight_g" in k or "weight_v" in k for k in folded)
+    assert len(folded) == 227 - 57  # 57 weight-normed convs lose one tensor each
+
+
+def test_normalize_is_pure(legacy_sd: dict[str, Tensor]) -> None:
+    before = dict(legacy_sd)
+    normalize_hift_state_dict(legacy_sd)
+    assert legacy_sd.keys() == before.keys()
+    assert all(legacy_sd[k] is before[k] for k in before)
+
+
+def test_both_layouts_and_prefix_give_identical_outputs(
+    fixtures: dict[str, Tensor], legacy_sd: dict[str, Tensor]
+) -> None:
+    param_sd = torch.load(DATA / "hift_parametrized_keys.pt", weights_only=True)
+    assert any(k.endswith("parametrizations.weight.original0") for k in param_sd)
+    prefixed = {f"generator.{k}": v for k, v in legacy_sd.items()}
+    models = [build(legacy_sd), build(param_sd), build(prefixed)]
+    mel = fixtures["mel100/in_mel"][..., :20]
+    outs = []
+    for m in models:
+        wave, _ = m.inference(mel, noise=case_noise(fixtures, "mel100", 20))
+        outs.append(wave)
+    assert torch.equal(outs[0], outs[1])
+    assert torch.equal(outs[0], outs[2])
+
+
+@pytest.mark.parametrize(
+    ("drop", "needle"),
+    [
+        ("conv_pre.weight_v", "conv_pre.weight_g"),
+        ("ups.1.weight_g", "ups.1.weight_v"),
+    ],
+)
+def test_malformed_pair_names_key(legacy_sd: dict[str, Tensor], drop: str, needle: str) -> None:
+    bad = {k: v for k, v in legacy_sd.items() if k != drop}
+    with pytest.raises(ValueError, match=needle.replace(".", r"\.")):
+        normalize_hift_state_dict(bad)
+
+
+def test_malformed_mixed_layouts_and_shapes(legacy_sd: dict[str, Tensor]) -> None:
+    mixed = dict(legacy_sd)
+    mixed["conv_post.parametrizations.weight.original1"] = mixed.pop("conv_post.weight_v")
+    with pytest.raises(ValueError, match="conv_post"):
+        normalize_hift_state_dict(mixed)
+    bad_shape = dict(legacy_sd)
+    bad_shape["conv_post.weight_g"] = torch.ones(3, 1, 1)
+    with pytest.raises(ValueError, match="conv_post"):
+        normalize_hift_state_dict(bad_shape)
+
+
+# --- parity ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_f0(model: HiFTGenerator, fixtures: dict[str, Tensor], case: str) -> None:
+    with torch.inference_mode():
+        f0 = model.predict_f0(fixtures[f"{case}/in_mel"])
+    close(f0, fixtures[f"{case}/f0"], atol=0.0, rtol=F0_RTOL)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_source(model: HiFTGenerator, fixtures: dict[str, Tensor], case: str) -> None:
+    with torch.inference_mode():
+        merged, uv = model.make_source(fixtures[f"{case}/f0"], noise=case_noise(fixtures, case))
+    close(merged.transpose(1, 2), fixtures[f"{case}/sine_merge"])
+    if case == "mel100":
+        assert torch.equal(uv.transpose(1, 2), fixtures["mel100/uv"])
+
+
+def test_stft_and_conv_post(model: HiFTGenerator, fixtures: dict[str, Tensor]) -> None:
+    source = fixtures["mel100/source"]
+    with torch.inference_mode():
+        real, imag = model.stft(source)
+        spec = model.decode_spec(fixtures["mel100/in_mel"], source)
+    close(real, fixtures["mel100/s_stft_real"], atol=1e-5)
+    close(imag, fixtures["mel100/s_stft_imag"], atol=1e-5)
+    close(spec, fixtures["mel100/conv_post_out"])
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_inference_end_to_end(model: HiFTGenerator, fixtures: dict[str, Tensor], case: str) -> None:
+    mel = fixtures[f"{case}/in_mel"]
+    cache = fixtures[f"{case}/in_cache_source"]
+    wave, source = model.inference(mel, cache, noise=case_noise(fixtures, case))
+    assert wave.shape == (1, 256 * mel.shape[-1])
+    close(source, fixtures[f"{case}/source"])
+    close(wave, fixtures[f"{case}/out_speech"])
+    if case == "cached_mel70":
+        assert torch.equal(source[..., : cache.shape[-1]], cache)  # overwritten, not blended
+
+
+def test_cumsum_semantics(fixtures: dict[str, Tensor]) -> None:
+    """Guard: torch's CPU float32 cumsum = float64 accumulation rounded per output (README §9.4).
+
+    make_source relies on this; if a torch upgrade changes it the official outputs change too.
+    """
+    f0 = fixtures["mel100/f0"]
+    incr = f0.repeat_interleave(256).view(1, 1, -1) * torch.arange(1, 10).view(1, -1, 1) / 22050
+    f64 = torch.cumsum(incr, -1, dtype=torch.float64).float()
+    assert torch.equal(f64, torch.cumsum(incr, -1))  # torch CPU semantics we replicate
+
+
+def test_random_draws_use_generator(model: HiFTGenerator, fixtures: dict[str, Tensor]) -> None:
+    mel = fixtures["mel100/in_mel"][..., :10]
+    a, _ = model.inference(mel, generator=torch.Generator().manual_seed(7))
+    b, _ = model.inference(mel, generator=torch.Generator().manual_seed(7))
+    c, _ = model.inference(mel, generator=torch.Generator().manual_seed(8))
+    assert torch.equal(a, b)
+    assert not torch.equal(a, c)
+    assert a.abs().max() <= 0.99
