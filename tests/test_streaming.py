@@ -1,0 +1,95 @@
+"""Official streaming orchestration (token2wav per chunk) against the official fixtures.
+
+The noise is injected exactly as recorded (fixtures README §0.1): per chunk, the flow's z, the
+sine phase draw, the sine noise and the discarded noise-branch draw, in that order.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.streaming import ChunkVocoder, FlowPrompt, stream_audio, whole_audio
+from engine.types import OFFICIAL_SCHEDULE
+from engine.weights import load_model_dir
+
+DATA = Path(__file__).parent / "data"
+FIXTURES = torch.load(DATA / "stream_fixtures.pt", weights_only=True)
+AUDIO_ATOL = 1e-4  # fixtures README: HiFT/orchestration audio atol 1e-4
+
+
+def expand(codes: torch.Tensor, shape: tuple[int, ...], scale: float) -> torch.Tensor:
+    """The fixtures' injected draw: codes repeated cyclically over the flattened shape."""
+    n = math.prod(shape)
+    reps = -(-n // codes.numel())
+    return (codes.to(torch.float32).repeat(reps)[:n] * scale).view(shape)
+
+
+class ReplayNoise:
+    """Hands out the recorded draws of one run, in call order."""
+
+    def __init__(self, prefix: str) -> None:
+        keys = sorted(k for k in FIXTURES if k.startswith(prefix + "/rng/"))
+        self.codes = [FIXTURES[k] for k in keys]
+        self.index = 0
+
+    def _next(self) -> torch.Tensor:
+        codes = self.codes[self.index]
+        self.index += 1
+        return codes
+
+    def flow_noise(self, shape: tuple[int, ...]) -> torch.Tensor:
+        return expand(self._next(), shape, 1 / 32)
+
+    def hift_noise(self, n_samples: int) -> tuple[torch.Tensor, torch.Tensor]:
+        phase = expand(self._next(), (1, 9, 1), 1 / 256)
+        sine = expand(self._next(), (1, 9, n_samples), 1 / 32)
+        self._next()  # the official noise branch draws and discards a tensor
+        return phase, sine
+
+
+@pytest.fixture(scope="module")
+def models():
+    return load_model_dir(DATA / "tiny_model")
+
+
+def _case(scenario: str) -> tuple[list[int], FlowPrompt]:
+    kwargs = FIXTURES[f"{scenario}/input_kwargs"]
+    if scenario == "e2e_sft_llm":
+        tokens = FIXTURES["e2e_sft_llm/nonstream/chunk0/tokens"][0].tolist()
+    else:
+        tokens = kwargs["source_speech_token"][0].tolist()
+    prompt = FlowPrompt(kwargs["flow_embedding"])
+    if "flow_prompt_speech_token" in kwargs:
+        prompt = FlowPrompt(kwargs["flow_embedding"], kwargs["flow_prompt_speech_token"],
+                            kwargs["prompt_speech_feat"])
+    return tokens, prompt
+
+
+@pytest.mark.parametrize("scenario", ["vc250", "vc221_prompt", "e2e_sft_llm"])
+def test_official_stream_chunks(models, scenario: str) -> None:
+    tokens, prompt = _case(scenario)
+    vocoder = ChunkVocoder(models.flow, models.hift, prompt, ReplayNoise(f"{scenario}/stream"))
+    with torch.inference_mode():
+        chunks = list(stream_audio(iter(tokens), vocoder, OFFICIAL_SCHEDULE))
+    n_expected = len([k for k in FIXTURES if k.startswith(f"{scenario}/stream/chunk")
+                      and k.endswith("/speech_out")])
+    assert len(chunks) == n_expected
+    for i, chunk in enumerate(chunks):
+        expected = FIXTURES[f"{scenario}/stream/chunk{i}/speech_out"]
+        assert chunk.shape == expected.shape
+        torch.testing.assert_close(chunk, expected, atol=AUDIO_ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("scenario", ["vc250", "vc221_prompt", "e2e_sft_llm"])
+def test_official_nonstream(models, scenario: str) -> None:
+    tokens, prompt = _case(scenario)
+    vocoder = ChunkVocoder(models.flow, models.hift, prompt,
+                           ReplayNoise(f"{scenario}/nonstream"))
+    with torch.inference_mode():
+        audio = whole_audio(tokens, vocoder)
+    expected = FIXTURES[f"{scenario}/nonstream/chunk0/speech_out"]
+    torch.testing.assert_close(audio, expected, atol=AUDIO_ATOL, rtol=0)
