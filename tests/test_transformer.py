@@ -1,0 +1,151 @@
+"""RelPosEncoder parity vs the official fixtures (tiny random-weight model) and cache consistency."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.hparams import load_model_args
+from engine.transformer import RelPosEncoder, rel_pos_table
+
+DATA = Path(__file__).parent / "data"
+CASES = ("sft", "zero_shot", "instruct")
+
+
+def _sub(sd: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+    return {k[len(prefix):]: v for k, v in sd.items() if k.startswith(prefix)}
+
+
+@pytest.fixture(scope="module")
+def args():
+    return load_model_args(DATA / "tiny_model" / "cosyvoice.yaml")
+
+
+@pytest.fixture(scope="module")
+def llm_sd():
+    return torch.load(DATA / "tiny_model" / "llm.pt", weights_only=True)
+
+
+@pytest.fixture(scope="module")
+def llm_fx():
+    return torch.load(DATA / "llm_fixtures.pt", weights_only=True)
+
+
+@pytest.fixture(scope="module")
+def lm_encoder(args, llm_sd):
+    enc = RelPosEncoder(args.llm.llm).eval()
+    enc.load_state_dict(_sub(llm_sd, "llm."), strict=True)
+    return enc
+
+
+def test_rel_pos_table_layout():
+    pe = rel_pos_table(8, 3)  # relative positions 2, 1, 0, -1, -2
+    assert pe.shape == (5, 8)
+    rel = torch.tensor([2.0, 1.0, 0.0, -1.0, -2.0]).unsqueeze(1)
+    w = 10000.0 ** (-torch.arange(0, 8, 2, dtype=torch.float64) / 8)
+    expect = torch.zeros(5, 8, dtype=torch.float64)
+    expect[:, 0::2] = torch.sin(rel * w)
+    expect[:, 1::2] = torch.cos(rel * w)
+    torch.testing.assert_close(pe.double(), expect, atol=1e-6, rtol=0)
+
+
+def test_state_dict_keys_match_official(args, llm_sd):
+    enc = RelPosEncoder(args.llm.text_encoder)
+    assert set(enc.state_dict()) == set(_sub(llm_sd, "text_encoder."))
+    enc = RelPosEncoder(args.llm.llm)
+    assert set(enc.state_dict()) == set(_sub(llm_sd, "llm."))
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_text_encoder_causal(args, llm_sd, llm_fx, case):
+    enc = RelPosEncoder(args.llm.text_encoder).eval()
+    enc.load_state_dict(_sub(llm_sd, "text_encoder."), strict=True)
+    x = llm_fx[f"{case}/text_embedding_out"].unsqueeze(0)
+    with torch.inference_mode():
+        out = enc(x, torch.tensor([x.shape[1]]))
+    torch.testing.assert_close(out[0], llm_fx[f"{case}/text_encoder_out"], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("case", ["tok40_noprompt", "tok60_prompt15"])
+def test_flow_encoder_bidirectional(args, case):
+    sd = torch.load(DATA / "tiny_model" / "flow.pt", weights_only=True)
+    fx = torch.load(DATA / "flow_fixtures.pt", weights_only=True)
+    enc = RelPosEncoder(args.flow.encoder).eval()
+    enc.load_state_dict(_sub(sd, "encoder."), strict=True)
+    tokens = torch.cat([fx[f"{case}/in_prompt_token"], fx[f"{case}/in_token"]], dim=1).long()
+    x = torch.nn.functional.embedding(tokens, sd["input_embedding.weight"])
+    with torch.inference_mode():
+        out = enc(x, torch.tensor([tokens.shape[1]]))
+    torch.testing.assert_close(out, fx[f"{case}/encoder_out"], atol=1e-5, rtol=0)
+
+
+def test_padding_lengths_match_unpadded(args, llm_sd):
+    """Right-padded batch row == the same row alone (bidirectional and causal)."""
+    for enc_args in (args.flow.encoder, args.llm.text_encoder):
+        torch.manual_seed(0)
+        enc = RelPosEncoder(enc_args).eval()
+        x = torch.randn(2, 9, enc_args.input_size)
+        with torch.inference_mode():
+            both = enc(x, torch.tensor([9, 6]))
+            alone = enc(x[1:, :6])
+        torch.testing.assert_close(both[1, :6], alone[0], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_cached_decode_matches_fixture_and_full(lm_encoder, llm_fx, case):
+    lm_input = llm_fx[f"{case}/lm_input"].unsqueeze(0)
+    steps = llm_fx[f"{case}/step_inputs"]
+    with torch.inference_mode():
+        cache = lm_encoder.new_cache(1, lm_input.shape[1] + len(steps) + 3)
+        hidden = [lm_encoder.forward_cached(lm_input, cache)[:, -1]]
+        for s in steps:
+            hidden.append(lm_encoder.forward_cached(s.view(1, 1, -1), cache)[:, -1])
+        hidden_t = torch.cat(hidden)
+        full = lm_encoder(torch.cat([lm_input[0], steps]).unsqueeze(0))[0, lm_input.shape[1] - 1:]
+    torch.testing.assert_close(hidden_t, llm_fx[f"{case}/llm_last_hidden"], atol=1e-5, rtol=0)
+    torch.testing.assert_close(hidden_t, full, atol=1e-5, rtol=0)
+    att = cache.att_cache()
+    torch.testing.assert_close(att, llm_fx[f"{case}/final_att_cache"], atol=1e-5, rtol=0)
+
+
+def test_chunked_prefill_and_weight_reload(args):
+    """Prefill in two chunks == one chunk; reloading weights invalidates the positional cache."""
+    torch.manual_seed(1)
+    enc = RelPosEncoder(args.llm.llm).eval()
+    x = torch.randn(1, 12, args.llm.llm.input_size)
+    with torch.inference_mode():
+        c1 = enc.new_cache(1, 16)
+        one = enc.forward_cached(x, c1)
+        c2 = enc.new_cache(1, 16)
+        two = torch.cat([enc.forward_cached(x[:, :5], c2), enc.forward_cached(x[:, 5:], c2)], 1)
+    torch.testing.assert_close(one, two, atol=1e-5, rtol=0)
+    other = RelPosEncoder(args.llm.llm)
+    enc.load_state_dict(other.state_dict())
+    with torch.inference_mode():
+        got = enc.forward_cached(x, enc.new_cache(1, 16))
+        expect = enc(x)
+    torch.testing.assert_close(got, expect, atol=1e-5, rtol=0)
+
+
+def test_batched_left_padded_cache(args):
+    """Two prompts of different length in one left-padded batch decode like separate runs."""
+    torch.manual_seed(2)
+    enc = RelPosEncoder(args.llm.llm).eval()
+    d = args.llm.llm.input_size
+    a, b = torch.randn(1, 7, d), torch.randn(1, 4, d)
+    steps = torch.randn(3, 2, 1, d)
+    with torch.inference_mode():
+        batch = torch.zeros(2, 7, d)
+        batch[0], batch[1, 3:] = a[0], b[0]
+        cache = enc.new_cache(2, 12)
+        outs = [enc.forward_cached(batch, cache, lengths=torch.tensor([7, 4]))[:, -1]]
+        outs += [enc.forward_cached(s, cache)[:, -1] for s in steps]
+        for row, prompt in enumerate((a, b)):
+            solo = enc.new_cache(1, 12)
+            ref = [enc.forward_cached(prompt, solo)[:, -1]]
+            ref += [enc.forward_cached(s[row:row + 1], solo)[:, -1] for s in steps]
+            got = torch.stack([o[row] for o in outs])
+            assert torch.isfinite(got).all()
+            torch.testing.assert_close(got, torch.cat(ref), atol=1e-5, rtol=0)
