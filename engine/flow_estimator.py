@@ -1,0 +1,313 @@
+"""ConditionalDecoder: the 1-D U-Net estimating the flow-matching vector field (SPEC §5.2, §5.4).
+
+Layout of the network for ``channels = (c0, c1, …)``:
+
+* a sinusoidal time embedding (×1000 time scale, sin and cos halves concatenated) followed by a
+  two-layer MLP (``time_mlp``) giving ``temb`` of width ``4·c0``;
+* one down level per channel entry: ResnetBlock1D → ``n_blocks`` transformer blocks → either a
+  stride-2 conv (all but the last level) or a plain k3 conv (last level);
+* ``num_mid_blocks`` × (ResnetBlock1D → transformer blocks) at the coarsest resolution;
+* mirrored up levels that concatenate the skip connection, with a k4/s2 transposed conv (all but
+  the last level) or a plain k3 conv, then ``final_block`` and a 1×1 ``final_proj``.
+
+Parameter names follow the official ``flow.pt`` (``decoder.estimator.*``) exactly. This module is
+the CPU hot spot of the whole engine (≈86 MFLOP per mel frame per row), so the forward avoids
+needless work: q/k/v are one fused GEMM (stored as one parameter, loaded from and saved to the
+three official keys), attention runs through ``F.scaled_dot_product_attention``, the time-MLP
+activation is shared by all ResNet blocks, and the mask multiplications are skipped when every
+frame is valid (multiplying by 1.0 is exact, so the result is unchanged).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from engine.hparams import EstimatorArgs
+
+_GROUPS = 8  # GroupNorm groups in every Block1D
+_TIME_SCALE = 1000.0  # flow time t in [0, 1] is scaled before the sinusoidal embedding
+_MASK_BIAS = -1.0e10  # additive attention bias for padded keys (diffusers/official value)
+
+
+def _masked(x: Tensor, mask: Tensor | None) -> Tensor:
+    """``x * mask`` where ``None`` means every frame is valid (multiplying by ones is exact)."""
+    return x if mask is None else x * mask
+
+
+def sinusoidal_embedding(t: Tensor, dim: int, scale: float = _TIME_SCALE) -> Tensor:
+    """(B,) flow times → (B, dim) [sin(scale·t·f_i) | cos(scale·t·f_i)], f_i = 1e4^(-i/(half-1))."""
+    if t.dim() == 0:
+        t = t.reshape(1)
+    half = dim // 2
+    step = math.log(10000.0) / (half - 1)
+    freqs = torch.exp(torch.arange(half, device=t.device, dtype=torch.float32) * -step)
+    # Same operation order as the reference ((scale·t)·f) so rounding matches.
+    arg = scale * t.to(torch.float32).unsqueeze(1) * freqs.unsqueeze(0)  # (B, half)
+    return torch.cat([arg.sin(), arg.cos()], dim=-1).to(t.dtype)
+
+
+class TimestepMLP(nn.Module):
+    """Linear → SiLU → Linear on the sinusoidal time embedding (keys ``linear_1``/``linear_2``)."""
+
+    def __init__(self, in_dim: int, out_dim: int) -> None:
+        super().__init__()
+        self.linear_1 = nn.Linear(in_dim, out_dim)
+        self.linear_2 = nn.Linear(out_dim, out_dim)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.linear_2(F.silu(self.linear_1(x)))
+
+
+class Block1D(nn.Module):
+    """Mish(GroupNorm(Conv_k3(x·mask)))·mask; keys ``block.0`` (conv) and ``block.1`` (norm)."""
+
+    def __init__(self, dim: int, dim_out: int) -> None:
+        super().__init__()
+        self.block = nn.ModuleList([nn.Conv1d(dim, dim_out, 3, padding=1),
+                                    nn.GroupNorm(_GROUPS, dim_out)])
+
+    def forward(self, x: Tensor, mask: Tensor | None) -> Tensor:
+        conv, norm = self.block[0], self.block[1]
+        h = conv(_masked(x, mask))
+        h = F.mish(F.group_norm(h, norm.num_groups, norm.weight, norm.bias, norm.eps))
+        return _masked(h, mask)
+
+
+class ResnetBlock1D(nn.Module):
+    """Two Block1D with an additive time bias in between, plus a 1×1 residual projection."""
+
+    def __init__(self, dim: int, dim_out: int, time_dim: int) -> None:
+        super().__init__()
+        # Index 0 of the official Sequential is the (parameter-free) Mish; keep the key ``mlp.1``.
+        self.mlp = nn.Sequential(nn.Mish(), nn.Linear(time_dim, dim_out))
+        self.block1 = Block1D(dim, dim_out)
+        self.block2 = Block1D(dim_out, dim_out)
+        self.res_conv = nn.Conv1d(dim, dim_out, 1)
+
+    def forward(self, x: Tensor, mask: Tensor | None, temb_mish: Tensor) -> Tensor:
+        """x (B, C_in, T); temb_mish = Mish(temb) (B, time_dim), shared → (B, C_out, T)."""
+        h = self.block1(x, mask)
+        h = h + self.mlp[1](temb_mish).unsqueeze(-1)
+        h = self.block2(h, mask)
+        # The residual branch is not re-masked (as upstream).
+        return h + self.res_conv(_masked(x, mask))
+
+
+class SelfAttention(nn.Module):
+    """Multi-head self-attention with diffusers semantics (no q/k/v bias, scale dim_head^-0.5).
+
+    q/k/v live in ONE parameter ``qkv`` (3·inner, dim) so that a single GEMM computes them. The
+    state dict still uses the official names ``to_q.weight``, ``to_k.weight``, ``to_v.weight``:
+    loading concatenates them (values unchanged) and saving returns the three row blocks.
+    """
+
+    def __init__(self, dim: int, heads: int, head_dim: int) -> None:
+        super().__init__()
+        self.heads, self.head_dim = heads, head_dim
+        inner = heads * head_dim
+        self.qkv = nn.Parameter(torch.empty(3 * inner, dim))
+        for i in range(3):  # nn.Linear's default init, per projection
+            nn.init.kaiming_uniform_(self.qkv.data[i * inner:(i + 1) * inner], a=math.sqrt(5))
+        self.to_out = nn.ModuleList([nn.Linear(inner, dim)])  # key to_out.0 (to_out.1 = dropout)
+
+    _NAMES = ("to_q.weight", "to_k.weight", "to_v.weight")
+
+    def _save_to_state_dict(self, destination: dict[str, Any], prefix: str,
+                            keep_vars: bool) -> None:
+        weight = self.qkv if keep_vars else self.qkv.detach()
+        for name, part in zip(self._NAMES, weight.chunk(3, dim=0), strict=True):
+            destination[prefix + name] = part
+
+    def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any,
+                              **kwargs: Any) -> None:
+        keys = [prefix + name for name in self._NAMES]
+        if all(k in state_dict for k in keys) and prefix + "qkv" not in state_dict:
+            # Replace the three official entries by the fused one; the base class then loads it
+            # (plain copy or assign) and reports missing/unexpected keys as usual.
+            state_dict[prefix + "qkv"] = torch.cat([state_dict.pop(k) for k in keys], dim=0)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    def forward(self, x: Tensor, bias: Tensor | None) -> Tensor:
+        """x (B, T, dim), bias None or (B, 1, 1, T) additive key bias → (B, T, dim)."""
+        b, t, _ = x.shape
+        qkv = F.linear(x, self.qkv)  # (B, T, 3·H·D)
+        # (B, T, 3, H, D) → (3, B, H, T, D): strided views, no copy; SDPA accepts them.
+        q, k, v = qkv.view(b, t, 3, self.heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)  # (B, H, T, D)
+        out = out.transpose(1, 2).reshape(b, t, self.heads * self.head_dim)
+        return self.to_out[0](out)
+
+
+class _GeluProj(nn.Module):
+    """Linear followed by exact (erf) GELU; key ``proj``."""
+
+    def __init__(self, dim: int, inner: int) -> None:
+        super().__init__()
+        self.proj = nn.Linear(dim, inner)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.gelu(self.proj(x))
+
+
+class FeedForward(nn.Module):
+    """Linear(dim → 4·dim) → GELU → Linear(4·dim → dim); keys ``net.0.proj`` and ``net.2``."""
+
+    def __init__(self, dim: int, mult: int = 4) -> None:
+        super().__init__()
+        inner = dim * mult
+        # net.1 is dropout in the reference (inactive); Identity keeps the indices.
+        self.net = nn.ModuleList([_GeluProj(dim, inner), nn.Identity(), nn.Linear(inner, dim)])
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.net[2](self.net[0](x))
+
+
+class TransformerBlock(nn.Module):
+    """Pre-LN block: x += Attn(LN1(x)); x += FF(LN3(x)). LayerNorm eps 1e-5; no cross-attention."""
+
+    def __init__(self, dim: int, heads: int, head_dim: int) -> None:
+        super().__init__()
+        self.norm1 = nn.LayerNorm(dim, eps=1e-5)
+        self.attn1 = SelfAttention(dim, heads, head_dim)
+        self.norm3 = nn.LayerNorm(dim, eps=1e-5)
+        self.ff = FeedForward(dim)
+
+    def forward(self, x: Tensor, bias: Tensor | None) -> Tensor:
+        x = x + self.attn1(self.norm1(x), bias)
+        return x + self.ff(self.norm3(x))
+
+
+class Downsample1D(nn.Module):
+    """Conv1d k3, stride 2, pad 1: T → ceil(T/2); key ``conv``."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.conv = nn.Conv1d(dim, dim, 3, stride=2, padding=1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.conv(x)
+
+
+class Upsample1D(nn.Module):
+    """ConvTranspose1d k4, stride 2, pad 1: T → 2T; key ``conv``."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.conv = nn.ConvTranspose1d(dim, dim, 4, stride=2, padding=1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.conv(x)
+
+
+def _transformer_stack(dim: int, args: EstimatorArgs) -> nn.ModuleList:
+    return nn.ModuleList(TransformerBlock(dim, args.num_heads, args.attention_head_dim)
+                         for _ in range(args.n_blocks))
+
+
+def _run_transformers(blocks: nn.ModuleList, x: Tensor, mask: Tensor | None) -> Tensor:
+    """Apply the blocks to x (B, C, T) in (B, T, C) layout; returns (B, C, T) contiguous."""
+    if len(blocks) == 0:
+        return x
+    bias = None
+    if mask is not None:  # (B, 1, T) → (B, 1, 1, T): 0 for valid keys, -1e10 for padded keys
+        bias = ((1.0 - mask) * _MASK_BIAS).unsqueeze(1).to(x.dtype)
+    h = x.transpose(1, 2).contiguous()  # (B, T, C): one copy per level, not per block
+    for block in blocks:
+        h = block(h, bias)
+    return h.transpose(1, 2).contiguous()  # back to (B, C, T) for the convs
+
+
+class ConditionalDecoder(nn.Module):
+    """The flow-matching vector-field estimator (``decoder.estimator``)."""
+
+    def __init__(self, args: EstimatorArgs) -> None:
+        super().__init__()
+        if args.act_fn != "gelu":
+            raise ValueError(f"estimator act_fn {args.act_fn!r} is not supported (only 'gelu')")
+        channels = tuple(args.channels)
+        if not channels:
+            raise ValueError("estimator needs at least one channel entry")
+        self.in_channels = args.in_channels
+        time_dim = channels[0] * 4
+        self.time_mlp = TimestepMLP(args.in_channels, time_dim)
+
+        self.down_blocks = nn.ModuleList()
+        for i, dim_out in enumerate(channels):
+            dim_in = args.in_channels if i == 0 else channels[i - 1]
+            last = i == len(channels) - 1
+            sample: nn.Module = nn.Conv1d(dim_out, dim_out, 3, padding=1) if last \
+                else Downsample1D(dim_out)
+            self.down_blocks.append(nn.ModuleList([ResnetBlock1D(dim_in, dim_out, time_dim),
+                                                   _transformer_stack(dim_out, args), sample]))
+
+        self.mid_blocks = nn.ModuleList(
+            nn.ModuleList([ResnetBlock1D(channels[-1], channels[-1], time_dim),
+                           _transformer_stack(channels[-1], args)])
+            for _ in range(args.num_mid_blocks))
+
+        # Up levels mirror the down levels; each input is [previous output, skip] (2× channels).
+        rev = channels[::-1] + (channels[0],)
+        self.up_blocks = nn.ModuleList()
+        for i in range(len(rev) - 1):
+            dim_in, dim_out = rev[i] * 2, rev[i + 1]
+            last = i == len(rev) - 2
+            sample = nn.Conv1d(dim_out, dim_out, 3, padding=1) if last else Upsample1D(dim_out)
+            self.up_blocks.append(nn.ModuleList([ResnetBlock1D(dim_in, dim_out, time_dim),
+                                                 _transformer_stack(dim_out, args), sample]))
+
+        self.final_block = Block1D(rev[-1], rev[-1])
+        self.final_proj = nn.Conv1d(rev[-1], args.out_channels, 1)
+
+    def forward(self, x: Tensor, mask: Tensor, mu: Tensor, t: Tensor,
+                spks: Tensor | None = None, cond: Tensor | None = None) -> Tensor:
+        """Vector field for x (B, 80, T) given mask (B, 1, T), mu (B, 80, T), t (B,),
+        spks (B, 80) and cond (B, 80, T). Returns (B, 80, T), zero at masked frames."""
+        temb = self.time_mlp(sinusoidal_embedding(t, self.in_channels))  # (B, time_dim)
+        temb = temb.expand(x.shape[0], -1) if temb.shape[0] == 1 else temb
+        temb_mish = F.mish(temb)  # every ResNet's time MLP starts with the same Mish
+
+        parts = [x, mu]
+        if spks is not None:
+            parts.append(spks.unsqueeze(-1).expand(-1, -1, x.shape[-1]))  # (B, 80) → (B, 80, T)
+        if cond is not None:
+            parts.append(cond)
+        h = torch.cat(parts, dim=1)  # (B, in_channels, T)
+
+        # With no padding every mask multiplication is a no-op: carry None instead.
+        full = bool(mask.min() >= 1.0)
+        level_mask: Tensor | None = None if full else mask
+        masks: list[Tensor | None] = [level_mask]
+        skips: list[Tensor] = []
+        for resnet, blocks, sample in self.down_blocks:
+            m = masks[-1]
+            h = resnet(h, m, temb_mish)
+            h = _run_transformers(blocks, h, m)
+            skips.append(h)
+            h = sample(_masked(h, m))
+            # Stride-2 keeps frames 0, 2, 4, …; the last level does not downsample but the
+            # extra mask is dropped below, exactly as the reference bookkeeping does.
+            masks.append(None if m is None else m[:, :, ::2])
+        masks.pop()
+
+        m = masks[-1]
+        for resnet, blocks in self.mid_blocks:
+            h = resnet(h, m, temb_mish)
+            h = _run_transformers(blocks, h, m)
+
+        for resnet, blocks, sample in self.up_blocks:
+            m = masks.pop()
+            skip = skips.pop()
+            # The transposed conv yields 2·ceil(T/2) frames; crop to the skip length.
+            h = torch.cat([h[:, :, :skip.shape[-1]], skip], dim=1)
+            h = resnet(h, m, temb_mish)
+            h = _run_transformers(blocks, h, m)
+            h = sample(_masked(h, m))
+
+        h = self.final_block(h, m)
+        out = self.final_proj(_masked(h, m))
+        return _masked(out, level_mask)
