@@ -1,0 +1,186 @@
+"""Home Assistant add-on glue: turn the add-on options into the server's command line.
+
+The add-on's s6 ``run`` script only calls ``python3 -m wyoming_cosyvoice.addon``; everything that
+needs a decision lives here, in plain Python, so it can be tested without a container.
+
+Layout inside the add-on container (see ``addon/DOCS.md``):
+
+- ``/data/options.json``       options chosen in the UI, written by the Supervisor
+- ``/data/models/<Model>/``     downloaded models (persistent, excluded from backups)
+- ``/share/cosyvoice/models/``  models placed by hand for offline installs
+- ``/share/cosyvoice/voices/``  custom voices (``NAME.wav`` + ``NAME.txt``)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+_LOGGER = logging.getLogger(__name__)
+
+URI = "tcp://0.0.0.0:10200"
+OPTIONS_FILE = Path("/data/options.json")
+DATA_DIR = Path("/data")
+SHARE_DIR = Path("/share/cosyvoice")
+
+MODELS = ("CosyVoice-300M-SFT", "CosyVoice-300M", "CosyVoice-300M-Instruct")
+PROFILES = ("realtime", "quality", "batch")
+
+# Must equal `options:` in addon/config.yaml (a test checks it). Used when a key is missing from
+# options.json, e.g. an add-on updated from an older version that did not have the option yet.
+DEFAULT_OPTIONS: dict[str, Any] = {
+    "model": "CosyVoice-300M-SFT",
+    "voice": "",
+    "profile": "realtime",
+    "threads": 0,
+    "streaming": True,
+    "debug_logging": False,
+}
+# Optional options (schema `?`) that have no default and are simply absent when unset.
+OPTIONAL_OPTIONS = ("seed",)
+
+
+def _choice(options: Mapping[str, Any], key: str, allowed: Sequence[str]) -> str:
+    value = options.get(key, DEFAULT_OPTIONS[key])
+    if value not in allowed:
+        raise ValueError(f"option {key!r}: {value!r} is not one of {', '.join(allowed)}")
+    return str(value)
+
+
+def _int(options: Mapping[str, Any], key: str, default: int | None) -> int | None:
+    value = options.get(key, default)
+    if value is None or value == "":
+        return None
+    # bool is an int subclass; a `true` here is a mistake, not 1.
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"option {key!r}: {value!r} is not a whole number >= 0")
+    return value
+
+
+def _bool(options: Mapping[str, Any], key: str) -> bool:
+    value = options.get(key, DEFAULT_OPTIONS[key])
+    if not isinstance(value, bool):
+        raise ValueError(f"option {key!r}: {value!r} is not true or false")
+    return value
+
+
+def options_to_args(
+    options: Mapping[str, Any],
+    *,
+    data_dir: Path | str = DATA_DIR,
+    share_dir: Path | str = SHARE_DIR,
+    uri: str = URI,
+) -> list[str]:
+    """Map the add-on options (``/data/options.json``) to ``wyoming-cosyvoice`` arguments.
+
+    Pure: reads nothing, writes nothing. Raises ValueError naming the option on a bad value.
+    Unknown keys are ignored (the Supervisor may keep options of an older add-on version).
+    """
+    data, share = Path(data_dir), Path(share_dir)
+    args = [
+        "--uri", uri,
+        "--model", _choice(options, "model", MODELS),
+        # Downloads land in /data (persistent); models placed by hand in /share are found too.
+        "--data-dir", str(data / "models"),
+        "--data-dir", str(share / "models"),
+        "--download-dir", str(data / "models"),
+        "--voices-dir", str(share / "voices"),
+        "--profile", _choice(options, "profile", PROFILES),
+    ]  # fmt: skip
+    voice = str(options.get("voice") or "").strip()
+    if voice:
+        args += ["--voice", voice]
+    threads = _int(options, "threads", DEFAULT_OPTIONS["threads"])
+    if threads:  # 0 = let the server pick (all cores)
+        args += ["--threads", str(threads)]
+    if not _bool(options, "streaming"):
+        args.append("--no-streaming")
+    seed = _int(options, "seed", None)
+    if seed is not None:
+        args += ["--seed", str(seed)]
+    if _bool(options, "debug_logging"):
+        args.append("--debug")
+    return args
+
+
+def read_options(path: Path) -> dict[str, Any]:
+    """Read options.json; a missing file means defaults (e.g. running the image by hand)."""
+    if not path.exists():
+        _LOGGER.warning("%s not found, using the default options", path)
+        return dict(DEFAULT_OPTIONS)
+    try:
+        options = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as err:
+        raise ValueError(f"cannot read {path}: {err}") from err
+    if not isinstance(options, dict):
+        raise ValueError(f"{path} does not hold a JSON object")
+    unknown = sorted(set(options) - set(DEFAULT_OPTIONS) - set(OPTIONAL_OPTIONS))
+    if unknown:
+        _LOGGER.warning("ignoring unknown options: %s", ", ".join(unknown))
+    return options
+
+
+def prepare_dirs(data_dir: Path, share_dir: Path) -> None:
+    """Create the model and voice folders so users find where to drop files.
+
+    /share is a shared volume; failing to create folders there must not stop the add-on.
+    """
+    (data_dir / "models").mkdir(parents=True, exist_ok=True)
+    for sub in ("models", "voices"):
+        try:
+            (share_dir / sub).mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            _LOGGER.warning("cannot create %s: %s", share_dir / sub, err)
+
+
+def server_command(args: Sequence[str]) -> list[str]:
+    """The server started with the interpreter running this module (the add-on's venv)."""
+    return [sys.executable, "-m", "wyoming_cosyvoice", *args]
+
+
+def _parse_cli(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m wyoming_cosyvoice.addon",
+        description="Start the Wyoming CosyVoice server from Home Assistant add-on options.",
+    )
+    parser.add_argument("--options", type=Path, default=OPTIONS_FILE)
+    parser.add_argument("--data-dir", type=Path, default=DATA_DIR)
+    parser.add_argument("--share-dir", type=Path, default=SHARE_DIR)
+    parser.add_argument("--uri", default=URI, help="overridden by tests to use a free port")
+    parser.add_argument(
+        "--print", action="store_true", help="print the server command instead of running it"
+    )
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the add-on's s6 ``run`` script: options → argv → exec the server."""
+    cli = _parse_cli(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s:%(name)s:%(message)s")
+    try:
+        options = read_options(cli.options)
+        args = options_to_args(options, data_dir=cli.data_dir, share_dir=cli.share_dir, uri=cli.uri)
+    except ValueError as err:
+        _LOGGER.error("invalid add-on configuration: %s", err)
+        return 2
+    command = server_command(args)
+    if cli.print:
+        sys.stdout.write(" ".join(command) + "\n")
+        return 0
+    prepare_dirs(cli.data_dir, cli.share_dir)
+    _LOGGER.info("starting: %s", " ".join(command))
+    logging.shutdown()
+    # exec, not subprocess: the server becomes the s6 service process, so s6 sees its exit
+    # code and signals reach it directly.
+    os.execvp(command[0], command)
+    return 1  # not reached
+
+
+if __name__ == "__main__":
+    sys.exit(main())
