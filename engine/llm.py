@@ -1,0 +1,160 @@
+"""TransformerLM (``llm.pt``): text encoder + autoregressive speech-token LM (SPEC §4).
+
+Attribute names equal the official state-dict keys. Decoding uses the preallocated KV cache of
+:class:`engine.transformer.RelPosEncoder`; :meth:`TransformerLM.generate` yields tokens one by one
+so a streaming consumer can take them as they come. No threads, no asyncio inside.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from engine.hparams import LLMArgs
+from engine.sampling import Sampler, forced_sampler, ras_sampling
+from engine.transformer import KVCache, RelPosEncoder
+
+TokenIds = Sequence[int] | Tensor
+
+
+class StepOut(NamedTuple):
+    """Last hidden state (B, D) after ``after_norm`` and raw decoder logits (B, V+1)."""
+
+    hidden: Tensor
+    logits: Tensor
+
+
+def _ids(ids: TokenIds | None, device: torch.device) -> Tensor:
+    """Token ids as a (1, N) int64 tensor; accepts lists, (N,) and (1, N) tensors."""
+    if ids is None:
+        return torch.zeros(1, 0, dtype=torch.long, device=device)
+    t = torch.as_tensor(ids, dtype=torch.long, device=device)
+    return t.reshape(1, -1)
+
+
+class TransformerLM(nn.Module):
+    """The CosyVoice v1 speech-token LM."""
+
+    def __init__(self, args: LLMArgs) -> None:
+        super().__init__()
+        self.args = args
+        d = args.llm_input_size
+        self.speech_token_size = args.speech_token_size
+        self.eos = args.speech_token_size  # the decoder's extra class; no embedding row
+        self.text_embedding = nn.Embedding(args.text_token_size, args.text_encoder_input_size)
+        self.text_encoder = RelPosEncoder(args.text_encoder)
+        self.text_encoder_affine_layer = nn.Linear(args.text_encoder.output_size, d)
+        self.llm_embedding = nn.Embedding(2, d)  # row 0 = SOS, row 1 = TASK_ID
+        self.llm = RelPosEncoder(args.llm)
+        self.llm_decoder = nn.Linear(args.llm_output_size, args.speech_token_size + 1)
+        self.speech_embedding = nn.Embedding(args.speech_token_size, d)
+        self.spk_embed_affine_layer = nn.Linear(args.spk_embed_dim, d)
+
+    @property
+    def _device(self) -> torch.device:
+        return self.llm_decoder.weight.device
+
+    # --- input assembly --------------------------------------------------------------------
+
+    def encode_text(self, ids: Tensor) -> Tensor:
+        """(1, N) ids → (1, N, D): embedding → causal text encoder → affine."""
+        x = self.text_embedding(ids)
+        x = self.text_encoder(x, torch.tensor([ids.shape[1]], device=ids.device))
+        return self.text_encoder_affine_layer(x)
+
+    def speaker_input(self, embedding: Tensor | None) -> Tensor:
+        """(1, 1, D) projected L2-normalised x-vector, or (1, 0, D) when there is none."""
+        d = self.llm_embedding.weight.shape[1]
+        w = self.spk_embed_affine_layer.weight
+        if embedding is None or embedding.numel() == 0:
+            return w.new_zeros(1, 0, d)
+        e = F.normalize(embedding.reshape(1, -1).to(dtype=w.dtype, device=w.device), dim=1,
+                        eps=1e-12)
+        return self.spk_embed_affine_layer(e).unsqueeze(1)
+
+    def build_input(self, text_ids: TokenIds, prompt_text_ids: TokenIds | None = None,
+                    prompt_speech_ids: TokenIds | None = None,
+                    embedding: Tensor | None = None) -> Tensor:
+        """(1, L0, D) = [SOS | spk? | encoded(prompt_text ++ text) | TASK | prompt speech]."""
+        dev = self._device
+        text = torch.cat([_ids(prompt_text_ids, dev), _ids(text_ids, dev)], dim=1)
+        emb = self.llm_embedding.weight
+        parts = [emb[0].view(1, 1, -1), self.speaker_input(embedding)]
+        if text.shape[1] > 0:
+            parts.append(self.encode_text(text))
+        parts.append(emb[1].view(1, 1, -1))
+        parts.append(self.speech_embedding(_ids(prompt_speech_ids, dev)))
+        return torch.cat(parts, dim=1)
+
+    # --- decoding --------------------------------------------------------------------------
+
+    def new_cache(self, max_len: int, batch: int = 1) -> KVCache:
+        return self.llm.new_cache(batch, max_len)
+
+    def prefill(self, lm_input: Tensor, cache: KVCache,
+                lengths: Tensor | None = None) -> StepOut:
+        """Run the assembled input (B, L0, D) through the LM; outputs of its last position."""
+        hidden = self.llm.forward_cached(lm_input, cache, lengths)[:, -1]
+        return StepOut(hidden, self.llm_decoder(hidden))
+
+    def decode_step(self, tokens: Tensor | int, cache: KVCache) -> StepOut:
+        """Feed the previous token(s) (B,) (or one int) and return the next step's outputs."""
+        if isinstance(tokens, int):
+            x = self.speech_embedding.weight[tokens].view(1, 1, -1)
+        else:
+            x = self.speech_embedding(tokens.view(-1, 1))  # (B, 1, D)
+        hidden = self.llm.forward_cached(x, cache)[:, -1]
+        return StepOut(hidden, self.llm_decoder(hidden))
+
+    @staticmethod
+    def length_limits(n_tts_text: int) -> tuple[int, int]:
+        """(min_len, max_len) = (2, 20) × tts-text tokens (prompt text excluded)."""
+        return int(2 * n_tts_text), int(20 * n_tts_text)
+
+    def generate(self, text_ids: TokenIds, prompt_text_ids: TokenIds | None = None,
+                 prompt_speech_ids: TokenIds | None = None, embedding: Tensor | None = None, *,
+                 generator: torch.Generator | None = None, max_tokens: int | None = None,
+                 forced_tokens: Sequence[int] | None = None,
+                 sampler: Sampler | None = None) -> Iterator[int]:
+        """Yield speech tokens until EOS or the length cap (EOS itself is not yielded).
+
+        ``max_tokens`` overrides the cap (benchmarks: random weights never emit EOS; EOS is then
+        only allowed once ``min(min_len, max_tokens)`` tokens exist). ``forced_tokens`` /
+        ``sampler`` replace the RAS draw (tests; they receive the EOS-masked log-probs and the
+        history); a forced EOS id ends the stream.
+        """
+        n_text = _ids(text_ids, torch.device("cpu")).shape[1]
+        min_len, max_len = self.length_limits(n_text)
+        if max_tokens is not None:
+            max_len = max(0, int(max_tokens))
+            min_len = min(min_len, max_len)
+        if forced_tokens is not None:
+            sampler = forced_sampler(forced_tokens)
+        if max_len == 0:
+            return
+        # inference_mode blocks never span a yield: the mode is thread-local state of the caller.
+        with torch.inference_mode():
+            lm_input = self.build_input(text_ids, prompt_text_ids, prompt_speech_ids, embedding)
+            cache = self.new_cache(lm_input.shape[1] + max_len)
+            out = self.prefill(lm_input, cache)
+        history: list[int] = []
+        for step in range(max_len):
+            with torch.inference_mode():
+                logp = out.logits[0].float().log_softmax(dim=0)
+                if step < min_len:  # HEAD: EOS forbidden by masking, before any sampling
+                    logp[self.eos] = float("-inf")
+                if sampler is not None:
+                    token = sampler(logp, history)
+                else:
+                    token = ras_sampling(logp, history, self.args.sampling, generator)
+            if token == self.eos:
+                return
+            yield token
+            history.append(token)
+            if step + 1 < max_len:
+                with torch.inference_mode():
+                    out = self.decode_step(token, cache)
