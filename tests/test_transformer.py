@@ -1,4 +1,4 @@
-"""RelPosEncoder parity vs the official fixtures (tiny random-weight model) and cache consistency."""
+"""RelPosEncoder parity vs the official fixtures (tiny random-weight model) and the cache."""
 
 from __future__ import annotations
 
