@@ -1,0 +1,629 @@
+"""The Home Assistant add-on (addon/, repository.yaml, wyoming_cosyvoice/addon.py).
+
+Everything the Supervisor and the container would do, except building the image (no Docker
+engine here): manifest and build file against the add-on linter's JSON schemas, options ↔
+schema ↔ translations, the options → server command line mapping, versions, hadolint /
+shellcheck / yamllint, the s6 service layout, the healthcheck, what the Supervisor's repository
+scan picks up, and an end-to-end start against the real server with the tiny model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import json
+import os
+import re
+import shutil
+import socket
+import socketserver
+import struct
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+import yaml
+
+from wyoming_cosyvoice import addon
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
+
+ROOT = Path(__file__).resolve().parents[1]
+ADDON = ROOT / "addon"
+DATA = Path(__file__).resolve().parent / "data"
+SCHEMAS = DATA / "schemas"
+S6 = ADDON / "rootfs/etc/s6-overlay/s6-rc.d"
+HEALTHCHECK = ADDON / "rootfs/usr/local/bin/cosyvoice-healthcheck"
+LANGUAGES = ("en", "zh-Hans")  # zh-Hans: the code HA's frontend uses for Simplified Chinese
+
+# The server's flags as specified in issue 4 (+ --voices-dir from issue 9), used while
+# wyoming_cosyvoice/__main__.py exposes no parser to check against.
+SERVER_FLAGS = {
+    "--uri", "--model", "--model-dir", "--data-dir", "--download-dir", "--voice", "--profile",
+    "--threads", "--samples-per-chunk", "--no-streaming", "--zeroconf", "--seed", "--debug",
+    "--voices-dir", "--version",
+}  # fmt: skip
+FLAGS_WITHOUT_VALUE = {"--no-streaming", "--debug", "--version"}
+
+
+def load_yaml(path: Path) -> Any:
+    return yaml.safe_load(path.read_text(encoding="utf-8"))
+
+
+@pytest.fixture(scope="module")
+def config() -> dict[str, Any]:
+    return load_yaml(ADDON / "config.yaml")
+
+
+def package_version() -> str:
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+
+
+def pinned_torch() -> str:
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    return next(d.split("==")[1] for d in deps if d.startswith("torch=="))
+
+
+# --- manifest and build file against the add-on linter's schemas -------------------------------
+
+
+def schema_errors(schema_name: str, document: Any) -> list[str]:
+    schema = json.loads((SCHEMAS / schema_name).read_text())
+    # jsonschema evaluates "pattern" with Python's re, which is the regex variant the linter's
+    # schemas need (they use Python named groups).
+    validator = jsonschema.Draft7Validator(
+        schema, format_checker=jsonschema.Draft7Validator.FORMAT_CHECKER
+    )
+    return [f"{list(e.path)}: {e.message}" for e in validator.iter_errors(document)]
+
+
+def keys_set_to_default(schema_name: str, document: dict[str, Any]) -> list[str]:
+    """The linter also flags keys that only repeat the Supervisor's default."""
+    props = json.loads((SCHEMAS / schema_name).read_text())["properties"]
+    return [
+        k for k, v in document.items() if "default" in props.get(k, {}) and props[k]["default"] == v
+    ]
+
+
+def test_config_yaml_matches_the_linter_schema(config: dict[str, Any]) -> None:
+    assert schema_errors("config.schema.json", config) == []
+    assert keys_set_to_default("config.schema.json", config) == []
+
+
+def test_build_yaml_matches_the_linter_schema() -> None:
+    build = load_yaml(ADDON / "build.yaml")
+    assert schema_errors("build.schema.json", build) == []
+    assert keys_set_to_default("build.schema.json", build) == []
+    assert set(build["build_from"]) == set(load_yaml(ADDON / "config.yaml")["arch"])
+    assert all("debian" in image for image in build["build_from"].values())
+
+
+def test_the_schema_check_catches_mistakes() -> None:
+    """Guard against a validator that accepts anything."""
+    broken = {**load_yaml(ADDON / "config.yaml"), "init": "maybe"}
+    del broken["slug"]
+    errors = schema_errors("config.schema.json", broken)
+    assert any("slug" in e for e in errors) and any("maybe" in e for e in errors)
+    assert keys_set_to_default("config.schema.json", {"boot": "auto"}) == ["boot"]
+
+
+def test_manifest_has_what_issue_6_asks_for(config: dict[str, Any]) -> None:
+    assert config["arch"] == ["amd64", "aarch64"]
+    assert config["init"] is False
+    assert config["discovery"] == ["wyoming"]
+    assert config["ports"] == {"10200/tcp": None}
+    assert "image" not in config  # built locally from the Dockerfile
+    assert [m["type"] for m in config["map"]] == ["share"]
+    assert config["backup_exclude"]
+    # streaming TTS in Home Assistant since 2025.7
+    assert tuple(int(p) for p in config["homeassistant"].split(".")[:2]) >= (2025, 7)
+
+
+# --- options, schema, translations --------------------------------------------------------------
+
+# The Supervisor's option types (supervisor/addons/options.py), rewritten as one expression.
+_SUPERVISOR_TYPE = re.compile(
+    r"^(?:bool|email|url|port"
+    r"|device(?:\(subsystem=[a-z]+\))?"
+    r"|(?P<kind>str|password|int|float)(?:\((?P<min>-?[\d.]+)?,(?P<max>-?[\d.]+)?\))?"
+    r"|match\((?P<match>.*)\)"
+    r"|list\((?P<list>.+)\))(?P<optional>\?)?$"
+)
+
+
+def option_fits(value: Any, spec: str) -> bool:
+    m = _SUPERVISOR_TYPE.match(spec)
+    assert m, f"not a Supervisor option type: {spec}"
+    if m["list"]:
+        return value in m["list"].split("|")
+    if spec.rstrip("?") == "bool":
+        return isinstance(value, bool)
+    if m["kind"] in ("int", "float"):
+        number_type = int if m["kind"] == "int" else (int, float)
+        low = float(m["min"]) if m["min"] else float("-inf")
+        high = float(m["max"]) if m["max"] else float("inf")
+        return (
+            isinstance(value, number_type) and not isinstance(value, bool) and low <= value <= high
+        )
+    return isinstance(value, str)
+
+
+def test_every_option_has_a_valid_schema_entry(config: dict[str, Any]) -> None:
+    schema, options = config["schema"], config["options"]
+    assert set(options) <= set(schema)
+    for key, spec in schema.items():
+        assert _SUPERVISOR_TYPE.match(spec), (key, spec)
+        if key in options:
+            assert option_fits(options[key], spec), (key, options[key], spec)
+        else:
+            assert spec.endswith("?"), f"{key} has no default, so it must be optional"
+
+
+def test_addon_module_agrees_with_the_manifest(config: dict[str, Any]) -> None:
+    assert addon.DEFAULT_OPTIONS == config["options"]
+    optional = {k for k in config["schema"] if k not in config["options"]}
+    assert optional == set(addon.OPTIONAL_OPTIONS)
+    lists = {k: _SUPERVISOR_TYPE.match(v)["list"] for k, v in config["schema"].items()}
+    assert tuple(lists["model"].split("|")) == addon.MODELS
+    assert tuple(lists["profile"].split("|")) == addon.PROFILES
+
+
+@pytest.mark.parametrize("language", LANGUAGES)
+def test_every_option_and_port_is_translated(config: dict[str, Any], language: str) -> None:
+    translation = load_yaml(ADDON / "translations" / f"{language}.yaml")
+    assert set(translation) <= {"configuration", "network"}
+    entries = translation["configuration"]
+    assert set(entries) == set(config["schema"])
+    for key, entry in entries.items():
+        assert set(entry) <= {"name", "description", "fields"}, key
+        assert isinstance(entry["name"], str) and entry["name"].strip(), key
+        assert isinstance(entry.get("description"), str) and entry["description"].strip(), key
+    assert set(translation["network"]) == set(config["ports"])
+
+
+def test_chinese_translation_is_chinese() -> None:
+    entries = load_yaml(ADDON / "translations/zh-Hans.yaml")["configuration"]
+    for key, entry in entries.items():
+        assert re.search(r"[\u4e00-\u9fff]", entry["name"] + entry["description"]), key
+
+
+# --- options → server command line ---------------------------------------------------------------
+
+
+def server_parser() -> Any:
+    """The server's argparse parser, when wyoming_cosyvoice/__main__.py exposes one."""
+    try:
+        main_module = importlib.import_module("wyoming_cosyvoice.__main__")
+    except ImportError:
+        return None
+    for name in ("build_parser", "get_parser", "make_parser", "create_parser"):
+        factory = getattr(main_module, name, None)
+        if callable(factory):
+            return factory()
+    return None
+
+
+def test_default_options_give_the_documented_command_line(config: dict[str, Any]) -> None:
+    args = addon.options_to_args(config["options"])
+    assert args == [
+        "--uri", "tcp://0.0.0.0:10200",
+        "--model", "CosyVoice-300M-SFT",
+        "--data-dir", "/data/models",
+        "--data-dir", "/share/cosyvoice/models",
+        "--download-dir", "/data/models",
+        "--voices-dir", "/share/cosyvoice/voices",
+        "--profile", "realtime",
+    ]  # fmt: skip
+    flags = [a for a in args if a.startswith("--")]
+    assert set(flags) <= SERVER_FLAGS
+    for i, arg in enumerate(args):  # every flag that takes a value has one
+        if arg.startswith("--") and arg not in FLAGS_WITHOUT_VALUE:
+            assert not args[i + 1].startswith("--"), arg
+
+
+def test_default_options_parse_with_the_server_parser(config: dict[str, Any]) -> None:
+    parser = server_parser()
+    if parser is None:
+        pytest.skip("wyoming_cosyvoice.__main__ exposes no build_parser() yet (issue 4)")
+    every = {**config["options"], "voice": "x", "threads": 2, "streaming": False, "seed": 1,
+             "debug_logging": True}  # fmt: skip
+    for options in (config["options"], every):
+        parsed = parser.parse_args(addon.options_to_args(options))
+        assert parsed.model == options["model"]
+
+
+def test_each_option_maps_to_its_flag() -> None:
+    options = {
+        "model": "CosyVoice-300M-Instruct", "voice": " zh_female ", "profile": "batch",
+        "threads": 2, "streaming": False, "seed": 42, "debug_logging": True,
+    }  # fmt: skip
+    args = addon.options_to_args(options, data_dir="/d", share_dir="/s", uri="tcp://h:1")
+    assert args == [
+        "--uri", "tcp://h:1",
+        "--model", "CosyVoice-300M-Instruct",
+        "--data-dir", "/d/models",
+        "--data-dir", "/s/models",
+        "--download-dir", "/d/models",
+        "--voices-dir", "/s/voices",
+        "--profile", "batch",
+        "--voice", "zh_female",
+        "--threads", "2",
+        "--no-streaming",
+        "--seed", "42",
+        "--debug",
+    ]  # fmt: skip
+
+
+def test_missing_and_unknown_options_fall_back_to_defaults() -> None:
+    assert addon.options_to_args({}) == addon.options_to_args(addon.DEFAULT_OPTIONS)
+    assert addon.options_to_args({"old_option": 1}) == addon.options_to_args({})
+    assert "--seed" in addon.options_to_args({"seed": 0})  # 0 is a seed, not "unset"
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [("model", "CosyVoice2-0.5B"), ("profile", "fast"), ("threads", -1), ("threads", True),
+     ("seed", "7"), ("streaming", "yes"), ("debug_logging", 1)],
+)  # fmt: skip
+def test_bad_values_name_the_option(key: str, value: Any) -> None:
+    with pytest.raises(ValueError, match=repr(key)):
+        addon.options_to_args({key: value})
+
+
+def run_addon_main(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "wyoming_cosyvoice.addon", *args],
+        capture_output=True, text=True, timeout=120, cwd=ROOT,
+    )  # fmt: skip
+
+
+def test_main_reads_options_json(tmp_path: Path) -> None:
+    (tmp_path / "options.json").write_text(json.dumps({"model": "CosyVoice-300M", "seed": 3}))
+    result = run_addon_main("--options", str(tmp_path / "options.json"), "--print")
+    assert result.returncode == 0, result.stderr
+    command = result.stdout.split()
+    assert command[:3] == [sys.executable, "-m", "wyoming_cosyvoice"]
+    assert command[3:] == addon.options_to_args({"model": "CosyVoice-300M", "seed": 3})
+
+
+def test_main_rejects_a_bad_options_file(tmp_path: Path) -> None:
+    (tmp_path / "options.json").write_text('{"profile": "fast"}')
+    result = run_addon_main("--options", str(tmp_path / "options.json"), "--print")
+    assert result.returncode == 2
+    assert "invalid add-on configuration" in result.stderr and "'profile'" in result.stderr
+    (tmp_path / "options.json").write_text("{not json")
+    assert run_addon_main("--options", str(tmp_path / "options.json"), "--print").returncode == 2
+
+
+def test_prepare_dirs_creates_the_user_folders(tmp_path: Path) -> None:
+    addon.prepare_dirs(tmp_path / "data", tmp_path / "share/cosyvoice")
+    for path in ("data/models", "share/cosyvoice/models", "share/cosyvoice/voices"):
+        assert (tmp_path / path).is_dir()
+
+
+# --- versions -------------------------------------------------------------------------------------
+
+
+def dockerfile_arg_default(name: str) -> str:
+    text = (ADDON / "Dockerfile").read_text()
+    match = re.search(rf"^ARG {name}=(\S+)$", text, re.MULTILINE)
+    assert match, f"no ARG {name}=... in the Dockerfile"
+    return match.group(1)
+
+
+def test_versions_agree(config: dict[str, Any]) -> None:
+    version = package_version()
+    assert config["version"] == version
+    build_args = load_yaml(ADDON / "build.yaml")["args"]
+    assert build_args["WYOMING_COSYVOICE_VERSION"] == version
+    assert dockerfile_arg_default("WYOMING_COSYVOICE_VERSION") == version
+    assert build_args["TORCH_VERSION"] == dockerfile_arg_default("TORCH_VERSION") == pinned_torch()
+    assert re.search(rf"^## {re.escape(version)}\b", (ADDON / "CHANGELOG.md").read_text(), re.M)
+
+
+def test_repository_urls_agree(config: dict[str, Any]) -> None:
+    repository = load_yaml(ROOT / "repository.yaml")
+    assert set(repository) <= {"name", "url", "maintainer"} and repository["name"]
+    assert config["url"].startswith(repository["url"])
+    assert dockerfile_arg_default("WYOMING_COSYVOICE_REPO") == repository["url"]
+
+
+def test_dockerfile_essentials() -> None:
+    text = (ADDON / "Dockerfile").read_text()
+    assert "debian" in dockerfile_arg_default("BUILD_FROM")
+    assert re.search(r"^FROM \$\{BUILD_FROM\}$", text, re.M)
+    assert "https://download.pytorch.org/whl/cpu" in text
+    assert "COPY rootfs /" in text
+    healthcheck = re.search(r"^HEALTHCHECK .*?CMD (.+)$", text, re.M | re.S)
+    assert healthcheck and "/usr/local/bin/cosyvoice-healthcheck" in healthcheck.group(1)
+
+
+# --- linters ------------------------------------------------------------------------------------
+
+
+def tool(name: str) -> str:
+    path = Path(sys.executable).parent / name
+    found = str(path) if path.exists() else shutil.which(name)
+    if not found:
+        pytest.fail(f"{name} not installed; run script/setup --test")
+    return found
+
+
+def shell_scripts() -> list[Path]:
+    return sorted(p for p in S6.rglob("*") if p.is_file() and p.read_bytes().startswith(b"#!"))
+
+
+def test_hadolint_is_clean() -> None:
+    result = subprocess.run(
+        [tool("hadolint"), "--no-color", str(ADDON / "Dockerfile")], capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_shellcheck_is_clean() -> None:
+    scripts = shell_scripts()
+    assert {p.relative_to(S6).as_posix() for p in scripts} == {
+        "cosyvoice/run", "cosyvoice/finish", "discovery/run"
+    }  # fmt: skip
+    # --shell=bash: the bashio shebang is not one shellcheck knows; bashio itself is not here,
+    # so sourced files are not followed.
+    result = subprocess.run(
+        [tool("shellcheck"), "--shell=bash", "--severity=style", *map(str, scripts)],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_yamllint_is_clean() -> None:
+    rules = "{extends: default, rules: {line-length: {max: 100}}}"
+    result = subprocess.run(
+        [tool("yamllint"), "--strict", "-d", rules, str(ADDON), str(ROOT / "repository.yaml")],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_healthcheck_script_is_ruff_clean() -> None:
+    result = subprocess.run([tool("ruff"), "check", "--no-cache", str(HEALTHCHECK)],
+                            capture_output=True, text=True, cwd=ROOT)  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+# --- s6-overlay services -----------------------------------------------------------------------
+
+
+def git_mode(path: Path) -> str | None:
+    result = subprocess.run(["git", "ls-files", "-s", str(path.relative_to(ROOT))],
+                            capture_output=True, text=True, cwd=ROOT)  # fmt: skip
+    return result.stdout.split()[0] if result.returncode == 0 and result.stdout else None
+
+
+def test_s6_service_layout() -> None:
+    assert (S6 / "cosyvoice/type").read_text().strip() == "longrun"
+    assert (S6 / "discovery/type").read_text().strip() == "oneshot"
+    assert (S6 / "cosyvoice/dependencies.d/base").is_file()
+    assert (S6 / "discovery/dependencies.d/cosyvoice").is_file()  # start after the server
+    assert (S6 / "discovery/up").read_text().strip() == "/etc/s6-overlay/s6-rc.d/discovery/run"
+    assert {p.name for p in (S6 / "user/contents.d").iterdir()} == {"cosyvoice", "discovery"}
+    for script in [*shell_scripts(), HEALTHCHECK]:
+        assert os.access(script, os.X_OK), script
+        assert git_mode(script) in (None, "100755"), f"{script} not committed executable"
+    for script in shell_scripts():
+        assert script.read_text().startswith("#!/command/with-contenv bashio\n"), script
+
+
+def test_run_script_delegates_to_python() -> None:
+    lines = [line for line in (S6 / "cosyvoice/run").read_text().splitlines()
+             if line.strip() and not line.startswith("#")]  # fmt: skip
+    assert lines[-1] == "exec python3 -m wyoming_cosyvoice.addon"
+    assert len(lines) <= 3
+
+
+def test_finish_halts_and_discovery_announces_the_port() -> None:
+    finish = (S6 / "cosyvoice/finish").read_text()
+    assert "/run/s6/basedir/bin/halt" in finish
+    assert "/run/s6-linux-init-container-results/exitcode" in finish
+    discovery = (S6 / "discovery/run").read_text()
+    assert "/dev/tcp/127.0.0.1/10200" in discovery
+    assert 'bashio::discovery "wyoming"' in discovery
+    assert 'uri "tcp://$(hostname):10200"' in discovery
+
+
+# --- healthcheck --------------------------------------------------------------------------------
+
+
+class _OneLineServer(socketserver.ThreadingTCPServer):
+    allow_reuse_address = True
+    daemon_threads = True
+
+    def __init__(self, reply: bytes) -> None:
+        self.reply = reply
+
+        class Handler(socketserver.StreamRequestHandler):
+            def handle(inner) -> None:  # noqa: N805 - closure over the server's reply
+                if inner.rfile.readline():
+                    inner.wfile.write(reply)
+
+        super().__init__(("127.0.0.1", 0), Handler)
+
+
+@pytest.fixture
+def fake_server(request: pytest.FixtureRequest) -> Iterator[int]:
+    server = _OneLineServer(request.param)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield server.server_address[1]
+    server.shutdown()
+    server.server_close()
+
+
+def run_healthcheck(port: int) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, str(HEALTHCHECK), str(port)],
+                          capture_output=True, text=True, timeout=30)  # fmt: skip
+
+
+INFO_REPLY = b'{"type": "info", "version": "1.10.2", "data_length": 2}\n{}'
+
+
+@pytest.mark.parametrize("fake_server", [INFO_REPLY], indirect=True)
+def test_healthcheck_accepts_an_info_answer(fake_server: int) -> None:
+    result = run_healthcheck(fake_server)
+    assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.parametrize("fake_server", [b'{"type": "error"}\n', b"garbage\n"], indirect=True)
+def test_healthcheck_rejects_other_answers(fake_server: int) -> None:
+    result = run_healthcheck(fake_server)
+    assert result.returncode == 1 and "unhealthy" in result.stderr
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_healthcheck_fails_without_a_server() -> None:
+    result = run_healthcheck(free_port())
+    assert result.returncode == 1 and "no connection" in result.stderr
+
+
+# --- repository scan, docs, images ---------------------------------------------------------------
+
+
+def supervisor_candidates() -> list[str]:
+    """Files the Supervisor's store scan reads as add-on manifests (supervisor/store/data.py:
+    every `**/config.*` with suffix .json/.yaml/.yml, skipping paths with a part that starts
+    with "." or is "rootfs"), over what git tracks — what a clone of the repository holds."""
+    tracked = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"],
+                             capture_output=True, text=True, cwd=ROOT, check=True)  # fmt: skip
+    found = []
+    for name in tracked.stdout.splitlines():
+        path = Path(name)
+        if path.stem != "config" or path.suffix not in (".json", ".yaml", ".yml"):
+            continue
+        if any(part.startswith(".") or part == "rootfs" for part in path.parts):
+            continue
+        found.append(name)
+    return sorted(found)
+
+
+def test_the_supervisor_finds_exactly_one_addon() -> None:
+    candidates = supervisor_candidates()
+    assert "addon/config.yaml" in candidates
+    for name in candidates:
+        if name == "addon/config.yaml":
+            continue
+        # Any other config.* (the server's config.yaml at the root) must fail the manifest schema:
+        # the Supervisor then logs "Can't read <path>: ..." as a warning and skips it.
+        document = load_yaml(ROOT / name) if name.endswith((".yaml", ".yml")) else None
+        assert not isinstance(document, dict) or schema_errors("config.schema.json", document), (
+            f"{name} would be taken for a second add-on"
+        )
+
+
+def test_docs_cover_every_option_and_the_user_folders(config: dict[str, Any]) -> None:
+    docs = (ADDON / "DOCS.md").read_text()
+    for key in config["schema"]:
+        assert f"### Option: `{key}`" in docs, key
+    for text in ("/share/cosyvoice/voices", "/share/cosyvoice/models", "/data/models",
+                 "1.8 GB", "Troubleshooting"):  # fmt: skip
+        assert text in docs, text
+
+
+def png_size(path: Path) -> tuple[int, int]:
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR", path
+    return struct.unpack(">II", data[16:24])
+
+
+def test_icon_and_logo() -> None:
+    assert png_size(ADDON / "icon.png") == (128, 128)
+    width, height = png_size(ADDON / "logo.png")
+    assert 200 <= width <= 300 and 80 <= height <= 125
+
+
+# --- end to end: the add-on's start logic → real server → audio over TCP ------------------------
+
+
+def server_missing_reason() -> str | None:
+    try:
+        importlib.import_module("wyoming_cosyvoice.__main__")
+    except ImportError as err:
+        return f"the Wyoming server (issue 4) has not landed: {err}"
+    return None
+
+
+def wait_for_port(port: int, process: subprocess.Popen[bytes], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise AssertionError(f"server exited with {process.returncode}")
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            time.sleep(0.2)
+    raise AssertionError(f"server did not listen on {port} within {timeout} s")
+
+
+async def describe_and_synthesize(port: int) -> tuple[Any, bytes, int]:
+    from wyoming.audio import AudioChunk, AudioStart, AudioStop
+    from wyoming.client import AsyncTcpClient
+    from wyoming.info import Describe, Info
+    from wyoming.tts import Synthesize
+
+    async with AsyncTcpClient("127.0.0.1", port) as client:
+        await client.write_event(Describe().event())
+        while not Info.is_type((event := await client.read_event()).type):
+            pass
+        info = Info.from_event(event)
+    audio, rate = b"", 0
+    async with AsyncTcpClient("127.0.0.1", port) as client:
+        await client.write_event(Synthesize(text="你好。Hello.").event())
+        while True:
+            event = await asyncio.wait_for(client.read_event(), timeout=120)
+            assert event is not None, "connection closed before audio-stop"
+            if AudioStart.is_type(event.type):
+                rate = AudioStart.from_event(event).rate
+            elif AudioChunk.is_type(event.type):
+                audio += AudioChunk.from_event(event).audio
+            elif AudioStop.is_type(event.type):
+                break
+    return info, audio, rate
+
+
+def test_addon_start_logic_serves_audio(tmp_path: Path) -> None:
+    if reason := server_missing_reason():
+        pytest.skip(reason)
+    data, share = tmp_path / "data", tmp_path / "share/cosyvoice"
+    # The layout the mapping expects: downloads and cached models in /data/models/<Model>/.
+    shutil.copytree(DATA / "tiny_model", data / "models/CosyVoice-300M-SFT")
+    options = {**addon.DEFAULT_OPTIONS, "threads": 1, "seed": 0}
+    (data / "options.json").write_text(json.dumps(options))
+    port = free_port()
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}  # the model is there: nothing to download
+    process = subprocess.Popen(
+        [sys.executable, "-m", "wyoming_cosyvoice.addon", "--options", str(data / "options.json"),
+         "--data-dir", str(data), "--share-dir", str(share), "--uri", f"tcp://127.0.0.1:{port}"],
+        cwd=ROOT, env=env,
+    )  # fmt: skip
+    try:
+        wait_for_port(port, process, timeout=240)
+        assert (share / "voices").is_dir()  # created for users to drop custom voices into
+        info, audio, rate = asyncio.run(describe_and_synthesize(port))
+        assert info.tts and info.tts[0].installed and info.tts[0].voices
+        assert rate == 22050 and len(audio) > 0
+        result = run_healthcheck(port)
+        assert result.returncode == 0, result.stderr
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
