@@ -38,7 +38,10 @@ def remove_emoji(text: str) -> str:
 
 
 _MD_LINK = re.compile(r"!?\[([^\]\n]*)\]\((?:[^)\n]*)\)")
-_MD_LINE_PREFIX = re.compile(r"^[ \t]*(?:#{1,6}[ \t]+|>[ \t]*|[-*+•][ \t]+)", re.MULTILINE)
+# Headings, quotes, bullets and "1." / "2)" list numbers at the start of a line.
+_MD_LINE_PREFIX = re.compile(
+    r"^[ \t]*(?:#{1,6}[ \t]+|>[ \t]*|[-*+•][ \t]+|\d{1,2}[.)][ \t]+)", re.MULTILINE
+)
 _MD_RULE = re.compile(r"^[ \t]*(?:[-*_][ \t]*){3,}$", re.MULTILINE)
 _MD_EMPHASIS = re.compile(r"\*+|(?<![\w])__|__(?![\w])|`+")
 
@@ -63,7 +66,8 @@ def close_lines(text: str, is_zh: bool) -> str:
     lines = [line for line in lines if line]
     stop = "。" if is_zh else "."
     closed = [line if line[-1] in _LINE_END_PUNCT else line + stop for line in lines[:-1]]
-    return "\n".join(closed + lines[-1:])
+    # Chinese keeps the newline (the official zh path deletes it); English needs a space.
+    return ("\n" if is_zh else " ").join(closed + lines[-1:])
 
 
 def collapse_spaces(text: str) -> str:
