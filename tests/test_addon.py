@@ -263,6 +263,15 @@ def test_each_option_maps_to_its_flag() -> None:
     ]  # fmt: skip
 
 
+def test_hub_endpoint_becomes_hf_endpoint() -> None:
+    assert addon.options_to_env(addon.DEFAULT_OPTIONS) == {}
+    mirror = {"hub_endpoint": "https://hf-mirror.com/"}
+    assert addon.options_to_env(mirror) == {"HF_ENDPOINT": "https://hf-mirror.com"}
+    assert addon.options_to_args(mirror) == addon.options_to_args({})
+    with pytest.raises(ValueError, match="'hub_endpoint'"):
+        addon.options_to_env({"hub_endpoint": "hf-mirror.com"})
+
+
 def test_missing_and_unknown_options_fall_back_to_defaults() -> None:
     assert addon.options_to_args({}) == addon.options_to_args(addon.DEFAULT_OPTIONS)
     assert addon.options_to_args({"old_option": 1}) == addon.options_to_args({})
@@ -287,12 +296,14 @@ def run_addon_main(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_main_reads_options_json(tmp_path: Path) -> None:
-    (tmp_path / "options.json").write_text(json.dumps({"model": "CosyVoice-300M", "seed": 3}))
+    options = {"model": "CosyVoice-300M", "seed": 3, "hub_endpoint": "https://hf-mirror.com"}
+    (tmp_path / "options.json").write_text(json.dumps(options))
     result = run_addon_main("--options", str(tmp_path / "options.json"), "--print")
     assert result.returncode == 0, result.stderr
-    command = result.stdout.split()
+    env, *command = result.stdout.split()
+    assert env == "HF_ENDPOINT=https://hf-mirror.com"
     assert command[:3] == [sys.executable, "-m", "wyoming_cosyvoice"]
-    assert command[3:] == addon.options_to_args({"model": "CosyVoice-300M", "seed": 3})
+    assert command[3:] == addon.options_to_args(options)
 
 
 def test_main_rejects_a_bad_options_file(tmp_path: Path) -> None:

@@ -43,7 +43,7 @@ DEFAULT_OPTIONS: dict[str, Any] = {
     "debug_logging": False,
 }
 # Optional options (schema `?`) that have no default and are simply absent when unset.
-OPTIONAL_OPTIONS = ("seed",)
+OPTIONAL_OPTIONS = ("seed", "hub_endpoint")
 
 
 def _choice(options: Mapping[str, Any], key: str, allowed: Sequence[str]) -> str:
@@ -109,6 +109,17 @@ def options_to_args(
     return args
 
 
+def options_to_env(options: Mapping[str, Any]) -> dict[str, str]:
+    """Environment for the server. A Hugging Face mirror (huggingface.co is unreachable from
+    some networks, e.g. in mainland China) goes through the hub client's own HF_ENDPOINT."""
+    endpoint = str(options.get("hub_endpoint") or "").strip()
+    if not endpoint:
+        return {}
+    if not endpoint.startswith(("http://", "https://")):
+        raise ValueError(f"option 'hub_endpoint': {endpoint!r} is not an http(s) URL")
+    return {"HF_ENDPOINT": endpoint.rstrip("/")}
+
+
 def read_options(path: Path) -> dict[str, Any]:
     """Read options.json; a missing file means defaults (e.g. running the image by hand)."""
     if not path.exists():
@@ -166,19 +177,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         options = read_options(cli.options)
         args = options_to_args(options, data_dir=cli.data_dir, share_dir=cli.share_dir, uri=cli.uri)
+        env = options_to_env(options)
     except ValueError as err:
         _LOGGER.error("invalid add-on configuration: %s", err)
         return 2
     command = server_command(args)
     if cli.print:
-        sys.stdout.write(" ".join(command) + "\n")
+        sys.stdout.write(" ".join([*(f"{k}={v}" for k, v in env.items()), *command]) + "\n")
         return 0
     prepare_dirs(cli.data_dir, cli.share_dir)
     _LOGGER.info("starting: %s", " ".join(command))
     logging.shutdown()
     # exec, not subprocess: the server becomes the s6 service process, so s6 sees its exit
     # code and signals reach it directly.
-    os.execvp(command[0], command)
+    os.execvpe(command[0], command, {**os.environ, **env})
     return 1  # not reached
 
 
