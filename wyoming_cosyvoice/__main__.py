@@ -1,0 +1,211 @@
+"""Command line: ``python -m wyoming_cosyvoice --uri tcp://0.0.0.0:10200 --data-dir ./data``.
+
+Order of start-up: settings → model directory (found, or downloaded before listening; offline
+with nothing present exits at once) → listen → load the model in the background (``describe``
+is answered meanwhile) → optional zeroconf. A model that fails to load ends the process with
+its message, so a supervisor (the add-on's s6 ``finish``) sees the failure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+from wyoming_cosyvoice import __version__
+from wyoming_cosyvoice.config import ConfigError, ServerConfig, load_config, parse_override
+
+_LOGGER = logging.getLogger("wyoming_cosyvoice")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="wyoming-cosyvoice",
+        description="CosyVoice-300M text to speech over the Wyoming protocol (Home Assistant).",
+        epilog="Defaults come from config.yaml; any value can be set with --set KEY=VALUE.",
+    )
+    add = p.add_argument
+    add("--config", type=Path, help="settings file (default: the repository's config.yaml)")
+    add("--uri", help="where to listen: tcp://HOST:PORT or unix://PATH")
+    add("--model", help="CosyVoice-300M-SFT (default), CosyVoice-300M or CosyVoice-300M-Instruct")
+    add("--model-dir", help="use this model directory instead of searching the data dirs")
+    add("--data-dir", action="append", help="directory searched for models (repeatable)")
+    add("--download-dir", help="where a missing model is downloaded (default: first data dir)")
+    add("--voices-dir", help="custom voices directory (reserved)")
+    add("--voice", help="default voice, e.g. zh-female (default: by the text's language)")
+    add("--profile", help="settings profile from config.yaml: realtime, quality, batch, ...")
+    add("--threads", type=int, help="CPU threads for the engine")
+    add("--samples-per-chunk", type=int, help="audio samples per audio-chunk event")
+    add("--no-streaming", action="store_true", help="do not advertise streaming text input")
+    add("--zeroconf", nargs="?", const="cosyvoice", metavar="NAME", help="advertise over mDNS")
+    add("--seed", type=int, help="fixed sampling seed (reproducible audio)")
+    add("--hub-endpoint", help="Hugging Face hub URL (default: HF_ENDPOINT or huggingface.co)")
+    add("--offline", action="store_true", help="never download a model")
+    add("--no-warmup", action="store_true", help="skip the warm-up synthesis after loading")
+    add("--set", action="append", default=[], metavar="KEY=VALUE", help="override any config key")
+    add("--debug", action="store_true", help="log DEBUG messages")
+    add("--log-format", help="logging format string")
+    add("--version", action="store_true", help="print the version and exit")
+    return p
+
+
+_FLAG_KEYS = {
+    "uri": "server.uri",
+    "model": "server.model",
+    "model_dir": "server.model_dir",
+    "download_dir": "server.download_dir",
+    "voices_dir": "server.voices_dir",
+    "voice": "server.voice",
+    "profile": "server.profile",
+    "threads": "server.threads",
+    "samples_per_chunk": "server.samples_per_chunk",
+    "zeroconf": "server.zeroconf",
+    "seed": "server.seed",
+    "hub_endpoint": "server.hub_endpoint",
+    "log_format": "server.log_format",
+}
+
+
+def config_from_args(args: argparse.Namespace) -> ServerConfig:
+    """config.yaml ← --set ← dedicated flags (the most specific wins)."""
+    overrides: list[tuple[str, Any]] = [parse_override(item) for item in args.set]
+    overrides += [
+        (key, getattr(args, flag))
+        for flag, key in _FLAG_KEYS.items()
+        if getattr(args, flag) is not None
+    ]
+    if args.data_dir:
+        overrides.append(("server.data_dirs", list(args.data_dir)))
+    for flag, key, value in (
+        ("debug", "server.debug", True),
+        ("offline", "server.offline", True),
+        ("no_warmup", "server.warmup", False),
+    ):
+        if getattr(args, flag):
+            overrides.append((key, value))
+    if args.no_streaming:
+        # applies to whichever profile ends up selected
+        profile = dict(overrides).get("server.profile") or load_config(args.config).profile.name
+        overrides.append((f"profiles.{profile}.streaming", False))
+    return load_config(args.config, overrides)
+
+
+def resolve_model_dir(config: ServerConfig) -> Path:
+    """--model-dir as given (checked), else found in the data dirs or downloaded."""
+    from wyoming_cosyvoice.download import (
+        MODEL_FILES,
+        ModelNotFoundError,
+        ensure_model,
+        missing_files,
+    )
+
+    if config.model_dir is not None:
+        if not config.model_dir.is_dir():
+            raise ModelNotFoundError(f"--model-dir {config.model_dir} is not a directory")
+        absent = missing_files(config.model_dir, MODEL_FILES)
+        if absent:
+            raise ModelNotFoundError(
+                f"--model-dir {config.model_dir} is missing or has empty: {', '.join(absent)}"
+            )
+        return config.model_dir
+    return ensure_model(
+        config.model,
+        config.data_dirs,
+        config.effective_download_dir,
+        offline=config.offline,
+        endpoint=config.hub_endpoint,
+    )
+
+
+async def serve(config: ServerConfig, model_dir: Path) -> int:
+    """Run until SIGINT/SIGTERM (exit 0) or until the model fails to load (exit 1)."""
+    from wyoming_cosyvoice.server import create_server
+
+    running = await create_server(config, model_dir)
+    if config.voice and running.host.catalog.voices and not running.host.catalog.find(config.voice):
+        _LOGGER.error(
+            "--voice %s is not a voice of this model; available: %s",
+            config.voice,
+            ", ".join(running.host.catalog.names),
+        )
+        await running.stop()
+        return 2
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(sig, stop.set)
+    zc = None
+    if config.zeroconf:
+        from wyoming_cosyvoice.zeroconf import WyomingZeroconf
+
+        url = urlparse(config.uri)
+        if url.scheme != "tcp":
+            _LOGGER.error("--zeroconf needs a tcp:// --uri")
+        else:
+            try:
+                zc = WyomingZeroconf(config.zeroconf, running.port, url.hostname)
+                await zc.register()
+            except OSError as err:
+                _LOGGER.error("Zeroconf disabled: %s", err)
+                zc = None
+    stopper = asyncio.create_task(stop.wait())
+    done, _ = await asyncio.wait({running.load_task, stopper}, return_when=asyncio.FIRST_COMPLETED)
+    code = 0
+    if running.load_task in done and running.load_task.exception() is not None:
+        _LOGGER.error("Model failed to load: %s", running.load_task.exception())
+        code = 1
+    elif running.load_task in done:
+        await stopper  # serve until a signal
+    _LOGGER.info("Shutting down")
+    if zc is not None:
+        await zc.close()
+    stopper.cancel()
+    await running.stop()
+    return code
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.version:
+        print(__version__)  # noqa: T201 - the CLI's only print
+        return 0
+    try:
+        config = config_from_args(args)
+    except ConfigError as err:
+        sys.stderr.write(f"wyoming-cosyvoice: {err}\n")
+        return 2
+    logging.basicConfig(
+        level=logging.DEBUG if config.debug else logging.INFO, format=config.log_format
+    )
+    _LOGGER.debug(config)
+
+    from wyoming_cosyvoice.download import ModelNotFoundError
+
+    try:
+        model_dir = resolve_model_dir(config)
+    except ModelNotFoundError as err:
+        _LOGGER.error("%s", err)
+        return 1
+    try:
+        return asyncio.run(serve(config, model_dir))
+    except OSError as err:  # e.g. the port is taken
+        _LOGGER.error("Cannot listen on %s: %s", config.uri, err)
+        return 1
+    except KeyboardInterrupt:
+        return 0
+
+
+def run() -> None:
+    """Console-script entry point."""
+    sys.exit(main())
+
+
+if __name__ == "__main__":
+    run()

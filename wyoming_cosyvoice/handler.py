@@ -1,0 +1,443 @@
+"""One Wyoming connection: events in, audio out (issue 4; limits per issue 7).
+
+Three tasks per connection, so no step ever waits for another one that it does not need:
+- the reader parses events; ``describe`` is answered at once, text becomes jobs;
+- the worker speaks the jobs in order through the shared :class:`ModelHost`;
+- the sender writes outgoing events. Audio waiting for a slow client is bounded
+  (``max_buffered_audio_s``); a client that reads nothing for ``stall_timeout_s`` is dropped.
+
+Any refused request gets ``error{text, code}`` and then the connection is closed: older Home
+Assistant ignores ``error`` and has no timeout, so only a close ends its wait. End of input from
+the client means it has gone: its synthesis is cancelled within one chunk.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from wyoming.audio import AudioChunk as WyomingAudioChunk
+from wyoming.audio import AudioStart, AudioStop
+from wyoming.error import Error
+from wyoming.event import Event, async_write_event
+from wyoming.info import Describe
+from wyoming.tts import SynthesizeStopped
+
+from engine.constants import SAMPLE_RATE
+from engine.types import AudioChunk, EngineError, SynthesisCancelled, SynthesisOptions
+from engine.types import UnknownSpeakerError as EngineUnknownSpeaker
+from wyoming_cosyvoice.config import ServerConfig
+from wyoming_cosyvoice.info import Voice, build_info
+from wyoming_cosyvoice.protocol import (
+    ClientError,
+    EmptyTextError,
+    LimitExceededError,
+    ProtocolError,
+    ServerBusyError,
+    StreamStateError,
+    SynthesisError,
+    VoiceNotFoundError,
+    read_event,
+)
+from wyoming_cosyvoice.sentences import Splitter, has_speech, split_all
+from wyoming_cosyvoice.server import ModelHost
+
+_LOGGER = logging.getLogger(__name__)
+_WIDTH, _CHANNELS = 2, 1
+_LANGUAGE_TAG = re.compile(r"[a-zA-Z]{2,3}([-_][a-zA-Z0-9]{2,4})?")
+
+
+@dataclass
+class ConnectionContext:
+    """What every connection shares."""
+
+    config: ServerConfig
+    host: ModelHost
+    splitter_factory: Callable[[], Splitter]
+    active: int = 0
+
+
+@dataclass
+class _Request:
+    """One ``synthesize`` or one whole stream: its voice request and running totals."""
+
+    voice: dict[str, str] | None
+    voice_resolved: Voice | None = None
+    chars: int = 0
+    splitter: Splitter | None = None
+    started: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class _Speak:
+    """Sentences spoken inside one audio-start … audio-stop."""
+
+    request: _Request
+    sentences: list[str]
+
+
+class _Finish:
+    """End of a stream: send ``synthesize-stopped``."""
+
+
+class _ClientStalledError(Exception):
+    """The client stopped reading; it is dropped without an error event."""
+
+
+def detect_language(text: str) -> str:
+    """The frontend's language guess if available, else a script-based one."""
+    try:
+        from engine.text.normalize import detect_language as frontend_detect
+    except ImportError:
+        frontend_detect = None
+    if frontend_detect is not None:
+        try:
+            return str(frontend_detect(text))
+        except Exception:  # noqa: BLE001 - a guess only
+            _LOGGER.debug("detect_language failed", exc_info=True)
+    if re.search(r"[\u3040-\u30ff]", text):
+        return "ja"
+    if re.search(r"[\uac00-\ud7af]", text):
+        return "ko"
+    if re.search(r"[\u4e00-\u9fff]", text):
+        return "zh"
+    return "en"
+
+
+class EventHandler:
+    """Serves one client connection."""
+
+    def __init__(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, ctx: ConnectionContext
+    ) -> None:
+        self._reader, self._writer, self._ctx = reader, writer, ctx
+        self._config = ctx.config
+        self._limits = ctx.config.limits
+        self._peer = str(writer.get_extra_info("peername") or "local")
+        self._cancel = threading.Event()  # seen by the engine thread
+        self._out: asyncio.Queue[Event | None] = asyncio.Queue()
+        self._jobs: asyncio.Queue[_Speak | _Finish] = asyncio.Queue()
+        self._pending = 0  # jobs queued or running
+        self._stream: _Request | None = None
+        self._closing = False
+        self._buffered = 0  # audio samples queued for the sender
+        self._max_buffered = int(self._limits.max_buffered_audio_s * SAMPLE_RATE)
+        self._space = asyncio.Event()
+        self._last_activity = time.monotonic()
+        self._worker_task: asyncio.Task[None] | None = None
+
+    # --- lifecycle ----------------------------------------------------------------------
+
+    async def run(self) -> None:
+        self._ctx.active += 1
+        sender = asyncio.create_task(self._sender(), name=f"send {self._peer}")
+        self._worker_task = asyncio.create_task(self._worker(), name=f"speak {self._peer}")
+        watchdog = asyncio.create_task(self._watchdog(), name=f"idle {self._peer}")
+        try:
+            if self._ctx.active > self._limits.max_connections:
+                self._fail(
+                    ServerBusyError(f"too many connections ({self._limits.max_connections})")
+                )
+            await self._read_loop()
+        except (ConnectionError, asyncio.IncompleteReadError, OSError):
+            _LOGGER.debug("Client %s disconnected", self._peer)
+        except Exception:  # noqa: BLE001 - one client never takes the server down
+            _LOGGER.exception("Unexpected error on connection %s", self._peer)
+        finally:
+            self._cancel.set()
+            watchdog.cancel()
+            self._worker_task.cancel()
+            self._out.put_nowait(None)
+            try:  # already-queued events (an error, an info) still go out
+                await asyncio.wait_for(asyncio.shield(sender), timeout=2.0)
+            except (asyncio.TimeoutError, Exception):  # noqa: BLE001
+                self._writer.transport.abort()
+                sender.cancel()
+            await asyncio.gather(sender, self._worker_task, watchdog, return_exceptions=True)
+            self._writer.close()
+            self._ctx.active -= 1
+
+    async def _read_loop(self) -> None:
+        events = 0
+        while not self._closing:
+            try:
+                event = await read_event(
+                    self._reader,
+                    max_header_bytes=self._limits.max_header_bytes,
+                    max_data_bytes=self._limits.max_data_bytes,
+                    max_payload_bytes=self._limits.max_payload_bytes,
+                )
+            except ClientError as err:
+                self._fail(err)
+                break
+            if event is None:
+                break
+            self._last_activity = time.monotonic()
+            events += 1
+            if events > (most := self._limits.max_events_per_connection):
+                self._fail(LimitExceededError(f"more than {most} events on one connection"))
+                break
+            try:
+                self._handle(event)
+            except ClientError as err:
+                self._fail(err)
+                break
+        if not self._closing:
+            # The client closed its side: whatever it asked for is no longer wanted.
+            self._cancel.set()
+
+    def _fail(self, err: ClientError) -> None:
+        """Send ``error`` after what is already queued, then close the connection."""
+        if self._closing:
+            return
+        self._closing = True
+        _LOGGER.info("Refusing request from %s: %s (%s)", self._peer, err, err.code)
+        self._cancel.set()
+        if self._worker_task is not None and self._worker_task is not asyncio.current_task():
+            self._worker_task.cancel()
+        self._out.put_nowait(Error(text=str(err), code=err.code).event())
+        self._out.put_nowait(None)
+
+    async def _watchdog(self) -> None:
+        """Close a connection that has been idle (nothing asked, nothing owed) too long."""
+        timeout = self._limits.idle_timeout_s
+        while not self._closing:
+            await asyncio.sleep(min(timeout, 5.0))
+            idle = self._pending == 0 and self._out.empty()
+            if idle and time.monotonic() - self._last_activity > timeout:
+                self._fail(LimitExceededError(f"no request for {timeout:.0f} s; closing"))
+
+    # --- events in ----------------------------------------------------------------------
+
+    def _handle(self, event: Event) -> None:
+        kind, data = event.type, event.data
+        if Describe.is_type(kind):
+            self._out.put_nowait(self._info().event())
+        elif kind == "synthesize":
+            if self._stream is not None:
+                return  # Home Assistant's compatibility copy of the streamed text
+            text = self._text(data, "synthesize")
+            request = _Request(self._voice_request(data), chars=len(text))
+            if not text.strip():
+                raise EmptyTextError("synthesize has no text to speak")
+            self._check_length(request.chars)
+            sentences = [s for s in split_all(text, self._ctx.splitter_factory()) if has_speech(s)]
+            if not sentences:
+                raise EmptyTextError(f"text {text[:40]!r} has nothing to speak")
+            self._enqueue(_Speak(request, sentences))
+        elif kind == "synthesize-start":
+            if self._stream is not None:
+                raise StreamStateError("synthesize-start while a stream is already open")
+            voice = self._voice_request(data)
+            self._stream = _Request(voice, splitter=self._ctx.splitter_factory())
+        elif kind == "synthesize-chunk":
+            stream = self._open_stream(kind)
+            text = self._text(data, kind)
+            stream.chars += len(text)
+            self._check_length(stream.chars)
+            assert stream.splitter is not None
+            self._speak_sentences(stream, stream.splitter.feed(text))
+        elif kind == "synthesize-stop":
+            stream = self._open_stream(kind)
+            assert stream.splitter is not None
+            self._speak_sentences(stream, stream.splitter.flush())
+            self._stream = None
+            self._enqueue(_Finish())
+        else:
+            _LOGGER.debug("Ignoring %s event from %s", kind, self._peer)
+
+    def _open_stream(self, kind: str) -> _Request:
+        if self._stream is None:
+            raise StreamStateError(f"{kind} without synthesize-start")
+        return self._stream
+
+    def _speak_sentences(self, stream: _Request, sentences: list[str]) -> None:
+        for sentence in sentences:
+            if has_speech(sentence):
+                self._enqueue(_Speak(stream, [sentence]))
+
+    def _enqueue(self, job: _Speak | _Finish) -> None:
+        self._pending += 1
+        self._jobs.put_nowait(job)
+
+    @staticmethod
+    def _text(data: dict[str, Any], kind: str) -> str:
+        text = data.get("text")
+        if not isinstance(text, str):
+            raise ProtocolError(f"{kind} needs a 'text' string")
+        return text
+
+    def _check_length(self, chars: int) -> None:
+        if chars > self._limits.max_text_chars:
+            raise LimitExceededError(
+                f"text of {chars} characters is over the limit of {self._limits.max_text_chars}"
+            )
+
+    @staticmethod
+    def _voice_request(data: dict[str, Any]) -> dict[str, str] | None:
+        voice = data.get("voice")
+        if voice is None:
+            return None
+        if not isinstance(voice, dict):
+            raise ProtocolError('\'voice\' must be an object such as {"name": "zh-female"}')
+        for key, value in voice.items():
+            if key in ("name", "speaker", "language") and not isinstance(value, (str, type(None))):
+                raise ProtocolError(f"'voice.{key}' must be a string")
+        return {k: v for k, v in voice.items() if k in ("name", "speaker", "language") and v}
+
+    def _info(self) -> Any:
+        catalog = self._ctx.host.catalog
+        return build_info(
+            catalog, streaming=self._config.profile.streaming, model=self._config.model
+        )
+
+    # --- speaking -----------------------------------------------------------------------
+
+    async def _worker(self) -> None:
+        while True:
+            job = await self._jobs.get()
+            try:
+                if isinstance(job, _Finish):
+                    self._out.put_nowait(SynthesizeStopped().event())
+                else:
+                    await self._speak(job)
+            except (SynthesisCancelled, asyncio.CancelledError):
+                return
+            except _ClientStalledError:
+                _LOGGER.warning("Client %s stopped reading; dropping it", self._peer)
+                self._cancel.set()
+                self._writer.transport.abort()
+                return
+            except ClientError as err:
+                self._fail(err)
+                return
+            except EngineUnknownSpeaker as err:
+                self._fail(VoiceNotFoundError(str(err)))
+                return
+            except EngineError as err:
+                self._fail(SynthesisError(str(err) or type(err).__name__))
+                return
+            except Exception as err:  # noqa: BLE001 - report it, keep the server alive
+                _LOGGER.exception("Synthesis failed for %s", self._peer)
+                self._fail(SynthesisError(f"internal error: {type(err).__name__}: {err}"))
+                return
+            finally:
+                self._pending -= 1
+                self._last_activity = time.monotonic()
+
+    async def _speak(self, job: _Speak) -> None:
+        host, limits = self._ctx.host, self._limits
+        await host.wait_ready(limits.load_wait_s)
+        request = job.request
+        if request.voice_resolved is None:  # once per request: a stream keeps its voice
+            request.voice_resolved = self._resolve_voice(request.voice, " ".join(job.sentences))
+        voice = request.voice_resolved
+        profile = self._config.profile
+        options = SynthesisOptions(
+            speaker=voice.speaker,
+            stream=profile.stream_audio,
+            schedule=profile.schedule,
+            seed=self._config.seed,
+            n_timesteps=profile.n_timesteps,
+            cfg_rate=profile.cfg_rate,
+        )
+        started = time.monotonic()
+        _LOGGER.debug(
+            "Speaking %d sentence(s) as %s for %s (queue %d)",
+            len(job.sentences),
+            voice.name,
+            self._peer,
+            host.waiting,
+        )
+        self._out.put_nowait(AudioStart(rate=SAMPLE_RATE, width=_WIDTH, channels=_CHANNELS).event())
+        stats = {"samples": 0, "first": 0.0}
+
+        async def on_chunk(chunk: AudioChunk) -> None:
+            if not stats["first"]:
+                stats["first"] = time.monotonic() - started
+            stats["samples"] += len(chunk.samples)
+            await self._send_audio(chunk)
+
+        for sentence in job.sentences:
+            await host.synthesize(
+                sentence, options, self._cancel, on_chunk, load_timeout=limits.load_wait_s
+            )
+        self._out.put_nowait(AudioStop().event())
+        _LOGGER.info(
+            "Spoke %.2f s of audio (%s) for %s: first audio after %.2f s, done in %.2f s",
+            stats["samples"] / SAMPLE_RATE,
+            voice.name,
+            self._peer,
+            stats["first"],
+            time.monotonic() - started,
+        )
+
+    async def _send_audio(self, chunk: AudioChunk) -> None:
+        if chunk.sample_rate != SAMPLE_RATE:
+            raise SynthesisError(f"engine produced {chunk.sample_rate} Hz, expected {SAMPLE_RATE}")
+        pcm = chunk.pcm16
+        step = self._config.samples_per_chunk * _WIDTH
+        for start in range(0, len(pcm), step):
+            piece = pcm[start : start + step]
+            while self._buffered >= self._max_buffered:
+                self._space.clear()
+                try:
+                    await asyncio.wait_for(self._space.wait(), self._limits.stall_timeout_s)
+                except asyncio.TimeoutError as err:
+                    raise _ClientStalledError from err
+            self._buffered += len(piece) // _WIDTH
+            event = WyomingAudioChunk(
+                rate=SAMPLE_RATE, width=_WIDTH, channels=_CHANNELS, audio=piece
+            ).event()
+            self._out.put_nowait(event)
+
+    def _resolve_voice(self, request: dict[str, str] | None, text: str) -> Voice:
+        catalog = self._ctx.host.catalog
+        if not catalog.voices:
+            raise VoiceNotFoundError("this model has no speakers to synthesize with")
+        request = request or {}
+        available = ", ".join(catalog.names)
+        chosen: Voice | None = None
+        if name := request.get("name"):
+            chosen = catalog.find(name)
+            if chosen is None and _LANGUAGE_TAG.fullmatch(name):
+                # wyoming <= 1.9 parsed a language-only voice into name=<language>
+                chosen = catalog.for_language(name)
+            if chosen is None:
+                raise VoiceNotFoundError(f"unknown voice {name!r}; available: {available}")
+        elif language := request.get("language"):
+            chosen = catalog.for_language(language)
+            if chosen is None:
+                raise VoiceNotFoundError(
+                    f"no voice for language {language!r}; available: {available}"
+                )
+        if speaker := request.get("speaker"):
+            chosen = catalog.find(speaker)
+            if chosen is None:
+                raise VoiceNotFoundError(f"unknown speaker {speaker!r}; available: {available}")
+        if chosen is None and self._config.voice:
+            chosen = catalog.find(self._config.voice)
+        if chosen is None:  # no voice asked for: one that speaks the text's language
+            chosen = catalog.for_language(detect_language(text)) or catalog.voices[0]
+        return chosen
+
+    # --- events out ---------------------------------------------------------------------
+
+    async def _sender(self) -> None:
+        try:
+            while (event := await self._out.get()) is not None:
+                await async_write_event(event, self._writer)
+                self._last_activity = time.monotonic()
+                if event.type == "audio-chunk" and event.payload:
+                    self._buffered -= len(event.payload) // _WIDTH
+                    self._space.set()
+        except (ConnectionError, OSError):
+            self._cancel.set()  # the client is gone: stop its synthesis
+        finally:
+            self._writer.close()

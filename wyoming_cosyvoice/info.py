@@ -1,0 +1,130 @@
+"""The ``info`` answer to ``describe``, and voice names ↔ CosyVoice speakers.
+
+CosyVoice's speakers have Chinese names (``中文女`` = "Chinese, female"). Home Assistant shows a
+voice's description and stores its name in automations, so every speaker gets a stable ASCII
+name (``zh-female``) and keeps the original in the description. Cantonese is advertised as
+``zh_HK``: HA's language matching parses tags as language + region, so ``zh_HK`` matches the
+``zh-Hant``/``zh-HK`` UI languages, while ``yue`` would match no language HA offers.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass
+
+from wyoming.info import Attribution, Info, TtsProgram, TtsVoice
+
+from wyoming_cosyvoice import __version__
+
+PROGRAM_NAME = "cosyvoice"
+ATTRIBUTION = Attribution(
+    name="CosyVoice by FunAudioLLM (Alibaba Tongyi Lab)",
+    url="https://github.com/FunAudioLLM/CosyVoice",
+)
+
+# prefix of an official speaker name -> (slug prefix, HA languages, English label)
+_LANGUAGE_PREFIXES = {
+    "中文": ("zh", ["zh_CN"], "Mandarin Chinese"),
+    "英文": ("en", ["en_US"], "English"),
+    "日语": ("ja", ["ja_JP"], "Japanese"),
+    "日文": ("ja", ["ja_JP"], "Japanese"),
+    "粤语": ("yue", ["zh_HK"], "Cantonese"),
+    "韩语": ("ko", ["ko_KR"], "Korean"),
+    "韩文": ("ko", ["ko_KR"], "Korean"),
+}
+_GENDERS = {"女": "female", "男": "male"}
+# CosyVoice v1 is multilingual: a speaker of unknown origin is offered for every language.
+ALL_LANGUAGES = ["zh_CN", "en_US", "ja_JP", "ko_KR", "zh_HK"]
+
+
+@dataclass(frozen=True)
+class Voice:
+    name: str  # stable ASCII voice name, e.g. "zh-female"
+    speaker: str  # the model's speaker key, e.g. "中文女"
+    languages: tuple[str, ...]
+    description: str
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
+
+
+def describe_speaker(speaker: str) -> tuple[str, list[str], str]:
+    """(ASCII name, HA languages, description) for one speaker name; deterministic."""
+    for prefix, (code, languages, label) in _LANGUAGE_PREFIXES.items():
+        rest = speaker[len(prefix) :]
+        if speaker.startswith(prefix) and rest in _GENDERS:
+            gender = _GENDERS[rest]
+            return f"{code}-{gender}", list(languages), f"{speaker} ({label}, {gender})"
+    slug = _slug(speaker) if speaker.isascii() else ""
+    if not slug:
+        # Non-ASCII names get a short hash: stable across restarts and machines.
+        slug = "speaker-" + hashlib.sha1(speaker.encode("utf-8")).hexdigest()[:8]
+    return slug, list(ALL_LANGUAGES), speaker
+
+
+class VoiceCatalog:
+    """The advertised voices of one model, and the lookups a request needs."""
+
+    def __init__(self, speakers: list[str]) -> None:
+        voices: list[Voice] = []
+        taken: set[str] = set()
+        for speaker in sorted(speakers):
+            name, languages, description = describe_speaker(speaker)
+            unique, n = name, 2
+            while unique in taken:  # two speakers mapping to one slug keep distinct names
+                unique, n = f"{name}-{n}", n + 1
+            taken.add(unique)
+            voices.append(Voice(unique, speaker, tuple(languages), description))
+        self.voices = sorted(voices, key=lambda v: v.name)
+        self._by_key = {v.name.casefold(): v for v in self.voices}
+        self._by_key.update({v.speaker.casefold(): v for v in self.voices})
+
+    def find(self, name: str) -> Voice | None:
+        """A voice by its ASCII name or by the original speaker name (case-insensitive)."""
+        return self._by_key.get(name.strip().casefold())
+
+    def for_language(self, language: str) -> Voice | None:
+        """The first voice for a language tag: exact tag first, then the bare language."""
+        tag = language.replace("-", "_").casefold()
+        base = tag.split("_")[0]
+        if base == "yue":
+            tag, base = "zh_hk", "zh"
+        for voice in self.voices:
+            if any(lang.casefold() == tag for lang in voice.languages):
+                return voice
+        for voice in self.voices:
+            if any(lang.split("_")[0].casefold() == base for lang in voice.languages):
+                return voice
+        return None
+
+    @property
+    def names(self) -> list[str]:
+        return [v.name for v in self.voices]
+
+
+def build_info(catalog: VoiceCatalog, *, streaming: bool, model: str) -> Info:
+    """One TTS program with one voice per speaker; every field HA needs is always present."""
+    voices = [
+        TtsVoice(
+            name=voice.name,
+            description=voice.description,
+            attribution=ATTRIBUTION,
+            installed=True,
+            version=None,
+            languages=list(voice.languages),
+            speakers=None,
+        )
+        for voice in catalog.voices
+    ]
+    program = TtsProgram(
+        name=PROGRAM_NAME,
+        description=f"CosyVoice text to speech ({model}) on the CPU",
+        attribution=ATTRIBUTION,
+        installed=True,
+        version=__version__,
+        voices=voices,
+        supports_synthesize_streaming=streaming,
+    )
+    return Info(tts=[program])

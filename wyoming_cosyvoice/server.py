@@ -1,0 +1,295 @@
+"""The model host (engine loading and fair, one-at-a-time synthesis) and the listening server.
+
+Threading model: the asyncio loop only parses events and moves bytes. Every engine call (load,
+warmup, each ``next()`` of a synthesis generator, ``close()``) runs on ONE dedicated worker
+thread, so torch's thread-local state (inference mode, thread count) is the same for all calls
+and calls run in submission order. Requests from all connections take an ``asyncio.Lock``,
+whose waiters are woken in FIFO order, once per sentence: a long text cannot starve a short one,
+and ``describe`` never waits for it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import pickle
+import threading
+import zipfile
+from collections.abc import Awaitable, Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Any, Protocol
+from urllib.parse import urlparse
+
+from engine.types import AudioChunk, SynthesisCancelled, SynthesisOptions
+from wyoming_cosyvoice.config import ServerConfig
+from wyoming_cosyvoice.info import VoiceCatalog
+from wyoming_cosyvoice.protocol import ServerBusyError
+
+_LOGGER = logging.getLogger(__name__)
+
+
+class Engine(Protocol):
+    """The part of ``engine.engine.CosyVoiceEngine`` the server uses."""
+
+    speakers: list[str]
+    kind: str
+
+    def synthesize(
+        self, text: str, options: SynthesisOptions, cancel: threading.Event | None = None
+    ) -> Iterator[AudioChunk]: ...
+
+    def warmup(self) -> None: ...
+
+
+EngineFactory = Callable[[Path, "int | None"], Engine]
+
+
+def load_cosyvoice(model_dir: Path, threads: int | None) -> Engine:
+    """The real engine; imported here so torch loads on the engine thread, not at startup."""
+    from engine.engine import CosyVoiceEngine
+
+    return CosyVoiceEngine.load(model_dir, threads=threads)
+
+
+# --- speaker names without torch ------------------------------------------------------------
+
+
+class _Stub:
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def __setstate__(self, state: Any) -> None:
+        pass
+
+
+class _NamesOnlyUnpickler(pickle.Unpickler):
+    """Reads the dict keys of a torch checkpoint; every tensor becomes an inert stub."""
+
+    _ALLOWED = {("collections", "OrderedDict")}
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in self._ALLOWED:
+            return super().find_class(module, name)
+        if module.startswith("torch"):
+            return _Stub  # never import or call anything from the file
+        raise pickle.UnpicklingError(f"{module}.{name} is not allowed")
+
+    def persistent_load(self, pid: Any) -> None:
+        return None
+
+
+def peek_speakers(model_dir: Path) -> list[str] | None:
+    """Speaker names from ``spk2info.pt`` in milliseconds, before torch is even imported.
+
+    Lets ``describe`` list the right voices while the model is still loading. ``None`` if the
+    file is missing or unreadable (the engine's own list is used once it has loaded).
+    """
+    path = model_dir / "spk2info.pt"
+    try:
+        with zipfile.ZipFile(path) as archive:
+            pkl = next(n for n in archive.namelist() if n.endswith("data.pkl"))
+            with archive.open(pkl) as f:
+                table = _NamesOnlyUnpickler(f).load()
+    except Exception as err:  # noqa: BLE001 - a hint only; never fatal
+        _LOGGER.debug("Could not read speaker names from %s: %s", path, err)
+        return None
+    if not isinstance(table, dict) or not all(isinstance(k, str) for k in table):
+        return None
+    return list(table)
+
+
+# --- the model host -------------------------------------------------------------------------
+
+
+class ModelHost:
+    """Owns the engine: loads it in the background and runs syntheses one at a time."""
+
+    def __init__(
+        self,
+        model_dir: Path,
+        *,
+        engine_factory: EngineFactory = load_cosyvoice,
+        threads: int | None = None,
+        warmup: bool = True,
+        speakers_hint: list[str] | None = None,
+    ) -> None:
+        self.model_dir = model_dir
+        self._factory = engine_factory
+        self._threads = threads
+        self._warmup = warmup
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
+        self._lock = asyncio.Lock()
+        self._ready: asyncio.Future[Engine] = asyncio.get_running_loop().create_future()
+        self.catalog = VoiceCatalog(speakers_hint or [])
+        self.engine: Engine | None = None
+        self.waiting = 0  # requests queued for the engine (for the log)
+
+    @property
+    def ready(self) -> asyncio.Future[Engine]:
+        """Resolves to the engine, or raises the load error."""
+        return self._ready
+
+    async def load(self) -> Engine:
+        """Load (and warm up) the engine on the engine thread."""
+        loop = asyncio.get_running_loop()
+        try:
+            _LOGGER.info("Loading model from %s", self.model_dir)
+            start = loop.time()
+            engine = await loop.run_in_executor(
+                self._executor, self._factory, self.model_dir, self._threads
+            )
+            if self._warmup:
+                await loop.run_in_executor(self._executor, engine.warmup)
+            _LOGGER.info(
+                "Model ready in %.1f s (%s, speakers: %s)",
+                loop.time() - start,
+                getattr(engine, "kind", "?"),
+                ", ".join(engine.speakers) or "none",
+            )
+        except BaseException as err:
+            if not self._ready.done():
+                self._ready.set_exception(err)
+            raise
+        self.engine = engine
+        self.catalog = VoiceCatalog(list(engine.speakers))
+        self._ready.set_result(engine)
+        return engine
+
+    async def wait_ready(self, timeout: float) -> Engine:
+        try:
+            return await asyncio.wait_for(asyncio.shield(self._ready), timeout)
+        except asyncio.TimeoutError as err:
+            raise ServerBusyError(f"the model is still loading after {timeout:.0f} s") from err
+
+    async def synthesize(
+        self,
+        text: str,
+        options: SynthesisOptions,
+        cancel: threading.Event,
+        on_chunk: Callable[[AudioChunk], Awaitable[None]],
+        *,
+        load_timeout: float,
+    ) -> None:
+        """Synthesize ``text`` (one sentence) and await ``on_chunk`` for each chunk, in order.
+
+        Waits its turn (FIFO) behind other requests. Raises ``SynthesisCancelled`` when
+        ``cancel`` is set; the engine stops within one chunk.
+        """
+        engine = await self.wait_ready(load_timeout)
+        loop = asyncio.get_running_loop()
+        self.waiting += 1
+        try:
+            await self._lock.acquire()
+        finally:
+            self.waiting -= 1
+        try:
+            if cancel.is_set():
+                raise SynthesisCancelled("cancelled while queued")
+            chunks = await loop.run_in_executor(
+                self._executor, partial(engine.synthesize, text, options, cancel)
+            )
+            try:
+                while (
+                    chunk := await loop.run_in_executor(self._executor, next, chunks, None)
+                ) is not None:
+                    await on_chunk(chunk)
+                    if cancel.is_set():
+                        raise SynthesisCancelled("cancelled by the client")
+            finally:
+                # Queued behind any in-flight next(): the engine thread runs it in order,
+                # even when this task was cancelled mid-await.
+                self._executor.submit(_close_quietly, chunks)
+        finally:
+            self._lock.release()
+
+    def shutdown(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+def _close_quietly(chunks: Iterator[AudioChunk]) -> None:
+    close = getattr(chunks, "close", None)
+    if close is not None:
+        try:
+            close()
+        except Exception:  # noqa: BLE001 - a failing cleanup must not kill the engine thread
+            _LOGGER.exception("Closing a synthesis generator failed")
+
+
+# --- the listening server -------------------------------------------------------------------
+
+
+@dataclass
+class RunningServer:
+    """A started server: its socket address, the model host and a way to stop it."""
+
+    server: asyncio.AbstractServer
+    host: ModelHost
+    config: ServerConfig
+    load_task: asyncio.Task[Engine]
+    handlers: set[asyncio.Task[None]] = field(default_factory=set)
+
+    @property
+    def port(self) -> int:
+        return int(self.server.sockets[0].getsockname()[1])
+
+    async def stop(self) -> None:
+        self.server.close()
+        for task in list(self.handlers):
+            task.cancel()
+        await asyncio.gather(*self.handlers, return_exceptions=True)
+        if not self.load_task.done():
+            self.load_task.cancel()
+        self.host.shutdown()
+
+
+async def create_server(
+    config: ServerConfig,
+    model_dir: Path,
+    *,
+    engine_factory: EngineFactory = load_cosyvoice,
+    splitter_factory: Callable[[], Any] | None = None,
+) -> RunningServer:
+    """Listen on ``config.uri`` at once, then load the model in the background.
+
+    ``engine_factory``/``splitter_factory`` are test hooks (a fake engine, a fixed splitter).
+    """
+    from wyoming_cosyvoice.handler import ConnectionContext, EventHandler
+    from wyoming_cosyvoice.sentences import make_splitter
+
+    host = ModelHost(
+        model_dir,
+        engine_factory=engine_factory,
+        threads=config.threads,
+        warmup=config.warmup,
+        speakers_hint=peek_speakers(model_dir),
+    )
+    context = ConnectionContext(config, host, splitter_factory or make_splitter)
+    handlers: set[asyncio.Task[None]] = set()
+
+    async def on_connect(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        handlers.add(task)
+        try:
+            await EventHandler(reader, writer, context).run()
+        finally:
+            handlers.discard(task)
+
+    # The reader's line limit is the header limit: a longer line raises LimitOverrunError.
+    limit = config.limits.max_header_bytes
+    url = urlparse(config.uri)
+    if url.scheme == "unix":
+        Path(url.path).unlink(missing_ok=True)
+        server = await asyncio.start_unix_server(on_connect, path=url.path, limit=limit)
+    else:
+        if url.hostname is None or url.port is None:
+            raise ValueError(
+                f"--uri {config.uri!r} needs a host and a port, e.g. tcp://0.0.0.0:10200"
+            )
+        server = await asyncio.start_server(on_connect, url.hostname, url.port, limit=limit)
+    _LOGGER.info("Listening on %s", config.uri)
+    load_task = asyncio.create_task(host.load(), name="load model")
+    return RunningServer(server, host, config, load_task, handlers)
