@@ -1,0 +1,1 @@
+"""The performance benchmark: ``python -m engine.bench`` (see docs/benchmark.md)."""

@@ -1,0 +1,150 @@
+"""``python -m engine.bench``: how fast the engine is on this machine, and how far from its limits.
+
+    python -m engine.bench --synthetic 300m                # full-size model, random weights
+    python -m engine.bench --model-dir DIR --json          # real weights, one JSON object
+    python -m engine.bench --synthetic 300m --concurrency 1,2,4   # through the Wyoming server
+
+Stdout is the product (a table, or one JSON object with ``--json``); progress goes to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import subprocess
+import sys
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+_LOGGER = logging.getLogger("engine.bench")
+
+REFERENCE_TEXT = "您好，您咨询的iPhone15 Pro壳子有现货，支持顺丰次日达，现在下单还送钢化膜。"
+DEFAULT_TOKENS = 400  # 8 s of audio at 50 tokens/s
+
+
+def _levels(value: str) -> list[int]:
+    try:
+        levels = [int(part) for part in value.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a list like 1,2,4") from None
+    if not levels or min(levels) < 1:
+        raise argparse.ArgumentTypeError("concurrency levels must be >= 1")
+    return levels
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from engine.bench.profiles import DEFAULT_PROFILE
+    from engine.bench.synthetic import DEFAULT_CACHE_DIR
+
+    parser = argparse.ArgumentParser(prog="python -m engine.bench", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    model = parser.add_mutually_exclusive_group(required=True)
+    model.add_argument("--synthetic", choices=("300m",),
+                       help="build (once) and benchmark a full-size model with random weights")
+    model.add_argument("--model-dir", type=Path, help="a model directory in the official layout")
+    parser.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE_DIR,
+                        help="where --synthetic keeps its model files (default: %(default)s)")
+    parser.add_argument("--tokens", type=int, default=DEFAULT_TOKENS,
+                        help="speech tokens per request, forced (random weights never emit EOS); "
+                             "0 = until EOS (default: %(default)s = 8 s of audio)")
+    parser.add_argument("--text", default=REFERENCE_TEXT, help="text to synthesize")
+    parser.add_argument("--profile", default=DEFAULT_PROFILE,
+                        help="profile of config.yaml (default: %(default)s)")
+    parser.add_argument("--config", type=Path, help="server config.yaml with the profiles")
+    parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="runs, each in a fresh process; medians reported (default: 3)")
+    parser.add_argument("--no-warmup", action="store_true",
+                        help="measure without the engine's warm-up pass")
+    parser.add_argument("--concurrency", type=_levels, metavar="K[,K...]",
+                        help="instead: K simultaneous requests through the Wyoming server")
+    parser.add_argument("--server-arg", action="append", default=[], metavar="ARG",
+                        help="extra server argument for --concurrency (repeatable)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--debug", action="store_true", help="verbose progress on stderr")
+    return parser
+
+
+def measure_limits(threads: int | None) -> dict[str, float]:
+    """This machine's read bandwidth and GEMM throughput, with the benchmark's thread count."""
+    import torch
+
+    from engine.bench.limits import measure_gemm_gflops, measure_mem_bw_gbps
+
+    if threads:
+        torch.set_num_threads(threads)
+    _LOGGER.info("Measuring memory bandwidth and GEMM throughput")
+    return {"mem_bw_gbps": measure_mem_bw_gbps(), "gemm_gflops": measure_gemm_gflops()}
+
+
+def run_worker(config: Any) -> dict[str, Any]:
+    """One repeat in a fresh interpreter (clean peak RSS, real load time)."""
+    command = [sys.executable, "-m", "engine.bench.measure", json.dumps(asdict(config))]
+    # stderr passes through: the engine's warnings and errors stay visible.
+    done = subprocess.run(command, stdout=subprocess.PIPE, text=True, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"benchmark run failed (exit code {done.returncode})")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def run_benchmark(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
+    from engine.bench.measure import RunConfig
+    from engine.bench.profiles import get_profile
+    from engine.bench.report import summarize
+
+    profile = get_profile(args.profile, args.config)  # fail fast on a bad name
+    limits = measure_limits(args.threads)
+    runs = []
+    for index in range(args.repeats):
+        config = RunConfig(model_dir=str(model_dir), text=args.text, tokens=args.tokens or None,
+                           profile=args.profile, threads=args.threads,
+                           config=str(args.config) if args.config else None,
+                           count_flops=index == 0, warmup=not args.no_warmup)
+        _LOGGER.info("Run %d/%d", index + 1, args.repeats)
+        runs.append(run_worker(config))
+        _LOGGER.info("  first audio %.0f ms, total %.0f ms (RTF %.2f)",
+                     runs[-1]["first_audio_ms"], runs[-1]["total_ms"], runs[-1]["rtf"])
+    return summarize(runs, limits, text=args.text, profile=profile.describe(),
+                     model_dir=str(model_dir))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.debug else logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.repeats < 1 or args.tokens < 0:
+        _LOGGER.error("--repeats must be >= 1 and --tokens >= 0")
+        return 2
+    try:
+        if args.synthetic:
+            from engine.bench.synthetic import ensure_synthetic_model
+
+            model_dir = ensure_synthetic_model(args.cache_dir)
+        else:
+            model_dir = args.model_dir
+        if args.concurrency:
+            from engine.bench import concurrency
+
+            result = concurrency.run(model_dir, text=args.text, levels=args.concurrency,
+                                     profile=args.profile, threads=args.threads,
+                                     tokens=args.tokens or None, extra_args=args.server_arg)
+            printer = concurrency.print_table
+        else:
+            from engine.bench.report import print_table
+
+            result = run_benchmark(args, model_dir)
+            printer = print_table
+    except (OSError, ValueError, RuntimeError) as err:
+        _LOGGER.error("%s", err)
+        return 1
+    if args.json:
+        sys.stdout.write(json.dumps(result, ensure_ascii=False) + "\n")
+    else:
+        printer(result, sys.stdout)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

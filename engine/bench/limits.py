@@ -1,0 +1,151 @@
+"""This machine's physical limits, measured in the same run, and the cost of each stage.
+
+A stage's *bound* is the time it could not beat on this machine: the LM decode step must stream
+every weight it multiplies from DRAM once per token (bandwidth bound); the flow estimator and HiFT
+must execute their FLOPs (compute bound). The benchmark reports each stage's time as a multiple
+of its bound, which says how much an optimisation could still gain.
+
+* ``mem_bw_gbps``: read bandwidth of a large fp32 array (a reduction, like a GEMV's weight read).
+* ``gemm_gflops``: fp32 matmul throughput at the flow estimator's Linear shapes (CFG batch 2 ×
+  172 frames = 344 rows; q/k/v 256→512, out 512→256, FFN 256→1024→256).
+* LM bytes per token are counted on the loaded model, in the weight format it actually uses.
+* Flow and HiFT FLOPs are counted with ``torch.utils.flop_counter`` on the loaded modules.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from engine.bench.timers import StageEvent, StageTimer
+from engine.constants import HOP, SAMPLE_RATE
+
+_LOGGER = logging.getLogger(__name__)
+
+MEM_BW_BYTES = 720 * 10**6  # ≈ the fp32 LM weights read per token; far beyond any cache
+GEMM_ROWS = 344  # CFG batch 2 × 172 mel frames (2 s of audio)
+GEMM_SHAPES = ((256, 512), (256, 512), (256, 512), (512, 256), (256, 1024), (1024, 256))
+
+
+def _best_time(fn: Callable[[], object], repeats: int) -> float:
+    """Fastest of ``repeats`` runs after one warm-up: the bound is what the machine *can* do."""
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def measure_mem_bw_gbps(n_bytes: int = MEM_BW_BYTES, repeats: int = 5) -> float:
+    """GB/s of a streaming fp32 read (``sum`` over an array much larger than the caches)."""
+    data = torch.ones(n_bytes // 4)
+    try:
+        return n_bytes / _best_time(data.sum, repeats) / 1e9
+    finally:
+        del data
+
+
+def measure_gemm_gflops(rows: int = GEMM_ROWS, repeats: int = 5, inner: int = 10) -> float:
+    """GFLOP/s of fp32 ``linear`` over the flow estimator's shapes, summed like one block."""
+    generator = torch.Generator().manual_seed(0)
+    operands = [(torch.randn(rows, k, generator=generator), torch.randn(n, k, generator=generator))
+                for k, n in GEMM_SHAPES]
+    flops = inner * sum(2 * rows * k * n for k, n in GEMM_SHAPES)
+
+    def run() -> None:
+        for _ in range(inner):
+            for x, w in operands:
+                torch.nn.functional.linear(x, w)
+
+    with torch.inference_mode():
+        return flops / _best_time(run, repeats) / 1e9
+
+
+# --- LM weight bytes per decode step --------------------------------------------------------
+
+
+def _module_bytes(module: nn.Module) -> int:
+    """Bytes of the weights a module multiplies with, in the stored format (fp32, int8, ...)."""
+    packed = getattr(module, "_packed_params", None)
+    if packed is not None and callable(getattr(module, "weight", None)):
+        # torch.ao dynamic-quantized Linear: the weight lives in an opaque packed blob.
+        weight, bias = module.weight(), module.bias()
+        size = weight.numel() * weight.element_size()
+        return size + (bias.numel() * bias.element_size() if bias is not None else 0)
+    tensors = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
+    return sum(t.numel() * t.element_size() for t in tensors if t.is_floating_point()
+               or t.dtype in (torch.int8, torch.uint8, torch.qint8, torch.quint8))
+
+
+def lm_weight_bytes_per_token(llm: nn.Module) -> int:
+    """Weight bytes one decode step must read: the LM decoder stack, its input layer and head.
+
+    Counted on the official sub-modules ``llm`` (14 layers + input layer) and ``llm_decoder``.
+    ``linear_pos`` is left out: its projection depends only on positions, so an efficient
+    engine reads a precomputed table instead (like the K cache, not a per-token weight read).
+    Positional tables and other buffers that are not module weights are not counted either.
+    """
+    parts = [m for name in ("llm", "llm_decoder") if (m := getattr(llm, name, None)) is not None]
+    if not parts:
+        raise ValueError("LM has no 'llm'/'llm_decoder' sub-modules to count weights of")
+    seen: set[int] = set()
+    total = 0
+    for part in parts:
+        for name, module in part.named_modules():
+            if name.split(".")[-1] == "linear_pos" or id(module) in seen:
+                continue
+            seen.add(id(module))
+            if isinstance(module, (nn.Linear, nn.LayerNorm)) or hasattr(module, "_packed_params"):
+                total += _module_bytes(module)
+    return total
+
+
+# --- FLOPs of the flow and HiFT per second of audio ------------------------------------------
+
+
+@dataclass(frozen=True)
+class StageFlops:
+    """FLOPs per second of audio of the flow (at the profile's steps) and of HiFT."""
+
+    flow_gflop_per_audio_s: float
+    hift_gflop_per_audio_s: float
+    estimator_mflop_per_frame_step: float  # per ODE step, both CFG branches (SPEC: 172.4)
+
+
+def count_stage_flops(run_chunk: Callable[[int], object], timer: StageTimer,
+                      n_timesteps: int) -> StageFlops:
+    """Count FLOPs by running one vocoder chunk with 1 and with 2 ODE steps.
+
+    ``run_chunk(steps)`` runs flow + HiFT once on a fixed token window through the timed model
+    methods. The difference between 2 and 1 steps isolates one estimator pass from the flow
+    encoder, so the count scales to any number of steps without running all of them.
+    """
+    from torch.utils.flop_counter import FlopCounterMode
+
+    runs: dict[int, tuple[StageEvent, StageEvent]] = {}
+    for steps in (1, 2):
+        timer.reset()
+        with FlopCounterMode(display=False) as counter:
+            timer.counter = counter
+            try:
+                run_chunk(steps)
+            finally:
+                timer.counter = None
+        runs[steps] = (timer.of("flow")[-1], timer.of("hift")[-1])
+    timer.reset()
+    (flow1, hift1), (flow2, _) = runs[1], runs[2]
+    per_step = flow2.flops - flow1.flops
+    encoder = flow1.flops - per_step
+    frames = flow1.audio_s * SAMPLE_RATE / HOP
+    return StageFlops(
+        flow_gflop_per_audio_s=(encoder + n_timesteps * per_step) / flow1.audio_s / 1e9,
+        hift_gflop_per_audio_s=hift1.flops / hift1.audio_s / 1e9,
+        estimator_mflop_per_frame_step=per_step / frames / 1e6,
+    )

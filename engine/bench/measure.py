@@ -1,0 +1,182 @@
+"""One measured run in a fresh process: load, warm up, one streamed and one whole request.
+
+Run as ``python -m engine.bench.measure '<json config>'``; prints one JSON object as its last
+stdout line. A fresh process per repeat keeps ``peak_rss_mb`` honest (no earlier run, limit probe
+or model generation in the same address space) and measures ``load_s`` the way a server start
+would see it (with whatever the page cache holds).
+
+What a run measures:
+
+* ``load_s``: ``CosyVoiceEngine.load`` of the model directory.
+* streaming request: ``first_audio_ms`` (request → first audio chunk) and ``stall_ms`` (playing
+  from the first chunk in real time, the total time playback waits for the next chunk).
+* non-streaming request: ``total_ms`` and ``rtf``; the stages then run one after the other, so
+  the stage timers give clean ``lm_ms_per_token``, ``flow_ms_per_audio_s``, ``hift_ms_per_audio_s``.
+* optionally FLOPs of flow and HiFT per audio second, and the LM's weight bytes per token.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import resource
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine.bench.limits import count_stage_flops, lm_weight_bytes_per_token
+from engine.bench.profiles import get_profile
+from engine.bench.timers import StageTimer
+from engine.constants import SPEECH_VOCAB
+
+_LOGGER = logging.getLogger(__name__)
+FLOP_COUNT_TOKENS = 50  # 1 s of audio: enough frames that per-frame costs are representative
+SEED = 0
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """What the parent process asks one worker to measure."""
+
+    model_dir: str
+    text: str
+    tokens: int
+    profile: str
+    threads: int | None = None
+    config: str | None = None  # server config.yaml with the profiles; None = the repo's
+    count_flops: bool = False
+    warmup: bool = True
+
+
+def peak_rss_mb() -> float:
+    """Peak resident set size of this process (VmHWM; ru_maxrss where /proc is missing)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    # Linux reports ru_maxrss in KiB, macOS in bytes.
+    scale = 1 if sys.platform == "darwin" else 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale / 2**20
+
+
+def playback_stall_s(arrivals: list[float], durations: list[float]) -> float:
+    """Total wait of a real-time player that starts at the first chunk and never skips.
+
+    ``arrivals[i]`` is when chunk i was ready, ``durations[i]`` its length in seconds. Whenever
+    a chunk arrives after the previous audio has finished playing, the player waits.
+    """
+    if not arrivals:
+        return 0.0
+    stall = 0.0
+    play_end = arrivals[0] + durations[0]
+    for arrival, duration in zip(arrivals[1:], durations[1:], strict=True):
+        if arrival > play_end:
+            stall += arrival - play_end
+            play_end = arrival
+        play_end += duration
+    return stall
+
+
+def _stream_request(engine: Any, text: str, options: Any) -> dict[str, float | int]:
+    arrivals: list[float] = []
+    durations: list[float] = []
+    start = time.perf_counter()
+    for chunk in engine.synthesize(text, options):
+        if chunk.duration_s > 0:
+            arrivals.append(time.perf_counter() - start)
+            durations.append(chunk.duration_s)
+    if not arrivals:
+        raise RuntimeError("the streaming request produced no audio")
+    return {"first_audio_ms": arrivals[0] * 1000,
+            "stall_ms": playback_stall_s(arrivals, durations) * 1000,
+            "stream_total_ms": arrivals[-1] * 1000, "chunks": len(arrivals)}
+
+
+def _whole_request(engine: Any, text: str, options: Any) -> dict[str, float]:
+    start = time.perf_counter()
+    audio_s = sum(chunk.duration_s for chunk in engine.synthesize(text, options))
+    total = time.perf_counter() - start
+    if audio_s <= 0:
+        raise RuntimeError("the non-streaming request produced no audio")
+    return {"total_ms": total * 1000, "audio_s": audio_s, "rtf": total / audio_s}
+
+
+def _stage_flops(engine: Any, timer: StageTimer, n_timesteps: int,
+                 cfg_rate: float) -> dict[str, float]:
+    """FLOPs of flow and HiFT per audio second, counted on one 1-second vocoder chunk."""
+    from engine.streaming import ChunkVocoder, FlowPrompt, GeneratorNoise
+
+    models = engine.models
+    embedding = models.speakers[engine.speakers[0]].reshape(1, -1)
+    tokens = torch.randint(0, SPEECH_VOCAB, (1, FLOP_COUNT_TOKENS),
+                           generator=torch.Generator().manual_seed(SEED))
+
+    def run_chunk(steps: int) -> None:
+        noise = GeneratorNoise(torch.Generator().manual_seed(SEED))
+        vocoder = ChunkVocoder(models.flow, models.hift, FlowPrompt(embedding), noise,
+                               n_timesteps=steps, cfg_rate=cfg_rate)
+        with torch.inference_mode():
+            vocoder.chunk(tokens, finalize=True)
+
+    return asdict(count_stage_flops(run_chunk, timer, n_timesteps))
+
+
+def run(config: RunConfig) -> dict[str, Any]:
+    """Measure one configuration in this process; returns the worker's JSON object."""
+    from engine.engine import CosyVoiceEngine
+    from engine.types import SynthesisOptions
+
+    profile = get_profile(config.profile, Path(config.config) if config.config else None)
+    start = time.perf_counter()
+    engine = CosyVoiceEngine.load(config.model_dir, threads=config.threads)
+    result: dict[str, Any] = {"load_s": time.perf_counter() - start,
+                              "threads": torch.get_num_threads()}
+    timer = StageTimer()
+    timer.install(engine.models)
+
+    if config.warmup and hasattr(engine, "warmup"):
+        start = time.perf_counter()
+        engine.warmup()  # as the server does: first-call kernel setup is not the request's cost
+        result["warmup_s"] = time.perf_counter() - start
+
+    options = SynthesisOptions(stream=True, schedule=profile.schedule, seed=SEED,
+                               n_timesteps=profile.n_timesteps, cfg_rate=profile.cfg_rate,
+                               force_tokens=config.tokens)
+    timer.reset()
+    result.update(_stream_request(engine, config.text, options))
+
+    timer.reset()
+    whole = SynthesisOptions(stream=False, schedule=profile.schedule, seed=SEED,
+                             n_timesteps=profile.n_timesteps, cfg_rate=profile.cfg_rate,
+                             force_tokens=config.tokens)
+    result.update(_whole_request(engine, config.text, whole))
+    result.update(timer.lm_summary())
+    result["flow_ms_per_audio_s"] = timer.ms_per_audio_s("flow")
+    result["hift_ms_per_audio_s"] = timer.ms_per_audio_s("hift")
+    # Before the FLOP count: the peak of a serving process, not of the counting pass.
+    result["peak_rss_mb"] = peak_rss_mb()
+
+    result["lm_weight_bytes_per_token"] = lm_weight_bytes_per_token(engine.models.llm)
+    if config.count_flops:
+        result.update(_stage_flops(engine, timer, profile.n_timesteps, profile.cfg_rate))
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = RunConfig(**json.loads(argv[0]))
+    result = run(config)
+    sys.stdout.write(json.dumps(result) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,125 @@
+"""Combine the repeats and the machine limits into one result; print it as a table or JSON.
+
+Every measured figure is the median over the repeats, with ``min``/``max`` under ``spread``.
+Bounds use this run's limits: ``lm_bound_ms_per_token`` = LM weight bytes per token ÷ read
+bandwidth, ``flow_bound_ms_per_audio_s`` / ``hift_bound_ms_per_audio_s`` = FLOPs per audio second
+÷ GEMM throughput. ``*_vs_bound`` is measured ÷ bound (1.0 = at this machine's physical limit).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from collections.abc import Iterable
+from typing import Any, TextIO
+
+# Figures that are measured per repeat and summarised as median/min/max.
+MEASURED = ("load_s", "warmup_s", "peak_rss_mb", "first_audio_ms", "stall_ms", "stream_total_ms",
+            "total_ms", "rtf", "lm_prefill_ms", "lm_ms_per_token", "flow_ms_per_audio_s",
+            "hift_ms_per_audio_s", "audio_s")
+# Per-run facts that do not vary between repeats (taken from the first run that has them).
+FACTS = ("threads", "tokens", "chunks", "lm_weight_bytes_per_token", "flow_gflop_per_audio_s",
+         "hift_gflop_per_audio_s", "estimator_mflop_per_frame_step")
+
+
+def _median(values: Iterable[float | None]) -> dict[str, float] | None:
+    present = [v for v in values if v is not None]
+    if not present:
+        return None
+    return {"median": statistics.median(present), "min": min(present), "max": max(present)}
+
+
+def _ratio(value: float | None, bound: float | None) -> float | None:
+    return value / bound if value is not None and bound else None
+
+
+def summarize(runs: list[dict[str, Any]], limits: dict[str, float], *, text: str,
+              profile: dict[str, Any], model_dir: str) -> dict[str, Any]:
+    """One JSON-able object: medians at the top level, spread, limits, bounds and ratios."""
+    result: dict[str, Any] = {"model_dir": model_dir, "text": text, "profile": profile["name"],
+                              "profile_settings": profile, "repeats": len(runs)}
+    spread = {key: _median(run.get(key) for run in runs) for key in MEASURED}
+    for key, stats in spread.items():
+        result[key] = stats["median"] if stats else None
+    for key in FACTS:
+        result[key] = next((run[key] for run in runs if run.get(key) is not None), None)
+    result.update(limits)
+
+    bw, gemm = limits.get("mem_bw_gbps"), limits.get("gemm_gflops")
+    weight_bytes = result["lm_weight_bytes_per_token"]
+    result["lm_bound_ms_per_token"] = (weight_bytes / (bw * 1e9) * 1e3
+                                       if weight_bytes and bw else None)
+    for stage in ("flow", "hift"):
+        gflop = result[f"{stage}_gflop_per_audio_s"]
+        result[f"{stage}_bound_ms_per_audio_s"] = gflop / gemm * 1e3 if gflop and gemm else None
+    for stage, unit in (("lm", "ms_per_token"), ("flow", "ms_per_audio_s"),
+                        ("hift", "ms_per_audio_s")):
+        result[f"{stage}_vs_bound"] = _ratio(result[f"{stage}_{unit}"],
+                                             result[f"{stage}_bound_{unit}"])
+    # Bound-limited RTF: every stage at its bound, run back to back (no overlap credited).
+    bounds = (result["lm_bound_ms_per_token"], result["flow_bound_ms_per_audio_s"],
+              result["hift_bound_ms_per_audio_s"])
+    if all(bounds) and result["tokens"] and result["audio_s"]:
+        tokens_per_s = result["tokens"] / result["audio_s"]
+        result["rtf_bound"] = (bounds[0] * tokens_per_s + bounds[1] + bounds[2]) / 1000
+    else:
+        result["rtf_bound"] = None
+    result["spread"] = {k: v for k, v in spread.items() if v is not None}
+    result["runs"] = runs
+    return result
+
+
+def _fmt(value: Any, digits: int = 1) -> str:
+    if value is None:
+        return "–"
+    if isinstance(value, float):
+        return f"{value:,.{digits}f}"
+    return str(value)
+
+
+_TABLE = (
+    # (label, key, unit, bound key, ratio key, digits)
+    ("load", "load_s", "s", None, None, 2),
+    ("peak RSS", "peak_rss_mb", "MB", None, None, 0),
+    ("first audio (stream)", "first_audio_ms", "ms", None, None, 0),
+    ("playback stalls (stream)", "stall_ms", "ms", None, None, 0),
+    ("total (whole)", "total_ms", "ms", None, None, 0),
+    ("RTF (whole)", "rtf", "", "rtf_bound", None, 2),
+    ("LM prefill", "lm_prefill_ms", "ms", None, None, 0),
+    ("LM decode", "lm_ms_per_token", "ms/token", "lm_bound_ms_per_token", "lm_vs_bound", 1),
+    ("flow", "flow_ms_per_audio_s", "ms/audio-s", "flow_bound_ms_per_audio_s",
+     "flow_vs_bound", 0),
+    ("HiFT", "hift_ms_per_audio_s", "ms/audio-s", "hift_bound_ms_per_audio_s",
+     "hift_vs_bound", 0),
+)
+
+
+def print_table(result: dict[str, Any], out: TextIO) -> None:
+    """A readable summary: medians with min–max, bounds and how far each stage is from its bound."""
+    w = out.write
+    w(f"model     {result['model_dir']}\n")
+    settings = json.dumps(result["profile_settings"], ensure_ascii=False)
+    w(f"profile   {result['profile']} {settings}\n")
+    w(f"text      {result['text']}\n")
+    w(f"tokens    {result['tokens']} → {_fmt(result['audio_s'], 2)} s of audio, "
+      f"threads {result['threads']}, repeats {result['repeats']}\n")
+    w(f"machine   read bandwidth {_fmt(result.get('mem_bw_gbps'))} GB/s, "
+      f"fp32 GEMM {_fmt(result.get('gemm_gflops'))} GFLOP/s\n\n")
+    w(f"{'metric':<26}{'median':>12}{'min':>11}{'max':>11}  {'unit':<11}"
+      f"{'bound':>10}{'×bound':>8}\n")
+    w("-" * 89 + "\n")
+    for label, key, unit, bound_key, ratio_key, digits in _TABLE:
+        stats = result["spread"].get(key) or {}
+        w(f"{label:<26}{_fmt(result.get(key), digits):>12}{_fmt(stats.get('min'), digits):>11}"
+          f"{_fmt(stats.get('max'), digits):>11}  {unit:<11}"
+          f"{_fmt(result.get(bound_key), digits) if bound_key else '':>10}"
+          f"{_fmt(result.get(ratio_key), 2) if ratio_key else '':>8}\n")
+    weight_mb = (result.get("lm_weight_bytes_per_token") or 0) / 1e6
+    w(f"\nLM weights read per token {weight_mb:,.1f} MB; flow "
+      f"{_fmt(result.get('flow_gflop_per_audio_s'))} GFLOP and HiFT "
+      f"{_fmt(result.get('hift_gflop_per_audio_s'))} GFLOP per audio second "
+      f"(estimator {_fmt(result.get('estimator_mflop_per_frame_step'))} MFLOP per frame·step).\n")
+
+
+def print_json(result: dict[str, Any], out: TextIO) -> None:
+    out.write(json.dumps(result, ensure_ascii=False) + "\n")

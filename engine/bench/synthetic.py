@@ -1,0 +1,165 @@
+"""A full-size CosyVoice-300M with random weights, saved once in the official file layout.
+
+Speed does not depend on weight values, so random weights give honest timings — but only if the
+engine reads them from real files exactly as it reads the released checkpoints: the load time, the
+memory mapping and the HiFT weight-norm folding are then all measured too. The files are written
+once under a cache directory and reused:
+
+    <cache-dir>/CosyVoice-300M-SFT/{cosyvoice.yaml, llm.pt, flow.pt, hift.pt, spk2info.pt}
+
+The model directory is named like the official SFT release because the engine (and the server)
+infer the model kind from the directory name. The state-dict keys and shapes come from the
+engine's own modules built on the ``meta`` device from the official config, i.e. exactly what the
+loader checks the real checkpoints against; ``hift.pt`` uses the legacy ``weight_g``/``weight_v``
+layout of the released files.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import re
+import shutil
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+_LOGGER = logging.getLogger(__name__)
+
+DEFAULT_CACHE_DIR = Path.home() / ".cache" / "wyoming-cosyvoice" / "synthetic-300m"
+MODEL_DIR_NAME = "CosyVoice-300M-SFT"
+MARKER_FILE = "synthetic.json"
+# Bump when the generated files change, so stale caches are rebuilt.
+FORMAT_VERSION = 1
+SEED = 1986
+SFT_SPEAKERS = ("中文女", "中文男", "日语男", "粤语女", "英文女", "英文男", "韩语女")
+SPEAKER_EMBED_DIM = 192
+
+# Convs that the official HiFT wraps in weight norm (SPEC §6; manifest_300m.json lists the 57).
+_WEIGHT_NORMED = re.compile(
+    r"^(conv_pre|conv_post|ups\.\d+|f0_predictor\.condnet\.\d+"
+    r"|(source_)?resblocks\.\d+\.convs[12]\.\d+)\.weight$"
+)
+
+
+def official_config_path() -> Path:
+    """The official full-size ``cosyvoice.yaml`` kept with the test fixtures of this repo."""
+    path = Path(__file__).resolve().parents[2] / "tests" / "data" / "cosyvoice_300m.yaml"
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"{path} not found: --synthetic needs a source checkout of wyoming-cosyvoice "
+            "(or benchmark a real model with --model-dir)"
+        )
+    return path
+
+
+def state_dict_specs(config: Path) -> dict[str, dict[str, torch.Size]]:
+    """{file: {key: shape}} of the three checkpoints, as the engine expects them (HiFT folded)."""
+    from engine.flow import FlowModel
+    from engine.hift import HiFTGenerator
+    from engine.hparams import load_model_args
+    from engine.llm import TransformerLM
+
+    args = load_model_args(config)
+    specs: dict[str, dict[str, torch.Size]] = {}
+    # meta: shapes only, no memory — the full LM alone would be 1.24 GB.
+    with torch.device("meta"):
+        for name, module in (("llm.pt", TransformerLM(args.llm)), ("flow.pt", FlowModel(args.flow)),
+                             ("hift.pt", HiFTGenerator(args.hift))):
+            specs[name] = {k: v.shape for k, v in module.state_dict(keep_vars=True).items()}
+    return specs
+
+
+def legacy_hift_specs(specs: dict[str, torch.Size]) -> dict[str, torch.Size]:
+    """Expand each weight-normed ``X.weight`` into ``X.weight_g`` (dim-0 norms) + ``X.weight_v``."""
+    out: dict[str, torch.Size] = {}
+    for key, shape in specs.items():
+        if _WEIGHT_NORMED.match(key):
+            stem = key[: -len(".weight")]
+            out[f"{stem}.weight_g"] = torch.Size([shape[0], *([1] * (len(shape) - 1))])
+            out[f"{stem}.weight_v"] = shape
+        else:
+            out[key] = shape
+    return out
+
+
+def random_tensor(key: str, shape: torch.Size, generator: torch.Generator) -> torch.Tensor:
+    """A plausible random value: PyTorch-default-like uniform weights, unit norms, zero biases.
+
+    The scale matters even though values do not: 1/sqrt(fan_in) keeps activations O(1) through
+    14 layers, so no inf/NaN (which would break sampling) and no denormals (which are slow).
+    """
+    if key.endswith("bias") or len(shape) == 0:
+        return torch.zeros(shape)
+    if len(shape) == 1:
+        return torch.ones(shape)  # LayerNorm/GroupNorm scales, Snake alphas
+    bound = 1.0 / math.sqrt(math.prod(shape[1:]))
+    return torch.empty(shape).uniform_(-bound, bound, generator=generator)
+
+
+def _random_state(specs: dict[str, torch.Size], generator: torch.Generator,
+                  ) -> Iterator[tuple[str, torch.Tensor]]:
+    values: dict[str, torch.Tensor] = {}
+    for key, shape in specs.items():
+        if key.endswith(".weight_g"):
+            continue  # written together with its weight_v below
+        value = random_tensor(key.replace(".weight_v", ".weight"), shape, generator)
+        if key.endswith(".weight_v"):
+            # g = ‖v‖ per output channel makes the folded weight g·v/‖v‖ equal to v itself.
+            stem = key[: -len(".weight_v")]
+            norms = value.flatten(1).norm(dim=1)
+            values[f"{stem}.weight_g"] = norms.view(specs[f"{stem}.weight_g"])
+        values[key] = value
+    for key in specs:  # official key order
+        yield key, values.pop(key)
+
+
+def _save(path: Path, state: dict[str, torch.Tensor]) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(state, tmp)
+    os.replace(tmp, path)  # never leave a truncated file under the final name
+
+
+def _marker(config_text: str) -> dict[str, object]:
+    return {"format_version": FORMAT_VERSION, "seed": SEED,
+            "config_chars": len(config_text), "speakers": list(SFT_SPEAKERS)}
+
+
+def ensure_synthetic_model(cache_dir: Path = DEFAULT_CACHE_DIR) -> Path:
+    """Return the synthetic model directory, generating it first if it is missing or stale."""
+    config = official_config_path()
+    config_text = config.read_text(encoding="utf-8")
+    model_dir = Path(cache_dir).expanduser() / MODEL_DIR_NAME
+    marker = model_dir / MARKER_FILE
+    try:
+        if json.loads(marker.read_text(encoding="utf-8")) == _marker(config_text):
+            _LOGGER.info("Using the synthetic model in %s", model_dir)
+            return model_dir
+    except (OSError, ValueError):
+        pass
+    start = time.perf_counter()
+    _LOGGER.info("Generating a full-size synthetic CosyVoice-300M in %s (once, ~1.7 GB)", model_dir)
+    if model_dir.exists():
+        shutil.rmtree(model_dir)
+    model_dir.mkdir(parents=True)
+    shutil.copyfile(config, model_dir / "cosyvoice.yaml")
+    generator = torch.Generator().manual_seed(SEED)
+    specs = state_dict_specs(config)
+    specs["hift.pt"] = legacy_hift_specs(specs["hift.pt"])
+    for name, file_specs in specs.items():
+        # One checkpoint in memory at a time (the LM is 1.24 GB); freed before the next one.
+        state = dict(_random_state(file_specs, generator))
+        _save(model_dir / name, state)
+        del state
+        _LOGGER.info("  wrote %s (%.0f MB)", name, (model_dir / name).stat().st_size / 1e6)
+    speakers = {name: {"embedding": torch.randn(1, SPEAKER_EMBED_DIM, generator=generator)}
+                for name in SFT_SPEAKERS}
+    _save(model_dir / "spk2info.pt", speakers)
+    # Written last: its presence means every file above is complete.
+    marker.write_text(json.dumps(_marker(config_text)), encoding="utf-8")
+    _LOGGER.info("Synthetic model ready after %.1f s", time.perf_counter() - start)
+    return model_dir

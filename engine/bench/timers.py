@@ -1,0 +1,123 @@
+"""Per-stage timers installed around the loaded models' entry points (engine code untouched).
+
+The engine calls three model methods: ``llm.generate`` (a token generator, run in the LM thread),
+``flow.inference`` (tokens → mel) and ``hift.inference`` (mel → audio). The timer replaces them
+with instance attributes that call the original and record a :class:`StageEvent`. In a
+non-streaming request the stages run one after the other (the vocoder waits for the last token),
+so their times are clean per-stage costs; in a streaming request they overlap on the two cores.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from engine.constants import HOP, SAMPLE_RATE
+
+
+@dataclass
+class StageEvent:
+    """One call of a stage: wall times (perf_counter s), output size and optional FLOPs."""
+
+    stage: str  # "lm" | "flow" | "hift"
+    start: float
+    end: float
+    audio_s: float = 0.0  # flow, hift: seconds of audio the output stands for
+    token_times: list[float] = field(default_factory=list)  # lm: when each token was yielded
+    flops: int = 0  # only while a FlopCounterMode is attached
+
+    @property
+    def seconds(self) -> float:
+        return self.end - self.start
+
+
+def _first_tensor(result: Any) -> torch.Tensor:
+    return result[0] if isinstance(result, (tuple, list)) else result
+
+
+class StageTimer:
+    """Records every LM, flow and HiFT call of a loaded model set."""
+
+    def __init__(self) -> None:
+        self.events: list[StageEvent] = []
+        self.counter: Any = None  # a torch FlopCounterMode while counting FLOPs
+        self._lock = threading.Lock()  # the LM thread records concurrently
+
+    def _flops(self) -> int:
+        return int(self.counter.get_total_flops()) if self.counter is not None else 0
+
+    def _record(self, event: StageEvent) -> None:
+        with self._lock:
+            self.events.append(event)
+
+    def install(self, models: Any) -> None:
+        """Wrap ``models.llm.generate``, ``models.flow.inference`` and ``models.hift.inference``."""
+        models.llm.generate = self._wrap_generator(models.llm.generate)
+        # mel (1, 80, frames) → HOP samples per frame; audio (1, samples) → samples.
+        models.flow.inference = self._wrap_call(
+            "flow", models.flow.inference, lambda out: out.shape[-1] * HOP / SAMPLE_RATE)
+        models.hift.inference = self._wrap_call(
+            "hift", models.hift.inference, lambda out: out.shape[-1] / SAMPLE_RATE)
+
+    def _wrap_call(self, stage: str, method: Callable[..., Any],
+                   seconds_of: Callable[[torch.Tensor], float]) -> Callable[..., Any]:
+        @functools.wraps(method)
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            flops = self._flops()
+            start = time.perf_counter()
+            result = method(*args, **kwargs)
+            end = time.perf_counter()
+            self._record(StageEvent(stage, start, end, audio_s=seconds_of(_first_tensor(result)),
+                                    flops=self._flops() - flops))
+            return result
+
+        return timed
+
+    def _wrap_generator(self, method: Callable[..., Iterator[int]]) -> Callable[..., Iterator[int]]:
+        @functools.wraps(method)
+        def timed(*args: Any, **kwargs: Any) -> Iterator[int]:
+            start = time.perf_counter()
+            times: list[float] = []
+            try:
+                for token in method(*args, **kwargs):
+                    times.append(time.perf_counter())
+                    yield token
+            finally:  # also when the consumer stops early
+                end = times[-1] if times else time.perf_counter()
+                self._record(StageEvent("lm", start, end, token_times=times))
+
+        return timed
+
+    def reset(self) -> None:
+        with self._lock:
+            self.events.clear()
+
+    def of(self, stage: str) -> list[StageEvent]:
+        with self._lock:
+            return [e for e in self.events if e.stage == stage]
+
+    # --- per-stage summaries -----------------------------------------------------------------
+
+    def lm_summary(self) -> dict[str, float | int | None]:
+        """Tokens, prefill (call → first token) and decode ms per token (first → last token)."""
+        events = [e for e in self.of("lm") if e.token_times]
+        tokens = sum(len(e.token_times) for e in events)
+        steps = sum(len(e.token_times) - 1 for e in events)
+        decode = sum(e.token_times[-1] - e.token_times[0] for e in events)
+        prefill = sum(e.token_times[0] - e.start for e in events)
+        return {
+            "tokens": tokens,
+            "lm_prefill_ms": prefill * 1000 if events else None,
+            "lm_ms_per_token": decode / steps * 1000 if steps else None,
+        }
+
+    def ms_per_audio_s(self, stage: str) -> float | None:
+        events = self.of(stage)
+        audio = sum(e.audio_s for e in events)
+        return sum(e.seconds for e in events) / audio * 1000 if audio else None
