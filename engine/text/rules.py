@@ -17,6 +17,7 @@ from engine.text.numbers import en_cardinal, en_digits, zh_cardinal, zh_digits
 # --- language independent -------------------------------------------------------------------
 
 _SURROGATES = re.compile("[\ud800-\udfff]")
+_ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]")
 # C0/C1 controls except tab/newline, zero-width characters, BOM, bidi marks.
 _CONTROLS = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u200b\u200c\u200e\u200f\u2028\u2029\ufeff]")
 _EMOJI = re.compile(
@@ -27,7 +28,7 @@ _EMOJI = re.compile(
 
 def sanitize(text: str) -> str:
     """Drop lone surrogates (tiktoken/kaldifst reject them) and invisible control chars."""
-    text = _SURROGATES.sub("", text)
+    text = _ANSI_ESCAPE.sub("", _SURROGATES.sub("", text))
     text = _CONTROLS.sub("", text.replace("\r\n", "\n").replace("\r", "\n"))
     return text.replace("\t", " ")
 
