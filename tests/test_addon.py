@@ -50,7 +50,7 @@ LANGUAGES = ("en", "zh-Hans")  # zh-Hans: the code HA's frontend uses for Simpli
 SERVER_FLAGS = {
     "--uri", "--model", "--model-dir", "--data-dir", "--download-dir", "--voice", "--profile",
     "--threads", "--samples-per-chunk", "--no-streaming", "--zeroconf", "--seed", "--debug",
-    "--voices-dir", "--version",
+    "--voices-dir", "--version", "--hub-endpoint",
 }  # fmt: skip
 FLAGS_WITHOUT_VALUE = {"--no-streaming", "--debug", "--version"}
 
@@ -234,11 +234,25 @@ def test_default_options_parse_with_the_server_parser(config: dict[str, Any]) ->
     parser = server_parser()
     if parser is None:
         pytest.skip("wyoming_cosyvoice.__main__ exposes no build_parser() yet (issue 4)")
+    main_module = importlib.import_module("wyoming_cosyvoice.__main__")
     every = {**config["options"], "voice": "x", "threads": 2, "streaming": False, "seed": 1,
-             "debug_logging": True}  # fmt: skip
-    for options in (config["options"], every):
-        parsed = parser.parse_args(addon.options_to_args(options))
-        assert parsed.model == options["model"]
+             "hub_endpoint": "https://hf-mirror.com", "debug_logging": True}  # fmt: skip
+    for model in addon.MODELS:
+        for profile in addon.PROFILES:
+            for options in (config["options"], every):
+                options = {**options, "model": model, "profile": profile}
+                parsed = parser.parse_args(addon.options_to_args(options))
+                assert (parsed.model, parsed.profile) == (model, profile)
+                assert parsed.data_dir == ["/data/models", "/share/cosyvoice/models"]
+                assert parsed.voices_dir == "/share/cosyvoice/voices"
+                assert parsed.no_streaming is not options["streaming"]
+                # The server's own validation of every value (profiles exist, ints, paths...).
+                if hasattr(main_module, "config_from_args"):
+                    server_config = main_module.config_from_args(parsed)
+                    assert server_config.profile.name == profile
+                    assert server_config.profile.streaming is (
+                        options["streaming"] and profile != "batch"
+                    )
 
 
 def test_each_option_maps_to_its_flag() -> None:
@@ -263,13 +277,12 @@ def test_each_option_maps_to_its_flag() -> None:
     ]  # fmt: skip
 
 
-def test_hub_endpoint_becomes_hf_endpoint() -> None:
-    assert addon.options_to_env(addon.DEFAULT_OPTIONS) == {}
-    mirror = {"hub_endpoint": "https://hf-mirror.com/"}
-    assert addon.options_to_env(mirror) == {"HF_ENDPOINT": "https://hf-mirror.com"}
-    assert addon.options_to_args(mirror) == addon.options_to_args({})
+def test_hub_endpoint_selects_a_mirror() -> None:
+    args = addon.options_to_args({"hub_endpoint": "https://hf-mirror.com/"})
+    assert args[-2:] == ["--hub-endpoint", "https://hf-mirror.com"]
+    assert "--hub-endpoint" not in addon.options_to_args({"hub_endpoint": ""})
     with pytest.raises(ValueError, match="'hub_endpoint'"):
-        addon.options_to_env({"hub_endpoint": "hf-mirror.com"})
+        addon.options_to_args({"hub_endpoint": "hf-mirror.com"})
 
 
 def test_missing_and_unknown_options_fall_back_to_defaults() -> None:
@@ -300,8 +313,7 @@ def test_main_reads_options_json(tmp_path: Path) -> None:
     (tmp_path / "options.json").write_text(json.dumps(options))
     result = run_addon_main("--options", str(tmp_path / "options.json"), "--print")
     assert result.returncode == 0, result.stderr
-    env, *command = result.stdout.split()
-    assert env == "HF_ENDPOINT=https://hf-mirror.com"
+    command = result.stdout.split()
     assert command[:3] == [sys.executable, "-m", "wyoming_cosyvoice"]
     assert command[3:] == addon.options_to_args(options)
 

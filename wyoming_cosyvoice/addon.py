@@ -104,20 +104,15 @@ def options_to_args(
     seed = _int(options, "seed", None)
     if seed is not None:
         args += ["--seed", str(seed)]
+    endpoint = str(options.get("hub_endpoint") or "").strip()
+    if endpoint:
+        # A Hugging Face mirror, for networks where huggingface.co is unreachable (e.g. China).
+        if not endpoint.startswith(("http://", "https://")):
+            raise ValueError(f"option 'hub_endpoint': {endpoint!r} is not an http(s) URL")
+        args += ["--hub-endpoint", endpoint.rstrip("/")]
     if _bool(options, "debug_logging"):
         args.append("--debug")
     return args
-
-
-def options_to_env(options: Mapping[str, Any]) -> dict[str, str]:
-    """Environment for the server. A Hugging Face mirror (huggingface.co is unreachable from
-    some networks, e.g. in mainland China) goes through the hub client's own HF_ENDPOINT."""
-    endpoint = str(options.get("hub_endpoint") or "").strip()
-    if not endpoint:
-        return {}
-    if not endpoint.startswith(("http://", "https://")):
-        raise ValueError(f"option 'hub_endpoint': {endpoint!r} is not an http(s) URL")
-    return {"HF_ENDPOINT": endpoint.rstrip("/")}
 
 
 def read_options(path: Path) -> dict[str, Any]:
@@ -177,20 +172,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         options = read_options(cli.options)
         args = options_to_args(options, data_dir=cli.data_dir, share_dir=cli.share_dir, uri=cli.uri)
-        env = options_to_env(options)
     except ValueError as err:
         _LOGGER.error("invalid add-on configuration: %s", err)
         return 2
     command = server_command(args)
     if cli.print:
-        sys.stdout.write(" ".join([*(f"{k}={v}" for k, v in env.items()), *command]) + "\n")
+        sys.stdout.write(" ".join(command) + "\n")
         return 0
     prepare_dirs(cli.data_dir, cli.share_dir)
     _LOGGER.info("starting: %s", " ".join(command))
     logging.shutdown()
     # exec, not subprocess: the server becomes the s6 service process, so s6 sees its exit
     # code and signals reach it directly.
-    os.execvpe(command[0], command, {**os.environ, **env})
+    os.execvp(command[0], command)
     return 1  # not reached
 
 
