@@ -207,9 +207,13 @@ class RelPosAttention(nn.Module):
         kc[:, :, start:length] = k
         vc[:, :, start:length] = v
         rows = self._pos_rows(length)  # (h, L, d_k)
-        raw = torch.matmul(q + self.pos_bias_v.unsqueeze(1), rows.transpose(1, 2))  # (B,h,T,L)
-        if t > 1:  # negative relative positions are masked: zero columns keep the skew in range
-            raw = F.pad(raw, (0, t - 1))
+        qv = q + self.pos_bias_v.unsqueeze(1)
+        if t == 1:  # decode: (h, L, d_k) @ (h, d_k, B) streams the rows contiguously
+            b = x.shape[0]
+            raw = torch.bmm(rows, qv.view(b, self.h, self.d_k).permute(1, 2, 0))  # (h, L, B)
+            raw = raw.permute(2, 0, 1).unsqueeze(2)  # (B, h, 1, L)
+        else:  # negative relative positions are masked: zero columns keep the skew in range
+            raw = F.pad(torch.matmul(qv, rows.transpose(1, 2)), (0, t - 1))  # (B, h, T, L+T-1)
         bias = _skew(raw, t, length) * (1.0 / math.sqrt(self.d_k))
         if mask is not None:
             bias = bias.masked_fill(~mask, float("-inf"))
