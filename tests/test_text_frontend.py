@@ -6,6 +6,8 @@ import json
 import threading
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from engine.text.cli import main as cli_main
 from engine.text.frontend import MAX_TEXT_CHARS, Segment, TextFrontend, TextInputError
@@ -141,3 +143,12 @@ def test_cli_text_and_empty(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli_main(["Be calm<|endofprompt|>", "--instruct", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["segments"][0]["token_ids"][-6:] == ENDOFPROMPT_IDS
+
+
+@settings(max_examples=150, deadline=None)
+@given(text=st.text(max_size=60))
+def test_random_text_never_raises_library_errors(text: str) -> None:
+    fe = TextFrontend()
+    for seg in fe.segments(text):
+        assert seg.text.strip() and seg.token_ids
+        assert max(seg.token_ids) < 51866
