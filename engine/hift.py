@@ -35,16 +35,71 @@ class HiftNoise:
     sine_noise: Tensor
 
 
+class _ChannelsLast:
+    """Mixin: run a 1-D conv as a 2-D conv on (1, C, 1, L) channels-last tensors.
+
+    oneDNN's NHWC kernels are much faster than the NCW path for these shapes (measured ~1.8x on
+    the dilated k11 convs at 128 channels). The 4-D weight copy is cached and rebuilt only when
+    the parameter changes (load_state_dict bumps its version counter).
+    """
+
+    weight: nn.Parameter
+    _w4: Tensor | None = None
+    _w4_key: tuple[int, int] | None = None
+
+    def weight4d(self) -> Tensor:
+        w = self.weight
+        key = (w.data_ptr(), w._version)
+        if self._w4 is None or self._w4_key != key:
+            self._w4 = w.detach().unsqueeze(2).contiguous(memory_format=torch.channels_last)
+            self._w4_key = key
+        return self._w4
+
+
+class CLConv1d(_ChannelsLast, nn.Conv1d):
+    """Conv1d whose forward takes and returns (1, C, 1, L) channels-last tensors."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.conv2d(
+            x,
+            self.weight4d(),
+            self.bias,
+            stride=(1, self.stride[0]),
+            padding=(0, self.padding[0]),  # type: ignore[index]
+            dilation=(1, self.dilation[0]),
+        )
+
+
+class CLConvTranspose1d(_ChannelsLast, nn.ConvTranspose1d):
+    """ConvTranspose1d on (1, C, 1, L) channels-last tensors."""
+
+    def forward(self, x: Tensor) -> Tensor:  # type: ignore[override]
+        return F.conv_transpose2d(
+            x,
+            self.weight4d(),
+            self.bias,
+            stride=(1, self.stride[0]),
+            padding=(0, self.padding[0]),  # type: ignore[index]
+        )
+
+
+def _to_cl(x: Tensor) -> Tensor:
+    """(1, C, L) → (1, C, 1, L) channels-last."""
+    return x.unsqueeze(2).contiguous(memory_format=torch.channels_last)
+
+
 class Snake(nn.Module):
-    """x + sin²(αx)/α per channel, with a linear-scale α."""
+    """x + sin²(αx)/α per channel, with a linear-scale α (on (1, C, 1, L) tensors)."""
 
     def __init__(self, channels: int) -> None:
         super().__init__()
         self.alpha = nn.Parameter(torch.ones(channels))
 
     def forward(self, x: Tensor) -> Tensor:
-        alpha = self.alpha.view(1, -1, 1)
-        return x + (1.0 / (alpha + 1e-9)) * torch.sin(x * alpha).pow(2)
+        alpha = self.alpha.view(1, -1, 1, 1)
+        t = x * alpha
+        t.sin_().square_()  # in place: one temporary instead of three
+        return torch.addcmul(x, t, 1.0 / (alpha + 1e-9))
 
 
 class ResBlock(nn.Module):
@@ -53,11 +108,11 @@ class ResBlock(nn.Module):
     def __init__(self, channels: int, kernel: int, dilations: tuple[int, ...]) -> None:
         super().__init__()
         self.convs1 = nn.ModuleList(
-            nn.Conv1d(channels, channels, kernel, dilation=d, padding=(kernel * d - d) // 2)
+            CLConv1d(channels, channels, kernel, dilation=d, padding=(kernel * d - d) // 2)
             for d in dilations
         )
         self.convs2 = nn.ModuleList(
-            nn.Conv1d(channels, channels, kernel, padding=(kernel - 1) // 2) for _ in dilations
+            CLConv1d(channels, channels, kernel, padding=(kernel - 1) // 2) for _ in dilations
         )
         self.activations1 = nn.ModuleList(Snake(channels) for _ in dilations)
         self.activations2 = nn.ModuleList(Snake(channels) for _ in dilations)
@@ -66,7 +121,8 @@ class ResBlock(nn.Module):
         for c1, c2, a1, a2 in zip(
             self.convs1, self.convs2, self.activations1, self.activations2, strict=True
         ):
-            x = x + c2(a2(c1(a1(x))))
+            # The conv output is fresh, so accumulate into it; x itself may be shared.
+            x = c2(a2(c1(a1(x)))).add_(x)
         return x
 
 
@@ -116,13 +172,13 @@ class HiFTGenerator(nn.Module):
 
         self.m_source = SourceModule(self.n_harm)
         self.f0_predictor = F0Predictor(args.f0_in_channels, args.f0_cond_channels)
-        self.conv_pre = nn.Conv1d(args.in_channels, ch, 7, padding=3)
+        self.conv_pre = CLConv1d(args.in_channels, ch, 7, padding=3)
         self.ups = nn.ModuleList()
         for i, (u, k) in enumerate(
             zip(args.upsample_rates, args.upsample_kernel_sizes, strict=True)
         ):
             self.ups.append(
-                nn.ConvTranspose1d(ch >> i, ch >> (i + 1), k, stride=u, padding=(k - u) // 2)
+                CLConvTranspose1d(ch >> i, ch >> (i + 1), k, stride=u, padding=(k - u) // 2)
             )
         # The source spectrum enters every stage at that stage's frame rate: stage i is
         # downsampled by the product of the upsample rates of the later stages.
@@ -135,10 +191,10 @@ class HiFTGenerator(nn.Module):
             rate = math.prod(args.upsample_rates[i + 1 :])
             out_ch = ch >> (i + 1)
             if rate == 1:
-                self.source_downs.append(nn.Conv1d(2 * n_bins, out_ch, 1))
+                self.source_downs.append(CLConv1d(2 * n_bins, out_ch, 1))
             else:
                 self.source_downs.append(
-                    nn.Conv1d(2 * n_bins, out_ch, 2 * rate, stride=rate, padding=rate // 2)
+                    CLConv1d(2 * n_bins, out_ch, 2 * rate, stride=rate, padding=rate // 2)
                 )
             self.source_resblocks.append(ResBlock(out_ch, k, tuple(d)))
         if len(self.source_downs) != n_up:
@@ -148,7 +204,7 @@ class HiFTGenerator(nn.Module):
             for i in range(n_up)
             for k, d in zip(args.resblock_kernel_sizes, args.resblock_dilation_sizes, strict=True)
         )
-        self.conv_post = nn.Conv1d(ch >> n_up, 2 * n_bins, 7, padding=3)
+        self.conv_post = CLConv1d(ch >> n_up, 2 * n_bins, 7, padding=3)
         # Periodic Hann, computed in float64 and rounded like scipy's window cast to float32.
         window = torch.hann_window(self.n_fft, periodic=True, dtype=torch.float64).float()
         self.register_buffer("window", window, persistent=False)
@@ -237,22 +293,25 @@ class HiFTGenerator(nn.Module):
     def decode_spec(self, mel: Tensor, source: Tensor) -> Tensor:
         """Mel (1, 80, T) + source (1, 1, 256T) → conv_post output (1, 18, 64T + 1)."""
         real, imag = self.stft(source)
-        s_stft = torch.cat([real, imag], dim=1)
-        x = self.conv_pre(mel)
+        s_stft = _to_cl(torch.cat([real, imag], dim=1))
+        x = self.conv_pre(_to_cl(mel))
         n_up = len(self.ups)
         for i, up in enumerate(self.ups):
             x = up(F.leaky_relu(x, self.args.lrelu_slope))
             if i == n_up - 1:
-                # One extra frame on the left so the length matches the centred STFT (64T + 1).
-                x = F.pad(x, (1, 0), mode="reflect")
+                # Reflection pad (1, 0): one extra frame on the left (a copy of frame 1) so the
+                # length matches the centred STFT (64T + 1).
+                x = torch.cat([x[..., 1:2], x], dim=-1).contiguous(
+                    memory_format=torch.channels_last
+                )
             x = x + self.source_resblocks[i](self.source_downs[i](s_stft))
             blocks = self.resblocks[i * self.n_kernels : (i + 1) * self.n_kernels]
             acc = blocks[0](x)
             for block in blocks[1:]:
-                acc = acc + block(x)
-            x = acc / self.n_kernels
+                acc.add_(block(x))
+            x = acc.div_(self.n_kernels)
         x = F.leaky_relu(x)  # default slope 0.01 here, unlike inside the stages
-        return self.conv_post(x)
+        return self.conv_post(x).squeeze(2)
 
     @torch.inference_mode()
     def inference(
