@@ -14,6 +14,7 @@ the client means it has gone: its synthesis is cancelled within one chunk.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import re
 import threading
@@ -50,6 +51,7 @@ from wyoming_cosyvoice.server import ModelHost
 
 _LOGGER = logging.getLogger(__name__)
 _WIDTH, _CHANNELS = 2, 1
+_LINGER_S = 2.0
 _LANGUAGE_TAG = re.compile(r"[a-zA-Z]{2,3}([-_][a-zA-Z0-9]{2,4})?")
 
 
@@ -90,12 +92,14 @@ class _ClientStalledError(Exception):
     """The client stopped reading; it is dropped without an error event."""
 
 
+try:
+    from engine.text.normalize import detect_language as frontend_detect
+except ImportError:  # the server also runs without the text frontend
+    frontend_detect = None
+
+
 def detect_language(text: str) -> str:
     """The frontend's language guess if available, else a script-based one."""
-    try:
-        from engine.text.normalize import detect_language as frontend_detect
-    except ImportError:
-        frontend_detect = None
     if frontend_detect is not None:
         try:
             return str(frontend_detect(text))
@@ -160,12 +164,28 @@ class EventHandler:
                 self._writer.transport.abort()
                 sender.cancel()
             await asyncio.gather(sender, self._worker_task, watchdog, return_exceptions=True)
+            if self._closing:
+                await self._linger()
             self._writer.close()
             self._ctx.active -= 1
 
+    async def _linger(self) -> None:
+        """After an error: swallow what the client still sends, briefly, then close.
+
+        Closing a socket with unread input makes the kernel send a reset, which can destroy
+        the error event still in flight; reading to the client's end avoids that.
+        """
+
+        async def drain() -> None:
+            while await self._reader.read(1 << 16):
+                pass
+
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(drain(), _LINGER_S)
+
     async def _read_loop(self) -> None:
         events = 0
-        while not self._closing:
+        while True:
             try:
                 event = await read_event(
                     self._reader,
@@ -178,6 +198,8 @@ class EventHandler:
                 break
             if event is None:
                 break
+            if self._closing:
+                continue  # refused already: the error is on its way, the rest is ignored
             self._last_activity = time.monotonic()
             events += 1
             if events > (most := self._limits.max_events_per_connection):
@@ -203,6 +225,8 @@ class EventHandler:
             self._worker_task.cancel()
         self._out.put_nowait(Error(text=str(err), code=err.code).event())
         self._out.put_nowait(None)
+        # A client that ignores both the error and our end of stream is cut off.
+        asyncio.get_running_loop().call_later(_LINGER_S * 2, self._writer.transport.abort)
 
     async def _watchdog(self) -> None:
         """Close a connection that has been idle (nothing asked, nothing owed) too long."""
@@ -437,7 +461,7 @@ class EventHandler:
                 if event.type == "audio-chunk" and event.payload:
                     self._buffered -= len(event.payload) // _WIDTH
                     self._space.set()
+            if self._closing and self._writer.can_write_eof():
+                self._writer.write_eof()  # the client reads the error, then our end of stream
         except (ConnectionError, OSError):
             self._cancel.set()  # the client is gone: stop its synthesis
-        finally:
-            self._writer.close()

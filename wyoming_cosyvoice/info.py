@@ -34,6 +34,8 @@ _LANGUAGE_PREFIXES = {
     "韩文": ("ko", ["ko_KR"], "Korean"),
 }
 _GENDERS = {"女": "female", "男": "male"}
+# A bare language picks its main region first, as HA's matching prefers (zh -> CN, en -> US).
+_MAIN_REGION = {"zh": "zh_cn", "en": "en_us", "ja": "ja_jp", "ko": "ko_kr", "yue": "zh_hk"}
 # CosyVoice v1 is multilingual: a speaker of unknown origin is offered for every language.
 ALL_LANGUAGES = ["zh_CN", "en_US", "ja_JP", "ko_KR", "zh_HK"]
 
@@ -88,9 +90,8 @@ class VoiceCatalog:
     def for_language(self, language: str) -> Voice | None:
         """The first voice for a language tag: exact tag first, then the bare language."""
         tag = language.replace("-", "_").casefold()
+        tag = _MAIN_REGION.get(tag, tag)
         base = tag.split("_")[0]
-        if base == "yue":
-            tag, base = "zh_hk", "zh"
         for voice in self.voices:
             if any(lang.casefold() == tag for lang in voice.languages):
                 return voice

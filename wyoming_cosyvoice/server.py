@@ -275,6 +275,8 @@ async def create_server(
         handlers.add(task)
         try:
             await EventHandler(reader, writer, context).run()
+        except asyncio.CancelledError:
+            pass  # server shutdown; asyncio would log a cancelled connection task as an error
         finally:
             handlers.discard(task)
 

@@ -1,0 +1,243 @@
+"""Shared fixtures for the server tests: free ports, a fake engine, an in-process server, a client.
+
+The fake engine has the real engine's contract (``engine.engine.CosyVoiceEngine``): speakers,
+``synthesize(text, options, cancel)`` as a plain blocking generator of ``AudioChunk``s that
+raises ``SynthesisCancelled`` soon after ``cancel`` is set. Its audio is deterministic (a sine
+per speaker, ``SAMPLES_PER_CHAR`` samples per character) so tests can check exact lengths.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY_MODEL = ROOT / "tests" / "data" / "tiny_model"
+SAMPLE_RATE = 22050
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+# --- fake engine ----------------------------------------------------------------------------
+
+
+class FakeEngine:
+    """Deterministic stand-in for CosyVoiceEngine; records every call."""
+
+    SAMPLES_PER_CHAR = 441  # 20 ms of audio per input character
+    CHUNK = 2205  # 100 ms per yielded chunk
+
+    def __init__(self, model_dir: Path, threads: int | None = None, *, delay: float = 0.005,
+                 speakers: list[str] | None = None) -> None:  # fmt: skip
+        self.model_dir, self.threads, self.delay = model_dir, threads, delay
+        self.speakers = speakers or [
+            "中文女",
+            "中文男",
+            "英文女",
+            "英文男",
+            "日语男",
+            "粤语女",
+            "韩语女",
+        ]
+        self.kind = "sft"
+        self.calls: list[Call] = []
+        self.lock = threading.Lock()
+        self.warmed = False
+
+    def warmup(self) -> None:
+        self.warmed = True
+
+    @classmethod
+    def expected_samples(cls, sentence: str) -> int:
+        return len(sentence) * cls.SAMPLES_PER_CHAR
+
+    def synthesize(
+        self, text: str, options: Any, cancel: threading.Event | None = None
+    ) -> Iterator[Any]:
+        from engine.types import AudioChunk, EngineError, SynthesisCancelled, UnknownSpeakerError
+
+        if options.speaker not in self.speakers:
+            raise UnknownSpeakerError(f"unknown speaker {options.speaker!r}")
+        call = Call(text, options.speaker, threading.current_thread().name)
+        with self.lock:
+            self.calls.append(call)
+        total = self.expected_samples(text)
+        freq = 200.0 + 40.0 * self.speakers.index(options.speaker)
+        done = 0
+        while done < total:
+            if cancel is not None and cancel.is_set():
+                call.cancelled = True
+                raise SynthesisCancelled("cancelled")
+            if "FAIL" in text and done > 0:
+                raise EngineError("the fake engine failed on purpose")
+            if "CRASH" in text:
+                raise RuntimeError("unexpected crash")
+            time.sleep(self.delay)
+            n = min(self.CHUNK, total - done)
+            t = (np.arange(done, done + n) / SAMPLE_RATE).astype(np.float32)
+            done += n
+            call.chunks += 1
+            yield AudioChunk(0.3 * np.sin(2 * np.pi * freq * t))
+        call.finished = True
+
+
+@dataclass
+class Call:
+    text: str
+    speaker: str
+    thread: str
+    chunks: int = 0
+    cancelled: bool = False
+    finished: bool = False
+
+
+# --- in-process server and client ----------------------------------------------------------
+
+
+@dataclass
+class Reply:
+    """Everything a client received for one request."""
+
+    events: list[Any] = field(default_factory=list)
+
+    @property
+    def types(self) -> list[str]:
+        return [e.type for e in self.events]
+
+    @property
+    def audio(self) -> bytes:
+        return b"".join(e.payload or b"" for e in self.events if e.type == "audio-chunk")
+
+    @property
+    def samples(self) -> int:
+        return len(self.audio) // 2
+
+    def blocks(self) -> list[bytes]:
+        """Audio of each audio-start … audio-stop block."""
+        out: list[bytes] = []
+        for event in self.events:
+            if event.type == "audio-start":
+                out.append(b"")
+            elif event.type == "audio-chunk":
+                out[-1] += event.payload or b""
+        return out
+
+    def error(self) -> Any:
+        from wyoming.error import Error
+
+        errors = [Error.from_event(e) for e in self.events if e.type == "error"]
+        return errors[0] if errors else None
+
+
+async def read_until(client: Any, stop: tuple[str, ...], timeout: float = 20.0) -> Reply:
+    """Read events until one of ``stop`` (included) or the server closes (None)."""
+    reply = Reply()
+    while True:
+        event = await asyncio.wait_for(client.read_event(), timeout)
+        if event is None:
+            return reply
+        reply.events.append(event)
+        if event.type in stop:
+            return reply
+
+
+@contextlib.asynccontextmanager
+async def fake_server(
+    overrides: dict[str, Any] | None = None,
+    *,
+    engine: Callable[..., Any] | None = None,
+    model_dir: Path = TINY_MODEL,
+    wait_ready: bool = True,
+) -> AsyncIterator[SimpleNamespace]:
+    """The real server (handler, host, limits) on a free port, with a fake engine."""
+    from wyoming_cosyvoice.config import load_config
+    from wyoming_cosyvoice.sentences import SimpleSplitter
+    from wyoming_cosyvoice.server import create_server
+
+    port = free_port()
+    settings = {"server.uri": f"tcp://127.0.0.1:{port}", "server.warmup": False}
+    settings.update(overrides or {})
+    config = load_config(None, settings.items())
+    engines: list[Any] = []
+
+    def factory(path: Path, threads: int | None) -> Any:
+        made = (engine or FakeEngine)(path, threads)
+        engines.append(made)
+        return made
+
+    running = await create_server(
+        config, model_dir, engine_factory=factory, splitter_factory=SimpleSplitter
+    )
+    try:
+        if wait_ready:
+            await asyncio.wait_for(asyncio.shield(running.load_task), 10)
+        yield SimpleNamespace(port=port, running=running, config=config, engines=engines)
+    finally:
+        await running.stop()
+
+
+def connect(port: int) -> Any:
+    from wyoming.client import AsyncTcpClient
+
+    return AsyncTcpClient("127.0.0.1", port)
+
+
+async def synthesize(port: int, text: str, voice: dict[str, Any] | None = None) -> Reply:
+    """One non-streaming request on its own connection, as Home Assistant sends it."""
+    from wyoming.event import Event
+
+    data: dict[str, Any] = {"text": text}
+    if voice is not None:
+        data["voice"] = voice
+    async with connect(port) as client:
+        await client.write_event(Event("synthesize", data))
+        return await read_until(client, ("audio-stop", "error"))
+
+
+async def stream(
+    port: int, text: str, *, fragment: int = 3, voice: dict[str, Any] | None = None
+) -> Reply:
+    """Home Assistant's exact streaming order: start, fragments, compat synthesize, stop."""
+    from wyoming.event import Event
+
+    async with connect(port) as client:
+        await client.write_event(Event("synthesize-start", {"voice": voice} if voice else {}))
+        for i in range(0, len(text), fragment):
+            await client.write_event(Event("synthesize-chunk", {"text": text[i : i + fragment]}))
+        await client.write_event(
+            Event("synthesize", {"text": text, **({"voice": voice} if voice else {})})
+        )
+        await client.write_event(Event("synthesize-stop"))
+        return await read_until(client, ("synthesize-stopped", "error"))
+
+
+@pytest.fixture
+def wy() -> SimpleNamespace:
+    """Helpers for server tests (one fixture, so test files need no shared module)."""
+    return SimpleNamespace(
+        FakeEngine=FakeEngine,
+        fake_server=fake_server,
+        connect=connect,
+        read_until=read_until,
+        synthesize=synthesize,
+        stream=stream,
+        Reply=Reply,
+        free_port=free_port,
+        ROOT=ROOT,
+        TINY_MODEL=TINY_MODEL,
+    )

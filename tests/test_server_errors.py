@@ -1,0 +1,204 @@
+"""Every refused request gets ``error{text, code}`` and a closed connection (issue 4, issue 7).
+
+Old Home Assistant ignores ``error`` and has no timeout, so the close is what ends its wait;
+every case therefore also checks that the server closed the connection, and that a client
+talking to the server at the same time still gets its full audio.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from wyoming.event import Event, async_read_event
+
+
+def run(coro: Any) -> Any:
+    return asyncio.run(coro)
+
+
+def header(kind: str, data: dict[str, Any] | None = None, **extra: Any) -> bytes:
+    """One event with its data block, as the wyoming writer frames it."""
+    block = json.dumps(data).encode() if data is not None else b""
+    head = {"type": kind, **({"data_length": len(block)} if block else {}), **extra}
+    return json.dumps(head).encode() + b"\n" + block
+
+
+async def raw_exchange(port: int, payload: bytes, timeout: float = 10.0) -> list[Event]:
+    """Send raw bytes, then read events until the server closes the connection."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(payload)
+    await writer.drain()
+    events: list[Event] = []
+    try:
+        while (event := await asyncio.wait_for(async_read_event(reader), timeout)) is not None:
+            events.append(event)
+    finally:
+        writer.close()
+    return events
+
+
+START = header("synthesize-start")
+STOP = header("synthesize-stop")
+CHUNK = header("synthesize-chunk", {"text": "Hello there. "})
+
+# name -> (bytes sent, expected error code)
+BAD_INPUT: dict[str, tuple[bytes, str]] = {
+    "unknown voice": (
+        header("synthesize", {"text": "Hi.", "voice": {"name": "nobody"}}),
+        "VoiceNotFoundError",
+    ),
+    "unknown speaker": (
+        header("synthesize", {"text": "Hi.", "voice": {"name": "zh-female", "speaker": "x"}}),
+        "VoiceNotFoundError",
+    ),
+    "unknown language": (
+        header("synthesize", {"text": "Hi.", "voice": {"language": "fr_FR"}}),
+        "VoiceNotFoundError",
+    ),
+    "empty text": (header("synthesize", {"text": ""}), "EmptyTextError"),
+    "blank text": (header("synthesize", {"text": "   \n "}), "EmptyTextError"),
+    "only punctuation": (header("synthesize", {"text": "?!..."}), "EmptyTextError"),
+    "text too long": (header("synthesize", {"text": "a" * 201}), "LimitExceededError"),
+    "stream too long": (
+        START + header("synthesize-chunk", {"text": "a" * 150}) * 2,
+        "LimitExceededError",
+    ),
+    "header not json": (b"this is not json\n", "ProtocolError"),
+    "json not an object": (b"[1, 2, 3]\n", "ProtocolError"),
+    "no type": (b'{"data": {}}\n', "ProtocolError"),
+    "data not an object": (b'{"type": "synthesize", "data": [1]}\n', "ProtocolError"),
+    "data block not json": (b'{"type": "synthesize", "data_length": 3}\nabc', "ProtocolError"),
+    "binary garbage": (bytes(range(256)) + b"\n", "ProtocolError"),
+    "synthesize without text": (
+        header("synthesize", {"voice": {"name": "zh-female"}}),
+        "ProtocolError",
+    ),
+    "text not a string": (header("synthesize", {"text": 42}), "ProtocolError"),
+    "voice is a string": (
+        header("synthesize", {"text": "Hi.", "voice": "zh-female"}),
+        "ProtocolError",
+    ),
+    "voice is a list": (
+        header("synthesize", {"text": "Hi.", "voice": ["zh-female"]}),
+        "ProtocolError",
+    ),
+    "voice name not a string": (
+        header("synthesize", {"text": "Hi.", "voice": {"name": 3}}),
+        "ProtocolError",
+    ),
+    "negative data_length": (b'{"type": "describe", "data_length": -5}\n', "ProtocolError"),
+    "enormous payload_length": (
+        b'{"type": "audio-chunk", "payload_length": 99999999999}\n',
+        "LimitExceededError",
+    ),
+    "data_length not a number": (b'{"type": "describe", "data_length": "12"}\n', "ProtocolError"),
+    "header line too long": (
+        b'{"type": "describe", "x": "' + b"a" * 5000 + b'"}\n',
+        "LimitExceededError",
+    ),
+    "chunk without start": (CHUNK, "StreamStateError"),
+    "two starts": (START + START, "StreamStateError"),
+    "stop without start": (STOP, "StreamStateError"),
+    "too many events": (header("describe") * 30, "LimitExceededError"),
+}
+LIMITS = {
+    "limits.max_text_chars": 200,
+    "limits.max_header_bytes": 4096,
+    "limits.max_events_per_connection": 25,
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUT))
+def test_bad_input_gets_an_error_and_a_close(wy: SimpleNamespace, case: str) -> None:
+    payload, code = BAD_INPUT[case]
+
+    async def main() -> tuple[list[Event], Any]:
+        async with wy.fake_server(LIMITS) as srv:
+            good = asyncio.create_task(wy.synthesize(srv.port, "A good client is unaffected."))
+            events = await raw_exchange(srv.port, payload)
+            return events, await good
+
+    events, good = run(main())
+    errors = [e for e in events if e.type == "error"]
+    assert len(errors) == 1, [e.type for e in events]
+    assert events[-1].type == "error"  # nothing after the error: then the close
+    assert errors[0].data["code"] == code, errors[0].data
+    assert len(errors[0].data["text"]) > 10
+    assert good.types[-1] == "audio-stop"
+    assert good.samples == wy.FakeEngine.expected_samples("A good client is unaffected.")
+
+
+def test_lying_data_length_waits_then_the_client_leaves(wy: SimpleNamespace) -> None:
+    """A data_length larger than what follows cannot be told from a slow client: the server
+    waits for the bytes and forgets the connection when the client goes."""
+
+    async def main() -> list[str]:
+        async with wy.fake_server(LIMITS) as srv:
+            reader, writer = await asyncio.open_connection("127.0.0.1", srv.port)
+            writer.write(b'{"type": "synthesize", "data_length": 1000}\n{"text": "Hi."}')
+            await writer.drain()
+            await asyncio.sleep(0.2)
+            writer.close()
+            await asyncio.sleep(0.2)
+            assert srv.running.host.engine is not None
+            reply = await wy.synthesize(srv.port, "Still fine.")
+            return reply.types
+
+    assert run(main())[-1] == "audio-stop"
+
+
+def test_unknown_events_are_ignored(wy: SimpleNamespace) -> None:
+    async def main() -> list[str]:
+        async with wy.fake_server() as srv:
+            payload = (
+                header("select-program", {"name": "cosyvoice"})
+                + header("ping")
+                + header("describe")
+            )
+            reader, writer = await asyncio.open_connection("127.0.0.1", srv.port)
+            writer.write(payload)
+            event = await asyncio.wait_for(async_read_event(reader), 5)
+            writer.close()
+            return [event.type] if event else []
+
+    assert run(main()) == ["info"]
+
+
+def test_too_many_connections(wy: SimpleNamespace) -> None:
+    async def main() -> tuple[list[Event], Any]:
+        async with wy.fake_server({"limits.max_connections": 1}) as srv:
+            reader, writer = await asyncio.open_connection("127.0.0.1", srv.port)
+            await asyncio.sleep(0.1)
+            refused = await raw_exchange(srv.port, header("describe"))
+            writer.close()
+            await asyncio.sleep(0.1)
+            return refused, await wy.synthesize(srv.port, "Room again.")
+
+    refused, later = run(main())
+    assert [e.type for e in refused] == ["error"]
+    assert refused[0].data["code"] == "ServerBusyError"
+    assert later.types[-1] == "audio-stop"
+
+
+def test_idle_connection_is_closed(wy: SimpleNamespace) -> None:
+    async def main() -> list[Event]:
+        async with wy.fake_server({"limits.idle_timeout_s": 0.3}) as srv:
+            return await raw_exchange(srv.port, b"", timeout=5)
+
+    events = run(main())
+    assert [e.type for e in events] == ["error"] and "no request" in events[0].data["text"]
+
+
+def test_a_slow_open_stream_is_not_idle_while_audio_is_owed(wy: SimpleNamespace) -> None:
+    """Idle means nothing asked and nothing owed: a long synthesis is never cut."""
+
+    async def main() -> Any:
+        engine = lambda p, t: wy.FakeEngine(p, t, delay=0.05)  # noqa: E731
+        async with wy.fake_server({"limits.idle_timeout_s": 0.3}, engine=engine) as srv:
+            return await wy.synthesize(srv.port, "A sentence that takes a while to say out loud.")
+
+    assert run(main()).types[-1] == "audio-stop"
