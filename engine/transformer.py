@@ -179,20 +179,25 @@ class RelPosAttention(nn.Module):
     def _pos_rows(self, length: int) -> Tensor:
         """(h, L, d_k) = linear_pos of relative positions L-1 … 0, from a per-layer cache.
 
-        Computed once for a capacity >= L (grown by doubling) and recomputed when the weight
-        changes (load_state_dict copies in place, which bumps the version counter).
+        Shared by all requests. Extended by only the missing rows (capacity rounded up to 256
+        positions) and rebuilt when the weight changes (load_state_dict copies in place and
+        bumps the version counter; assign=True swaps the storage).
         """
         w = self.linear_pos.weight
         key = _weight_key(w)
         cached = self._pos_cache
-        if cached is None or cached[0] != key or cached[1].shape[1] < length:
-            cap = max(length, 2 * cached[1].shape[1] if cached is not None else 256)
+        if cached is None or cached[0] != key:
+            cached = (key, w.new_empty(self.h, 0, self.d_k))
+        have = cached[1].shape[1]
+        if have < length:
+            cap = -(-length // 256) * 256
             pos, _ = _rel_pos_tables(w.shape[1], cap)
-            with torch.no_grad():
-                rows = F.linear(pos[:cap].flip(0).to(dtype=w.dtype, device=w.device), w)
-            rows = rows.view(cap, self.h, self.d_k).transpose(0, 1).contiguous()
-            cached = (key, rows)
-            self._pos_cache = cached
+            with torch.no_grad():  # rows for m = cap-1 … have, prepended (storage is reversed)
+                new = F.linear(pos[have:cap].flip(0).to(dtype=w.dtype, device=w.device), w)
+            new = new.view(cap - have, self.h, self.d_k).transpose(0, 1)
+            cached = (key, torch.cat([new, cached[1]], dim=1))
+        if cached is not self._pos_cache:
+            self._pos_cache = cached  # one assignment: concurrent readers see old or new
         rows = cached[1]
         return rows[:, rows.shape[1] - length:]
 
@@ -279,6 +284,11 @@ class RelPosEncoder(nn.Module):
         for layer in self.encoders:
             x = layer(x, mask)
         return self.after_norm(x)
+
+    def reserve_positions(self, max_len: int) -> None:
+        """Precompute the positional projections for sequences up to ``max_len`` (warm-up)."""
+        for layer in self.encoders:
+            layer.self_attn._pos_rows(max_len)
 
     def new_cache(self, batch: int, max_len: int, *, dtype: torch.dtype | None = None,
                   device: torch.device | None = None) -> KVCache:

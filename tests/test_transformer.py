@@ -149,3 +149,17 @@ def test_batched_left_padded_cache(args):
             got = torch.stack([o[row] for o in outs])
             assert torch.isfinite(got).all()
             torch.testing.assert_close(got, torch.cat(ref), atol=1e-5, rtol=0)
+
+
+def test_positional_cache_grows_across_capacity(args):
+    """Decoding past the 256-position capacity step extends the cached rows correctly."""
+    torch.manual_seed(3)
+    enc = RelPosEncoder(args.llm.llm).eval()
+    x = torch.randn(1, 262, args.llm.llm.input_size)
+    with torch.inference_mode():
+        cache = enc.new_cache(1, 262)
+        outs = [enc.forward_cached(x[:, :250], cache)]
+        outs += [enc.forward_cached(x[:, i:i + 1], cache) for i in range(250, 262)]
+        expect = enc(x)
+    assert enc.encoders[0].self_attn._pos_cache[1].shape[1] == 512
+    torch.testing.assert_close(torch.cat(outs, 1), expect, atol=1e-5, rtol=0)
