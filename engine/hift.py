@@ -327,6 +327,11 @@ class HiFTGenerator(nn.Module):
         ``cache_source`` (1, 1, S), the tail of the previous chunk's source, overwrites the first
         S source samples so the excitation continues seamlessly across streaming chunks.
         """
+        if mel.dim() != 3 or mel.shape[0] != 1 or mel.shape[1] != self.args.in_channels:
+            want = f"(1, {self.args.in_channels}, T)"
+            raise ValueError(f"expected mel {want}, got {tuple(mel.shape)}")
+        if mel.shape[-1] < 1:
+            raise ValueError("HiFT needs at least one mel frame")
         mel = mel.to(torch.float32)
         f0 = self.predict_f0(mel)
         source, _ = self.make_source(f0, noise=noise, generator=generator)

@@ -184,3 +184,12 @@ def test_random_draws_use_generator(model: HiFTGenerator, fixtures: dict[str, Te
     assert torch.equal(a, b)
     assert not torch.equal(a, c)
     assert a.abs().max() <= 0.99
+
+
+def test_bad_input_shapes(model: HiFTGenerator, fixtures: dict[str, Tensor]) -> None:
+    with pytest.raises(ValueError, match="mel"):
+        model.inference(torch.zeros(1, 80, 0))
+    with pytest.raises(ValueError, match="mel"):
+        model.inference(torch.zeros(80, 10))
+    with pytest.raises(ValueError, match="HiftNoise"):
+        model.inference(fixtures["mel100/in_mel"][..., :10], noise=case_noise(fixtures, "mel100"))
