@@ -240,7 +240,7 @@ def _fetch(url: str, incomplete: Path, size: int | None, filename: str) -> None:
             _LOGGER.info("%s: resuming at %s", filename, _mb(done))
         progress = _Progress(filename, total, done)
         with incomplete.open(mode) as f:
-            for block in r.iter_bytes(_CHUNK):
+            for block in r.iter_bytes():  # as received: a dropped line loses nothing
                 f.write(block)
                 done += len(block)
                 progress.update(done)

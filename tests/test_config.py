@@ -1,0 +1,153 @@
+"""config.yaml, its profiles and overrides; every bad value names its key (issue 4)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from engine.types import LOW_LATENCY_SCHEDULE, OFFICIAL_SCHEDULE
+from wyoming_cosyvoice.__main__ import build_parser, config_from_args
+from wyoming_cosyvoice.config import (
+    DEFAULTS,
+    REPO_CONFIG,
+    ConfigError,
+    load_config,
+    parse_override,
+)
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def cli(*argv: str):  # noqa: ANN201
+    return config_from_args(build_parser().parse_args(list(argv)))
+
+
+def test_builtin_defaults_equal_the_repository_config_yaml() -> None:
+    # An installed package without the repository still behaves like the repository.
+    assert REPO_CONFIG == ROOT / "config.yaml"
+    assert yaml.safe_load(REPO_CONFIG.read_text()) == DEFAULTS
+
+
+def test_root_config_yaml_is_not_an_addon_manifest() -> None:
+    document = yaml.safe_load(REPO_CONFIG.read_text())
+    assert not {"name", "slug", "version", "arch", "description"} & set(document)
+
+
+def test_profiles() -> None:
+    config = load_config()
+    assert config.profile.name == "realtime"
+    realtime, quality, batch = (config.profiles[n] for n in ("realtime", "quality", "batch"))
+    assert realtime.streaming and realtime.stream_audio
+    assert realtime.schedule.first_hop == 25 < OFFICIAL_SCHEDULE.first_hop
+    assert realtime.schedule == LOW_LATENCY_SCHEDULE
+    assert quality.schedule == OFFICIAL_SCHEDULE and quality.streaming
+    assert not batch.streaming and not batch.stream_audio
+
+
+def test_flags_override_the_file() -> None:
+    config = cli(
+        "--uri", "tcp://127.0.0.1:1234", "--voice", "en-male", "--profile", "quality",
+        "--threads", "2", "--samples-per-chunk", "512", "--zeroconf", "--seed", "7",
+        "--data-dir", "a", "--data-dir", "b", "--download-dir", "c", "--debug",
+        "--model-dir", "m", "--hub-endpoint", "http://127.0.0.1:9", "--offline",
+    )  # fmt: skip
+    assert config.uri == "tcp://127.0.0.1:1234" and config.voice == "en-male"
+    assert config.profile.name == "quality" and config.threads == 2
+    assert config.samples_per_chunk == 512 and config.zeroconf == "cosyvoice" and config.seed == 7
+    assert config.data_dirs == (Path("a"), Path("b")) and config.effective_download_dir == Path("c")
+    assert config.model_dir == Path("m") and config.debug and config.offline
+    assert config.hub_endpoint == "http://127.0.0.1:9"
+    assert cli("--zeroconf", "kitchen").zeroconf == "kitchen"
+    assert cli().effective_download_dir == Path("data")  # the first data dir
+
+
+def test_no_streaming_applies_to_the_selected_profile() -> None:
+    assert cli("--no-streaming").profile.streaming is False
+    config = cli("--profile", "quality", "--no-streaming")
+    assert config.profile.name == "quality" and not config.profile.streaming
+    assert config.profiles["realtime"].streaming  # others untouched
+
+
+def test_every_value_can_be_set_by_dotted_key() -> None:
+    config = cli(
+        "--set", "limits.max_text_chars=100",
+        "--set", "profiles.realtime.schedule.first_hop=10",
+        "--set", "profiles.realtime.n_timesteps=5",
+        "--set", "server.warmup=false",
+    )  # fmt: skip
+    assert config.limits.max_text_chars == 100
+    assert config.profile.schedule.first_hop == 10 and config.profile.schedule.max_hop == 100
+    assert config.profile.n_timesteps == 5 and config.warmup is False
+    # a dedicated flag beats --set
+    assert cli("--set", "server.voice=a", "--voice", "b").voice == "b"
+
+
+def test_custom_profile_in_a_config_file(tmp_path: Path) -> None:
+    path = tmp_path / "server.yaml"
+    path.write_text("server: {profile: fast}\nprofiles:\n  fast: {schedule: {first_hop: 15}}\n")
+    config = load_config(path)
+    assert config.profile.name == "fast" and config.profile.schedule.first_hop == 15
+    assert config.profile.schedule.growth == LOW_LATENCY_SCHEDULE.growth  # defaults fill in
+    assert "realtime" in config.profiles  # the built-in profiles stay available
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "named"),
+    [
+        ("limits.max_text_chars", -1, "limits.max_text_chars"),
+        ("limits.max_text_chars", "many", "limits.max_text_chars"),
+        ("limits.idle_timeout_s", 0, "limits.idle_timeout_s"),
+        ("limits.max_headers", 5, "limits.max_headers"),
+        ("server.samples_per_chunk", 0, "server.samples_per_chunk"),
+        ("server.threads", True, "server.threads"),
+        ("server.profile", "fastest", "server.profile"),
+        ("server.uri", "http://x:1", "server.uri"),
+        ("server.voices", "x", "server.voices"),
+        ("server.data_dirs", [], "server.data_dirs"),
+        ("server.warmup", "yes", "server.warmup"),
+        ("profiles.realtime.schedule", "fastest", "profiles.realtime.schedule"),
+        ("profiles.realtime.schedule.first_hop", 0, "profiles.realtime.schedule.first_hop"),
+        ("profiles.realtime.schedule.max_hop", 5, "profiles.realtime.schedule.max_hop"),
+        ("profiles.realtime.schedule.hop", 5, "profiles.realtime.schedule.hop"),
+        ("profiles.realtime.cfg_rate", -1, "profiles.realtime.cfg_rate"),
+        ("profiles.realtime.streaming", "no", "profiles.realtime.streaming"),
+        ("profiles.realtime.speed", 2, "profiles.realtime.speed"),
+        ("profiles.batch", 3, "profiles.batch"),
+        ("extras", 1, "extras"),
+    ],
+)
+def test_bad_values_name_the_key(key: str, value: object, named: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [(key, value)])
+    assert err.value.key == named
+    assert f"'{named}'" in str(err.value)
+
+
+def test_bad_files(tmp_path: Path) -> None:
+    bad_yaml = tmp_path / "bad.yaml"
+    bad_yaml.write_text("server: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad_yaml)
+    a_list = tmp_path / "list.yaml"
+    a_list.write_text("- 1\n")
+    with pytest.raises(ConfigError, match="mapping"):
+        load_config(a_list)
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_config(tmp_path / "missing.yaml")
+    with pytest.raises(ConfigError, match="KEY=VALUE"):
+        parse_override("novalue")
+
+
+def test_cli_exits_with_a_message_naming_the_key(tmp_path: Path) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text("limits:\n  max_text_chars: lots\n")
+    result = subprocess.run(
+        [sys.executable, "-m", "wyoming_cosyvoice", "--config", str(path)],
+        cwd=ROOT, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert result.returncode == 2
+    assert "limits.max_text_chars" in result.stderr and "integer" in result.stderr
