@@ -90,11 +90,13 @@ def run_worker(config: Any) -> dict[str, Any]:
 
 
 def run_benchmark(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
+    from engine.bench.limits import OtherLoad
     from engine.bench.measure import RunConfig
     from engine.bench.profiles import get_profile
     from engine.bench.report import summarize
 
     profile = get_profile(args.profile, args.config)  # fail fast on a bad name
+    other_load = OtherLoad()
     limits = measure_limits(args.threads)
     runs = []
     for index in range(args.repeats):
@@ -106,6 +108,7 @@ def run_benchmark(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
         runs.append(run_worker(config))
         _LOGGER.info("  first audio %.0f ms, total %.0f ms (RTF %.2f)",
                      runs[-1]["first_audio_ms"], runs[-1]["total_ms"], runs[-1]["rtf"])
+    limits["other_load_cores"] = other_load.cores()
     return summarize(runs, limits, text=args.text, profile=profile.describe(),
                      model_dir=str(model_dir))
 

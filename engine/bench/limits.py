@@ -15,9 +15,12 @@ of its bound, which says how much an optimisation could still gain.
 from __future__ import annotations
 
 import logging
+import os
+import resource
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -66,6 +69,39 @@ def measure_gemm_gflops(rows: int = GEMM_ROWS, repeats: int = 5, inner: int = 10
 
     with torch.inference_mode():
         return flops / _best_time(run, repeats) / 1e9
+
+
+class OtherLoad:
+    """CPU time other processes used while the benchmark ran, in cores (0.0 = a quiet machine).
+
+    The box is shared; a figure measured while something else ran is not this engine's speed.
+    Busy time of the whole machine (``/proc/stat``) minus our own and our children's CPU time.
+    """
+
+    def __init__(self) -> None:
+        self._start = self._sample()
+
+    @staticmethod
+    def _sample() -> tuple[float, float, float] | None:
+        try:
+            fields = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
+        except OSError:
+            return None
+        # user nice system idle iowait irq softirq steal: busy = all but idle and iowait
+        ticks = [int(v) for v in fields[:8]]
+        busy = (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
+        usages = (resource.getrusage(resource.RUSAGE_SELF),
+                  resource.getrusage(resource.RUSAGE_CHILDREN))
+        own = sum(u.ru_utime + u.ru_stime for u in usages)
+        return busy, own, time.perf_counter()
+
+    def cores(self) -> float | None:
+        """Average number of cores other processes kept busy since construction."""
+        end = self._sample()
+        if self._start is None or end is None or end[2] <= self._start[2]:
+            return None
+        other = (end[0] - self._start[0]) - (end[1] - self._start[1])
+        return max(0.0, other / (end[2] - self._start[2]))
 
 
 # --- LM weight bytes per decode step --------------------------------------------------------

@@ -22,6 +22,9 @@ FACTS = ("threads", "tokens", "chunks", "lm_weight_bytes_per_token", "flow_gflop
          "hift_gflop_per_audio_s", "estimator_mflop_per_frame_step")
 
 
+BUSY_CORES = 0.2  # other processes' average load above which the figures are flagged
+
+
 def _median(values: Iterable[float | None]) -> dict[str, float] | None:
     present = [v for v in values if v is not None]
     if not present:
@@ -104,7 +107,11 @@ def print_table(result: dict[str, Any], out: TextIO) -> None:
     w(f"tokens    {result['tokens']} → {_fmt(result['audio_s'], 2)} s of audio, "
       f"threads {result['threads']}, repeats {result['repeats']}\n")
     w(f"machine   read bandwidth {_fmt(result.get('mem_bw_gbps'))} GB/s, "
-      f"fp32 GEMM {_fmt(result.get('gemm_gflops'))} GFLOP/s\n\n")
+      f"fp32 GEMM {_fmt(result.get('gemm_gflops'))} GFLOP/s; other processes used "
+      f"{_fmt(result.get('other_load_cores'), 2)} cores on average during the run\n")
+    if (result.get("other_load_cores") or 0) > BUSY_CORES:
+        w("WARNING   the machine was busy with other work: these figures are pessimistic\n")
+    w("\n")
     w(f"{'metric':<26}{'median':>12}{'min':>11}{'max':>11}  {'unit':<11}"
       f"{'bound':>10}{'×bound':>8}\n")
     w("-" * 89 + "\n")

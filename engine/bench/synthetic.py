@@ -16,6 +16,7 @@ layout of the released files.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
@@ -126,12 +127,16 @@ def _save(path: Path, state: dict[str, torch.Tensor]) -> None:
 
 def _marker(config_text: str) -> dict[str, object]:
     return {"format_version": FORMAT_VERSION, "seed": SEED,
-            "config_chars": len(config_text), "speakers": list(SFT_SPEAKERS)}
+            "config_sha256": hashlib.sha256(config_text.encode()).hexdigest(),
+            "speakers": list(SFT_SPEAKERS)}
 
 
-def ensure_synthetic_model(cache_dir: Path = DEFAULT_CACHE_DIR) -> Path:
-    """Return the synthetic model directory, generating it first if it is missing or stale."""
-    config = official_config_path()
+def ensure_synthetic_model(cache_dir: Path = DEFAULT_CACHE_DIR, config: Path | None = None) -> Path:
+    """Return the synthetic model directory, generating it first if it is missing or stale.
+
+    ``config`` defaults to the official full-size ``cosyvoice.yaml`` (tests pass a tiny one).
+    """
+    config = config or official_config_path()
     config_text = config.read_text(encoding="utf-8")
     model_dir = Path(cache_dir).expanduser() / MODEL_DIR_NAME
     marker = model_dir / MARKER_FILE

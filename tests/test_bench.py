@@ -1,0 +1,117 @@
+"""The benchmark runs and reports every field (no timed assertions: timings are machine facts)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from engine.bench.limits import lm_weight_bytes_per_token
+from engine.bench.measure import playback_stall_s
+from engine.bench.report import summarize
+from engine.bench.synthetic import (
+    SFT_SPEAKERS,
+    ensure_synthetic_model,
+    legacy_hift_specs,
+    official_config_path,
+    state_dict_specs,
+)
+
+ROOT = Path(__file__).resolve().parent.parent
+DATA = ROOT / "tests" / "data"
+TINY_MODEL = DATA / "tiny_model"
+
+REQUIRED_FIELDS = (
+    "load_s", "peak_rss_mb", "first_audio_ms", "stall_ms", "total_ms", "rtf",
+    "lm_ms_per_token", "flow_ms_per_audio_s", "hift_ms_per_audio_s",
+    "mem_bw_gbps", "gemm_gflops", "lm_bound_ms_per_token", "flow_bound_ms_per_audio_s",
+    "hift_bound_ms_per_audio_s", "lm_vs_bound", "flow_vs_bound", "hift_vs_bound",
+    "threads", "profile", "tokens", "text", "audio_s",
+)  # fmt: skip
+
+
+def test_playback_stall() -> None:
+    # Chunks of 1 s ready at 0, 0.5 and 3 s: playback runs 0–2 s, waits 1 s, then plays on.
+    assert playback_stall_s([0.0, 0.5, 3.0], [1.0, 1.0, 1.0]) == pytest.approx(1.0)
+    assert playback_stall_s([2.0, 2.1, 2.2], [1.0, 1.0, 1.0]) == 0.0
+    assert playback_stall_s([], []) == 0.0
+
+
+def test_lm_weight_bytes_skip_positional_projection() -> None:
+    class Layer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear_q = nn.Linear(8, 8)
+            self.linear_pos = nn.Linear(8, 8, bias=False)  # precomputable: not read per token
+
+    class LM(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.text_encoder = nn.Linear(8, 8)  # runs once per request
+            self.llm = nn.Sequential(Layer(), nn.LayerNorm(8))
+            self.llm_decoder = nn.Linear(8, 5)
+
+    assert lm_weight_bytes_per_token(LM()) == 4 * ((64 + 8) + (8 + 8) + (40 + 5))
+
+
+def test_synthetic_300m_matches_the_official_checkpoint_layout() -> None:
+    """Keys and shapes (HiFT in the legacy weight-norm layout) equal the released files'."""
+    manifest = json.loads((DATA / "manifest_300m.json").read_text(encoding="utf-8"))
+    specs = state_dict_specs(official_config_path())
+    specs["hift.pt"] = legacy_hift_specs(specs["hift.pt"])
+    official = {
+        "llm.pt": {e["key"]: e["shape"] for e in manifest["llm"]["state_dict"]},
+        "flow.pt": {e["key"]: e["shape"] for e in manifest["flow"]["state_dict"]},
+        "hift.pt": dict(manifest["weight_norm"]["hift_state_dict_in_legacy_layout"]),
+    }
+    for name, expected in official.items():
+        assert {k: list(v) for k, v in specs[name].items()} == expected, name
+
+
+def test_synthetic_model_loads_with_the_engine(tmp_path: Path) -> None:
+    from engine.weights import load_model_dir
+
+    model_dir = ensure_synthetic_model(tmp_path, config=TINY_MODEL / "cosyvoice.yaml")
+    hift = torch.load(model_dir / "hift.pt", weights_only=True)
+    assert any(k.endswith(".weight_g") for k in hift)
+    assert not any("parametrizations" in k for k in hift)
+    models = load_model_dir(model_dir)
+    assert sorted(models.speakers) == sorted(SFT_SPEAKERS)
+    stamp = (model_dir / "llm.pt").stat().st_mtime_ns
+    assert ensure_synthetic_model(tmp_path, config=TINY_MODEL / "cosyvoice.yaml") == model_dir
+    assert (model_dir / "llm.pt").stat().st_mtime_ns == stamp  # reused, not regenerated
+
+
+def test_summary_medians_bounds_and_ratios() -> None:
+    runs = [{"load_s": s, "lm_ms_per_token": 40.0 * s, "flow_ms_per_audio_s": 3000.0,
+             "hift_ms_per_audio_s": 1000.0, "tokens": 400, "audio_s": 8.0,
+             "lm_weight_bytes_per_token": 720e6, "flow_gflop_per_audio_s": 150.0,
+             "hift_gflop_per_audio_s": 50.0} for s in (1.0, 3.0, 2.0)]
+    result = summarize(runs, {"mem_bw_gbps": 20.0, "gemm_gflops": 60.0}, text="t",
+                       profile={"name": "realtime"}, model_dir="m")
+    assert result["load_s"] == 2.0
+    assert result["spread"]["load_s"] == {"median": 2.0, "min": 1.0, "max": 3.0}
+    assert result["lm_bound_ms_per_token"] == pytest.approx(36.0)
+    assert result["lm_vs_bound"] == pytest.approx(80.0 / 36.0)
+    assert result["flow_bound_ms_per_audio_s"] == pytest.approx(2500.0)
+    assert result["hift_vs_bound"] == pytest.approx(1000.0 / (50 / 60 * 1000))
+    assert result["rtf_bound"] == pytest.approx((36.0 * 50 + 2500.0 + 50 / 60 * 1000) / 1000)
+
+
+def test_benchmark_runs_on_the_tiny_model() -> None:
+    command = [sys.executable, "-m", "engine.bench", "--model-dir", str(TINY_MODEL),
+               "--tokens", "60", "--repeats", "1", "--json"]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=280,
+                          check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout)
+    missing = [key for key in REQUIRED_FIELDS if result.get(key) is None]
+    assert not missing, f"fields missing or null: {missing}"
+    assert result["tokens"] == 60
+    assert result["profile"] == "realtime"
+    assert result["audio_s"] > 0 and result["peak_rss_mb"] > 0
