@@ -152,6 +152,7 @@ class ModelHost:
         except BaseException as err:
             if not self._ready.done():
                 self._ready.set_exception(err)
+                self._ready.exception()  # retrieved: no "never retrieved" log; waiters see it
             raise
         self.engine = engine
         self.catalog = VoiceCatalog(list(engine.speakers))
