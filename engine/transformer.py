@@ -177,7 +177,7 @@ class RelPosAttention(nn.Module):
         return self.linear_out(out.transpose(1, 2).flatten(2))
 
     def _pos_rows(self, length: int) -> Tensor:
-        """(h, L, d_k) = linear_pos of relative positions L-1 … 0, from a per-layer cache.
+        """(h, L, d_k) = linear_pos(pe) / sqrt(d_k) of relative positions L-1 … 0, cached.
 
         Shared by all requests. Extended by only the missing rows (capacity rounded up to 256
         positions) and rebuilt when the weight changes (load_state_dict copies in place and
@@ -194,6 +194,7 @@ class RelPosAttention(nn.Module):
             pos, _ = _rel_pos_tables(w.shape[1], cap)
             with torch.no_grad():  # rows for m = cap-1 … have, prepended (storage is reversed)
                 new = F.linear(pos[have:cap].flip(0).to(dtype=w.dtype, device=w.device), w)
+                new = new * (1.0 / math.sqrt(self.d_k))  # pre-scaled: saves a per-step multiply
             new = new.view(cap - have, self.h, self.d_k).transpose(0, 1)
             cached = (key, torch.cat([new, cached[1]], dim=1))
         if cached is not self._pos_cache:
@@ -219,7 +220,7 @@ class RelPosAttention(nn.Module):
             raw = raw.permute(2, 0, 1).unsqueeze(2)  # (B, h, 1, L)
         else:  # negative relative positions are masked: zero columns keep the skew in range
             raw = F.pad(torch.matmul(qv, rows.transpose(1, 2)), (0, t - 1))  # (B, h, T, L+T-1)
-        bias = _skew(raw, t, length) * (1.0 / math.sqrt(self.d_k))
+        bias = _skew(raw, t, length)  # already scaled by 1/sqrt(d_k) through the rows
         if mask is not None:
             bias = bias.masked_fill(~mask, float("-inf"))
         out = F.scaled_dot_product_attention(
