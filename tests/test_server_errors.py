@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 from types import SimpleNamespace
 from typing import Any
 
@@ -202,3 +203,40 @@ def test_a_slow_open_stream_is_not_idle_while_audio_is_owed(wy: SimpleNamespace)
             return await wy.synthesize(srv.port, "A sentence that takes a while to say out loud.")
 
     assert run(main()).types[-1] == "audio-stop"
+
+
+def test_a_client_that_stops_reading_is_dropped_and_blocks_nobody(wy: SimpleNamespace) -> None:
+    """TCP back-pressure: audio queued for a non-reading client is bounded, then it is cut off."""
+    limits = {
+        "limits.max_buffered_audio_s": 0.5,
+        "limits.stall_timeout_s": 1.0,
+        "limits.max_text_chars": 20000,
+    }
+    long_text = "Word word word word. " * 500  # 210 s of fake audio, more than socket buffers hold
+
+    async def main() -> tuple[float, Any, float, int]:
+        engine = lambda p, t: wy.FakeEngine(p, t, delay=0.0005)  # noqa: E731
+        async with wy.fake_server(limits, engine=engine) as srv:
+            sock = socket.socket()
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            sock.connect(("127.0.0.1", srv.port))
+            reader, writer = await asyncio.open_connection(sock=sock)
+            writer.write(header("synthesize", {"text": long_text}))
+            await writer.drain()
+            start = asyncio.get_running_loop().time()
+            other = await wy.synthesize(srv.port, "Someone else is served meanwhile.")
+            other_time = asyncio.get_running_loop().time() - start
+            while srv.running.handlers and asyncio.get_running_loop().time() - start < 20:
+                if len(srv.running.handlers) == 0:
+                    break
+                await asyncio.sleep(0.1)
+            dropped_after = asyncio.get_running_loop().time() - start
+            writer.close()
+            spoken = sum(c.text.startswith("Word") for c in srv.engines[0].calls)
+            return other_time, other, dropped_after, spoken
+
+    other_time, other, dropped_after, spoken = run(main())
+    assert other.types[-1] == "audio-stop"
+    assert other_time < 1.0, other_time  # the stalled client never holds the engine
+    assert dropped_after < 15
+    assert spoken < 500  # the stalled request was abandoned, not synthesized to the end

@@ -389,6 +389,7 @@ class EventHandler:
             await self._send_audio(chunk)
 
         for sentence in job.sentences:
+            await self._wait_for_space()
             await host.synthesize(
                 sentence, options, self._cancel, on_chunk, load_timeout=limits.load_wait_s
             )
@@ -402,6 +403,20 @@ class EventHandler:
             time.monotonic() - started,
         )
 
+    async def _wait_for_space(self) -> None:
+        """Wait while the client has more than ``max_buffered_audio_s`` unread.
+
+        Called between sentences, never while holding the engine: a client that stops reading
+        only stops itself. Within a sentence audio is queued without waiting; the splitter's
+        sentence-length cap bounds that.
+        """
+        while self._buffered >= self._max_buffered:
+            self._space.clear()
+            try:
+                await asyncio.wait_for(self._space.wait(), self._limits.stall_timeout_s)
+            except asyncio.TimeoutError as err:
+                raise _ClientStalledError from err
+
     async def _send_audio(self, chunk: AudioChunk) -> None:
         if chunk.sample_rate != SAMPLE_RATE:
             raise SynthesisError(f"engine produced {chunk.sample_rate} Hz, expected {SAMPLE_RATE}")
@@ -409,12 +424,6 @@ class EventHandler:
         step = self._config.samples_per_chunk * _WIDTH
         for start in range(0, len(pcm), step):
             piece = pcm[start : start + step]
-            while self._buffered >= self._max_buffered:
-                self._space.clear()
-                try:
-                    await asyncio.wait_for(self._space.wait(), self._limits.stall_timeout_s)
-                except asyncio.TimeoutError as err:
-                    raise _ClientStalledError from err
             self._buffered += len(piece) // _WIDTH
             event = WyomingAudioChunk(
                 rate=SAMPLE_RATE, width=_WIDTH, channels=_CHANNELS, audio=piece

@@ -26,11 +26,29 @@ class Splitter(Protocol):
     def flush(self) -> list[str]: ...
 
 
-class SimpleSplitter:
-    """Release each sentence as soon as its end is certain; ``flush`` returns the rest."""
+MAX_CHARS = 120  # like the frontend's splitter: bounds the audio of one sentence
 
-    def __init__(self) -> None:
+
+class SimpleSplitter:
+    """Release each sentence as soon as its end is certain; ``flush`` returns the rest.
+
+    A sentence longer than ``max_chars`` is cut at its last comma or space within the limit.
+    """
+
+    def __init__(self, max_chars: int = MAX_CHARS) -> None:
         self._buffer = ""
+        self.max_chars = max_chars
+
+    def _cut_long(self) -> list[str]:
+        out = []
+        while len(self._buffer) > self.max_chars:
+            head = self._buffer[: self.max_chars]
+            comma = max(head.rfind(c) for c in ",，、;；")
+            cut = (comma if comma > 0 else head.rfind(" ")) + 1 or self.max_chars
+            piece, self._buffer = self._buffer[:cut].strip(), self._buffer[cut:]
+            if piece:
+                out.append(piece)
+        return out
 
     def feed(self, fragment: str) -> list[str]:
         self._buffer += fragment
@@ -39,14 +57,22 @@ class SimpleSplitter:
         for match in _BOUNDARY.finditer(self._buffer):
             sentence = self._buffer[start : match.end()].strip()
             if sentence:
-                sentences.append(sentence)
+                sentences.extend(SimpleSplitter(self.max_chars).feed_whole(sentence))
             start = match.end()
         self._buffer = self._buffer[start:]
-        return sentences
+        return sentences + self._cut_long()
+
+    def feed_whole(self, sentence: str) -> list[str]:
+        """A complete sentence, cut to ``max_chars`` pieces."""
+        self._buffer = sentence
+        pieces = self._cut_long()
+        rest, self._buffer = self._buffer.strip(), ""
+        return [*pieces, rest] if rest else pieces
 
     def flush(self) -> list[str]:
+        pieces = self._cut_long()
         rest, self._buffer = self._buffer.strip(), ""
-        return [rest] if rest else []
+        return [*pieces, rest] if rest else pieces
 
 
 def make_splitter() -> Splitter:
