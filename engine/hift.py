@@ -205,10 +205,17 @@ class HiFTGenerator(nn.Module):
             for k, d in zip(args.resblock_kernel_sizes, args.resblock_dilation_sizes, strict=True)
         )
         self.conv_post = CLConv1d(ch >> n_up, 2 * n_bins, 7, padding=3)
-        # Periodic Hann, computed in float64 and rounded like scipy's window cast to float32.
-        window = torch.hann_window(self.n_fft, periodic=True, dtype=torch.float64).float()
-        self.register_buffer("window", window, persistent=False)
+        self.register_buffer("window", self._hann(), persistent=False)
         self.eval()
+
+    def _hann(self) -> Tensor:
+        # Periodic Hann, computed in float64 and rounded like scipy's window cast to float32.
+        return torch.hann_window(self.n_fft, periodic=True, dtype=torch.float64).float()
+
+    def materialize_derived(self) -> None:
+        """Rebuild the STFT window after the weights were assigned to a meta-built model."""
+        if self.window.is_meta:
+            self.window = self._hann()
 
     # --- source ------------------------------------------------------------------------------
 

@@ -148,14 +148,21 @@ def test_state_dict_must_be_a_mapping(tmp_path: Path) -> None:
         read_state_dict(path)
 
 
+def _hift_weights(model_dir: Path) -> dict[str, torch.Tensor]:
+    # Clone: the loaded tensors are memory-mapped views of the file we overwrite next.
+    return {k: v.clone() for k, v in load_model_dir(model_dir).hift.state_dict().items()}
+
+
 def test_both_weight_norm_layouts_give_identical_models(model_copy: Path) -> None:
-    legacy = load_model_dir(model_copy).hift.state_dict()
+    legacy = _hift_weights(model_copy)
+    (model_copy / "hift.pt").unlink()
     shutil.copy(DATA / "hift_parametrized_keys.pt", model_copy / "hift.pt")
-    modern = load_model_dir(model_copy).hift.state_dict()
+    modern = _hift_weights(model_copy)
     prefixed = {f"generator.{k}": v for k, v in
                 torch.load(DATA / "hift_parametrized_keys.pt", weights_only=True).items()}
+    (model_copy / "hift.pt").unlink()
     torch.save(prefixed, model_copy / "hift.pt")
-    with_prefix = load_model_dir(model_copy).hift.state_dict()
+    with_prefix = _hift_weights(model_copy)
     assert legacy.keys() == modern.keys() == with_prefix.keys()
     for key in legacy:
         assert torch.equal(legacy[key], modern[key]), key
