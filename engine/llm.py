@@ -122,16 +122,16 @@ class TransformerLM(nn.Module):
                  sampler: Sampler | None = None) -> Iterator[int]:
         """Yield speech tokens until EOS or the length cap (EOS itself is not yielded).
 
-        ``max_tokens`` overrides the cap (benchmarks: random weights never emit EOS; EOS is then
-        only allowed once ``min(min_len, max_tokens)`` tokens exist). ``forced_tokens`` /
+        ``max_tokens`` fixes the token count (benchmarks, ``SynthesisOptions.force_tokens``):
+        it replaces both limits, so EOS stays masked and exactly that many tokens are sampled
+        (fewer only if forced tokens contain EOS). ``forced_tokens`` /
         ``sampler`` replace the RAS draw (tests; they receive the EOS-masked log-probs and the
         history); a forced EOS id ends the stream.
         """
         n_text = _ids(text_ids, torch.device("cpu")).shape[1]
         min_len, max_len = self.length_limits(n_text)
         if max_tokens is not None:
-            max_len = max(0, int(max_tokens))
-            min_len = min(min_len, max_len)
+            max_len = min_len = max(0, int(max_tokens))  # EOS masked throughout: exact count
         if forced_tokens is not None:
             sampler = forced_sampler(forced_tokens)
         if max_len == 0:

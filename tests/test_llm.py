@@ -124,6 +124,15 @@ def test_forced_tokens_and_cap(model, fx):
     assert list(model.generate(text, [], [], emb, forced_tokens=forced, max_tokens=7)) == \
         forced[:7]
     assert list(model.generate(text, None, None, emb, max_tokens=0)) == []
+    # max_tokens fixes the count: EOS stays masked even past the usual min_len (14 here).
+    seen: list[bool] = []
+
+    def sampler(logp, history) -> int:
+        seen.append(bool(logp[model.eos] == float("-inf")))
+        return 7
+
+    assert len(list(model.generate(text, [], [], emb, max_tokens=20, sampler=sampler))) == 20
+    assert all(seen)
 
 
 def test_generate_is_lazy_and_seeded(model, fx):
