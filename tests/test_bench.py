@@ -115,3 +115,18 @@ def test_benchmark_runs_on_the_tiny_model() -> None:
     assert result["tokens"] == 60
     assert result["profile"] == "realtime"
     assert result["audio_s"] > 0 and result["peak_rss_mb"] > 0
+
+
+@pytest.mark.slow
+def test_concurrency_through_the_server() -> None:
+    command = [sys.executable, "-m", "engine.bench", "--model-dir", str(TINY_MODEL),
+               "--text", "Hello.", "--concurrency", "1,2", "--json"]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout)
+    assert [level["concurrency"] for level in result["levels"]] == [1, 2]
+    for level in result["levels"]:
+        assert len(level["requests"]) == level["concurrency"]
+        assert all(r["audio_s"] > 0 and r["first_audio_ms"] for r in level["requests"])
+        assert level["aggregate_audio_s_per_s"] > 0
