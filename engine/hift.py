@@ -205,7 +205,10 @@ class HiFTGenerator(nn.Module):
             for k, d in zip(args.resblock_kernel_sizes, args.resblock_dilation_sizes, strict=True)
         )
         self.conv_post = CLConv1d(ch >> n_up, 2 * n_bins, 7, padding=3)
-        self.register_buffer("window", self._hann(), persistent=False)
+        window = torch.empty(self.n_fft)
+        # On the meta device (fast loading) the window is rebuilt by materialize_derived().
+        self.register_buffer("window", window if window.is_meta else self._hann(),
+                             persistent=False)
         self.eval()
 
     def _hann(self) -> Tensor:

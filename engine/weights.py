@@ -11,7 +11,8 @@ from __future__ import annotations
 import logging
 import pickle
 import zipfile
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -135,6 +136,24 @@ def load_speakers(path: Path) -> dict[str, torch.Tensor]:
     return speakers
 
 
+@contextmanager
+def _without_init() -> Iterator[None]:
+    """Skip ``torch.nn.init`` while building on meta: every value is replaced by the checkpoint.
+
+    Random init on meta tensors is not free: the first ``normal_`` imports torch's Python
+    decompositions (2-4 s). Loading happens once at start-up, before any other thread runs.
+    """
+    names = [n for n in dir(nn.init) if n.endswith("_") and not n.startswith("_")]
+    saved = {n: getattr(nn.init, n) for n in names}
+    for name in names:
+        setattr(nn.init, name, lambda tensor, *args, **kwargs: tensor)
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(nn.init, name, fn)
+
+
 @dataclass
 class LoadedModels:
     """The three models of one directory plus its speaker table, ready for inference."""
@@ -176,7 +195,7 @@ def load_model_dir(model_dir: Path) -> LoadedModels:
     except ValueError as err:
         raise ModelLoadError(f"{model_dir / 'hift.pt'}: {err}") from err
 
-    with torch.device("meta"):
+    with torch.device("meta"), _without_init():
         llm = TransformerLM(args.llm)
         flow = FlowModel(args.flow)
         hift = HiFTGenerator(args.hift)
