@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import re
 import threading
 import time
 from collections.abc import Callable
@@ -43,6 +42,7 @@ from wyoming_cosyvoice.protocol import (
     ServerBusyError,
     StreamStateError,
     SynthesisError,
+    TextError,
     VoiceNotFoundError,
     read_event,
 )
@@ -50,9 +50,15 @@ from wyoming_cosyvoice.sentences import Splitter, has_speech, split_all
 from wyoming_cosyvoice.server import ModelHost
 
 _LOGGER = logging.getLogger(__name__)
+
+try:
+    from engine.text.errors import TextInputError
+
+    _TEXT_ERRORS: tuple[type[Exception], ...] = (TextInputError,)
+except ImportError:  # the frontend is optional for the server
+    _TEXT_ERRORS = ()
 _WIDTH, _CHANNELS = 2, 1
 _LINGER_S = 2.0
-_LANGUAGE_TAG = re.compile(r"[a-zA-Z]{2,3}([-_][a-zA-Z0-9]{2,4})?")
 
 
 @dataclass
@@ -90,28 +96,6 @@ class _Finish:
 
 class _ClientStalledError(Exception):
     """The client stopped reading; it is dropped without an error event."""
-
-
-try:
-    from engine.text.normalize import detect_language as frontend_detect
-except ImportError:  # the server also runs without the text frontend
-    frontend_detect = None
-
-
-def detect_language(text: str) -> str:
-    """The frontend's language guess if available, else a script-based one."""
-    if frontend_detect is not None:
-        try:
-            return str(frontend_detect(text))
-        except Exception:  # noqa: BLE001 - a guess only
-            _LOGGER.debug("detect_language failed", exc_info=True)
-    if re.search(r"[\u3040-\u30ff]", text):
-        return "ja"
-    if re.search(r"[\uac00-\ud7af]", text):
-        return "ko"
-    if re.search(r"[\u4e00-\u9fff]", text):
-        return "zh"
-    return "en"
 
 
 class EventHandler:
@@ -344,6 +328,9 @@ class EventHandler:
             except EngineUnknownSpeaker as err:
                 self._fail(VoiceNotFoundError(str(err)))
                 return
+            except _TEXT_ERRORS as err:
+                self._fail(TextError(str(err)))
+                return
             except EngineError as err:
                 self._fail(SynthesisError(str(err) or type(err).__name__))
                 return
@@ -432,33 +419,7 @@ class EventHandler:
 
     def _resolve_voice(self, request: dict[str, str] | None, text: str) -> Voice:
         catalog = self._ctx.host.catalog
-        if not catalog.voices:
-            raise VoiceNotFoundError("this model has no speakers to synthesize with")
-        request = request or {}
-        available = ", ".join(catalog.names)
-        chosen: Voice | None = None
-        if name := request.get("name"):
-            chosen = catalog.find(name)
-            if chosen is None and _LANGUAGE_TAG.fullmatch(name):
-                # wyoming <= 1.9 parsed a language-only voice into name=<language>
-                chosen = catalog.for_language(name)
-            if chosen is None:
-                raise VoiceNotFoundError(f"unknown voice {name!r}; available: {available}")
-        elif language := request.get("language"):
-            chosen = catalog.for_language(language)
-            if chosen is None:
-                raise VoiceNotFoundError(
-                    f"no voice for language {language!r}; available: {available}"
-                )
-        if speaker := request.get("speaker"):
-            chosen = catalog.find(speaker)
-            if chosen is None:
-                raise VoiceNotFoundError(f"unknown speaker {speaker!r}; available: {available}")
-        if chosen is None and self._config.voice:
-            chosen = catalog.find(self._config.voice)
-        if chosen is None:  # no voice asked for: one that speaks the text's language
-            chosen = catalog.for_language(detect_language(text)) or catalog.voices[0]
-        return chosen
+        return catalog.resolve(request or {}, default=self._config.voice, text=text)
 
     # --- events out ---------------------------------------------------------------------
 

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from wyoming.info import Attribution, Info, TtsProgram, TtsVoice
 
 from wyoming_cosyvoice import __version__
+from wyoming_cosyvoice.protocol import VoiceNotFoundError
+from wyoming_cosyvoice.sentences import detect_language
 
 PROGRAM_NAME = "cosyvoice"
 ATTRIBUTION = Attribution(
@@ -38,6 +40,7 @@ _GENDERS = {"女": "female", "男": "male"}
 _MAIN_REGION = {"zh": "zh_cn", "en": "en_us", "ja": "ja_jp", "ko": "ko_kr", "yue": "zh_hk"}
 # CosyVoice v1 is multilingual: a speaker of unknown origin is offered for every language.
 ALL_LANGUAGES = ["zh_CN", "en_US", "ja_JP", "ko_KR", "zh_HK"]
+_LANGUAGE_TAG = re.compile(r"[a-zA-Z]{2,3}([-_][a-zA-Z0-9]{2,4})?")
 
 
 @dataclass(frozen=True)
@@ -103,6 +106,38 @@ class VoiceCatalog:
     @property
     def names(self) -> list[str]:
         return [v.name for v in self.voices]
+
+    def resolve(self, request: dict[str, str], *, default: str | None, text: str) -> Voice:
+        """The voice for a request's ``voice`` {name, language, speaker}; raises if unknown.
+
+        Nothing asked for: the configured default, else a voice of the text's language.
+        """
+        if not self.voices:
+            raise VoiceNotFoundError("this model has no speakers to synthesize with")
+        available = ", ".join(self.names)
+        chosen: Voice | None = None
+        if name := request.get("name"):
+            chosen = self.find(name)
+            if chosen is None and _LANGUAGE_TAG.fullmatch(name):
+                # wyoming <= 1.9 parsed a language-only voice into name=<language>
+                chosen = self.for_language(name)
+            if chosen is None:
+                raise VoiceNotFoundError(f"unknown voice {name!r}; available: {available}")
+        elif language := request.get("language"):
+            chosen = self.for_language(language)
+            if chosen is None:
+                raise VoiceNotFoundError(
+                    f"no voice for language {language!r}; available: {available}"
+                )
+        if speaker := request.get("speaker"):
+            chosen = self.find(speaker)
+            if chosen is None:
+                raise VoiceNotFoundError(f"unknown speaker {speaker!r}; available: {available}")
+        if chosen is None and default:
+            chosen = self.find(default)
+        if chosen is None:
+            chosen = self.for_language(detect_language(text)) or self.voices[0]
+        return chosen
 
 
 def build_info(catalog: VoiceCatalog, *, streaming: bool, model: str) -> Info:

@@ -41,6 +41,10 @@ class EmptyTextError(ClientError):
     """A ``synthesize`` request without any text to speak."""
 
 
+class TextError(ClientError):
+    """The text frontend cannot turn this text into speech."""
+
+
 class StreamStateError(ClientError):
     """A streaming event arrived in the wrong order (chunk without start, ...)."""
 

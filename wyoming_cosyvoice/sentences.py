@@ -90,6 +90,28 @@ def split_all(text: str, splitter: Splitter | None = None) -> list[str]:
     return [*splitter.feed(text), *splitter.flush()]
 
 
+try:
+    from engine.text.normalize import detect_language as _frontend_detect
+except ImportError:  # the server also runs without the text frontend
+    _frontend_detect = None
+
+
+def detect_language(text: str) -> str:
+    """The frontend's guess (zh, en, ja, ko, yue) if available, else one from the script."""
+    if _frontend_detect is not None:
+        try:
+            return str(_frontend_detect(text))
+        except Exception:  # noqa: BLE001 - a guess only
+            _LOGGER.debug("detect_language failed", exc_info=True)
+    if re.search(r"[\u3040-\u30ff]", text):
+        return "ja"
+    if re.search(r"[\uac00-\ud7af]", text):
+        return "ko"
+    if re.search(r"[\u4e00-\u9fff]", text):
+        return "zh"
+    return "en"
+
+
 def has_speech(sentence: str) -> bool:
     """False for pure punctuation/whitespace, which has nothing to say."""
     return any(ch.isalnum() for ch in sentence)
