@@ -36,7 +36,7 @@ def check_audio(wave_16k: torch.Tensor, name: str) -> float:
     if seconds < MIN_SECONDS:
         raise VoiceError(f"recording is {seconds:.1f} s long; it needs at least "
                          f"{MIN_SECONDS:g} s (3-10 s of clear speech works best)")
-    if seconds > MAX_SECONDS:
+    if seconds > MAX_SECONDS + 1e-3:  # resampling may round the length up by a sample
         raise VoiceError(f"recording is {seconds:.1f} s long; the limit is {MAX_SECONDS:g} s "
                          "(3-10 s of clear speech works best)")
     peak = float(x.abs().max())
@@ -44,8 +44,10 @@ def check_audio(wave_16k: torch.Tensor, name: str) -> float:
     levels = x[: n * FRAME].reshape(n, FRAME).std(dim=1)
     sound = float((levels >= 10 ** (SOUND_DBFS / 20)).sum()) * FRAME / 16000
     if sound < MIN_SOUND_SECONDS:
-        if peak < 10 ** (SOUND_DBFS / 20) or float(levels.max()) < 1e-6:
+        if peak < 10 ** (SOUND_DBFS / 20):
             raise VoiceError(f"the recording is silent (peak {_dbfs(peak):.0f} dBFS)")
+        if float(levels.max()) < 1e-6:
+            raise VoiceError("the recording is silent (a constant signal, no sound)")
         raise VoiceError(f"the recording has only {sound:.1f} s above {SOUND_DBFS:g} dBFS; "
                          "record the speaker closer to the microphone or louder")
     clipped = float((x.abs() >= CLIP_LEVEL).float().mean())

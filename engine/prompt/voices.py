@@ -160,7 +160,7 @@ def load_voice(voices_dir: Path, name: str, models: PromptModels | None) -> Cust
     if models is None:
         raise VoiceError("its prompt is not extracted yet and the prompt models "
                          "(campplus.onnx, speech_tokenizer_v1.onnx) are not available")
-    wave_16k, info = load_prompt_16k(wav, max_seconds=MAX_SECONDS + 0.5)
+    wave_16k, info = load_prompt_16k(wav, max_seconds=MAX_SECONDS)
     duration = check_audio(wave_16k, name)
     check_transcript_length(transcript, duration, name)
     try:
