@@ -29,19 +29,16 @@ class ThreadedTokens:
     """Iterate over tokens produced by ``make_tokens()`` in a background thread."""
 
     def __init__(self, make_tokens: Callable[[], Iterator[int]],
-                 cancel: threading.Event | None = None, *, lm_threads: int | None = None) -> None:
+                 cancel: threading.Event | None = None) -> None:
         self._make_tokens = make_tokens
         self._cancel = cancel or threading.Event()
         self._stop = threading.Event()
         self._queue: queue.SimpleQueue[object] = queue.SimpleQueue()
-        self._lm_threads = lm_threads
         self._thread = threading.Thread(target=self._produce, name="cosyvoice-lm", daemon=True)
         self._thread.start()
 
     def _produce(self) -> None:
         try:
-            if self._lm_threads:
-                torch.set_num_threads(self._lm_threads)
             with torch.inference_mode():
                 for token in self._make_tokens():
                     if self._stop.is_set() or self._cancel.is_set():
