@@ -205,8 +205,11 @@ def test_voice_modes(engine, voices_dir: Path, models) -> None:
     assert v.flow_prompt.feat.shape == (1, voice.prompt.speech_feat.shape[1], 80)
     assert torch.equal(v.llm_embedding, voice.prompt.embedding)
 
-    cross = to_engine_voice(voice, engine.frontend, "把客厅的灯打开。")
+    cross = to_engine_voice(voice, engine.frontend, "把客厅的灯打开。", text_ids=[1, 2])
     assert cross.mode == "cross_lingual"
+    assert cross.text_ids == [engine.frontend.tokenizer.language_id("zh"), 1, 2]
+    assert to_engine_voice(voice, engine.frontend, "<|yue|>早晨", text_ids=[3]).text_ids == [3]
+    assert same.text_ids is None
     assert cross.voice.prompt_text_ids == [] and cross.voice.llm_prompt_tokens == []
     assert cross.voice.llm_embedding.shape == (1, 192)  # the v1 LM keeps the speaker
     assert cross.voice.flow_prompt is not None
@@ -241,6 +244,9 @@ def test_custom_voice_synthesizes_through_the_engine(engine, voices_dir: Path, m
     assert vin.mode == "cross_lingual"
     stream = SynthesisOptions(stream=True, seed=3, force_tokens=80)
     segment = engine.frontend.segments(text)[0]
-    chunks = list(engine._segment(segment.token_ids, vin.voice, stream, 3, None))
+    vin = to_engine_voice(voice, engine.frontend, segment.text, kind=engine.kind,
+                          text_ids=segment.token_ids)
+    assert vin.text_ids is not None and vin.text_ids[1:] == segment.token_ids
+    chunks = list(engine._segment(vin.text_ids, vin.voice, stream, 3, None))
     assert len(chunks) > 1
     assert sum(c.samples.size for c in chunks) == tokens_to_frames(80) * HOP

@@ -269,10 +269,11 @@ class VoiceLibrary:
 
 
 class VoiceInput(NamedTuple):
-    """The engine conditioning and the official mode it follows."""
+    """The engine conditioning, the official mode it follows, and the LM's text ids."""
 
     voice: Voice
     mode: str  # "zero_shot", "cross_lingual" or "instruct"
+    text_ids: list[int] | None = None  # the segment's ids, language-tagged if cross-lingual
 
 
 def _family(language: str) -> str:
@@ -289,14 +290,24 @@ def _prompt_ids(frontend: TextFrontend, transcript: str) -> tuple[int, ...]:
     return tuple(frontend.prompt_text_ids(transcript))
 
 
+def _tagged(frontend: TextFrontend, text: str, text_ids: list[int] | None) -> list[int] | None:
+    # Official v1 cross-lingual use puts the target language tag (<|en|>, <|zh|> ...) in front
+    # of the text: without a transcript it is the LM's only hint of the language to speak.
+    if text_ids is None or text.lstrip().startswith("<|"):
+        return text_ids
+    return [frontend.tokenizer.language_id(detect_language(text)), *text_ids]
+
+
 def to_engine_voice(voice: CustomVoice, frontend: TextFrontend, text: str, *,
-                    kind: str = "base", instruct: str | None = None) -> VoiceInput:
-    """The engine ``Voice`` for speaking ``text`` with a custom voice (SPEC §4.4 per mode).
+                    kind: str = "base", instruct: str | None = None,
+                    text_ids: list[int] | None = None) -> VoiceInput:
+    """The engine ``Voice`` for speaking ``text`` (one segment) with a custom voice (SPEC §4.4).
 
     * zero-shot (text in the transcript's language): LM gets transcript ids + CAM++ embedding +
       prompt speech tokens; the flow gets prompt tokens + mel + embedding;
     * cross-lingual (other language): as zero-shot, minus the transcript and the LM's prompt
-      tokens (the LM keeps the embedding, as the v1 LM does);
+      tokens (the LM keeps the embedding, as the v1 LM does); ``text_ids``, when given, come
+      back with the segment's language tag in front;
     * instruct (-Instruct model and an instruction, per request or ``NAME.instruct.txt``): LM
       gets the instruction and no speaker; the flow gets only the CAM++ embedding, exactly as
       official instruct mode treats a built-in speaker.
@@ -308,16 +319,18 @@ def to_engine_voice(voice: CustomVoice, frontend: TextFrontend, text: str, *,
     instruction = instruct or voice.instruct
     if instruction and kind == "instruct":
         return VoiceInput(Voice(voice.name, torch.zeros(0, emb.shape[1]), emb,
-                                prompt_text_ids=frontend.instruct_ids(instruction)), "instruct")
+                                prompt_text_ids=frontend.instruct_ids(instruction)),
+                          "instruct", text_ids)
     if instruction:
         _LOGGER.debug("Voice %r: instruction ignored (the %s model has no instruct mode)",
                       voice.name, kind)
     flow_prompt = FlowPrompt(emb, voice.prompt.speech_tokens, voice.prompt.speech_feat)
     if is_cross_lingual(voice, text):
-        return VoiceInput(Voice(voice.name, emb, emb, flow_prompt=flow_prompt), "cross_lingual")
+        return VoiceInput(Voice(voice.name, emb, emb, flow_prompt=flow_prompt), "cross_lingual",
+                          _tagged(frontend, text, text_ids))
     return VoiceInput(
         Voice(voice.name, emb, emb, prompt_text_ids=list(_prompt_ids(frontend, voice.transcript)),
               llm_prompt_tokens=voice.prompt.speech_tokens.reshape(-1).tolist(),
               flow_prompt=flow_prompt),
-        "zero_shot",
+        "zero_shot", text_ids,
     )
