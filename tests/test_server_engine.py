@@ -73,13 +73,16 @@ def server() -> Iterator[SimpleNamespace]:
         latency, info = run(timed_describe(port))
         yield SimpleNamespace(port=port, process=process, load_latency=latency, load_info=info)
     finally:
-        process.terminate()
+        process.terminate()  # SIGTERM: must exit cleanly and quickly
+        start = time.monotonic()
         try:
             _, log = process.communicate(timeout=30)
         except subprocess.TimeoutExpired:
             process.kill()
             _, log = process.communicate()
         sys.stderr.write(log[-4000:])
+        assert process.returncode == 0 and time.monotonic() - start < 10, process.returncode
+        assert "Traceback" not in log
 
 
 def test_describe_during_load_and_after(server: SimpleNamespace) -> None:

@@ -123,6 +123,20 @@ def resolve_model_dir(config: ServerConfig) -> Path:
     )
 
 
+def import_engine() -> str | None:
+    """Import torch and the engine code before listening; returns an error message or None.
+
+    Importing torch holds the GIL for seconds (loading its shared libraries), which would
+    stall ``describe`` answers on the event loop; loading the weights afterwards, on the engine
+    thread, mostly runs outside the GIL.
+    """
+    try:
+        import engine.engine  # noqa: F401
+    except ImportError as err:
+        return f"cannot import the engine: {err}"
+    return None
+
+
 async def serve(config: ServerConfig, model_dir: Path) -> int:
     """Run until SIGINT/SIGTERM (exit 0) or until the model fails to load (exit 1)."""
     from wyoming_cosyvoice.server import create_server
@@ -192,6 +206,9 @@ def main(argv: list[str] | None = None) -> int:
         model_dir = resolve_model_dir(config)
     except ModelNotFoundError as err:
         _LOGGER.error("%s", err)
+        return 1
+    if problem := import_engine():
+        _LOGGER.error("%s", problem)
         return 1
     try:
         return asyncio.run(serve(config, model_dir))
