@@ -275,3 +275,18 @@ def test_engine_failure_is_an_error_event_and_the_server_keeps_serving(wy: Simpl
     assert failed.error().code == "SynthesisError" and "failed on purpose" in failed.error().text
     assert crashed.error().code == "SynthesisError"
     assert ok.types[-1] == "audio-stop"
+
+
+def test_unix_socket_uri(wy: SimpleNamespace, tmp_path) -> None:  # noqa: ANN001
+    from wyoming.client import AsyncUnixClient
+
+    path = tmp_path / "cosyvoice.sock"
+
+    async def main() -> list[str]:
+        async with wy.fake_server({"server.uri": f"unix://{path}"}):
+            async with AsyncUnixClient(str(path)) as client:
+                await client.write_event(Event("synthesize", {"text": "Over a socket file."}))
+                return (await wy.read_until(client, ("audio-stop",))).types
+
+    types = run(main())
+    assert types[0] == "audio-start" and types[-1] == "audio-stop"

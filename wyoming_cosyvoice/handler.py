@@ -19,7 +19,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from wyoming.audio import AudioChunk as WyomingAudioChunk
@@ -79,7 +79,6 @@ class _Request:
     voice_resolved: Voice | None = None
     chars: int = 0
     splitter: Splitter | None = None
-    started: float = field(default_factory=time.monotonic)
 
 
 @dataclass
