@@ -287,3 +287,29 @@ def test_proposed_engine_integration(engine, voices_dir: Path, models) -> None:
     # Built-in speakers are untouched.
     builtin = SynthesisOptions(speaker=engine.speakers[0], stream=False, seed=1, force_tokens=20)
     assert len(list(integrated.synthesize("Hello.", builtin))) == 1
+
+
+def test_cached_voices_never_import_onnxruntime(voices_dir: Path, models) -> None:
+    import subprocess
+    import sys
+
+    load_voice(voices_dir, "anna", models)  # writes the cache
+    code = (
+        "import sys\n"
+        "from pathlib import Path\n"
+        "from engine.prompt.onnx_models import PromptModels\n"
+        "from engine.prompt.voices import VoiceLibrary\n"
+        f"m = PromptModels(Path({str(models.campplus_path)!r}), "
+        f"Path({str(models.tokenizer_path)!r}))\n"
+        f"lib = VoiceLibrary(Path({str(voices_dir)!r}), m)\n"
+        "assert lib.scan().voices['anna'].source == 'cache'\n"
+        # Without the model files (deleted after extraction) the cache still serves.
+        f"m = PromptModels.from_model_dir(Path({str(voices_dir)!r}))\n"
+        f"lib = VoiceLibrary(Path({str(voices_dir)!r}), m)\n"
+        "assert lib.scan().voices['anna'].source == 'cache'\n"
+        "assert 'onnxruntime' not in sys.modules\n"
+    )
+    root = Path(__file__).resolve().parent.parent
+    done = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True,
+                          text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]

@@ -64,6 +64,9 @@ class PromptModels:
             out[key] = f"{path.name}:{size}"
         return out
 
+    def files_present(self) -> bool:
+        return self.campplus_path.is_file() and self.tokenizer_path.is_file()
+
     def check(self) -> None:
         """Raise PromptModelError unless onnxruntime and both model files are present."""
         _onnxruntime()

@@ -93,8 +93,11 @@ def _same_file(old: object, new: dict[str, object]) -> bool:
 
 
 def _key(wav: Path, txt: Path, models: PromptModels | None) -> dict[str, object]:
+    # Models that are not there (deleted after extraction to save space) cannot have changed:
+    # any cache that matches the files is then good.
+    present = models is not None and models.files_present()
     return {"format": CACHE_FORMAT, "wav": file_record(wav), "txt": file_record(txt),
-            "models": models.identity() if models is not None else None}
+            "models": models.identity() if present and models is not None else None}
 
 
 def _cache_matches(state: dict[str, object], key: dict[str, object]) -> bool:
