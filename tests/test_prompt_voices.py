@@ -125,6 +125,9 @@ def test_reserved_names_and_hidden_files(voices_dir: Path, models) -> None:
     assert voice_names(voices_dir) == ["anna"]
     result = scan_voices(voices_dir, models, reserved={"anna"})
     assert "built-in speaker" in result.rejected["anna"]
+    assert scan_voices(voices_dir, models).voices["anna"].instruct == "Speak cheerfully."
+    (voices_dir / "anna.instruct.txt").write_text("\n")  # optional file: ignored, not fatal
+    assert scan_voices(voices_dir, models).voices["anna"].instruct is None
     assert scan_voices(voices_dir / "nope", models).voices == {}
 
 

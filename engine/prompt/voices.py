@@ -87,8 +87,8 @@ def file_record(path: Path) -> dict[str, object]:
             "sha256": _sha256(path)}
 
 
-def _same_file(old: object, new: dict[str, object]) -> bool:
-    return (isinstance(old, dict) and old.get("size") == new["size"]
+def _same_file(old: object, new: object) -> bool:
+    return (isinstance(old, dict) and isinstance(new, dict) and old.get("size") == new["size"]
             and old.get("sha256") == new["sha256"])
 
 
@@ -103,8 +103,8 @@ def _key(wav: Path, txt: Path, models: PromptModels | None) -> dict[str, object]
 def _cache_matches(state: dict[str, object], key: dict[str, object]) -> bool:
     if state.get("format") != CACHE_FORMAT:
         return False
-    if not (_same_file(state.get("wav"), key["wav"])  # type: ignore[arg-type]
-            and _same_file(state.get("txt"), key["txt"])):  # type: ignore[arg-type]
+    if not (_same_file(state.get("wav"), key["wav"])
+            and _same_file(state.get("txt"), key["txt"])):
         return False
     # Without the models at hand (no onnxruntime / files) any matching cache is good.
     return key["models"] is None or state.get("models") == key["models"]
@@ -146,8 +146,12 @@ def load_voice(voices_dir: Path, name: str, models: PromptModels | None) -> Cust
                              f"{name}.wav (e.g. ffmpeg -i {files['other'].name} {name}.wav)")
         raise VoiceError(f"recording {name}.wav is missing")
     transcript = read_transcript(txt)
-    instruct = (read_transcript(files["instruct"], what="instruction")
-                if "instruct" in files else None)
+    instruct = None
+    if "instruct" in files:
+        try:
+            instruct = read_transcript(files["instruct"], what="instruction")
+        except VoiceError as err:  # optional file: the voice still works without it
+            _LOGGER.warning("Custom voice %r: ignoring its instruction: %s", name, err)
     cache = voices_dir / f"{name}{CACHE_SUFFIX}"
     key = _key(wav, txt, models)
     state = _read_cache(cache)
