@@ -1,0 +1,195 @@
+"""The Starlette app: routes over the Wyoming server's :class:`ModelHost`.
+
+``POST /tts`` and ``POST /v1/audio/speech`` validate the body (:mod:`.speech`), then wait for
+the first audio before answering: an error found before any audio is sent (unknown speaker,
+text the frontend refuses) still gets its JSON status code, and a streamed answer then starts
+with the WAV header and that first chunk. Nothing here runs inference on the event loop; the
+host runs every engine call on its engine thread.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from importlib import resources
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import HTMLResponse, JSONResponse, Response
+from starlette.routing import Route
+
+from engine.constants import SAMPLE_RATE
+from engine.types import EngineError, SynthesisCancelled
+from engine.types import UnknownSpeakerError as EngineUnknownSpeaker
+from wyoming_cosyvoice.config import ServerConfig
+from wyoming_cosyvoice.http.errors import (
+    HttpError,
+    http_error_handler,
+    starlette_error_handler,
+)
+from wyoming_cosyvoice.http.speech import SpeechParser, SpeechRequest, max_body_bytes, read_json
+from wyoming_cosyvoice.http.stream import (
+    SpeechJob,
+    SpeechResponse,
+    audio_headers,
+    first_piece,
+    media_type,
+    wav_header,
+)
+from wyoming_cosyvoice.protocol import ClientError, ServerBusyError
+from wyoming_cosyvoice.sentences import Splitter, make_splitter
+from wyoming_cosyvoice.server import ModelHost
+
+_LOGGER = logging.getLogger(__name__)
+
+try:
+    from engine.text.errors import TextInputError
+
+    _TEXT_ERRORS: tuple[type[Exception], ...] = (TextInputError,)
+except ImportError:  # the frontend is optional for the server
+    _TEXT_ERRORS = ()
+
+
+def _page() -> str:
+    try:
+        return (resources.files("wyoming_cosyvoice") / "static" / "index.html").read_text("utf-8")
+    except OSError:  # an install without package data still serves the API
+        return "<!doctype html><title>CosyVoice</title><p>The web page is not installed."
+
+
+def engine_error(err: BaseException) -> HttpError:
+    """The status code for an error the synthesis raised before any audio was sent."""
+    if isinstance(err, EngineUnknownSpeaker):
+        return HttpError(404, str(err), code="voice_not_found", param="voice")
+    if _TEXT_ERRORS and isinstance(err, _TEXT_ERRORS):
+        return HttpError(400, f"the text cannot be spoken: {err}", code="text_error")
+    if isinstance(err, ServerBusyError):
+        return HttpError(503, str(err), code="not_ready", headers={"Retry-After": "5"})
+    if isinstance(err, ClientError):
+        return HttpError(400, str(err), code=err.code)
+    if isinstance(err, EngineError):
+        return HttpError(500, f"synthesis failed: {err or type(err).__name__}",
+                         code="synthesis_failed")  # fmt: skip
+    _LOGGER.error("Synthesis failed", exc_info=err)
+    return HttpError(500, f"internal error: {type(err).__name__}: {err}", code="internal_error")
+
+
+class TtsRoutes:
+    """Handlers bound to one config and one model host."""
+
+    def __init__(self, config: ServerConfig, host: ModelHost,
+                 splitter_factory: Callable[[], Splitter]) -> None:  # fmt: skip
+        self.config, self.host = config, host
+        self.parser = SpeechParser(config, lambda: host.catalog, splitter_factory)
+        self.page = _page()
+
+    # --- state ----------------------------------------------------------------------------
+
+    def status(self) -> tuple[str, str | None]:
+        """("ready" | "loading" | "failed", the load error)."""
+        ready = self.host.ready
+        if not ready.done():
+            return "loading", None
+        if ready.cancelled():
+            return "failed", "loading was cancelled"
+        err = ready.exception()
+        return ("failed", f"{type(err).__name__}: {err}") if err else ("ready", None)
+
+    def require_ready(self) -> None:
+        state, error = self.status()
+        if state == "loading":
+            raise HttpError(503, "the model is still loading; try again in a few seconds",
+                            code="not_ready", headers={"Retry-After": "5"})  # fmt: skip
+        if state == "failed":
+            raise HttpError(503, f"the model failed to load: {error}", code="load_failed")
+
+    # --- routes ---------------------------------------------------------------------------
+
+    async def index(self, request: Request) -> Response:
+        return HTMLResponse(self.page)
+
+    async def health(self, request: Request) -> Response:
+        state, error = self.status()
+        body: dict[str, Any] = {
+            "status": state,
+            "model": self.config.model,
+            "voices": len(self.host.catalog.voices),
+            "queued": self.host.waiting,
+        }
+        if error:
+            body["error"] = error
+        return JSONResponse(body, status_code=200 if state == "ready" else 503)
+
+    async def voices(self, request: Request) -> Response:
+        catalog = self.host.catalog
+        return JSONResponse({
+            "voices": [
+                {"name": v.name, "speaker": v.speaker, "languages": list(v.languages),
+                 "description": v.description}
+                for v in catalog.voices
+            ],
+            "default": self.config.voice,
+            "profiles": list(self.config.profiles),
+            "default_profile": self.config.profile.name,
+            "sample_rate": SAMPLE_RATE,
+            "ready": self.status()[0] == "ready",
+        })  # fmt: skip
+
+    async def tts(self, request: Request) -> Response:
+        return await self._speak(request, self.parser.tts)
+
+    async def openai_speech(self, request: Request) -> Response:
+        return await self._speak(request, self.parser.openai)
+
+    async def _speak(
+        self, request: Request, parse: Callable[[dict[str, Any]], SpeechRequest]
+    ) -> Response:
+        data = await read_json(request, max_body_bytes(self.config))
+        self.require_ready()
+        speech = parse(data)
+        job = SpeechJob(self.host, speech, self.config.limits)
+        job.start(request.receive)
+        try:
+            first = await first_piece(job)
+        except SynthesisCancelled:
+            first = None
+        except Exception as err:  # noqa: BLE001 - each becomes a JSON error
+            raise engine_error(err) from err
+        if speech.stream:
+            return SpeechResponse(job, first)
+        try:
+            rest = await job.read_all() if first is not None else b""
+        except Exception as err:  # noqa: BLE001
+            raise engine_error(err) from err
+        finally:
+            job.stop()
+        pcm = (first or b"") + rest
+        body = wav_header(len(pcm)) + pcm if speech.audio_format == "wav" else pcm
+        return Response(body, media_type=media_type(speech), headers=audio_headers(speech))
+
+
+def create_app(
+    config: ServerConfig,
+    host: ModelHost,
+    *,
+    splitter_factory: Callable[[], Splitter] = make_splitter,
+) -> Starlette:
+    """The HTTP API over ``host`` (which the caller starts loading and shuts down)."""
+    routes = TtsRoutes(config, host, splitter_factory)
+    app = Starlette(
+        routes=[
+            Route("/", routes.index, methods=["GET"]),
+            Route("/health", routes.health, methods=["GET"]),
+            Route("/voices", routes.voices, methods=["GET"]),
+            Route("/tts", routes.tts, methods=["POST"]),
+            Route("/v1/audio/speech", routes.openai_speech, methods=["POST"]),
+        ],
+        exception_handlers={
+            HttpError: http_error_handler,
+            HTTPException: starlette_error_handler,
+        },
+    )
+    app.state.routes = routes
+    return app

@@ -1,0 +1,114 @@
+"""Run the HTTP API on Uvicorn inside the caller's event loop, next to the Wyoming listener.
+
+Uvicorn normally owns the process (its own loop, its own SIGINT/SIGTERM handlers). Here the
+CLI owns both: Uvicorn's ``Server.serve()`` runs as one task of the running loop and its signal
+capture is switched off, so a signal stops Wyoming and HTTP together, in the CLI's order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable, Generator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import uvicorn
+
+from wyoming_cosyvoice.config import ServerConfig
+from wyoming_cosyvoice.sentences import Splitter, make_splitter
+from wyoming_cosyvoice.server import Engine, EngineFactory, ModelHost, load_cosyvoice, peek_speakers
+
+_LOGGER = logging.getLogger(__name__)
+_GRACE_S = 3.0  # how long open streams may finish when the server stops
+
+
+class _EmbeddedServer(uvicorn.Server):
+    @contextlib.contextmanager
+    def capture_signals(self) -> Generator[None, None, None]:
+        yield  # the host process handles signals
+
+
+@dataclass
+class HttpServer:
+    """A started HTTP server: its bound port and a way to stop it."""
+
+    server: uvicorn.Server
+    task: asyncio.Task[None]
+
+    @property
+    def port(self) -> int:
+        return int(self.server.servers[0].sockets[0].getsockname()[1])
+
+    async def stop(self) -> None:
+        self.server.should_exit = True
+        try:
+            await asyncio.wait_for(asyncio.shield(self.task), _GRACE_S + 2)
+        except (asyncio.TimeoutError, Exception):  # noqa: BLE001 - stopping regardless
+            self.task.cancel()
+            await asyncio.gather(self.task, return_exceptions=True)
+
+
+async def start_http(
+    config: ServerConfig,
+    host: ModelHost,
+    bind: str = "0.0.0.0",
+    port: int = 0,
+    *,
+    splitter_factory: Callable[[], Splitter] = make_splitter,
+) -> HttpServer:
+    """Listen on ``bind:port`` (0 = any free port) in the running loop; returns once bound."""
+    from wyoming_cosyvoice.http.app import create_app
+
+    app = create_app(config, host, splitter_factory=splitter_factory)
+    uv_config = uvicorn.Config(
+        app,
+        host=bind,
+        port=port,
+        lifespan="off",  # the model host's life is the CLI's, not the app's
+        log_config=None,  # keep the CLI's logging set-up
+        timeout_graceful_shutdown=int(_GRACE_S),
+        server_header=False,
+    )
+    server = _EmbeddedServer(uv_config)
+    task = asyncio.create_task(server.serve(), name="http server")
+    while not server.started:
+        if task.done():  # e.g. the port is taken: uvicorn logs it and exits
+            task.result()
+            raise OSError(f"cannot listen for HTTP on {bind}:{port}")
+        await asyncio.sleep(0.02)
+    running = HttpServer(server, task)
+    _LOGGER.info("HTTP API on http://%s:%d/", bind, running.port)
+    return running
+
+
+@dataclass
+class ModelOnly:
+    """The model host without a Wyoming listener (``--http-only``); mirrors ``RunningServer``."""
+
+    host: ModelHost
+    config: ServerConfig
+    load_task: asyncio.Task[Engine]
+    handlers: set[Any] = field(default_factory=set)
+
+    async def stop(self) -> None:
+        if not self.load_task.done():
+            self.load_task.cancel()
+        self.host.shutdown()
+
+
+async def start_model_only(
+    config: ServerConfig, model_dir: Path, *, engine_factory: EngineFactory = load_cosyvoice
+) -> ModelOnly:
+    """Start loading the model in the background, as ``create_server`` does, without listening."""
+    host = ModelHost(
+        model_dir,
+        engine_factory=engine_factory,
+        threads=config.threads,
+        warmup=config.warmup,
+        speakers_hint=peek_speakers(model_dir),
+    )
+    load_task = asyncio.create_task(host.load(), name="load model")
+    return ModelOnly(host, config, load_task)

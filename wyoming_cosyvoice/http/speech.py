@@ -1,0 +1,220 @@
+"""Request bodies → a checked :class:`SpeechRequest`, with the server's voices and profiles.
+
+Both routes end here, so ``/tts`` and ``/v1/audio/speech`` refuse the same things with the same
+status codes: 400 bad input, 404 unknown voice, 413 text (or body) too long. Voice resolution is
+the Wyoming server's :meth:`VoiceCatalog.resolve` and the profile → options mapping mirrors the
+Wyoming handler's, so one request speaks the same over either protocol.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from starlette.requests import Request
+
+from engine.types import SynthesisOptions
+from wyoming_cosyvoice.config import ProfileConfig, ServerConfig
+from wyoming_cosyvoice.http.errors import HttpError
+from wyoming_cosyvoice.info import Voice, VoiceCatalog
+from wyoming_cosyvoice.protocol import VoiceNotFoundError
+from wyoming_cosyvoice.sentences import Splitter, has_speech, split_all
+
+FORMATS = ("wav", "pcm")
+_MAX_SEED = 2**32 - 1
+# OpenAI's built-in voice names: clients that hard-code one get the default voice for the text's
+# language instead of a 404, so they work unchanged.
+OPENAI_VOICES = frozenset(
+    "alloy ash ballad coral echo fable nova onyx sage shimmer verse marin cedar".split()
+)
+TTS_FIELDS = ("text", "voice", "speaker", "profile", "seed", "stream", "format")
+
+
+@dataclass(frozen=True)
+class SpeechRequest:
+    """A validated request: what to say, how, and in which form to return it."""
+
+    text: str
+    sentences: list[str]
+    voice: Voice
+    profile: ProfileConfig
+    options: SynthesisOptions
+    stream: bool
+    audio_format: str  # "wav" or "pcm"
+    sse: bool = False  # OpenAI stream_format "sse": base64 audio in server-sent events
+
+
+def synthesis_options(
+    profile: ProfileConfig, speaker: str, seed: int | None, instruct: str | None = None
+) -> SynthesisOptions:
+    """The engine options for a profile: the same fields the Wyoming handler sets."""
+    return SynthesisOptions(
+        speaker=speaker,
+        stream=profile.stream_audio,
+        schedule=profile.schedule,
+        seed=seed,
+        n_timesteps=profile.n_timesteps,
+        cfg_rate=profile.cfg_rate,
+        instruct=instruct,
+    )
+
+
+def max_body_bytes(config: ServerConfig) -> int:
+    # Room for max_text_chars characters even when every one is a JSON \uXXXX escape.
+    return max(config.limits.max_data_bytes, 6 * config.limits.max_text_chars + 4096)
+
+
+async def read_json(request: Request, limit: int) -> dict[str, Any]:
+    """The body as a JSON object; 413 past ``limit`` bytes without reading the rest."""
+    declared = request.headers.get("content-length")
+    if declared and declared.isdigit() and int(declared) > limit:
+        raise HttpError(413, f"request body of {declared} bytes is over the limit of {limit}",
+                        code="body_too_large")  # fmt: skip
+    body = bytearray()
+    async for part in request.stream():
+        body += part
+        if len(body) > limit:
+            raise HttpError(413, f"request body is over the limit of {limit} bytes",
+                            code="body_too_large")  # fmt: skip
+    if not body.strip():
+        raise HttpError(400, "the request needs a JSON body", code="invalid_json")
+    try:
+        data = json.loads(body)
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise HttpError(400, f"the body is not valid JSON: {err}", code="invalid_json") from err
+    if not isinstance(data, dict):
+        raise HttpError(400, f"the body must be a JSON object, not {type(data).__name__}",
+                        code="invalid_json")  # fmt: skip
+    return data
+
+
+def _optional(data: dict[str, Any], key: str, kind: type | tuple[type, ...], what: str) -> Any:
+    value = data.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) and bool not in (kind if isinstance(kind, tuple) else (kind,)):
+        raise HttpError(400, f"'{key}' must be {what}, not {value!r}", param=key)
+    if not isinstance(value, kind):
+        raise HttpError(400, f"'{key}' must be {what}, not {value!r}", param=key)
+    return value
+
+
+class SpeechParser:
+    """Checks request bodies against one server's config, voices and text splitter."""
+
+    def __init__(
+        self,
+        config: ServerConfig,
+        catalog: Callable[[], VoiceCatalog],
+        splitter_factory: Callable[[], Splitter],
+    ) -> None:
+        self.config = config
+        self._catalog = catalog  # a callable: the catalog is replaced once the model loads
+        self._splitter_factory = splitter_factory
+
+    def tts(self, data: dict[str, Any]) -> SpeechRequest:
+        """``POST /tts``: {text, voice?, speaker?, profile?, seed?, stream?, format?}."""
+        unknown = sorted(set(data) - set(TTS_FIELDS))
+        if unknown:
+            raise HttpError(400, f"unknown field(s) {', '.join(unknown)}; known: "
+                            f"{', '.join(TTS_FIELDS)}", param=unknown[0])  # fmt: skip
+        text = self._text(data, "text")
+        stream = _optional(data, "stream", bool, "true or false") or False
+        audio_format = self._format(data.get("format"), "format")
+        voice = self._voice(
+            _optional(data, "voice", str, "a voice name"),
+            _optional(data, "speaker", str, "a speaker name"),
+            text,
+        )
+        return self._request(data, text, voice, stream=stream, audio_format=audio_format)
+
+    def openai(self, data: dict[str, Any]) -> SpeechRequest:
+        """``POST /v1/audio/speech``: {model, input, voice, response_format?, stream_format?}.
+
+        The audio is always streamed (chunked), as OpenAI does; ``model`` is accepted as given.
+        """
+        _optional(data, "model", str, "a string")
+        text = self._text(data, "input")
+        audio_format = self._format(data.get("response_format"), "response_format")
+        stream_format = _optional(data, "stream_format", str, "'audio' or 'sse'") or "audio"
+        if stream_format not in ("audio", "sse"):
+            raise HttpError(400, f"stream_format {stream_format!r} is not supported; use "
+                            "'audio' or 'sse'", param="stream_format")  # fmt: skip
+        speed = _optional(data, "speed", (int, float), "a number")
+        if speed is not None and speed != 1:
+            raise HttpError(400, "only speed 1.0 is supported", param="speed")
+        name = _optional(data, "voice", str, "a voice name")
+        if isinstance(data.get("voice"), dict):  # newer OpenAI clients: {"id": "..."}
+            name = _optional(data["voice"], "id", str, "a voice id")
+        if name and name.casefold() in OPENAI_VOICES and self._catalog().find(name) is None:
+            name = None
+        voice = self._voice(name, None, text)
+        instruct = _optional(data, "instructions", str, "a string")
+        return self._request(data, text, voice, stream=True, audio_format=audio_format,
+                             sse=stream_format == "sse", instruct=instruct)  # fmt: skip
+
+    # --- the shared checks ----------------------------------------------------------------
+
+    def _text(self, data: dict[str, Any], key: str) -> str:
+        text = data.get(key)
+        if text is None:
+            raise HttpError(400, f"'{key}' is required", param=key)
+        if not isinstance(text, str):
+            raise HttpError(400, f"'{key}' must be a string", param=key)
+        if not text.strip():
+            raise HttpError(400, f"'{key}' is empty", code="empty_text", param=key)
+        most = self.config.limits.max_text_chars
+        if len(text) > most:
+            raise HttpError(413, f"'{key}' has {len(text)} characters, over the limit of {most}",
+                            code="text_too_long", param=key)  # fmt: skip
+        return text
+
+    @staticmethod
+    def _format(value: Any, key: str) -> str:
+        if value is None:
+            return "wav"
+        if value not in FORMATS:
+            raise HttpError(400, f"{key} {value!r} is not supported; use 'wav' or 'pcm'",
+                            param=key)  # fmt: skip
+        return str(value)
+
+    def _voice(self, name: str | None, speaker: str | None, text: str) -> Voice:
+        wanted = {k: v for k, v in (("name", name), ("speaker", speaker)) if v}
+        try:
+            return self._catalog().resolve(wanted, default=self.config.voice, text=text)
+        except VoiceNotFoundError as err:
+            raise HttpError(404, str(err), code="voice_not_found",
+                            param="speaker" if speaker else "voice") from err  # fmt: skip
+
+    def _request(self, data: dict[str, Any], text: str, voice: Voice, *, stream: bool,
+                 audio_format: str, sse: bool = False,
+                 instruct: str | None = None) -> SpeechRequest:  # fmt: skip
+        profile_name = _optional(data, "profile", str, "a profile name")
+        profiles = self.config.profiles
+        if profile_name is None:
+            profile = self.config.profile
+        elif profile_name in profiles:
+            profile = profiles[profile_name]
+        else:
+            raise HttpError(400, f"unknown profile {profile_name!r}; known: "
+                            f"{', '.join(profiles)}", param="profile")  # fmt: skip
+        seed = _optional(data, "seed", int, "an integer")
+        if seed is None:
+            seed = self.config.seed
+        elif not 0 <= seed <= _MAX_SEED:
+            raise HttpError(400, f"'seed' must be between 0 and {_MAX_SEED}", param="seed")
+        sentences = [s for s in split_all(text, self._splitter_factory()) if has_speech(s)]
+        if not sentences:
+            raise HttpError(400, f"text {text[:40]!r} has nothing to speak", code="empty_text")
+        return SpeechRequest(
+            text=text,
+            sentences=sentences,
+            voice=voice,
+            profile=profile,
+            options=synthesis_options(profile, voice.speaker, seed, instruct),
+            stream=stream,
+            audio_format=audio_format,
+            sse=sse,
+        )
