@@ -278,3 +278,25 @@ def test_cli_downloads_through_hf_endpoint(hub: Hub, tmp_path: Path) -> None:
         _, err = process.communicate(timeout=30)
     assert_same_as_tiny(tmp_path / NAME)
     assert "Downloading CosyVoice-300M-SFT" in err
+
+
+def test_voice_files_are_added_to_a_complete_model_dir(hub: Hub, tmp_path: Path) -> None:
+    import shutil
+
+    from wyoming_cosyvoice.download import VOICE_FILES, ensure_extra_files
+
+    for name in VOICE_FILES:
+        hub.files[name] = os.urandom(300_000)
+    model_dir = tmp_path / NAME
+    shutil.copytree(TINY, model_dir)
+    hub.cut_after["campplus.onnx"] = 100_000
+    with pytest.raises(DownloadError):
+        ensure_extra_files(model_dir, NAME, endpoint=endpoint(hub), attempts=1)
+    assert not (model_dir / "campplus.onnx").exists()  # never a partial file under its name
+    hub.cut_after.clear()
+    ensure_extra_files(model_dir, NAME, endpoint=endpoint(hub))
+    for name in VOICE_FILES:
+        assert (model_dir / name).read_bytes() == hub.files[name]
+    assert not (model_dir / ".partial").exists()
+    with pytest.raises(ModelNotFoundError, match="offline"):
+        ensure_extra_files(tmp_path / "empty", NAME, offline=True)

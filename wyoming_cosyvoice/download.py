@@ -133,6 +133,45 @@ def ensure_model(
         ) from err
 
 
+def ensure_extra_files(
+    model_dir: Path,
+    name: str,
+    files: tuple[str, ...] = VOICE_FILES,
+    *,
+    offline: bool = False,
+    endpoint: str | None = None,
+    attempts: int = 5,
+) -> None:
+    """Add optional files (the ONNX models custom voices need) to a complete model dir.
+
+    Each file is fetched into ``<model_dir>/.partial/`` (resumable) and moved in only once
+    verified, so the model directory never holds a partial file under a real name.
+    """
+    absent = missing_files(model_dir, files)
+    if not absent:
+        return
+    spec = model_spec(name)
+    from huggingface_hub import constants as hub_constants
+
+    if offline or hub_constants.is_offline_mode():
+        raise ModelNotFoundError(
+            f"{model_dir} lacks {', '.join(absent)}; download them from "
+            f"https://huggingface.co/{spec.repo_id} into {model_dir.absolute()}/ (offline mode)"
+        )
+    staging = model_dir / ".partial"
+    staging.mkdir(exist_ok=True)
+    state_path = staging / _STATE_FILE
+    state = json.loads(state_path.read_text()) if state_path.is_file() else {}
+    for filename in absent:
+        state[filename] = _download_file(
+            spec, filename, staging, state, endpoint=endpoint, attempts=attempts
+        )
+        state_path.write_text(json.dumps(state, indent=1))
+        os.replace(staging / filename, model_dir / filename)
+    state_path.unlink()
+    staging.rmdir()
+
+
 def download_model(
     name: str, download_dir: Path, *, endpoint: str | None = None, attempts: int = 5
 ) -> Path:
