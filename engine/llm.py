@@ -56,7 +56,7 @@ class TransformerLM(nn.Module):
 
     @property
     def _device(self) -> torch.device:
-        return self.llm_decoder.weight.device
+        return self.speech_embedding.weight.device
 
     # --- input assembly --------------------------------------------------------------------
 

@@ -294,7 +294,7 @@ class RelPosEncoder(nn.Module):
     def new_cache(self, batch: int, max_len: int, *, dtype: torch.dtype | None = None,
                   device: torch.device | None = None) -> KVCache:
         """An empty KV cache with room for ``max_len`` positions."""
-        w = self.embed.out[0].weight
+        w = self.after_norm.weight  # a LayerNorm: stays float even when Linears are int8
         a = self.args
         kv = torch.zeros(a.num_blocks, 2, batch, a.attention_heads, max_len,
                          a.output_size // a.attention_heads,

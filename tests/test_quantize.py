@@ -1,0 +1,62 @@
+"""The int8 LM fast path: how far its next-token distributions move from the float32 LM."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.hparams import load_model_args
+from engine.llm import TransformerLM
+from engine.quantize import next_token_kl, quantize_lm_int8
+
+DATA = Path(__file__).parent / "data"
+# Mean KL(fp32 || int8) of the next-token distribution over teacher-forced steps. The tiny
+# random model measures ~1e-4 nats; the full-size figure is printed by `python -m engine.bench`.
+MAX_MEAN_KL = 2e-3
+MAX_STEP_KL = 1e-2
+
+
+def _teacher_forced_logits(model: TransformerLM, fx: dict, case: str) -> torch.Tensor:
+    lm_input = fx[f"{case}/lm_input"].unsqueeze(0)
+    tokens = fx[f"{case}/forced_tokens"].tolist()
+    with torch.inference_mode():
+        cache = model.new_cache(lm_input.shape[1] + len(tokens))
+        outs = [model.prefill(lm_input, cache).logits]
+        outs += [model.decode_step(tok, cache).logits for tok in tokens]
+    return torch.cat(outs)
+
+
+@pytest.fixture(scope="module")
+def models() -> tuple[TransformerLM, TransformerLM]:
+    args = load_model_args(DATA / "tiny_model" / "cosyvoice.yaml")
+    fp32 = TransformerLM(args.llm).eval()
+    fp32.load_state_dict(torch.load(DATA / "tiny_model" / "llm.pt", weights_only=True))
+    return fp32, quantize_lm_int8(copy.deepcopy(fp32))
+
+
+@pytest.mark.parametrize("case", ["sft", "zero_shot", "instruct"])
+def test_int8_lm_stays_close(models, case: str) -> None:
+    fx = torch.load(DATA / "llm_fixtures.pt", weights_only=True)
+    fp32, int8 = models
+    reference = _teacher_forced_logits(fp32, fx, case)
+    torch.testing.assert_close(reference, fx[f"{case}/logits"], atol=1e-4, rtol=0)
+    kl = next_token_kl(reference, _teacher_forced_logits(int8, fx, case))
+    assert kl.mean() <= MAX_MEAN_KL, kl
+    assert kl.max() <= MAX_STEP_KL, kl
+    assert kl.max() > 0  # the int8 path really ran
+
+
+def test_only_the_decoder_is_quantised(models) -> None:
+    from torch.ao.nn.quantized.dynamic import Linear as Int8Linear
+
+    _, int8 = models
+    assert isinstance(int8.llm_decoder, Int8Linear)
+    for layer in int8.llm.encoders:
+        assert isinstance(layer.self_attn.linear_q, Int8Linear)
+        assert isinstance(layer.feed_forward.w_1, Int8Linear)
+        assert type(layer.self_attn.linear_pos) is torch.nn.Linear  # folded into a float table
+    assert type(int8.text_encoder_affine_layer) is torch.nn.Linear
+    assert not any(isinstance(m, Int8Linear) for m in int8.text_encoder.modules())
