@@ -38,12 +38,13 @@ from wyoming_cosyvoice.protocol import (
     ClientError,
     EmptyTextError,
     LimitExceededError,
-    ProtocolError,
     ServerBusyError,
     StreamStateError,
     SynthesisError,
     TextError,
     VoiceNotFoundError,
+    event_text,
+    event_voice,
     read_event,
 )
 from wyoming_cosyvoice.sentences import Splitter, has_speech, split_all
@@ -229,8 +230,8 @@ class EventHandler:
         elif kind == "synthesize":
             if self._stream is not None:
                 return  # Home Assistant's compatibility copy of the streamed text
-            text = self._text(data, "synthesize")
-            request = _Request(self._voice_request(data), chars=len(text))
+            text = event_text(data, "synthesize")
+            request = _Request(event_voice(data), chars=len(text))
             if not text.strip():
                 raise EmptyTextError("synthesize has no text to speak")
             self._check_length(request.chars)
@@ -241,11 +242,11 @@ class EventHandler:
         elif kind == "synthesize-start":
             if self._stream is not None:
                 raise StreamStateError("synthesize-start while a stream is already open")
-            voice = self._voice_request(data)
+            voice = event_voice(data)
             self._stream = _Request(voice, splitter=self._ctx.splitter_factory())
         elif kind == "synthesize-chunk":
             stream = self._open_stream(kind)
-            text = self._text(data, kind)
+            text = event_text(data, kind)
             stream.chars += len(text)
             self._check_length(stream.chars)
             assert stream.splitter is not None
@@ -273,30 +274,11 @@ class EventHandler:
         self._pending += 1
         self._jobs.put_nowait(job)
 
-    @staticmethod
-    def _text(data: dict[str, Any], kind: str) -> str:
-        text = data.get("text")
-        if not isinstance(text, str):
-            raise ProtocolError(f"{kind} needs a 'text' string")
-        return text
-
     def _check_length(self, chars: int) -> None:
         if chars > self._limits.max_text_chars:
             raise LimitExceededError(
                 f"text of {chars} characters is over the limit of {self._limits.max_text_chars}"
             )
-
-    @staticmethod
-    def _voice_request(data: dict[str, Any]) -> dict[str, str] | None:
-        voice = data.get("voice")
-        if voice is None:
-            return None
-        if not isinstance(voice, dict):
-            raise ProtocolError('\'voice\' must be an object such as {"name": "zh-female"}')
-        for key, value in voice.items():
-            if key in ("name", "speaker", "language") and not isinstance(value, (str, type(None))):
-                raise ProtocolError(f"'voice.{key}' must be a string")
-        return {k: v for k, v in voice.items() if k in ("name", "speaker", "language") and v}
 
     def _info(self) -> Any:
         catalog = self._ctx.host.catalog

@@ -122,3 +122,25 @@ async def read_event(
         data = {**data, **extra}
     payload = await reader.readexactly(payload_length) if payload_length else None
     return Event(type=event_type, data=data, payload=payload)
+
+
+def event_text(data: dict[str, Any], kind: str) -> str:
+    """The required ``text`` string of a synthesize/synthesize-chunk event."""
+    text = data.get("text")
+    if not isinstance(text, str):
+        raise ProtocolError(f"{kind} needs a 'text' string")
+    return text
+
+
+def event_voice(data: dict[str, Any]) -> dict[str, str] | None:
+    """The optional ``voice`` object, reduced to its non-empty string fields."""
+    voice = data.get("voice")
+    if voice is None:
+        return None
+    if not isinstance(voice, dict):
+        raise ProtocolError('\'voice\' must be an object such as {"name": "zh-female"}')
+    fields = ("name", "speaker", "language")
+    for key in fields:
+        if not isinstance(voice.get(key), (str, type(None))):
+            raise ProtocolError(f"'voice.{key}' must be a string")
+    return {k: voice[k] for k in fields if voice.get(k)}
