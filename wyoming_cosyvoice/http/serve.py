@@ -96,6 +96,8 @@ class ModelOnly:
     async def stop(self) -> None:
         if not self.load_task.done():
             self.load_task.cancel()
+        elif not self.load_task.cancelled():
+            self.load_task.exception()  # retrieved: the failure was reported by /health
         self.host.shutdown()
 
 
