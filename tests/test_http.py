@@ -207,7 +207,8 @@ def test_openai_speech_wav_pcm_and_sse(client: httpx.Client) -> None:
 
 
 def test_openai_voice_names_fall_back_to_the_texts_language(client: httpx.Client) -> None:
-    r = client.post("/v1/audio/speech", json={"model": "tts-1", "input": "你好。", "voice": "alloy"})
+    body = {"model": "tts-1", "input": "你好。", "voice": "alloy"}
+    r = client.post("/v1/audio/speech", json=body)
     assert r.status_code == 200 and r.headers["x-voice"].startswith("zh-")
 
 
@@ -265,8 +266,11 @@ def test_engine_failures(client: httpx.Client) -> None:
     assert failed.status_code == 500 and "failed on purpose" in failed.json()["error"]["message"]
     # Streamed: the status line is already sent; the body is cut (no final chunk).
     with pytest.raises(httpx.RemoteProtocolError):
-        with client.stream("POST", "/tts", json={"text": "It will FAIL soon enough, "
-                                                 "after a first chunk.", "stream": True}) as r:
+        with client.stream(
+            "POST",
+            "/tts",
+            json={"text": "It will FAIL soon enough, after a first chunk.", "stream": True},
+        ) as r:
             assert r.status_code == 200
             b"".join(r.iter_raw())
     assert client.post("/tts", json={"text": "Still fine."}).status_code == 200
