@@ -14,6 +14,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -27,6 +28,10 @@ from engine.types import (
     UnknownSpeakerError,
 )
 from engine.weights import LoadedModels, load_model_dir
+
+if TYPE_CHECKING:
+    from engine.prompt.voices import CustomVoice, ScanResult, VoiceLibrary
+    from engine.text.frontend import Segment
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -67,19 +72,52 @@ class CosyVoiceEngine:
         self.sample_rate = SAMPLE_RATE
         self.speakers: list[str] = list(models.speakers)
         self.frontend = TextFrontend()
+        self.custom_voices: VoiceLibrary | None = None
 
     @classmethod
     def load(cls, model_dir: Path | str, *, threads: int | None = None,
-             kind: str | None = None) -> CosyVoiceEngine:
-        """Load a model directory in the official layout (raises ModelLoadError)."""
+             kind: str | None = None, lm_int8: bool = False) -> CosyVoiceEngine:
+        """Load a model directory in the official layout (raises ModelLoadError).
+
+        ``lm_int8`` swaps the LM decoder's weights for int8 (faster, slightly different
+        sampling distribution; see engine.quantize).
+        """
         if threads:
             torch.set_num_threads(threads)
         start = time.perf_counter()
         models = load_model_dir(Path(model_dir))
+        if lm_int8:
+            from engine.quantize import quantize_lm_int8
+
+            quantize_lm_int8(models.llm)
         _LOGGER.info("Loaded %s in %.2f s", model_dir, time.perf_counter() - start)
         return cls(models, kind=kind, threads=threads)
 
     # --- voices ---------------------------------------------------------------------------
+
+    def enable_custom_voices(self, voices_dir: Path | str) -> ScanResult:
+        """Use NAME.wav + NAME.txt voices from ``voices_dir`` (call again to re-scan)."""
+        from engine.prompt.onnx_models import PromptModels
+        from engine.prompt.voices import VoiceLibrary
+
+        if self.custom_voices is None or self.custom_voices.voices_dir != Path(voices_dir):
+            models = PromptModels.from_model_dir(self.model_dir, threads=1)
+            self.custom_voices = VoiceLibrary(voices_dir, models, reserved=self.speakers)
+        return self.custom_voices.scan()
+
+    def _custom_voice(self, name: str | None) -> CustomVoice | None:
+        if self.custom_voices is None or not name:
+            return None
+        return self.custom_voices.get(name)
+
+    def _segment_input(self, custom: CustomVoice, segment: Segment,
+                       options: SynthesisOptions) -> tuple[list[int], Voice]:
+        """Zero-shot or cross-lingual conditioning, chosen per segment by its language."""
+        from engine.prompt.voices import to_engine_voice
+
+        plan = to_engine_voice(custom, self.frontend, segment.text, kind=self.kind,
+                               instruct=options.instruct, text_ids=segment.token_ids)
+        return plan.text_ids or segment.token_ids, plan.voice
 
     def voice(self, speaker: str | None, instruct: str | None = None) -> Voice:
         """The conditioning for a built-in speaker (and an optional instruct text)."""
@@ -103,11 +141,17 @@ class CosyVoiceEngine:
                    cancel: threading.Event | None = None) -> Iterator[AudioChunk]:
         """Yield audio for ``text``: per streamed chunk, or one chunk per segment."""
         options = options or SynthesisOptions()
-        voice = self.voice(options.speaker, options.instruct)
+        custom = self._custom_voice(options.speaker)
+        # Built-in voices are resolved first so an unknown name fails before any work.
+        builtin = None if custom is not None else self.voice(options.speaker, options.instruct)
         segments = self.frontend.segments(text)
         seed = options.seed if options.seed is not None else random.randrange(2**31)
         for index, segment in enumerate(segments):
-            yield from self._segment(segment.token_ids, voice, options, seed + index, cancel)
+            if custom is not None:
+                ids, voice = self._segment_input(custom, segment, options)
+            else:
+                ids, voice = segment.token_ids, builtin
+            yield from self._segment(ids, voice, options, seed + index, cancel)
 
     def _segment(self, text_ids: list[int], voice: Voice, options: SynthesisOptions,
                  seed: int, cancel: threading.Event | None) -> Iterator[AudioChunk]:
