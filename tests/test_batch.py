@@ -1,0 +1,109 @@
+"""``synthesize`` command line (issue 8): argument/file/stdin → WAV, ``--batch`` for long texts.
+
+The 2,000-character run goes through a real subprocess (the command as a user types it) on the
+tiny model, with ``--force-tokens`` so each segment is short; the rest calls ``main`` in-process.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import subprocess
+import sys
+import wave
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("engine.engine", reason="the engine has not landed")
+
+from wyoming_cosyvoice import batch  # noqa: E402
+from wyoming_cosyvoice.sentences import has_speech, make_splitter, split_all  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = ROOT / "tests" / "data" / "tiny_model"
+CHAPTER = " ".join(
+    f"Sentence number {i} of this chapter is read aloud, slowly and clearly, by the model."
+    for i in range(40)
+)[:2000]
+
+
+def frames(path: Path | io.BytesIO) -> tuple[int, bytes]:
+    with wave.open(path if isinstance(path, io.BytesIO) else str(path)) as wav:
+        assert (wav.getnchannels(), wav.getsampwidth(), wav.getframerate()) == (1, 2, 22050)
+        n = wav.getnframes()
+        return n, wav.readframes(n)
+
+
+def run_cli(*args: str, tmp_path: Path, timeout: float = 240) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "wyoming_cosyvoice.batch", "--model-dir", str(TINY),
+         "--threads", "1", "--seed", "0", *args],
+        cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"},
+        capture_output=True, text=True, timeout=timeout,
+    )  # fmt: skip
+
+
+def check_book(tmp_path: Path, *extra: str) -> subprocess.CompletedProcess:
+    (tmp_path / "chapter.txt").write_text(CHAPTER, encoding="utf-8")
+    done = run_cli("--batch", "-f", "chapter.txt", "-o", "chapter.wav", "--segments-dir", "parts",
+                   "--voice", "en-male", *extra, tmp_path=tmp_path)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    expected = [s for s in split_all(CHAPTER, make_splitter()) if has_speech(s)]
+    parts = sorted((tmp_path / "parts").glob("*.wav"))
+    assert len(parts) == len(expected) > 10
+    total, pcm = frames(tmp_path / "chapter.wav")
+    lengths = [frames(p) for p in parts]
+    assert total == sum(n for n, _ in lengths) and all(n > 0 for n, _ in lengths)
+    assert pcm == b"".join(data for _, data in lengths)  # the segments, in order, back to back
+    # progress: tqdm's bar counted every segment, and the summary names the batch profile
+    assert f"{len(parts)}/{len(parts)}" in done.stderr and "seg" in done.stderr
+    assert "batch profile" in done.stderr
+    return done
+
+
+def test_batch_of_a_2000_character_chapter(tmp_path: Path) -> None:
+    assert len(CHAPTER) == 2000
+    check_book(tmp_path, "--force-tokens", "10")
+
+
+@pytest.mark.slow
+def test_batch_chapter_without_forced_tokens(tmp_path: Path) -> None:
+    check_book(tmp_path)
+
+
+def test_text_from_stdin_argument_and_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    common = ["--model-dir", str(TINY), "--threads", "1", "--seed", "1", "--force-tokens", "10"]
+    monkeypatch.setattr(sys, "stdin", io.StringIO("Hello from standard input."))
+    assert batch.main(["-o", str(tmp_path / "stdin.wav"), *common]) == 0
+    assert batch.main(["Hello from the argument.", "-o", str(tmp_path / "arg.wav"), *common]) == 0
+    (tmp_path / "t.txt").write_text("你好，世界。", encoding="utf-8")
+    assert batch.main(["-f", str(tmp_path / "t.txt"), "-o", str(tmp_path / "f.wav"), *common]) == 0
+    for name in ("stdin.wav", "arg.wav", "f.wav"):
+        n, pcm = frames(tmp_path / name)
+        assert n > 0 and any(pcm)
+
+
+def test_wav_to_stdout(
+    monkeypatch: pytest.MonkeyPatch, capsysbinary: pytest.CaptureFixture
+) -> None:
+    args = ["Hi there.", "-o", "-", "--model-dir", str(TINY), "--force-tokens", "10", "--seed", "0"]
+    assert batch.main(args) == 0
+    n, _ = frames(io.BytesIO(capsysbinary.readouterr().out))
+    assert n > 0
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["Hi.", "--voice", "ja-robot"], "unknown voice 'ja-robot'"),
+        (["?!..."], "nothing to speak"),
+        (["Hi.", "--profile", "turbo"], "unknown profile 'turbo'"),
+        (["Hi.", "-f", "missing.txt"], "not both"),
+    ],
+)
+def test_refusals_exit_2_before_loading_the_model(
+    argv: list[str], needle: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    assert batch.main([*argv, "--model-dir", str(TINY), "-o", os.devnull]) == 2
+    assert needle in caplog.text
