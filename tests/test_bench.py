@@ -15,6 +15,7 @@ from engine.bench.limits import lm_weight_bytes_per_token
 from engine.bench.measure import playback_stall_s
 from engine.bench.report import summarize
 from engine.bench.synthetic import (
+    EOS_BIAS,
     SFT_SPEAKERS,
     ensure_synthetic_model,
     legacy_hift_specs,
@@ -85,6 +86,23 @@ def test_synthetic_model_loads_with_the_engine(tmp_path: Path) -> None:
     stamp = (model_dir / "llm.pt").stat().st_mtime_ns
     assert ensure_synthetic_model(tmp_path, config=TINY_MODEL / "cosyvoice.yaml") == model_dir
     assert (model_dir / "llm.pt").stat().st_mtime_ns == stamp  # reused, not regenerated
+
+
+def test_synthetic_lm_runs_to_the_forced_token_count(tmp_path: Path) -> None:
+    """Random weights must not stop at a random EOS: the benchmark needs exactly N tokens."""
+    from engine.hparams import load_model_args
+    from engine.llm import TransformerLM
+
+    model_dir = ensure_synthetic_model(tmp_path, config=TINY_MODEL / "cosyvoice.yaml")
+    state = torch.load(model_dir / "llm.pt", weights_only=True)
+    assert state["llm_decoder.bias"][-1] == EOS_BIAS  # the EOS class (after 4096 speech tokens)
+    llm = TransformerLM(load_model_args(model_dir / "cosyvoice.yaml").llm)
+    llm.load_state_dict(state)
+    llm.eval()
+    embedding = torch.load(model_dir / "spk2info.pt", weights_only=True)[SFT_SPEAKERS[0]]
+    tokens = list(llm.generate([1, 2, 3], embedding=embedding["embedding"], max_tokens=200,
+                               generator=torch.Generator().manual_seed(0)))
+    assert len(tokens) == 200
 
 
 def test_summary_medians_bounds_and_ratios() -> None:

@@ -157,6 +157,11 @@ def run(config: RunConfig) -> dict[str, Any]:
                              force_tokens=config.tokens)
     result.update(_whole_request(engine, config.text, whole))
     result.update(timer.lm_summary())
+    if config.tokens and result["tokens"] % config.tokens:
+        # The engine treats force_tokens as a cap once min_len is reached: a model that
+        # samples EOS earlier produces fewer tokens (then "tokens" says how many).
+        _LOGGER.warning("asked for %d speech tokens per sentence, the LM produced %d (EOS)",
+                        config.tokens, result["tokens"])
     result["flow_ms_per_audio_s"] = timer.ms_per_audio_s("flow")
     result["hift_ms_per_audio_s"] = timer.ms_per_audio_s("hift")
     # Before the FLOP count: the peak of a serving process, not of the counting pass.

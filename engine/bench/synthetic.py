@@ -11,7 +11,8 @@ The model directory is named like the official SFT release because the engine (a
 infer the model kind from the directory name. The state-dict keys and shapes come from the
 engine's own modules built on the ``meta`` device from the official config, i.e. exactly what the
 loader checks the real checkpoints against; ``hift.pt`` uses the legacy ``weight_g``/``weight_v``
-layout of the released files.
+layout of the released files. The LM's EOS logit is biased far down so that, as the benchmark
+assumes, the random model never ends an utterance before the forced number of tokens.
 """
 
 from __future__ import annotations
@@ -35,10 +36,11 @@ DEFAULT_CACHE_DIR = Path.home() / ".cache" / "wyoming-cosyvoice" / "synthetic-30
 MODEL_DIR_NAME = "CosyVoice-300M-SFT"
 MARKER_FILE = "synthetic.json"
 # Bump when the generated files change, so stale caches are rebuilt.
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 SEED = 1986
 SFT_SPEAKERS = ("中文女", "中文男", "日语男", "粤语女", "英文女", "英文男", "韩语女")
 SPEAKER_EMBED_DIM = 192
+EOS_BIAS = -100.0  # logit offset of the LM's EOS class: random weights must never stop early
 
 # Convs that the official HiFT wraps in weight norm (SPEC §6; manifest_300m.json lists the 57).
 _WEIGHT_NORMED = re.compile(
@@ -94,6 +96,13 @@ def random_tensor(key: str, shape: torch.Size, generator: torch.Generator) -> to
     The scale matters even though values do not: 1/sqrt(fan_in) keeps activations O(1) through
     14 layers, so no inf/NaN (which would break sampling) and no denormals (which are slow).
     """
+    if key == "llm_decoder.bias":
+        # Random logits would let RAS sampling pick EOS (the last class) about once per 160
+        # steps after min_len, so requests would end early at random lengths. A very negative
+        # EOS bias keeps it out of the top-k: the LM runs exactly to the forced token count.
+        bias = torch.zeros(shape)
+        bias[-1] = EOS_BIAS
+        return bias
     if key.endswith("bias") or len(shape) == 0:
         return torch.zeros(shape)
     if len(shape) == 1:
