@@ -1,0 +1,208 @@
+"""The web page at ``/`` in headless Chromium (issue 8): it loads, fills the voice list, and
+pressing Speak streams audio into an AudioContext.
+
+Chromium is Debian's (``/usr/bin/chromium``, or ``$CHROMIUM``), driven over the DevTools
+protocol with a small stdlib websocket client: no browser download, no extra test package.
+The server runs the fake engine (conftest): the page, not the model, is under test here.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import shutil
+import socket
+import struct
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+import pytest
+
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("starlette", reason="the http extra is not installed")
+
+from conftest import FakeEngine  # noqa: E402
+from test_http import BackgroundServer  # noqa: E402
+
+pytestmark = pytest.mark.browser
+CHROMIUM = os.environ.get("CHROMIUM", "/usr/bin/chromium")
+FLAGS = [
+    "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+    "--disable-background-networking", "--disable-component-update", "--disable-sync",
+    "--disable-dev-shm-usage", "--autoplay-policy=no-user-gesture-required",
+    "--remote-debugging-port=0", "--remote-allow-origins=*", "--window-size=900,700",
+]  # fmt: skip
+
+
+class WebSocket:
+    """Just enough RFC 6455 for the DevTools protocol: masked text frames out, text in."""
+
+    def __init__(self, url: str, timeout: float = 30) -> None:
+        parts = urlparse(url)
+        self.sock = socket.create_connection((parts.hostname, parts.port), timeout=timeout)
+        key = base64.b64encode(os.urandom(16)).decode()
+        self.sock.sendall(
+            f"GET {parts.path} HTTP/1.1\r\nHost: {parts.netloc}\r\nUpgrade: websocket\r\n"
+            f"Connection: Upgrade\r\nSec-WebSocket-Key: {key}\r\n"
+            "Sec-WebSocket-Version: 13\r\n\r\n".encode()
+        )
+        head = b""
+        while b"\r\n\r\n" not in head:
+            head += self.sock.recv(1)
+        assert head.split(b"\r\n")[0].split()[1] == b"101", head
+
+    def _exact(self, n: int) -> bytes:
+        data = b""
+        while len(data) < n:
+            part = self.sock.recv(n - len(data))
+            if not part:
+                raise ConnectionError("DevTools closed the websocket")
+            data += part
+        return data
+
+    def send(self, text: str) -> None:
+        payload, mask = text.encode(), os.urandom(4)
+        n = len(payload)
+        size = bytes([0x80 | n]) if n < 126 else (
+            bytes([0x80 | 126]) + struct.pack(">H", n) if n < 65536
+            else bytes([0x80 | 127]) + struct.pack(">Q", n))  # fmt: skip
+        masked = bytes(b ^ mask[i % 4] for i, b in enumerate(payload))
+        self.sock.sendall(b"\x81" + size + mask + masked)
+
+    def recv(self) -> str:
+        message = b""
+        while True:
+            b0, b1 = self._exact(2)
+            n = b1 & 0x7F
+            if n == 126:
+                n = struct.unpack(">H", self._exact(2))[0]
+            elif n == 127:
+                n = struct.unpack(">Q", self._exact(8))[0]
+            payload = self._exact(n)
+            opcode = b0 & 0x0F
+            if opcode == 0x8:
+                raise ConnectionError("DevTools closed the websocket")
+            if opcode == 0x9:  # ping: answer with a masked pong
+                mask = os.urandom(4)
+                pong = bytes(b ^ mask[i % 4] for i, b in enumerate(payload))
+                self.sock.sendall(bytes([0x8A, 0x80 | len(payload)]) + mask + pong)
+                continue
+            message += payload
+            if b0 & 0x80:  # FIN
+                return message.decode()
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+class DevTools:
+    """Commands to one page target; events are ignored."""
+
+    def __init__(self, ws_url: str) -> None:
+        self.ws = WebSocket(ws_url)
+        self.next_id = 0
+
+    def call(self, method: str, **params: Any) -> dict[str, Any]:
+        self.next_id += 1
+        self.ws.send(json.dumps({"id": self.next_id, "method": method, "params": params}))
+        while True:
+            reply = json.loads(self.ws.recv())
+            if reply.get("id") == self.next_id:
+                if "error" in reply:
+                    raise AssertionError(f"{method}: {reply['error']}")
+                return dict(reply["result"])
+
+    def js(self, expression: str) -> Any:
+        result = self.call("Runtime.evaluate", expression=expression, returnByValue=True,
+                           awaitPromise=True)  # fmt: skip
+        if "exceptionDetails" in result:
+            raise AssertionError(f"{expression}: {result['exceptionDetails']}")
+        return result["result"].get("value")
+
+    def wait_for(self, expression: str, timeout: float = 30) -> Any:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if value := self.js(expression):
+                return value
+            time.sleep(0.1)
+        raise AssertionError(
+            f"timed out waiting for {expression}: {self.js('JSON.stringify(tts)')}"
+        )
+
+    def click(self, selector: str) -> None:
+        """A real mouse click (a user gesture, as a person pressing the button)."""
+        box = self.js(
+            f"(() => {{ const r = document.querySelector({selector!r})"
+            ".getBoundingClientRect(); return [r.x + r.width / 2, r.y + r.height / 2] })()"
+        )
+        for kind in ("mousePressed", "mouseReleased"):
+            self.call("Input.dispatchMouseEvent", type=kind, x=box[0], y=box[1], button="left",
+                      clickCount=1)  # fmt: skip
+
+
+@pytest.fixture
+def browser(tmp_path: Path) -> Iterator[DevTools]:
+    if not (Path(CHROMIUM).is_file() or shutil.which(CHROMIUM)):
+        pytest.skip(f"Debian's chromium is not installed ({CHROMIUM}); CI installs it with "
+                    "apt-get install chromium")  # fmt: skip
+    profile = tmp_path / "profile"
+    process = subprocess.Popen([CHROMIUM, *FLAGS, f"--user-data-dir={profile}", "about:blank"],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    try:
+        port_file = profile / "DevToolsActivePort"
+        deadline = time.monotonic() + 30
+        while not (port_file.is_file() and port_file.read_text().strip()):
+            assert process.poll() is None, f"chromium exited with {process.returncode}"
+            assert time.monotonic() < deadline, "chromium did not open its DevTools port"
+            time.sleep(0.1)
+        port = int(port_file.read_text().split()[0])
+        targets = httpx.get(f"http://127.0.0.1:{port}/json/list", timeout=10).json()
+        page = next(t for t in targets if t["type"] == "page")
+        devtools = DevTools(page["webSocketDebuggerUrl"])
+        yield devtools
+        devtools.ws.close()
+    finally:
+        process.terminate()
+        try:
+            process.wait(10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def test_page_lists_voices_and_speaks_as_it_streams(browser: DevTools, tmp_path: Path) -> None:
+    def engine(path: Path, threads: int | None) -> FakeEngine:
+        return FakeEngine(path, threads, delay=0.1)  # 100 ms of audio per 100 ms: ~2 s
+
+    with BackgroundServer(engine_factory=engine, wyoming=False) as srv:
+        browser.call("Page.enable")
+        browser.call("Page.navigate", url=srv.url + "/")
+        browser.wait_for("window.tts && tts.voicesLoaded")
+        options = browser.js("[...document.querySelectorAll('#voice option')].map(o => o.value)")
+        assert "zh-female" in options and len(options) == len(srv.engines[0].speakers)
+        assert browser.js("document.getElementById('speak').disabled") is False
+
+        browser.js("document.getElementById('voice').value = 'zh-female'")
+        text = "你好，世界。这是一个在浏览器里播放的测试，声音一边合成一边播放。"
+        browser.js(f"document.getElementById('text').value = {json.dumps(text)}")
+        browser.click("#speak")
+        browser.wait_for("tts.firstAudioMs !== null || tts.error")
+        # audio is being scheduled while the response is still arriving
+        assert browser.js("tts.error") is None
+        assert browser.js("tts.done") is False and browser.js("tts.scheduled") > 0
+        browser.wait_for("tts.done || tts.error")
+        stats = browser.js("({...tts, state: audio && audio.state, rate: audio.sampleRate})")
+        assert stats["error"] is None and stats["bytes"] > 0 and stats["chunks"] >= 2
+        assert stats["state"] == "running" and stats["rate"] == 22050
+        calls = srv.engines[0].calls
+        assert calls and {c.speaker for c in calls} == {"中文女"}
+        expected = sum(FakeEngine.expected_samples(c.text) for c in calls)
+        assert stats["bytes"] == expected * 2
+        assert abs(stats["scheduled"] - expected / 22050) < 1e-3
+        shot = browser.call("Page.captureScreenshot", format="png")
+        (tmp_path / "page.png").write_bytes(base64.b64decode(shot["data"]))
