@@ -56,6 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
     parser.add_argument("--repeats", type=int, default=3,
                         help="runs, each in a fresh process; medians reported (default: 3)")
+    parser.add_argument("--lm-int8", action="store_true",
+                        help="load the LM decoder with the engine's int8 weights (fast path)")
     parser.add_argument("--no-warmup", action="store_true",
                         help="measure without the engine's warm-up pass")
     parser.add_argument("--concurrency", type=_levels, metavar="K[,K...]",
@@ -103,7 +105,8 @@ def run_benchmark(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
         config = RunConfig(model_dir=str(model_dir), text=args.text, tokens=args.tokens or None,
                            profile=args.profile, threads=args.threads,
                            config=str(args.config) if args.config else None,
-                           count_flops=index == 0, warmup=not args.no_warmup)
+                           count_flops=index == 0, warmup=not args.no_warmup,
+                           lm_int8=args.lm_int8)
         _LOGGER.info("Run %d/%d", index + 1, args.repeats)
         runs.append(run_worker(config))
         _LOGGER.info("  first audio %.0f ms, total %.0f ms (RTF %.2f)",

@@ -50,6 +50,7 @@ class RunConfig:
     config: str | None = None  # server config.yaml with the profiles; None = the repo's
     count_flops: bool = False
     warmup: bool = True
+    lm_int8: bool = False  # the engine's opt-in int8 LM decoder weights
 
 
 def peak_rss_mb() -> float:
@@ -134,9 +135,11 @@ def run(config: RunConfig) -> dict[str, Any]:
 
     profile = get_profile(config.profile, Path(config.config) if config.config else None)
     start = time.perf_counter()
-    engine = CosyVoiceEngine.load(config.model_dir, threads=config.threads)
+    load_options = {"lm_int8": True} if config.lm_int8 else {}
+    engine = CosyVoiceEngine.load(config.model_dir, threads=config.threads, **load_options)
     result: dict[str, Any] = {"load_s": time.perf_counter() - start,
-                              "threads": torch.get_num_threads()}
+                              "threads": torch.get_num_threads(),
+                              "lm_weights": "int8" if config.lm_int8 else "fp32"}
     timer = StageTimer()
     timer.install(engine.models)
 

@@ -18,8 +18,8 @@ MEASURED = ("load_s", "warmup_s", "peak_rss_mb", "first_audio_ms", "stall_ms", "
             "total_ms", "rtf", "lm_prefill_ms", "lm_ms_per_token", "flow_ms_per_audio_s",
             "hift_ms_per_audio_s", "audio_s")
 # Per-run facts that do not vary between repeats (taken from the first run that has them).
-FACTS = ("threads", "tokens", "chunks", "lm_weight_bytes_per_token", "flow_gflop_per_audio_s",
-         "hift_gflop_per_audio_s", "estimator_mflop_per_frame_step")
+FACTS = ("threads", "lm_weights", "tokens", "chunks", "lm_weight_bytes_per_token",
+         "flow_gflop_per_audio_s", "hift_gflop_per_audio_s", "estimator_mflop_per_frame_step")
 
 
 BUSY_CORES = 0.2  # other processes' average load above which the figures are flagged
@@ -122,7 +122,7 @@ def print_table(result: dict[str, Any], out: TextIO) -> None:
           f"{_fmt(result.get(bound_key), digits) if bound_key else '':>10}"
           f"{_fmt(result.get(ratio_key), 2) if ratio_key else '':>8}\n")
     weight_mb = (result.get("lm_weight_bytes_per_token") or 0) / 1e6
-    w(f"\nLM weights read per token {weight_mb:,.1f} MB; flow "
+    w(f"\nLM weights ({result.get('lm_weights')}) read per token {weight_mb:,.1f} MB; flow "
       f"{_fmt(result.get('flow_gflop_per_audio_s'))} GFLOP and HiFT "
       f"{_fmt(result.get('hift_gflop_per_audio_s'))} GFLOP per audio second "
       f"(estimator {_fmt(result.get('estimator_mflop_per_frame_step'))} MFLOP per frame·step).\n")
