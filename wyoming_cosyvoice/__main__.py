@@ -28,7 +28,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="wyoming-cosyvoice",
         description="CosyVoice-300M text to speech over the Wyoming protocol (Home Assistant).",
-        epilog="Defaults come from config.yaml; any value can be set with --set KEY=VALUE.",
+        epilog="Defaults come from config.yaml; any value can be set with --set KEY=VALUE. "
+        "`wyoming-cosyvoice synthesize --help`: text to a WAV file without a server.",
     )
     add = p.add_argument
     add("--config", type=Path, help="settings file (default: the repository's config.yaml)")
@@ -51,6 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
     add("--set", action="append", default=[], metavar="KEY=VALUE", help="override any config key")
     add("--debug", action="store_true", help="log DEBUG messages")
     add("--log-format", help="logging format string")
+    add("--http-port", type=int, help="also serve the HTTP API and web page on this port")
+    add("--http-host", default="0.0.0.0", help="address of the HTTP API (default 0.0.0.0)")
+    add("--http-only", action="store_true", help="serve only HTTP, no Wyoming listener")
     add("--version", action="store_true", help="print the version and exit")
     return p
 
@@ -137,11 +141,26 @@ def import_engine() -> str | None:
     return None
 
 
-async def serve(config: ServerConfig, model_dir: Path) -> int:
-    """Run until SIGINT/SIGTERM (exit 0) or until the model fails to load (exit 1)."""
+async def serve(
+    config: ServerConfig, model_dir: Path, http: tuple[str, int, bool] | None = None
+) -> int:
+    """Run until SIGINT/SIGTERM (exit 0) or until the model fails to load (exit 1).
+
+    ``http`` = (host, port, HTTP only): the HTTP API on the same model host (issue 8).
+    """
     from wyoming_cosyvoice.server import create_server
 
-    running = await create_server(config, model_dir)
+    if http is not None and http[2]:
+        from wyoming_cosyvoice.http import start_model_only
+
+        running: Any = await start_model_only(config, model_dir)
+    else:
+        running = await create_server(config, model_dir)
+    web = None
+    if http is not None:
+        from wyoming_cosyvoice.http import start_http
+
+        web = await start_http(config, running.host, http[0], http[1])
     if config.voice and running.host.catalog.voices and not running.host.catalog.find(config.voice):
         _LOGGER.error(
             "--voice %s is not a voice of this model; available: %s",
@@ -156,7 +175,7 @@ async def serve(config: ServerConfig, model_dir: Path) -> int:
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.add_signal_handler(sig, stop.set)
     zc = None
-    if config.zeroconf:
+    if config.zeroconf and not (http and http[2]):
         from wyoming_cosyvoice.zeroconf import WyomingZeroconf
 
         url = urlparse(config.uri)
@@ -181,11 +200,18 @@ async def serve(config: ServerConfig, model_dir: Path) -> int:
     if zc is not None:
         await zc.close()
     stopper.cancel()
+    if web is not None:
+        await web.stop()
     await running.stop()
     return code
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["synthesize"]:
+        from wyoming_cosyvoice.batch import main as synthesize
+
+        return synthesize(argv[1:])
     args = build_parser().parse_args(argv)
     if args.version:
         print(__version__)  # noqa: T201 - the CLI's only print
@@ -199,6 +225,18 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.DEBUG if config.debug else logging.INFO, format=config.log_format
     )
     _LOGGER.debug(config)
+    http = None
+    if args.http_port is not None or args.http_only:
+        if args.http_port is None:
+            _LOGGER.error("--http-only needs --http-port")
+            return 2
+        try:
+            import wyoming_cosyvoice.http  # noqa: F401
+        except ImportError as err:
+            _LOGGER.error("The HTTP API needs the http extra (%s): pip install "
+                          "'wyoming-cosyvoice[http]'", err)  # fmt: skip
+            return 2
+        http = (args.http_host, args.http_port, args.http_only)
 
     from wyoming_cosyvoice.download import ModelNotFoundError
 
@@ -211,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
         _LOGGER.error("%s", problem)
         return 1
     try:
-        return asyncio.run(serve(config, model_dir))
+        return asyncio.run(serve(config, model_dir, http))
     except OSError as err:  # e.g. the port is taken
         _LOGGER.error("Cannot listen on %s: %s", config.uri, err)
         return 1
