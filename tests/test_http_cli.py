@@ -1,0 +1,75 @@
+"""``python -m wyoming_cosyvoice --http-port`` as a user starts it, on the tiny model (issue 8)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("engine.engine", reason="the engine has not landed")
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("starlette", reason="the http extra is not installed")
+
+from conftest import free_port  # noqa: E402
+from test_http import parse_wav  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = ROOT / "tests" / "data" / "tiny_model"
+
+
+def start(*args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "wyoming_cosyvoice", "--model-dir", str(TINY), "--threads", "1",
+         "--seed", "0", "--no-warmup", *args],
+        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"},
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+
+
+def wait_healthy(url: str, process: subprocess.Popen[str], timeout: float = 90) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert process.poll() is None, process.communicate()[1][-3000:]
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    raise AssertionError("the HTTP API never became healthy")
+
+
+def stop(process: subprocess.Popen[str]) -> str:
+    process.send_signal(signal.SIGTERM)
+    try:
+        _, log = process.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        _, log = process.communicate()
+    assert process.returncode == 0, log[-3000:]
+    return log
+
+
+@pytest.mark.parametrize("only", [False, True], ids=["with-wyoming", "http-only"])
+def test_cli_serves_http(only: bool) -> None:
+    port, wyoming = free_port(), free_port()
+    args = ["--http-port", str(port), "--http-host", "127.0.0.1"]
+    args += ["--http-only"] if only else ["--uri", f"tcp://127.0.0.1:{wyoming}"]
+    process = start(*args)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_healthy(url, process)
+        assert [v["name"] for v in httpx.get(url + "/voices").json()["voices"]] == [
+            "en-male", "zh-female"]  # fmt: skip
+        r = httpx.post(url + "/tts", json={"text": "Hi.", "voice": "en-male"}, timeout=60)
+        assert r.status_code == 200
+        _, pcm = parse_wav(r.content)
+        assert len(pcm) > 0
+    finally:
+        log = stop(process)
+    assert ("Listening on" in log) is not only and "HTTP API on" in log
