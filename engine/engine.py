@@ -195,6 +195,9 @@ class CosyVoiceEngine:
 
     def warmup(self) -> None:
         """Run one short synthesis so the first real request is not slower than later ones."""
+        if not self.speakers:
+            _LOGGER.info("No built-in speaker: warm-up skipped")
+            return
         start = time.perf_counter()
         # One streamed chunk plus a final one: every code path runs once, at low cost.
         options = SynthesisOptions(stream=True, seed=0, force_tokens=50, n_timesteps=2)
