@@ -37,7 +37,7 @@ def frames(path: Path | io.BytesIO) -> tuple[int, bytes]:
 
 def run_cli(*args: str, tmp_path: Path, timeout: float = 240) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "wyoming_cosyvoice.batch", "--model-dir", str(TINY),
+        [sys.executable, "-m", "wyoming_cosyvoice", "synthesize", "--model-dir", str(TINY),
          "--threads", "1", "--seed", "0", *args],
         cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"},
         capture_output=True, text=True, timeout=timeout,
