@@ -145,6 +145,9 @@ class ServerConfig:
     log_format: str
     limits: Limits = field(default_factory=Limits)
     profiles: dict[str, ProfileConfig] = field(default_factory=dict)
+    # Benchmarks only (command line, not config.yaml): speech tokens per sentence, so that a
+    # random-weight model, which never ends an utterance by itself, gives fixed-length audio.
+    force_tokens: int | None = None
 
     @property
     def effective_download_dir(self) -> Path:

@@ -338,6 +338,7 @@ class EventHandler:
             seed=self._config.seed,
             n_timesteps=profile.n_timesteps,
             cfg_rate=profile.cfg_rate,
+            force_tokens=self._config.force_tokens,
         )
         started = time.monotonic()
         _LOGGER.debug(
