@@ -333,3 +333,43 @@ def test_client_leaving_a_stream_cancels_its_synthesis() -> None:
         assert [c.chunks for c in engine.calls] == produced and len(produced) == 1
         assert not engine.calls[0].finished and produced[0] < 20
         assert http.post("/tts", json={"text": "Next."}).status_code == 200  # engine is free
+
+
+def test_client_that_stops_reading_is_dropped_and_frees_the_engine() -> None:
+    import socket
+
+    limits = {"limits.max_text_chars": 20000, "limits.max_buffered_audio_s": 0.5,
+              "limits.stall_timeout_s": 1}  # fmt: skip
+    text = "Nobody reads this sentence, it only fills the socket buffers of the test. " * 130
+    body = json.dumps({"text": text, "stream": True, "format": "pcm"}).encode()
+    with BackgroundServer(limits, wyoming=False) as srv:
+        with socket.socket() as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            sock.connect(("127.0.0.1", srv.http.port))
+            sock.sendall(b"POST /tts HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: %d\r\n\r\n%s" % (len(body), body))  # fmt: skip
+            engine, deadline = srv.engines[0], time.monotonic() + 30
+            # Synthesis runs ahead until the unread audio passes the limit, then waits; after
+            # stall_timeout_s (1 s) without reading, the job gives up and the server hangs up.
+            calls, still_since = -1, time.monotonic()
+            while time.monotonic() < deadline and time.monotonic() - still_since < 3:
+                if len(engine.calls) != calls:
+                    calls, still_since = len(engine.calls), time.monotonic()
+                time.sleep(0.1)
+            assert srv.call(_idle(srv))
+            assert 0 < calls < len(text) // 120 and all(c.finished for c in engine.calls)
+            sock.settimeout(10)
+            received = 0
+            while part := sock.recv(1 << 16):  # the server closed the connection: EOF comes
+                received += len(part)
+            assert 0 < received < expected_bytes(text)
+            time.sleep(0.3)
+            assert len(engine.calls) == calls
+        with srv.client() as http:
+            assert http.post("/tts", json={"text": "Next."}).status_code == 200
+
+
+async def _idle(srv: BackgroundServer) -> bool:
+    """True once no request is waiting for or holding the engine."""
+    host = srv.running.host
+    return host.waiting == 0 and not host._lock.locked()

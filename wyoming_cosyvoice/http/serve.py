@@ -70,6 +70,8 @@ async def start_http(
         lifespan="off",  # the model host's life is the CLI's, not the app's
         log_config=None,  # keep the CLI's logging set-up
         timeout_graceful_shutdown=int(_GRACE_S),
+        # The Wyoming limit bounds HTTP connections too; over it Uvicorn answers 503.
+        limit_concurrency=config.limits.max_connections,
         server_header=False,
     )
     server = _EmbeddedServer(uv_config)
