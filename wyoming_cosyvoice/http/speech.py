@@ -47,7 +47,11 @@ class SpeechRequest:
 
 
 def synthesis_options(
-    profile: ProfileConfig, speaker: str, seed: int | None, instruct: str | None = None
+    profile: ProfileConfig,
+    speaker: str,
+    seed: int | None,
+    instruct: str | None = None,
+    force_tokens: int | None = None,
 ) -> SynthesisOptions:
     """The engine options for a profile: the same fields the Wyoming handler sets."""
     return SynthesisOptions(
@@ -58,6 +62,7 @@ def synthesis_options(
         n_timesteps=profile.n_timesteps,
         cfg_rate=profile.cfg_rate,
         instruct=instruct,
+        force_tokens=force_tokens,
     )
 
 
@@ -213,7 +218,9 @@ class SpeechParser:
             sentences=sentences,
             voice=voice,
             profile=profile,
-            options=synthesis_options(profile, voice.speaker, seed, instruct),
+            options=synthesis_options(
+                profile, voice.speaker, seed, instruct, self.config.force_tokens
+            ),
             stream=stream,
             audio_format=audio_format,
             sse=sse,
