@@ -34,7 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add = p.add_argument
     add("text", nargs="?", help="the text; '-' or nothing (with no --file) reads stdin")
-    add("-f", "--file", type=Path, help="read the text from this UTF-8 file")
+    add("-f", "--file", "--input", type=Path, help="read the text from this UTF-8 file")
     add("-o", "--output", default="out.wav", help="WAV file to write, '-' for stdout")
     add("--batch", action="store_true",
         help="long text: split into segments, batch profile, progress bar")  # fmt: skip
