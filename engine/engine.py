@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.constants import SAMPLE_RATE
+from engine.start_policy import GAPLESS, estimate_speech_seconds, hold_until_gapless
 from engine.streaming import ChunkVocoder, FlowPrompt, GeneratorNoise, stream_audio, whole_audio
 from engine.tokens import ThreadedTokens
 from engine.types import (
@@ -146,12 +147,21 @@ class CosyVoiceEngine:
         builtin = None if custom is not None else self.voice(options.speaker, options.instruct)
         segments = self.frontend.segments(text)
         seed = options.seed if options.seed is not None else random.randrange(2**31)
-        for index, segment in enumerate(segments):
-            if custom is not None:
-                ids, voice = self._segment_input(custom, segment, options)
-            else:
-                ids, voice = segment.token_ids, builtin
-            yield from self._segment(ids, voice, options, seed + index, cancel)
+
+        def chunks() -> Iterator[AudioChunk]:
+            for index, segment in enumerate(segments):
+                if custom is not None:
+                    ids, voice = self._segment_input(custom, segment, options)
+                else:
+                    ids, voice = segment.token_ids, builtin
+                yield from self._segment(ids, voice, options, seed + index, cancel)
+
+        if options.stream and options.start_policy == GAPLESS:
+            expected = sum(estimate_speech_seconds(s.text, options.force_tokens)
+                           for s in segments)
+            yield from hold_until_gapless(chunks(), expected)
+        else:
+            yield from chunks()
 
     def _segment(self, text_ids: list[int], voice: Voice, options: SynthesisOptions,
                  seed: int, cancel: threading.Event | None) -> Iterator[AudioChunk]:

@@ -60,6 +60,9 @@ class SynthesisOptions:
     instruct: str | None = None
     # Fixes the number of speech tokens (benchmarks: random weights never emit EOS).
     force_tokens: int | None = None
+    # 'eager': release audio as soon as it exists; 'gapless': hold the first chunks until
+    # playback from then on will not starve (see engine.start_policy).
+    start_policy: str = "eager"
 
 
 @dataclass(frozen=True, eq=False)
