@@ -98,7 +98,9 @@ async def read_event(
         raise ProtocolError("empty event header line")
     try:
         header = json.loads(line)
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+    # ValueError covers JSONDecodeError, bad UTF-8 and integers over Python's digit limit;
+    # RecursionError is deeply nested arrays/objects: all the client's fault, not ours.
+    except (ValueError, RecursionError) as err:
         raise ProtocolError(f"event header is not JSON: {err}") from err
     if not isinstance(header, dict):
         raise ProtocolError(f"event header must be a JSON object, not {type(header).__name__}")
@@ -115,7 +117,7 @@ async def read_event(
         block = await reader.readexactly(data_length)
         try:
             extra = json.loads(block)
-        except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        except (ValueError, RecursionError) as err:
             raise ProtocolError(f"data block of a {event_type} event is not JSON: {err}") from err
         if not isinstance(extra, dict):
             raise ProtocolError(f"data block of a {event_type} event must be a JSON object")
