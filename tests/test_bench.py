@@ -29,6 +29,7 @@ TINY_MODEL = DATA / "tiny_model"
 
 REQUIRED_FIELDS = (
     "load_s", "peak_rss_mb", "first_audio_ms", "stall_ms", "total_ms", "rtf",
+    "gapless_first_audio_ms", "gapless_stall_ms",
     "lm_ms_per_token", "flow_ms_per_audio_s", "hift_ms_per_audio_s",
     "mem_bw_gbps", "gemm_gflops", "lm_bound_ms_per_token", "flow_bound_ms_per_audio_s",
     "hift_bound_ms_per_audio_s", "lm_vs_bound", "flow_vs_bound", "hift_vs_bound",

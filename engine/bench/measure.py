@@ -26,12 +26,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from engine.bench.limits import count_stage_flops, lm_weight_bytes_per_token
 from engine.bench.profiles import get_profile
 from engine.bench.timers import StageTimer
-from engine.constants import SPEECH_VOCAB
+from engine.constants import SAMPLE_RATE, SPEECH_VOCAB
 
 _LOGGER = logging.getLogger(__name__)
 FLOP_COUNT_TOKENS = 50  # 1 s of audio: enough frames that per-frame costs are representative
@@ -94,9 +95,33 @@ def _stream_request(engine: Any, text: str, options: Any) -> dict[str, float | i
             durations.append(chunk.duration_s)
     if not arrivals:
         raise RuntimeError("the streaming request produced no audio")
+    held = replay_gapless(arrivals, durations, options.force_tokens, text)
     return {"first_audio_ms": arrivals[0] * 1000,
             "stall_ms": playback_stall_s(arrivals, durations) * 1000,
+            "gapless_first_audio_ms": held[0] * 1000,
+            "gapless_stall_ms": playback_stall_s(held, durations) * 1000,
             "stream_total_ms": arrivals[-1] * 1000, "chunks": len(arrivals)}
+
+
+def replay_gapless(arrivals: list[float], durations: list[float], forced_tokens: int | None,
+                   text: str) -> list[float]:
+    """When each chunk would reach the listener under the engine's gapless start policy.
+
+    The policy only delays delivery (compute is unchanged), so replaying the eager run's
+    timings through it with a fake clock gives its exact behaviour on this run.
+    """
+    from engine.start_policy import estimate_speech_seconds, hold_until_gapless
+    from engine.types import AudioChunk
+
+    now = [0.0]
+
+    def timed_chunks():
+        for arrival, duration in zip(arrivals, durations, strict=True):
+            now[0] = arrival
+            yield AudioChunk(np.zeros(round(duration * SAMPLE_RATE), dtype=np.float32))
+
+    expected = estimate_speech_seconds(text, forced_tokens)
+    return [now[0] for _ in hold_until_gapless(timed_chunks(), expected, clock=lambda: now[0])]
 
 
 def _whole_request(engine: Any, text: str, options: Any) -> dict[str, float]:
