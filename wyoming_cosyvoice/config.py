@@ -36,6 +36,7 @@ DEFAULTS: dict[str, Any] = {
         "data_dirs": ["./data"],
         "download_dir": None,
         "voices_dir": None,
+        "voices_rescan_s": 30,
         "voice": None,
         "profile": "realtime",
         "threads": None,
@@ -132,6 +133,7 @@ class ServerConfig:
     data_dirs: tuple[Path, ...]
     download_dir: Path | None
     voices_dir: Path | None
+    voices_rescan_s: float
     voice: str | None
     profile: ProfileConfig
     threads: int | None
@@ -274,6 +276,7 @@ _SERVER_KINDS = {
     "model_dir": "path?",
     "download_dir": "path?",
     "voices_dir": "path?",
+    "voices_rescan_s": "float+",
     "voice": "str?",
     "profile": "str",
     "threads": "int+?",
