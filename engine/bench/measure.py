@@ -198,7 +198,28 @@ def run(config: RunConfig) -> dict[str, Any]:
     result["lm_weight_bytes_per_token"] = lm_weight_bytes_per_token(engine.models.llm)
     if config.count_flops:
         result.update(_stage_flops(engine, timer, profile.n_timesteps, profile.cfg_rate))
+        result.update(_deviations(engine, config, profile.n_timesteps, profile.cfg_rate))
     return result
+
+
+def _deviations(engine: Any, config: RunConfig, n_timesteps: int,
+                cfg_rate: float) -> dict[str, float]:
+    """How far this run's fast-path options are from the exact path (0 when exact)."""
+    from engine.bench.deviation import EXACT_CFG, EXACT_STEPS, lm_int8_kl, mel_relative_l2
+
+    embedding = engine.models.speakers[engine.speakers[0]].reshape(1, -1)
+    out = {"mel_rel_l2_vs_exact": 0.0}
+    if (n_timesteps, cfg_rate) != (EXACT_STEPS, EXACT_CFG):
+        out["mel_rel_l2_vs_exact"] = mel_relative_l2(engine.models.flow, embedding,
+                                                     n_timesteps=n_timesteps, cfg_rate=cfg_rate)
+    if config.lm_int8:
+        # Compared against a float32 copy loaded afresh: the engine's LM is already int8.
+        from engine.weights import load_model_dir
+
+        fp32 = load_model_dir(Path(config.model_dir)).llm
+        text_ids = engine.frontend.segments(config.text)[0].token_ids
+        out.update(lm_int8_kl(fp32, text_ids, embedding))
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:

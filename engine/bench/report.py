@@ -20,7 +20,8 @@ MEASURED = ("load_s", "warmup_s", "peak_rss_mb", "first_audio_ms", "stall_ms",
             "hift_ms_per_audio_s", "audio_s")
 # Per-run facts that do not vary between repeats (taken from the first run that has them).
 FACTS = ("threads", "lm_weights", "tokens", "chunks", "lm_weight_bytes_per_token",
-         "flow_gflop_per_audio_s", "hift_gflop_per_audio_s", "estimator_mflop_per_frame_step")
+         "flow_gflop_per_audio_s", "hift_gflop_per_audio_s", "estimator_mflop_per_frame_step",
+         "mel_rel_l2_vs_exact", "lm_int8_kl_mean", "lm_int8_kl_max")
 
 
 BUSY_CORES = 0.2  # other processes' average load above which the figures are flagged
@@ -129,6 +130,12 @@ def print_table(result: dict[str, Any], out: TextIO) -> None:
       f"{_fmt(result.get('flow_gflop_per_audio_s'))} GFLOP and HiFT "
       f"{_fmt(result.get('hift_gflop_per_audio_s'))} GFLOP per audio second "
       f"(estimator {_fmt(result.get('estimator_mflop_per_frame_step'))} MFLOP per frame·step).\n")
+    w(f"Deviation from the exact path: mel relative L2 "
+      f"{_fmt(result.get('mel_rel_l2_vs_exact'), 4)}")
+    if result.get("lm_int8_kl_mean") is not None:
+        w(f", int8 LM next-token KL mean {_fmt(result['lm_int8_kl_mean'], 5)} "
+          f"max {_fmt(result.get('lm_int8_kl_max'), 5)} nats")
+    w(".\n")
 
 
 def print_json(result: dict[str, Any], out: TextIO) -> None:
