@@ -5,12 +5,18 @@ voice's description and stores its name in automations, so every speaker gets a 
 name (``zh-female``) and keeps the original in the description. Cantonese is advertised as
 ``zh_HK``: HA's language matching parses tags as language + region, so ``zh_HK`` matches the
 ``zh-Hant``/``zh-HK`` UI languages, while ``yue`` would match no language HA offers.
+
+Custom voices (cloned from a recording, see docs/custom-voices.md) keep their folder name, even
+a non-ASCII one: HA stores voice ids as plain strings and the protocol is UTF-8 JSON. They are
+listed under all five languages, the transcript's language first: CosyVoice speaks any of them
+cross-lingually, and HA offers a voice only under the languages it lists.
 """
 
 from __future__ import annotations
 
 import hashlib
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from wyoming.info import Attribution, Info, TtsProgram, TtsVoice
@@ -41,6 +47,14 @@ _MAIN_REGION = {"zh": "zh_cn", "en": "en_us", "ja": "ja_jp", "ko": "ko_kr", "yue
 # CosyVoice v1 is multilingual: a speaker of unknown origin is offered for every language.
 ALL_LANGUAGES = ["zh_CN", "en_US", "ja_JP", "ko_KR", "zh_HK"]
 _LANGUAGE_TAG = re.compile(r"[a-zA-Z]{2,3}([-_][a-zA-Z0-9]{2,4})?")
+# language detected from a custom voice's transcript (engine codes) -> (HA language, label)
+_CUSTOM_LANGUAGES = {
+    "zh": ("zh_CN", "Mandarin Chinese"),
+    "en": ("en_US", "English"),
+    "ja": ("ja_JP", "Japanese"),
+    "ko": ("ko_KR", "Korean"),
+    "yue": ("zh_HK", "Cantonese"),
+}
 
 
 @dataclass(frozen=True)
@@ -49,6 +63,7 @@ class Voice:
     speaker: str  # the model's speaker key, e.g. "中文女"
     languages: tuple[str, ...]
     description: str
+    custom: bool = False  # cloned from a recording in the voices folder
 
 
 def _slug(text: str) -> str:
@@ -69,10 +84,22 @@ def describe_speaker(speaker: str) -> tuple[str, list[str], str]:
     return slug, list(ALL_LANGUAGES), speaker
 
 
-class VoiceCatalog:
-    """The advertised voices of one model, and the lookups a request needs."""
+def describe_custom_voice(name: str, language: str) -> Voice:
+    """A custom voice: its own name, the transcript's language first, then all the others."""
+    code, label = _CUSTOM_LANGUAGES.get(language, ("en_US", "English"))
+    languages = (code, *(lang for lang in ALL_LANGUAGES if lang != code))
+    return Voice(name, name, languages, f"{name} (custom voice, recorded in {label})", True)
 
-    def __init__(self, speakers: list[str]) -> None:
+
+class VoiceCatalog:
+    """The advertised voices of one model, and the lookups a request needs.
+
+    ``custom`` lists (name, transcript language) of the usable custom voices. They come after
+    the built-in voices, so a language's default voice stays a built-in one; a custom voice
+    whose name is already taken (case-insensitively) is left out and listed in ``skipped``.
+    """
+
+    def __init__(self, speakers: list[str], custom: Iterable[tuple[str, str]] = ()) -> None:
         voices: list[Voice] = []
         taken: set[str] = set()
         for speaker in sorted(speakers):
@@ -85,6 +112,14 @@ class VoiceCatalog:
         self.voices = sorted(voices, key=lambda v: v.name)
         self._by_key = {v.name.casefold(): v for v in self.voices}
         self._by_key.update({v.speaker.casefold(): v for v in self.voices})
+        self.skipped: dict[str, str] = {}
+        for name, language in sorted(custom):
+            if (other := self._by_key.get(name.strip().casefold())) is not None:
+                self.skipped[name] = f"the name is already used by the voice {other.name!r}"
+                continue
+            voice = describe_custom_voice(name, language)
+            self.voices.append(voice)
+            self._by_key[name.strip().casefold()] = voice
 
     def find(self, name: str) -> Voice | None:
         """A voice by its ASCII name or by the original speaker name (case-insensitive)."""
@@ -95,12 +130,14 @@ class VoiceCatalog:
         tag = language.replace("-", "_").casefold()
         tag = _MAIN_REGION.get(tag, tag)
         base = tag.split("_")[0]
-        for voice in self.voices:
-            if any(lang.casefold() == tag for lang in voice.languages):
-                return voice
-        for voice in self.voices:
-            if any(lang.split("_")[0].casefold() == base for lang in voice.languages):
-                return voice
+        # A custom voice first counts for its transcript's language only; it is the fallback
+        # for other languages (it speaks them cross-lingually) when no voice is made for them.
+        for primary in (True, False):
+            for match in (tag, base):
+                for voice in self.voices:
+                    langs = voice.languages[:1] if primary and voice.custom else voice.languages
+                    if any(_tag_matches(lang, match) for lang in langs):
+                        return voice
         return None
 
     @property
@@ -138,6 +175,12 @@ class VoiceCatalog:
         if chosen is None:
             chosen = self.for_language(detect_language(text)) or self.voices[0]
         return chosen
+
+
+def _tag_matches(language: str, wanted: str) -> bool:
+    """``zh_CN`` matches ``zh_cn`` (exact) and ``zh`` (bare language)."""
+    lang = language.casefold()
+    return lang == wanted or ("_" not in wanted and lang.split("_")[0] == wanted)
 
 
 def build_info(catalog: VoiceCatalog, *, streaming: bool, model: str) -> Info:
