@@ -206,6 +206,13 @@ class ModelHost:
         finally:
             self._lock.release()
 
+    async def run_on_engine(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)`` on the engine thread, in its turn: between two sentences, FIFO with
+        queued requests (custom voice scans, which may take seconds, never cut into audio)."""
+        loop = asyncio.get_running_loop()
+        async with self._lock:
+            return await loop.run_in_executor(self._executor, partial(fn, *args))
+
     def shutdown(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
 
