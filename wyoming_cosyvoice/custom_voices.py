@@ -1,0 +1,261 @@
+"""Custom voices for the server (issue 9): the voices folder, its re-scans and the catalog.
+
+After the model has loaded, the folder (``--voices-dir``) is scanned on the engine thread, in
+the request queue's turn (``ModelHost.run_on_engine``), and the good voices join the voice
+catalog that ``describe`` and the HTTP API read. Every ``server.voices_rescan_s`` seconds a cheap
+fingerprint of the folder (names, sizes, modification times) is taken off the event loop; only
+when it changed is the folder scanned again, so a voice dropped in later appears without a
+restart and an idle server does no work. The engine reuses each voice's ``NAME.prompt.pt``, so a
+re-scan only analyses new or changed recordings.
+
+The prompt models (``campplus.onnx``, ``speech_tokenizer_v1.onnx``, ~550 MB) are downloaded
+only when a voice actually needs them (a valid recording without an up-to-date cache), not for
+every add-on user: the add-on always passes a voices folder. The download runs in a daemon
+thread, so built-in voices keep speaking meanwhile and a shutdown never waits for it (an
+interrupted download resumes next time). Without them, cached voices still work and the others
+are skipped with a message; the server keeps running whatever the folder holds.
+
+Per request, Wyoming's ``voice.speaker`` carries an instruction for the -Instruct model when it
+names no voice (see :func:`split_instruction` and docs/custom-voices.md).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from wyoming_cosyvoice.config import ServerConfig
+from wyoming_cosyvoice.info import VoiceCatalog, describe_custom_voice
+from wyoming_cosyvoice.protocol import LimitExceededError
+from wyoming_cosyvoice.server import ModelHost
+
+_LOGGER = logging.getLogger(__name__)
+
+PROMPT_MODELS = ("campplus.onnx", "speech_tokenizer_v1.onnx")
+CACHE_SUFFIX = ".prompt.pt"  # written by the engine next to the voice: not a user change
+MAX_INSTRUCTION_CHARS = 1000  # as NAME.instruct.txt (the engine's transcript limit)
+DOWNLOAD_RETRY_S = 600.0  # a failed download is tried again on a folder change, not sooner
+
+Fingerprint = tuple[tuple[str, int, int], ...]
+_NEVER = object()  # no fingerprint taken yet: the first check always scans
+
+
+def split_instruction(
+    request: dict[str, str] | None, catalog: VoiceCatalog, kind: str | None
+) -> tuple[dict[str, str], str | None]:
+    """(voice request, instruction): ``speaker`` is an instruction when it names no voice.
+
+    Only with the -Instruct model: there ``voice.speaker`` is the one free-text field Home
+    Assistant forwards per request (``tts.speak`` options ``voice`` + ``speaker``). A speaker that
+    names a voice keeps its old meaning; with other models an unknown speaker stays an error.
+    """
+    wanted = dict(request or {})
+    speaker = wanted.get("speaker")
+    if kind != "instruct" or not speaker or catalog.find(speaker) is not None:
+        return wanted, None
+    del wanted["speaker"]
+    instruction = " ".join(speaker.split())
+    if len(instruction) > MAX_INSTRUCTION_CHARS:
+        raise LimitExceededError(
+            f"the instruction in voice.speaker has {len(instruction)} characters; "
+            f"the limit is {MAX_INSTRUCTION_CHARS}"
+        )
+    return wanted, instruction or None
+
+
+def folder_fingerprint(voices_dir: Path, model_dir: Path) -> Fingerprint | None:
+    """What a re-scan depends on: the voice files and the prompt models; None if no folder."""
+    try:
+        entries = [
+            (p.name, st.st_size, st.st_mtime_ns)
+            for p in voices_dir.iterdir()
+            if not p.name.startswith(".")
+            and not p.name.lower().endswith(CACHE_SUFFIX)
+            and p.is_file()
+            and (st := p.stat())
+        ]
+    except OSError:  # no folder (yet), or it vanished while listed: scan and let it say so
+        return None
+    for name in PROMPT_MODELS:  # placed by hand later: voices waiting for them become usable
+        path = model_dir / name
+        entries.append((f"model:{name}", path.stat().st_size if path.is_file() else -1, 0))
+    return tuple(sorted(entries))
+
+
+def custom_voice_exists(voices_dir: Path | None, name: str) -> bool:
+    """True when the folder mentions ``name`` (a ``--voice`` checked before the first scan)."""
+    if voices_dir is None or not voices_dir.is_dir():
+        return False
+    from engine.prompt.voices import voice_names
+
+    return name in voice_names(voices_dir)
+
+
+async def _in_daemon_thread(fn: Callable[[], Any]) -> Any:
+    """Run ``fn`` in a daemon thread: unlike the default executor, exit never waits for it."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[Any] = loop.create_future()
+
+    def settle(result: Any, error: BaseException | None) -> None:
+        if not future.done():
+            future.set_exception(error) if error else future.set_result(result)
+
+    def target() -> None:
+        try:
+            result, error = fn(), None
+        except BaseException as err:  # noqa: BLE001 - handed to the awaiting task
+            result, error = None, err
+        try:
+            loop.call_soon_threadsafe(settle, result, error)
+        except RuntimeError:
+            pass  # the loop has closed: nobody is waiting any more
+
+    threading.Thread(target=target, name="prompt-models", daemon=True).start()
+    return await future
+
+
+class CustomVoices:
+    """Keeps the catalog's custom voices in step with the voices folder."""
+
+    def __init__(self, config: ServerConfig, host: ModelHost, model_dir: Path) -> None:
+        assert config.voices_dir is not None
+        self.config, self.host, self.model_dir = config, host, model_dir
+        self.voices_dir = config.voices_dir
+        self.scans = 0
+        self._seen: object = _NEVER
+        self._offered: set[str] = set()
+        self._download_failed_at: float | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> CustomVoices:
+        self._task = asyncio.create_task(self.run(), name="custom voices")
+        return self
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    async def run(self) -> None:
+        try:
+            engine = await asyncio.shield(self.host.ready)
+        except Exception:  # noqa: BLE001 - a failed load is reported (and ends the server) elsewhere
+            return
+        if not hasattr(engine, "enable_custom_voices"):
+            _LOGGER.warning("This engine has no custom voices; ignoring %s", self.voices_dir)
+            return
+        _LOGGER.info(
+            "Custom voices from %s (checked for changes every %g s)",
+            self.voices_dir,
+            self.config.voices_rescan_s,
+        )
+        while True:
+            try:
+                seen = await asyncio.to_thread(folder_fingerprint, self.voices_dir, self.model_dir)
+                if seen != self._seen:
+                    self._seen = seen
+                    await self.scan(engine)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # noqa: BLE001 - a bad folder must never stop the server
+                _LOGGER.exception("Scanning the custom voices in %s failed", self.voices_dir)
+            await asyncio.sleep(self.config.voices_rescan_s)
+
+    async def scan(self, engine: Any) -> None:
+        """Scan on the engine thread (fetching the prompt models first if a voice needs them)."""
+        result = await self.host.run_on_engine(engine.enable_custom_voices, self.voices_dir)
+        waiting = [n for n, why in result.rejected.items() if any(m in why for m in PROMPT_MODELS)]
+        if waiting and await self._fetch_prompt_models(waiting):
+            result = await self.host.run_on_engine(engine.enable_custom_voices, self.voices_dir)
+        self.scans += 1
+        self._publish(engine, result)
+
+    async def _fetch_prompt_models(self, waiting: list[str]) -> bool:
+        """Download the ONNX prompt models into the model dir; False (and logged) if impossible."""
+        from wyoming_cosyvoice.download import DownloadError, ModelNotFoundError, ensure_extra_files
+
+        names = ", ".join(waiting)
+        failed = self._download_failed_at
+        if failed is not None and time.monotonic() - failed < DOWNLOAD_RETRY_S:
+            _LOGGER.warning(
+                "Custom voice(s) %s wait for %s in %s (the last download failed; it is tried "
+                "again after the next change in the folder)",
+                names,
+                " and ".join(PROMPT_MODELS),
+                self.model_dir,
+            )
+            return False
+        _LOGGER.info(
+            "Custom voice(s) %s need the prompt models %s (about 550 MB); downloading them into "
+            "%s. Built-in voices keep working meanwhile",
+            names,
+            " and ".join(PROMPT_MODELS),
+            self.model_dir,
+        )
+        started = time.monotonic()
+        try:
+            await _in_daemon_thread(
+                lambda: ensure_extra_files(
+                    self.model_dir,
+                    self.config.model,
+                    PROMPT_MODELS,
+                    offline=self.config.offline,
+                    endpoint=self.config.hub_endpoint,
+                )
+            )
+        except (ModelNotFoundError, DownloadError, OSError, ValueError) as err:
+            if not isinstance(err, ModelNotFoundError):  # offline: nothing to wait for
+                self._download_failed_at = time.monotonic()
+            _LOGGER.error(
+                "Custom voice(s) %s cannot be used yet: %s. Built-in voices and voices with an "
+                "up-to-date NAME%s keep working",
+                names,
+                err,
+                CACHE_SUFFIX,
+            )
+            return False
+        self._download_failed_at = None
+        _LOGGER.info("Prompt models ready in %.0f s", time.monotonic() - started)
+        return True
+
+    def _publish(self, engine: Any, result: Any) -> None:
+        """Swap in a catalog with the scan's good voices and log what changed."""
+        catalog = VoiceCatalog(
+            list(engine.speakers), [(name, v.language) for name, v in result.voices.items()]
+        )
+        for name, reason in catalog.skipped.items():
+            _LOGGER.warning("Custom voice %r skipped: %s; rename it", name, reason)
+        offered = {n: v for n, v in result.voices.items() if n not in catalog.skipped}
+        for name, voice in offered.items():
+            if name in self._offered and voice.source == "cache":
+                continue  # unchanged since the last scan
+            shown = describe_custom_voice(name, voice.language)
+            _LOGGER.info(
+                "Custom voice %r ready: %s (%s first), %.1f s recording, prompt %s in %.3f s",
+                name,
+                shown.description,
+                shown.languages[0],
+                voice.duration_s,
+                "extracted" if voice.source == "extracted" else f"from {name}{CACHE_SUFFIX}",
+                voice.load_seconds,
+            )
+            if voice.instruct and getattr(engine, "kind", None) == "instruct":
+                _LOGGER.info(
+                    "Custom voice %r speaks with its instruction: %s", name, voice.instruct
+                )
+        for name in sorted(self._offered - offered.keys()):
+            _LOGGER.info("Custom voice %r is no longer offered", name)
+        self._offered = set(offered)
+        self.host.catalog = catalog
+        _LOGGER.info(
+            "Custom voices offered: %s%s",
+            ", ".join(offered) or "none",
+            f" ({len(result.rejected) + len(catalog.skipped)} skipped, see above)"
+            if result.rejected or catalog.skipped
+            else "",
+        )
