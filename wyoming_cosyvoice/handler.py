@@ -33,6 +33,7 @@ from engine.constants import SAMPLE_RATE
 from engine.types import AudioChunk, EngineError, SynthesisCancelled, SynthesisOptions
 from engine.types import UnknownSpeakerError as EngineUnknownSpeaker
 from wyoming_cosyvoice.config import ServerConfig
+from wyoming_cosyvoice.custom_voices import split_instruction
 from wyoming_cosyvoice.info import Voice, build_info
 from wyoming_cosyvoice.protocol import (
     ClientError,
@@ -78,6 +79,7 @@ class _Request:
 
     voice: dict[str, str] | None
     voice_resolved: Voice | None = None
+    instruct: str | None = None  # -Instruct model: voice.speaker naming no voice (issue 9)
     chars: int = 0
     splitter: Splitter | None = None
 
@@ -328,7 +330,9 @@ class EventHandler:
         await host.wait_ready(limits.load_wait_s)
         request = job.request
         if request.voice_resolved is None:  # once per request: a stream keeps its voice
-            request.voice_resolved = self._resolve_voice(request.voice, " ".join(job.sentences))
+            request.voice_resolved, request.instruct = self._resolve_voice(
+                request.voice, " ".join(job.sentences)
+            )
         voice = request.voice_resolved
         profile = self._config.profile
         options = SynthesisOptions(
@@ -339,6 +343,7 @@ class EventHandler:
             n_timesteps=profile.n_timesteps,
             cfg_rate=profile.cfg_rate,
             force_tokens=self._config.force_tokens,
+            instruct=request.instruct,
         )
         started = time.monotonic()
         _LOGGER.debug(
@@ -399,9 +404,12 @@ class EventHandler:
             ).event()
             self._out.put_nowait(event)
 
-    def _resolve_voice(self, request: dict[str, str] | None, text: str) -> Voice:
-        catalog = self._ctx.host.catalog
-        return catalog.resolve(request or {}, default=self._config.voice, text=text)
+    def _resolve_voice(self, request: dict[str, str] | None, text: str) -> tuple[Voice, str | None]:
+        """The voice, and the per-request instruction ``voice.speaker`` may carry."""
+        host = self._ctx.host
+        catalog = host.catalog
+        wanted, instruct = split_instruction(request, catalog, getattr(host.engine, "kind", None))
+        return catalog.resolve(wanted, default=self._config.voice, text=text), instruct
 
     # --- events out ---------------------------------------------------------------------
 
