@@ -39,7 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--model-dir", help="use this model directory instead of searching the data dirs")
     add("--data-dir", action="append", help="directory searched for models (repeatable)")
     add("--download-dir", help="where a missing model is downloaded (default: first data dir)")
-    add("--voices-dir", help="custom voices directory (reserved)")
+    add("--voices-dir", help="custom voices folder: NAME.wav + NAME.txt (docs/custom-voices.md)")
     add("--voice", help="default voice, e.g. zh-female (default: by the text's language)")
     add("--profile", help="settings profile from config.yaml: realtime, quality, batch, ...")
     add("--threads", type=int, help="CPU threads for the engine")
@@ -175,7 +175,14 @@ async def serve(
         from wyoming_cosyvoice.http import start_http
 
         web = await start_http(config, running.host, http[0], http[1])
-    if config.voice and running.host.catalog.voices and not running.host.catalog.find(config.voice):
+    from wyoming_cosyvoice.custom_voices import CustomVoices, custom_voice_exists
+
+    if (
+        config.voice
+        and running.host.catalog.voices
+        and not running.host.catalog.find(config.voice)
+        and not custom_voice_exists(config.voices_dir, config.voice)  # known after its scan
+    ):
         _LOGGER.error(
             "--voice %s is not a voice of this model; available: %s",
             config.voice,
@@ -183,6 +190,10 @@ async def serve(
         )
         await running.stop()
         return 2
+    # Custom voices: scanned once the model has loaded, then re-scanned when the folder changes.
+    voices = None if config.voices_dir is None else CustomVoices(config, running.host, model_dir)
+    if voices is not None:
+        voices.start()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -214,6 +225,8 @@ async def serve(
     if zc is not None:
         await zc.close()
     stopper.cancel()
+    if voices is not None:
+        await voices.stop()
     if web is not None:
         await web.stop()
     await running.stop()
