@@ -236,9 +236,10 @@ class CustomVoices:
                 continue  # unchanged since the last scan
             shown = describe_custom_voice(name, voice.language)
             _LOGGER.info(
-                "Custom voice %r ready: %s (%s first), %.1f s recording, prompt %s in %.3f s",
+                "Custom voice %r ready: transcript in %s (listed under %s first), "
+                "%.1f s recording, prompt %s in %.3f s",
                 name,
-                shown.description,
+                voice.language,
                 shown.languages[0],
                 voice.duration_s,
                 "extracted" if voice.source == "extracted" else f"from {name}{CACHE_SUFFIX}",
