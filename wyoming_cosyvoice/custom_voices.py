@@ -190,13 +190,17 @@ class CustomVoices:
                 self.model_dir,
             )
             return False
-        _LOGGER.info(
-            "Custom voice(s) %s need the prompt models %s (about 550 MB); downloading them into "
-            "%s. Built-in voices keep working meanwhile",
-            names,
-            " and ".join(PROMPT_MODELS),
-            self.model_dir,
-        )
+        from huggingface_hub import constants as hub_constants
+
+        if not (self.config.offline or hub_constants.is_offline_mode()):
+            # (offline, ensure_extra_files fails at once with where to put the files by hand)
+            _LOGGER.info(
+                "Custom voice(s) %s need the prompt models %s (about 550 MB); downloading them "
+                "into %s. Built-in voices keep working meanwhile",
+                names,
+                " and ".join(PROMPT_MODELS),
+                self.model_dir,
+            )
         started = time.monotonic()
         try:
             await _in_daemon_thread(
