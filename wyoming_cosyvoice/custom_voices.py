@@ -30,13 +30,14 @@ from pathlib import Path
 from typing import Any
 
 from wyoming_cosyvoice.config import ServerConfig
+from wyoming_cosyvoice.download import VOICE_FILES
 from wyoming_cosyvoice.info import VoiceCatalog, describe_custom_voice
 from wyoming_cosyvoice.protocol import LimitExceededError
 from wyoming_cosyvoice.server import ModelHost
 
 _LOGGER = logging.getLogger(__name__)
 
-PROMPT_MODELS = ("campplus.onnx", "speech_tokenizer_v1.onnx")
+PROMPT_MODELS = VOICE_FILES  # campplus.onnx, speech_tokenizer_v1.onnx
 CACHE_SUFFIX = ".prompt.pt"  # written by the engine next to the voice: not a user change
 MAX_INSTRUCTION_CHARS = 1000  # as NAME.instruct.txt (the engine's transcript limit)
 DOWNLOAD_RETRY_S = 600.0  # a failed download is tried again on a folder change, not sooner

@@ -23,7 +23,7 @@ from pathlib import Path
 _LOGGER = logging.getLogger(__name__)
 
 MODEL_FILES = ("cosyvoice.yaml", "llm.pt", "flow.pt", "hift.pt", "spk2info.pt")
-VOICE_FILES = ("campplus.onnx", "speech_tokenizer_v1.onnx")  # only for custom voices (later)
+VOICE_FILES = ("campplus.onnx", "speech_tokenizer_v1.onnx")  # custom voices (custom_voices.py)
 _STATE_FILE = ".download.json"
 _CHUNK = 1 << 20
 
