@@ -248,7 +248,8 @@ def test_restart_uses_the_cache_and_survives_missing_prompt_models(
     add_voice(setup.voices, "carl", "A new voice that nobody has analysed yet.", f0=180)
     server = Server(model, setup.voices, setup.tmp / "b.log")
     try:
-        offered = run(wait_for_voices(server, {"anna", "bert"}))
+        bert = {"bert"} if (setup.voices / "bert.wav").exists() else set()  # (run alone: none)
+        offered = run(wait_for_voices(server, {"anna", *bert}))
         log = server.log
         assert "carl" not in offered and {"short", "silent", "untold"}.isdisjoint(offered)
         assert "Custom voice 'carl' skipped: custom voices need" in log
