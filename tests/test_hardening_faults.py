@@ -1,0 +1,217 @@
+"""Faults (issue 7): clients hanging up at every stage, SIGTERM mid-synthesis, a corrupt model.
+
+Already covered elsewhere: a client leaving mid-stream cancels within one chunk
+(test_server_protocol.py), a client that stops reading is dropped and blocks nobody
+(test_server_errors.py), an interrupted download resumes and never looks complete
+(test_download.py), a truncated checkpoint is named by the loader (test_weights.py).
+
+Added: every disconnect stage, each by FIN and by RST, must leave no connection task, no queued
+request and no held engine behind, log nothing at ERROR, and the next client gets full audio;
+SIGTERM while the real engine synthesizes exits 0 within seconds; a model directory with a
+truncated ``llm.pt`` ends the real process at start with a message naming the file.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from wyoming.event import async_read_event
+
+ROOT = Path(__file__).resolve().parent.parent
+LONG = "This sentence is long enough to take a good while to speak out loud, " * 3 + "really."
+
+
+def run(coro: Any) -> Any:
+    return asyncio.run(coro)
+
+
+def header(kind: str, data: dict[str, Any] | None = None, **extra: Any) -> bytes:
+    block = json.dumps(data).encode() if data is not None else b""
+    head = {"type": kind, **({"data_length": len(block)} if block else {}), **extra}
+    return json.dumps(head).encode() + b"\n" + block
+
+
+async def _read_until(reader: asyncio.StreamReader, kind: str) -> None:
+    while (event := await asyncio.wait_for(async_read_event(reader), 10)) is not None:
+        if event.type == kind:
+            return
+    raise AssertionError(f"closed before {kind}")
+
+
+# stage -> (bytes sent, event type to wait for before hanging up, or None)
+STAGES: dict[str, tuple[bytes, str | None]] = {
+    "mid header line": (b'{"type": "synthe', None),
+    "mid data block": (b'{"type": "synthesize", "data_length": 100}\n{"text": "Hel', None),
+    "mid payload": (b'{"type": "audio-chunk", "payload_length": 1000}\n' + b"\0" * 10, None),
+    "after synthesize, before audio": (header("synthesize", {"text": LONG}), None),
+    "mid audio": (header("synthesize", {"text": LONG}), "audio-chunk"),
+    "during streaming input": (
+        header("synthesize-start") + header("synthesize-chunk", {"text": "An open sentence"}),
+        None,
+    ),
+    "streaming, mid audio": (
+        header("synthesize-start") + header("synthesize-chunk", {"text": LONG + " And more"}),
+        "audio-chunk",
+    ),
+    "after synthesize-stop, before synthesize-stopped": (
+        header("synthesize-start")
+        + header("synthesize-chunk", {"text": LONG})
+        + header("synthesize-stop"),
+        "audio-chunk",
+    ),
+}
+
+
+@pytest.mark.parametrize("how", ["FIN", "RST"])
+@pytest.mark.parametrize("stage", list(STAGES))
+def test_disconnect_at_every_stage_leaves_nothing_behind(
+    wy: SimpleNamespace, stage: str, how: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    payload, wait_for = STAGES[stage]
+    caplog.set_level(logging.INFO)
+
+    async def main() -> tuple[Any, Any, list[Any]]:
+        engine = lambda p, t: wy.FakeEngine(p, t, delay=0.02)  # noqa: E731
+        async with wy.fake_server(engine=engine) as srv:
+            reader, writer = await asyncio.open_connection("127.0.0.1", srv.port)
+            writer.write(payload)
+            await writer.drain()
+            if wait_for:
+                await _read_until(reader, wait_for)
+            else:
+                await asyncio.sleep(0.05)
+            if how == "RST":
+                sock = writer.get_extra_info("socket")
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\1\0\0\0\0\0\0\0")
+            writer.close()
+            # The server forgets the connection promptly: no task, no queue, engine free.
+            deadline = asyncio.get_running_loop().time() + 3
+            while srv.running.handlers and asyncio.get_running_loop().time() < deadline:
+                await asyncio.sleep(0.02)
+            leftover = set(srv.running.handlers)
+            waiting = srv.running.host.waiting
+            after = await wy.synthesize(srv.port, "The next client.")
+            return leftover, (waiting, after), srv.engines[0].calls
+
+    leftover, (waiting, after), calls = run(main())
+    assert not leftover and waiting == 0
+    assert after.samples == wy.FakeEngine.expected_samples("The next client.")
+    # The abandoned synthesis was stopped, not spoken to the end.
+    abandoned = [c for c in calls if c.text != "The next client."]
+    assert all(c.cancelled or not c.finished for c in abandoned), abandoned
+    logged = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert not logged, logged
+
+
+# --- real processes ---------------------------------------------------------------------------
+
+
+def _start(args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "wyoming_cosyvoice", *args],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", **(env or {})},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _wait_for_port(port: int, process: subprocess.Popen[str], timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise AssertionError(f"server exited with {process.returncode}")
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            time.sleep(0.05)
+    raise AssertionError(f"server did not listen on {port}")
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="POSIX signals")
+def test_sigterm_while_synthesizing_exits_cleanly(wy: SimpleNamespace) -> None:
+    pytest.importorskip("engine.engine")
+    port = wy.free_port()
+    # 3000 forced tokens = 60 s of speech: still synthesizing when the signal comes.
+    process = _start(
+        [
+            "--uri",
+            f"tcp://127.0.0.1:{port}",
+            "--model-dir",
+            str(wy.TINY_MODEL),
+            "--threads",
+            "1",
+            "--no-warmup",
+            "--force-tokens",
+            "3000",
+            "--seed",
+            "0",
+        ]  # fmt: skip
+    )
+    try:
+        _wait_for_port(port, process)
+
+        async def first_audio() -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(header("synthesize", {"text": "Hello there."}))
+            await writer.drain()
+            await _read_until(reader, "audio-chunk")
+            return reader, writer
+
+        async def main() -> tuple[float, bool]:
+            reader, writer = await first_audio()
+            process.send_signal(signal.SIGTERM)
+            start = time.monotonic()
+            while process.poll() is None and time.monotonic() - start < 15:
+                await asyncio.sleep(0.05)
+            elapsed = time.monotonic() - start
+            # The client sees the connection end instead of waiting forever.
+            closed = await asyncio.wait_for(reader.read(), 5) is not None
+            writer.close()
+            return elapsed, closed
+
+        elapsed, closed = run(main())
+    finally:
+        if process.poll() is None:
+            process.kill()
+        _, log = process.communicate(timeout=30)
+    assert process.returncode == 0, log[-2000:]
+    assert elapsed < 5.0, elapsed
+    assert closed
+    assert "Traceback" not in log and "Shutting down" in log, log[-2000:]
+
+
+def test_corrupt_model_file_fails_at_start_with_a_clear_message(
+    wy: SimpleNamespace, tmp_path: Path
+) -> None:
+    pytest.importorskip("engine.engine")
+    model = tmp_path / "CosyVoice-300M-SFT"
+    shutil.copytree(wy.TINY_MODEL, model)
+    llm = model / "llm.pt"
+    llm.chmod(0o644)
+    llm.write_bytes(llm.read_bytes()[: llm.stat().st_size // 2])
+    port = wy.free_port()
+    process = _start(["--uri", f"tcp://127.0.0.1:{port}", "--model-dir", str(model)])
+    try:
+        _, log = process.communicate(timeout=120)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == 1
+    assert "Model failed to load" in log and "llm.pt: truncated or corrupt" in log, log[-2000:]
+    assert "Traceback" not in log
