@@ -293,7 +293,7 @@ def test_missing_and_unknown_options_fall_back_to_defaults() -> None:
 
 @pytest.mark.parametrize(
     ("key", "value"),
-    [("model", "CosyVoice2-0.5B"), ("profile", "fast"), ("threads", -1), ("threads", True),
+    [("model", "CosyVoice2-0.5B"), ("profile", "turbo"), ("threads", -1), ("threads", True),
      ("seed", "7"), ("streaming", "yes"), ("debug_logging", 1)],
 )  # fmt: skip
 def test_bad_values_name_the_option(key: str, value: Any) -> None:
@@ -319,7 +319,7 @@ def test_main_reads_options_json(tmp_path: Path) -> None:
 
 
 def test_main_rejects_a_bad_options_file(tmp_path: Path) -> None:
-    (tmp_path / "options.json").write_text('{"profile": "fast"}')
+    (tmp_path / "options.json").write_text('{"profile": "turbo"}')
     result = run_addon_main("--options", str(tmp_path / "options.json"), "--print")
     assert result.returncode == 2
     assert "invalid add-on configuration" in result.stderr and "'profile'" in result.stderr

@@ -123,6 +123,8 @@ def test_custom_profile_in_a_config_file(tmp_path: Path) -> None:
         ("profiles.realtime.cfg_rate", -1, "profiles.realtime.cfg_rate"),
         ("profiles.realtime.streaming", "no", "profiles.realtime.streaming"),
         ("profiles.realtime.speed", 2, "profiles.realtime.speed"),
+        ("profiles.realtime.start_policy", "later", "profiles.realtime.start_policy"),
+        ("server.lm_weights", "int4", "server.lm_weights"),
         ("profiles.batch", 3, "profiles.batch"),
         ("extras", 1, "extras"),
     ],
@@ -158,3 +160,12 @@ def test_cli_exits_with_a_message_naming_the_key(tmp_path: Path) -> None:
     )  # fmt: skip
     assert result.returncode == 2
     assert "limits.max_text_chars" in result.stderr and "integer" in result.stderr
+
+
+def test_profile_options_carry_every_setting() -> None:
+    config = load_config(None, [("profiles.fast.start_policy", "gapless")])
+    assert config.lm_weights == "int8"
+    fast = config.profiles["fast"]
+    options = fast.options(speaker="x", seed=3, instruct=None, force_tokens=7)
+    assert (options.n_timesteps, options.start_policy, options.seed) == (5, "gapless", 3)
+    assert options.schedule == fast.schedule and options.stream is fast.stream_audio

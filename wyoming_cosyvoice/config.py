@@ -16,7 +16,8 @@ from typing import Any
 
 import yaml
 
-from engine.types import LOW_LATENCY_SCHEDULE, OFFICIAL_SCHEDULE, StreamSchedule
+from engine.start_policy import START_POLICIES
+from engine.types import LOW_LATENCY_SCHEDULE, OFFICIAL_SCHEDULE, StreamSchedule, SynthesisOptions
 
 REPO_CONFIG = Path(__file__).resolve().parent.parent / "config.yaml"
 
@@ -26,7 +27,9 @@ _PROFILE_DEFAULTS: dict[str, Any] = {
     "schedule": "low_latency",
     "n_timesteps": 10,
     "cfg_rate": 0.7,
+    "start_policy": "eager",
 }
+LM_WEIGHTS = ("int8", "fp32")
 
 DEFAULTS: dict[str, Any] = {
     "server": {
@@ -39,6 +42,7 @@ DEFAULTS: dict[str, Any] = {
         "voices_rescan_s": 30,
         "voice": None,
         "profile": "realtime",
+        "lm_weights": "int8",
         "threads": None,
         "samples_per_chunk": 1024,
         "zeroconf": None,
@@ -56,6 +60,15 @@ DEFAULTS: dict[str, Any] = {
             "schedule": {"first_hop": 25, "growth": 2.0, "max_hop": 100, "overlap": 20},
             "n_timesteps": 10,
             "cfg_rate": 0.7,
+            "start_policy": "eager",
+        },
+        "fast": {
+            "streaming": True,
+            "stream_audio": True,
+            "schedule": {"first_hop": 25, "growth": 2.0, "max_hop": 100, "overlap": 20},
+            "n_timesteps": 5,
+            "cfg_rate": 0.7,
+            "start_policy": "eager",
         },
         "quality": {
             "streaming": True,
@@ -63,6 +76,7 @@ DEFAULTS: dict[str, Any] = {
             "schedule": "official",
             "n_timesteps": 10,
             "cfg_rate": 0.7,
+            "start_policy": "eager",
         },
         "batch": {
             "streaming": False,
@@ -107,6 +121,22 @@ class ProfileConfig:
     schedule: StreamSchedule
     n_timesteps: int
     cfg_rate: float
+    start_policy: str = "eager"
+
+    def options(self, *, speaker: str | None, seed: int | None, instruct: str | None,
+                force_tokens: int | None) -> SynthesisOptions:
+        """The engine options of one request under this profile."""
+        return SynthesisOptions(
+            speaker=speaker,
+            stream=self.stream_audio,
+            schedule=self.schedule,
+            seed=seed,
+            n_timesteps=self.n_timesteps,
+            cfg_rate=self.cfg_rate,
+            instruct=instruct,
+            force_tokens=force_tokens,
+            start_policy=self.start_policy,
+        )
 
 
 @dataclass(frozen=True)
@@ -136,6 +166,7 @@ class ServerConfig:
     voices_rescan_s: float
     voice: str | None
     profile: ProfileConfig
+    lm_weights: str
     threads: int | None
     samples_per_chunk: int
     zeroconf: str | None
@@ -279,6 +310,7 @@ _SERVER_KINDS = {
     "voices_rescan_s": "float+",
     "voice": "str?",
     "profile": "str",
+    "lm_weights": "str",
     "threads": "int+?",
     "samples_per_chunk": "int+",
     "zeroconf": "str?",
@@ -341,7 +373,14 @@ def _profile(name: str, raw: Any) -> ProfileConfig:
         schedule=_schedule(f"{key}.schedule", values["schedule"]),
         n_timesteps=_check(f"{key}.n_timesteps", values["n_timesteps"], "int+"),
         cfg_rate=float(cfg_rate),
+        start_policy=_start_policy(f"{key}.start_policy", values["start_policy"]),
     )
+
+
+def _start_policy(key: str, value: Any) -> str:
+    if value not in START_POLICIES:
+        raise ConfigError(key, f"must be one of {', '.join(START_POLICIES)}, not {value!r}")
+    return str(value)
 
 
 def _limits(raw: dict[str, Any]) -> Limits:
@@ -374,6 +413,8 @@ def build_config(raw: dict[str, Any]) -> ServerConfig:
     if not isinstance(profiles_raw, dict) or not profiles_raw:
         raise ConfigError("profiles", "must be a non-empty mapping of profile names")
     profiles = {str(name): _profile(str(name), prof) for name, prof in profiles_raw.items()}
+    if values["lm_weights"] not in LM_WEIGHTS:
+        raise ConfigError("server.lm_weights", f"must be one of {', '.join(LM_WEIGHTS)}")
     profile_name = values.pop("profile")
     if profile_name not in profiles:
         raise ConfigError(

@@ -30,7 +30,7 @@ from wyoming.info import Describe
 from wyoming.tts import SynthesizeStopped
 
 from engine.constants import SAMPLE_RATE
-from engine.types import AudioChunk, EngineError, SynthesisCancelled, SynthesisOptions
+from engine.types import AudioChunk, EngineError, SynthesisCancelled
 from engine.types import UnknownSpeakerError as EngineUnknownSpeaker
 from wyoming_cosyvoice.config import ServerConfig
 from wyoming_cosyvoice.custom_voices import split_instruction
@@ -334,16 +334,11 @@ class EventHandler:
                 request.voice, " ".join(job.sentences)
             )
         voice = request.voice_resolved
-        profile = self._config.profile
-        options = SynthesisOptions(
+        options = self._config.profile.options(
             speaker=voice.speaker,
-            stream=profile.stream_audio,
-            schedule=profile.schedule,
             seed=self._config.seed,
-            n_timesteps=profile.n_timesteps,
-            cfg_rate=profile.cfg_rate,
-            force_tokens=self._config.force_tokens,
             instruct=request.instruct,
+            force_tokens=self._config.force_tokens,
         )
         started = time.monotonic()
         _LOGGER.debug(

@@ -47,11 +47,11 @@ class Engine(Protocol):
 EngineFactory = Callable[[Path, "int | None"], Engine]
 
 
-def load_cosyvoice(model_dir: Path, threads: int | None) -> Engine:
+def load_cosyvoice(model_dir: Path, threads: int | None, lm_int8: bool = True) -> Engine:
     """The real engine; imported here so torch loads on the engine thread, not at startup."""
     from engine.engine import CosyVoiceEngine
 
-    return CosyVoiceEngine.load(model_dir, threads=threads)
+    return CosyVoiceEngine.load(model_dir, threads=threads, lm_int8=lm_int8)
 
 
 # --- speaker names without torch ------------------------------------------------------------
@@ -267,6 +267,8 @@ async def create_server(
     from wyoming_cosyvoice.handler import ConnectionContext, EventHandler
     from wyoming_cosyvoice.sentences import make_splitter
 
+    if engine_factory is load_cosyvoice:
+        engine_factory = partial(load_cosyvoice, lm_int8=config.lm_weights == "int8")
     host = ModelHost(
         model_dir,
         engine_factory=engine_factory,

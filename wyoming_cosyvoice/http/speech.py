@@ -53,17 +53,9 @@ def synthesis_options(
     instruct: str | None = None,
     force_tokens: int | None = None,
 ) -> SynthesisOptions:
-    """The engine options for a profile: the same fields the Wyoming handler sets."""
-    return SynthesisOptions(
-        speaker=speaker,
-        stream=profile.stream_audio,
-        schedule=profile.schedule,
-        seed=seed,
-        n_timesteps=profile.n_timesteps,
-        cfg_rate=profile.cfg_rate,
-        instruct=instruct,
-        force_tokens=force_tokens,
-    )
+    """The engine options for a profile: the same mapping the Wyoming handler uses."""
+    return profile.options(speaker=speaker, seed=seed, instruct=instruct,
+                           force_tokens=force_tokens)
 
 
 def max_body_bytes(config: ServerConfig) -> int:
