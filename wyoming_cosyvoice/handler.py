@@ -61,6 +61,7 @@ except ImportError:  # the frontend is optional for the server
     _TEXT_ERRORS = ()
 _WIDTH, _CHANNELS = 2, 1
 _LINGER_S = 2.0
+_MAX_UNSENT_INFO = 16  # describe answers a client may leave unread before we stop reading
 
 
 @dataclass
@@ -121,6 +122,8 @@ class EventHandler:
         self._space = asyncio.Event()
         self._last_activity = time.monotonic()
         self._worker_task: asyncio.Task[None] | None = None
+        self._unsent_info = 0  # info answers queued but not yet written
+        self._info_sent = asyncio.Event()
 
     # --- lifecycle ----------------------------------------------------------------------
 
@@ -188,6 +191,8 @@ class EventHandler:
                 continue  # refused already: the error is on its way, the rest is ignored
             self._last_activity = time.monotonic()
             events += 1
+            if self._unsent_info >= _MAX_UNSENT_INFO and not await self._info_drained():
+                break
             if events > (most := self._limits.max_events_per_connection):
                 self._fail(LimitExceededError(f"more than {most} events on one connection"))
                 break
@@ -199,6 +204,22 @@ class EventHandler:
         if not self._closing:
             # The client closed its side: whatever it asked for is no longer wanted.
             self._cancel.set()
+
+    async def _info_drained(self) -> bool:
+        """A client that floods ``describe`` without reading: stop reading until it catches up.
+
+        Each ``info`` is kilobytes of Python objects; without this, one connection could queue
+        ``max_events_per_connection`` of them. False (and the connection refused) if the client
+        reads nothing for ``stall_timeout_s``.
+        """
+        while self._unsent_info >= _MAX_UNSENT_INFO:
+            self._info_sent.clear()
+            try:
+                await asyncio.wait_for(self._info_sent.wait(), self._limits.stall_timeout_s)
+            except asyncio.TimeoutError:
+                self._fail(LimitExceededError("client sends describe but reads no answers"))
+                return False
+        return True
 
     def _fail(self, err: ClientError) -> None:
         """Send ``error`` after what is already queued, then close the connection."""
@@ -228,6 +249,7 @@ class EventHandler:
     def _handle(self, event: Event) -> None:
         kind, data = event.type, event.data
         if Describe.is_type(kind):
+            self._unsent_info += 1
             self._out.put_nowait(self._info().event())
         elif kind == "synthesize":
             if self._stream is not None:
@@ -413,6 +435,9 @@ class EventHandler:
             while (event := await self._out.get()) is not None:
                 await async_write_event(event, self._writer)
                 self._last_activity = time.monotonic()
+                if event.type == "info":
+                    self._unsent_info -= 1
+                    self._info_sent.set()
                 if event.type == "audio-chunk" and event.payload:
                     self._buffered -= len(event.payload) // _WIDTH
                     self._space.set()
