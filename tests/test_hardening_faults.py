@@ -215,3 +215,43 @@ def test_corrupt_model_file_fails_at_start_with_a_clear_message(
     assert process.returncode == 1
     assert "Model failed to load" in log and "llm.pt: truncated or corrupt" in log, log[-2000:]
     assert "Traceback" not in log
+
+
+def test_a_describe_flood_without_reading_is_bounded(wy: SimpleNamespace) -> None:
+    """Each unread ``info`` is kilobytes of objects: the server stops reading at a handful
+    instead of queueing thousands (a client that catches up is served on), and refuses a
+    client that reads nothing for ``stall_timeout_s``; others are served meanwhile."""
+    from wyoming_cosyvoice.handler import EventHandler
+
+    async def main() -> tuple[int, Any, list[Any]]:
+        limits = {"limits.stall_timeout_s": 0.5}
+        async with wy.fake_server(limits) as srv:
+            sock = socket.socket()
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            sock.connect(("127.0.0.1", srv.port))
+            reader, writer = await asyncio.open_connection(sock=sock)
+            writer.write(header("describe") * 5000)
+            await writer.drain()
+            await asyncio.sleep(0.3)
+            import gc
+
+            queued = max(h._out.qsize() for h in gc.get_objects() if isinstance(h, EventHandler))
+            other = await wy.synthesize(srv.port, "Someone else.")
+            await asyncio.sleep(1.0)  # past stall_timeout_s: the flooder is refused
+            # Now read: a bounded number of answers, then the refusal, then the close.
+            events = []
+            try:
+                while (event := await asyncio.wait_for(async_read_event(reader), 10)) is not None:
+                    events.append(event)
+            except asyncio.TimeoutError:
+                raise AssertionError([e.type for e in events][-5:], len(events)) from None
+            writer.close()
+            return queued, other, events
+
+    queued, other, events = run(main())
+    assert queued <= 20, queued
+    assert other.samples == wy.FakeEngine.expected_samples("Someone else.")
+    # What reached the kernel's socket buffers before the stall is delivered (~1-2k small
+    # answers on loopback); the rest of the 5000 were never read, let alone answered.
+    assert len(events) < 4000 and events[-1].type == "error", len(events)
+    assert "reads no answers" in events[-1].data["text"]
