@@ -87,3 +87,10 @@ def _file_mapped_ranges() -> list[tuple[int, int]]:
     except OSError:
         return []
     return ranges
+
+
+def next_token_kl(reference: torch.Tensor, candidate: torch.Tensor) -> torch.Tensor:
+    """KL(reference || candidate) per row, in nats, from two (N, V) logit tensors."""
+    ref = reference.float().log_softmax(-1)
+    cand = candidate.float().log_softmax(-1)
+    return (ref.exp() * (ref - cand)).sum(-1)
