@@ -180,7 +180,11 @@ class CosyVoiceEngine:
                 generator=lm_generator, max_tokens=options.force_tokens,
             )
 
-        tokens = ThreadedTokens(make_tokens, cancel)
+        # Streaming: the LM pauses once the first chunk's tokens exist, so the first audio
+        # gets both cores; it resumes as soon as that chunk is out.
+        first_chunk = options.schedule.first_hop + options.schedule.overlap
+        tokens = ThreadedTokens(make_tokens, cancel,
+                                pause_after=first_chunk if options.stream else None)
 
         def waves() -> Iterator[torch.Tensor]:
             if options.stream:
@@ -196,6 +200,7 @@ class CosyVoiceEngine:
                     wave = next(chunks, None)
                 if wave is None:
                     break
+                tokens.resume()
                 if cancel is not None and cancel.is_set():
                     raise SynthesisCancelled("synthesis cancelled")
                 yield AudioChunk(wave.reshape(-1).float().numpy().copy())
