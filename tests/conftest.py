@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+import subprocess
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -241,3 +242,17 @@ def wy() -> SimpleNamespace:
         ROOT=ROOT,
         TINY_MODEL=TINY_MODEL,
     )
+
+
+def wait_for_port(port: int, process: subprocess.Popen, timeout: float = 60) -> None:
+    """Wait until a server subprocess accepts TCP connections on 127.0.0.1:``port``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise AssertionError(f"server exited with {process.returncode}")
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            time.sleep(0.05)
+    raise AssertionError(f"server did not listen on {port} within {timeout} s")

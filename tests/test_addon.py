@@ -21,7 +21,6 @@ import struct
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -29,6 +28,7 @@ from typing import Any
 import jsonschema
 import pytest
 import yaml
+from conftest import wait_for_port  # noqa: E402
 
 from wyoming_cosyvoice import addon
 
@@ -585,17 +585,6 @@ def server_missing_reason() -> str | None:
     return None
 
 
-def wait_for_port(port: int, process: subprocess.Popen[bytes], timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise AssertionError(f"server exited with {process.returncode}")
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            return
-        except OSError:
-            time.sleep(0.2)
-    raise AssertionError(f"server did not listen on {port} within {timeout} s")
 
 
 async def describe_and_synthesize(port: int) -> tuple[Any, bytes, int]:

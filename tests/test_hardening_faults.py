@@ -28,6 +28,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from conftest import wait_for_port  # noqa: E402
 from wyoming.event import async_read_event
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -130,17 +131,6 @@ def _start(args: list[str], env: dict[str, str] | None = None) -> subprocess.Pop
     )
 
 
-def _wait_for_port(port: int, process: subprocess.Popen[str], timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise AssertionError(f"server exited with {process.returncode}")
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            return
-        except OSError:
-            time.sleep(0.05)
-    raise AssertionError(f"server did not listen on {port}")
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="POSIX signals")
@@ -164,7 +154,7 @@ def test_sigterm_while_synthesizing_exits_cleanly(wy: SimpleNamespace) -> None:
         ]  # fmt: skip
     )
     try:
-        _wait_for_port(port, process)
+        wait_for_port(port, process)
 
         async def first_audio() -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
             reader, writer = await asyncio.open_connection("127.0.0.1", port)

@@ -18,6 +18,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from conftest import wait_for_port  # noqa: E402
 from wyoming.event import Event
 from wyoming.info import Describe, Info
 
@@ -31,17 +32,6 @@ def run(coro):  # noqa: ANN001, ANN201
     return asyncio.run(coro)
 
 
-def wait_for_port(port: int, process: subprocess.Popen[str], timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise AssertionError(f"server exited with {process.returncode}")
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            return
-        except OSError:
-            time.sleep(0.05)
-    raise AssertionError(f"server did not listen on {port}")
 
 
 async def timed_describe(port: int) -> tuple[float, Info]:
