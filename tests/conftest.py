@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import socket
 import subprocess
 import threading
@@ -22,6 +23,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY_MODEL = ROOT / "tests" / "data" / "tiny_model"
@@ -256,3 +258,19 @@ def wait_for_port(port: int, process: subprocess.Popen, timeout: float = 60) -> 
         except OSError:
             time.sleep(0.05)
     raise AssertionError(f"server did not listen on {port} within {timeout} s")
+
+
+def event_bytes(kind: str, data: dict[str, Any] | None = None, **extra: Any) -> bytes:
+    """One event with its data block, framed as the wyoming writer frames it."""
+    block = json.dumps(data).encode() if data is not None else b""
+    head = {"type": kind, **({"data_length": len(block)} if block else {}), **extra}
+    return json.dumps(head).encode() + b"\n" + block
+
+
+@pytest.fixture(scope="module")
+def single_torch_thread() -> Iterator[None]:
+    """Tiny tensors: a second thread only contends (100x slower on a loaded 2-core box)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

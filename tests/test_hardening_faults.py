@@ -14,7 +14,6 @@ truncated ``llm.pt`` ends the real process at start with a message naming the fi
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import shutil
@@ -28,6 +27,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from conftest import event_bytes as header  # noqa: E402
 from conftest import wait_for_port  # noqa: E402
 from wyoming.event import async_read_event
 
@@ -39,10 +39,6 @@ def run(coro: Any) -> Any:
     return asyncio.run(coro)
 
 
-def header(kind: str, data: dict[str, Any] | None = None, **extra: Any) -> bytes:
-    block = json.dumps(data).encode() if data is not None else b""
-    head = {"type": kind, **({"data_length": len(block)} if block else {}), **extra}
-    return json.dumps(head).encode() + b"\n" + block
 
 
 async def _read_until(reader: asyncio.StreamReader, kind: str) -> None:

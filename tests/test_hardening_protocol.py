@@ -19,13 +19,13 @@ the default limits, invalid UTF-8, unknown events carrying a payload. Every case
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import random
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from conftest import event_bytes as header  # noqa: E402
 from wyoming.event import Event, async_read_event
 
 
@@ -33,11 +33,6 @@ def run(coro: Any) -> Any:
     return asyncio.run(coro)
 
 
-def header(kind: str, data: dict[str, Any] | None = None, **extra: Any) -> bytes:
-    """One event framed as the wyoming writer frames it (header line + data block)."""
-    block = json.dumps(data).encode() if data is not None else b""
-    head = {"type": kind, **({"data_length": len(block)} if block else {}), **extra}
-    return json.dumps(head).encode() + b"\n" + block
 
 
 async def raw_exchange(port: int, payload: bytes, timeout: float = 15.0) -> list[Event]:

@@ -29,14 +29,7 @@ pytest.importorskip("onnxruntime")
 DATA = Path(__file__).resolve().parent / "data" / "zero_shot"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # Tiny tensors: two threads only contend (100x slower on a loaded 2-core box). The
-    # fixtures are bit-exact with 1 and 2 threads (README §8).
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("single_torch_thread")
 ONNX = DATA / "onnx"
 PROMPT_TEXT = "希望你以后能够做的比我还好呦。"
 TTS_TEXT = "CosyVoice is a multilingual voice generation model."

@@ -49,13 +49,7 @@ def write_wav(path: Path, samples: np.ndarray, rate: int, channels: int = 1) -> 
         w.writeframes(pcm.tobytes())
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # Tiny tensors: two threads only contend (100x slower on a loaded 2-core box).
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
 
 @pytest.fixture()

@@ -8,12 +8,12 @@ talking to the server at the same time still gets its full audio.
 from __future__ import annotations
 
 import asyncio
-import json
 import socket
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from conftest import event_bytes as header  # noqa: E402
 from wyoming.event import Event, async_read_event
 
 
@@ -21,11 +21,6 @@ def run(coro: Any) -> Any:
     return asyncio.run(coro)
 
 
-def header(kind: str, data: dict[str, Any] | None = None, **extra: Any) -> bytes:
-    """One event with its data block, as the wyoming writer frames it."""
-    block = json.dumps(data).encode() if data is not None else b""
-    head = {"type": kind, **({"data_length": len(block)} if block else {}), **extra}
-    return json.dumps(head).encode() + b"\n" + block
 
 
 async def raw_exchange(port: int, payload: bytes, timeout: float = 10.0) -> list[Event]:
