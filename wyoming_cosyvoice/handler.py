@@ -30,6 +30,7 @@ from wyoming.info import Describe
 from wyoming.tts import SynthesizeStopped
 
 from engine.constants import SAMPLE_RATE
+from engine.text.errors import TextInputError
 from engine.types import AudioChunk, EngineError, SynthesisCancelled
 from engine.types import UnknownSpeakerError as EngineUnknownSpeaker
 from wyoming_cosyvoice.config import ServerConfig
@@ -53,12 +54,6 @@ from wyoming_cosyvoice.server import ModelHost
 
 _LOGGER = logging.getLogger(__name__)
 
-try:
-    from engine.text.errors import TextInputError
-
-    _TEXT_ERRORS: tuple[type[Exception], ...] = (TextInputError,)
-except ImportError:  # the frontend is optional for the server
-    _TEXT_ERRORS = ()
 _WIDTH, _CHANNELS = 2, 1
 _LINGER_S = 2.0
 _MAX_UNSENT_INFO = 16  # describe answers a client may leave unread before we stop reading
@@ -333,7 +328,7 @@ class EventHandler:
             except EngineUnknownSpeaker as err:
                 self._fail(VoiceNotFoundError(str(err)))
                 return
-            except _TEXT_ERRORS as err:
+            except TextInputError as err:
                 self._fail(TextError(str(err)))
                 return
             except EngineError as err:

@@ -21,6 +21,7 @@ from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
 
 from engine.constants import SAMPLE_RATE
+from engine.text.errors import TextInputError
 from engine.types import EngineError, SynthesisCancelled
 from engine.types import UnknownSpeakerError as EngineUnknownSpeaker
 from wyoming_cosyvoice.config import ServerConfig
@@ -44,12 +45,6 @@ from wyoming_cosyvoice.server import ModelHost
 
 _LOGGER = logging.getLogger(__name__)
 
-try:
-    from engine.text.errors import TextInputError
-
-    _TEXT_ERRORS: tuple[type[Exception], ...] = (TextInputError,)
-except ImportError:  # the frontend is optional for the server
-    _TEXT_ERRORS = ()
 
 
 def _page() -> str:
@@ -63,7 +58,7 @@ def engine_error(err: BaseException) -> HttpError:
     """The status code for an error the synthesis raised before any audio was sent."""
     if isinstance(err, EngineUnknownSpeaker):
         return HttpError(404, str(err), code="voice_not_found", param="voice")
-    if _TEXT_ERRORS and isinstance(err, _TEXT_ERRORS):
+    if isinstance(err, TextInputError):
         return HttpError(400, f"the text cannot be spoken: {err}", code="text_error")
     if isinstance(err, ServerBusyError):
         return HttpError(503, str(err), code="not_ready", headers={"Retry-After": "5"})
