@@ -77,22 +77,37 @@ class CosyVoiceEngine:
 
     @classmethod
     def load(cls, model_dir: Path | str, *, threads: int | None = None,
-             kind: str | None = None, lm_int8: bool = False) -> CosyVoiceEngine:
+             kind: str | None = None, lm_int8: bool = False,
+             int8_cache_dir: Path | str | None = None) -> CosyVoiceEngine:
         """Load a model directory in the official layout (raises ModelLoadError).
 
         ``lm_int8`` swaps the LM decoder's weights for int8 (faster, slightly different
-        sampling distribution; see engine.quantize).
+        sampling distribution; see engine.quantize). They are cached in ``int8_cache_dir``
+        (None: ``$XDG_CACHE_HOME/wyoming-cosyvoice/int8``), so later loads skip quantising;
+        ``lm_int8_cache_hit`` on the engine tells whether the cache was used.
         """
         if threads:
             torch.set_num_threads(threads)
         start = time.perf_counter()
-        models = load_model_dir(Path(model_dir))
+        model_dir = Path(model_dir)
+        loader = None
         if lm_int8:
-            from engine.quantize import quantize_lm_int8
+            from engine.quantize import Int8LmLoader, default_int8_cache_dir
 
-            quantize_lm_int8(models.llm)
+            cache_dir = Path(int8_cache_dir) if int8_cache_dir else default_int8_cache_dir()
+            # Created first: a cached int8 LM is packed in the background while the rest loads.
+            loader = Int8LmLoader(model_dir / "llm.pt", cache_dir)
+        try:
+            models = load_model_dir(model_dir)
+        except BaseException:
+            if loader is not None:
+                loader.cancel()
+            raise
+        cache_hit = loader.apply(models.llm) if loader is not None else None
         _LOGGER.info("Loaded %s in %.2f s", model_dir, time.perf_counter() - start)
-        return cls(models, kind=kind, threads=threads)
+        engine = cls(models, kind=kind, threads=threads)
+        engine.lm_int8_cache_hit = cache_hit  # None without int8 (read by the benchmark)
+        return engine
 
     # --- voices ---------------------------------------------------------------------------
 

@@ -6,15 +6,26 @@ Only the 14-layer decoder stack and the output head are quantised; the text enco
 per sentence and ``linear_pos`` is folded into a cached table, so both stay float32.
 :func:`next_token_kl` measures what the user trades: the KL divergence of the next-token
 distributions against the float32 model on the same inputs.
+
+Quantising the full-size decoder costs seconds at every start, so :class:`Int8LmLoader` keeps
+the result in a cache file (int8 weights, per-channel scales and zero points, float biases) keyed
+on ``llm.pt``'s path, size and mtime, the cache format and the torch version. On a hit the int8
+layers are rebuilt from the cache in a background thread while the rest of the model loads, and
+the float32 weights of those layers are never read.
 """
 
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import logging
 import os
 import sys
+import threading
 import warnings
+import zlib
+from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -44,34 +55,80 @@ def release_pages(tensor: torch.Tensor) -> None:
         libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), _MADV_DONTNEED)
 
 
-def quantize_lm_int8(llm: nn.Module) -> nn.Module:
+def _int8_names(block: nn.Module) -> list[str]:
+    """The Linear layers of one decoder block that become int8 (``linear_pos`` stays float)."""
+    return [n for n, m in block.named_modules()
+            if isinstance(m, nn.Linear) and not n.endswith("linear_pos")]
+
+
+def int8_layer_names(llm: nn.Module) -> list[str]:
+    """Dotted names (in ``llm``) of every layer :func:`quantize_lm_int8` swaps; call it before."""
+    names = [f"llm.encoders.{i}.{name}" for i, block in enumerate(llm.llm.encoders)
+             for name in _int8_names(block)]
+    return [*names, "llm_decoder"]
+
+
+def quantize_lm_int8(llm: nn.Module,
+                     keep: dict[str, dict[str, torch.Tensor]] | None = None) -> nn.Module:
     """Swap the LM decoder's and head's Linear layers for dynamic int8 ones, in place.
 
-    One block at a time, releasing each block's float32 pages right after, so the float32
-    decoder is never resident as a whole (peak memory stays near the final footprint).
+    The recipe of ``quantize_dynamic`` with ``per_channel_dynamic_qconfig`` (per-channel
+    symmetric qint8 weights, fbgemm/x86 packing), one layer at a time, releasing each float32
+    weight's pages right after, so the float32 decoder is never resident as a whole. ``keep``
+    receives each layer's plain int8 parts (for the cache: unpacking later costs seconds).
     """
-    from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
+    from torch.ao.nn.quantized.modules.utils import _quantize_weight
+    from torch.ao.quantization import per_channel_dynamic_qconfig
 
     file_ranges = _file_mapped_ranges()
-    parents = [*llm.llm.encoders, llm]
-    count = 0
-    for parent in parents:
-        names = (["llm_decoder"] if parent is llm else
-                 [n for n, m in parent.named_modules()
-                  if isinstance(m, nn.Linear) and not n.endswith("linear_pos")])
-        replaced = [parent.get_submodule(name).weight for name in names]
-        with warnings.catch_warnings():
-            # torch.ao.quantization is deprecated in favour of torchao, which we do not ship.
-            warnings.simplefilter("ignore")
-            quantize_dynamic(parent, qconfig_spec=dict.fromkeys(names, per_channel_dynamic_qconfig),
-                             dtype=torch.qint8, inplace=True)
-        for weight in replaced:
-            # Only pages of a mapped checkpoint: released anonymous memory reads back as zeros.
-            if any(lo <= weight.data_ptr() < hi for lo, hi in file_ranges):
-                release_pages(weight)
-        count += len(names)
-    _LOGGER.info("LM decoder quantised to int8 (%d Linear layers)", count)
+    names = int8_layer_names(llm)
+    with warnings.catch_warnings():
+        # torch.ao.quantization is deprecated in favour of torchao, which we do not ship.
+        warnings.simplefilter("ignore")
+        for name in names:
+            layer = llm.get_submodule(name)
+            observer = per_channel_dynamic_qconfig.weight()
+            observer(layer.weight)
+            qweight = _quantize_weight(layer.weight.float(), observer)
+            if keep is not None:
+                try:
+                    keep[name] = _plain_parts(qweight, layer.bias)
+                except ValueError as err:  # only the cache is lost, never the load
+                    _LOGGER.warning("Int8 LM layers cannot be cached: %s", err)
+                    keep.clear()
+                    keep = None
+            _replace(llm, name, _pack(qweight, layer.bias))
+            _release_if_mapped(layer.weight, file_ranges)
+    _LOGGER.info("LM decoder quantised to int8 (%d Linear layers)", len(names))
     return llm
+
+
+def _pack(qweight: torch.Tensor, bias: torch.Tensor | None) -> nn.Module:
+    """A dynamic int8 Linear around a per-channel qint8 weight, packed as ``from_float`` does."""
+    from torch.ao.nn.quantized.dynamic import Linear as Int8Linear
+
+    # A 1x1 shell resized: the full-size constructor packs a zero weight first (~15 ms a layer).
+    module = Int8Linear(1, 1, dtype=torch.qint8)
+    module.in_features, module.out_features = qweight.shape[1], qweight.shape[0]
+    module.set_weight_bias(qweight, bias)
+    return module
+
+
+def _plain_parts(qweight: torch.Tensor, bias: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    """int8 weight, float64 scales, int64 zero points and float32 bias (absent if none)."""
+    if qweight.qscheme() != torch.per_channel_affine or qweight.q_per_channel_axis() != 0:
+        raise ValueError(f"unexpected quantisation scheme {qweight.qscheme()}")
+    parts = {"weight": qweight.int_repr(), "scales": qweight.q_per_channel_scales(),
+             "zero_points": qweight.q_per_channel_zero_points()}
+    if bias is not None:
+        parts["bias"] = bias.detach().clone()  # a view would save its whole (mapped) storage
+    return parts
+
+
+def _release_if_mapped(tensor: torch.Tensor, file_ranges: list[tuple[int, int]]) -> None:
+    # Only pages of a mapped file: released anonymous memory would read back as zeros.
+    if any(lo <= tensor.data_ptr() < hi for lo, hi in file_ranges):
+        release_pages(tensor)
 
 
 def _file_mapped_ranges() -> list[tuple[int, int]]:
@@ -87,6 +144,235 @@ def _file_mapped_ranges() -> list[tuple[int, int]]:
     except OSError:
         return []
     return ranges
+
+
+# --- the on-disk cache of the int8 layers -----------------------------------------------------
+
+CACHE_FORMAT = 1  # bump when the file layout or the quantisation recipe changes
+_PARTS = ("weight", "scales", "zero_points", "bias")
+
+
+class CacheError(Exception):
+    """A cache file that must not be used: stale, truncated, corrupt or not fitting the model."""
+
+
+class CachedLayer(NamedTuple):
+    module: nn.Module  # a packed dynamic int8 Linear
+    has_bias: bool  # known without unpacking (``module.bias()`` unpacks the whole weight)
+
+
+def default_int8_cache_dir() -> Path:
+    """``$XDG_CACHE_HOME/wyoming-cosyvoice/int8``, else ``~/.cache/wyoming-cosyvoice/int8``."""
+    xdg = os.environ.get("XDG_CACHE_HOME", "")
+    # The XDG spec says to ignore a relative value.
+    base = Path(xdg) if os.path.isabs(xdg) else Path.home() / ".cache"
+    return base / "wyoming-cosyvoice" / "int8"
+
+
+def cache_path(cache_dir: Path, source: Path) -> Path:
+    """The cache file of one ``llm.pt``: named by its absolute path, so models never share one."""
+    digest = hashlib.sha256(str(Path(source).resolve()).encode()).hexdigest()[:16]
+    return Path(cache_dir) / f"llm-{digest}.int8.pt"
+
+
+def source_key(source: Path) -> dict[str, object]:
+    """What a cache must match to be used: format, torch version and the checkpoint's identity."""
+    source = Path(source).resolve()
+    st = source.stat()
+    return {"format": CACHE_FORMAT, "torch": str(torch.__version__), "source": str(source),
+            "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+
+
+def _crc(tensor: torch.Tensor) -> int:
+    """CRC-32 of a tensor's bytes: torch.load does not check mmap'd data, a flipped byte would
+    otherwise go unnoticed."""
+    return zlib.crc32(tensor.contiguous().reshape(-1).view(torch.uint8).numpy())
+
+
+def write_cache(path: Path, key: dict[str, object],
+                layers: dict[str, dict[str, torch.Tensor]]) -> bool:
+    """Save atomically (temp file + rename); False, with a warning, when it cannot be written."""
+    tensors = {f"{name}.{part}": t for name, parts in layers.items() for part, t in parts.items()}
+    meta = {**key, "layers": list(layers), "crc32": {k: _crc(t) for k, t in tensors.items()}}
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            with open(tmp, "wb") as f:
+                torch.save({"meta": meta, "tensors": tensors}, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)  # a reader sees the old file or the whole new one
+        finally:
+            tmp.unlink(missing_ok=True)
+    except (OSError, RuntimeError) as err:  # torch.save reports a full disk as RuntimeError
+        _LOGGER.warning("Cannot write the int8 LM cache %s (%s); going on without it", path, err)
+        return False
+    _LOGGER.info("Saved the int8 LM weights to %s", path)
+    return True
+
+
+def _check_parts(name: str, parts: dict[str, torch.Tensor]) -> None:
+    weight = parts.get("weight")
+    if weight is None or weight.dtype != torch.int8 or weight.dim() != 2:
+        raise CacheError(f"{name}: no 2-D int8 weight")
+    out = weight.shape[0]
+    expected = {"scales": torch.float64, "zero_points": torch.int64, "bias": torch.float32}
+    for part, dtype in expected.items():
+        t = parts.get(part)
+        if t is None and part == "bias":
+            continue
+        if t is None or t.dtype != dtype or tuple(t.shape) != (out,):
+            raise CacheError(f"{name}: bad {part}")
+
+
+def _build_layer(parts: dict[str, torch.Tensor]) -> nn.Module:
+    """A dynamic int8 Linear from cached parts, packed exactly as a fresh quantisation."""
+    qweight = torch._make_per_channel_quantized_tensor(parts["weight"], parts["scales"],
+                                                       parts["zero_points"], 0)
+    return _pack(qweight, parts.get("bias"))
+
+
+def read_cache(path: Path, key: dict[str, object],
+               cancel: threading.Event | None = None) -> dict[str, CachedLayer]:
+    """Validate a cache file and build its int8 layers (raises CacheError).
+
+    Each layer's CRC is checked right before it is packed, then its mapped int8 pages are
+    released: the packed copy is what stays resident.
+    """
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as err:  # whatever torch raises for a damaged file: rebuild, never crash
+        first_line = (str(err).strip().splitlines() or [""])[0]
+        raise CacheError(f"unreadable: {type(err).__name__}: {first_line}") from err
+    meta = obj.get("meta") if isinstance(obj, dict) else None
+    tensors = obj.get("tensors") if isinstance(obj, dict) else None
+    if not isinstance(meta, dict) or not isinstance(tensors, dict):
+        raise CacheError("not an int8 LM cache")
+    changed = [k for k, v in key.items() if meta.get(k) != v]
+    if changed:
+        raise CacheError(f"stale: {', '.join(changed)} changed")
+    names, crcs = meta.get("layers"), meta.get("crc32")
+    if not isinstance(names, list) or not isinstance(crcs, dict) or set(crcs) != set(tensors):
+        raise CacheError("corrupt index")
+    file_ranges = _file_mapped_ranges()
+    layers: dict[str, CachedLayer] = {}
+    for name in names:
+        if cancel is not None and cancel.is_set():
+            raise CacheError("cancelled")
+        parts = {p: tensors[f"{name}.{p}"] for p in _PARTS if f"{name}.{p}" in tensors}
+        for part, t in parts.items():
+            if not torch.is_tensor(t) or _crc(t) != crcs[f"{name}.{part}"]:
+                raise CacheError(f"corrupt data in {name}.{part}")
+        _check_parts(name, parts)
+        layers[name] = CachedLayer(_build_layer(parts), "bias" in parts)
+        _release_if_mapped(parts["weight"], file_ranges)
+    return layers
+
+
+def _mismatch(llm: nn.Module, names: list[str], layers: dict[str, CachedLayer]) -> str | None:
+    """Why cached layers do not fit this model (None when they do); reads no weight."""
+    if list(layers) != names:
+        return "its layers are not this model's"
+    for name, (module, has_bias) in layers.items():
+        old = llm.get_submodule(name)
+        if (old.in_features, old.out_features) != (module.in_features, module.out_features) \
+                or (old.bias is not None) != has_bias:
+            return f"{name} has another shape"
+    return None
+
+
+def _replace(llm: nn.Module, name: str, module: nn.Module) -> None:
+    parent, _, attr = name.rpartition(".")
+    old = llm.get_submodule(name)
+    module.train(old.training)
+    setattr(llm.get_submodule(parent) if parent else llm, attr, module)
+
+
+def _prime_quantized_warnings() -> None:
+    """Trigger torch's once-per-process deprecation warnings of quantised tensors here.
+
+    The loader thread cannot filter them (``warnings.catch_warnings`` is process-global, not
+    thread-safe); torchao, their replacement, is not shipped.
+    """
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _build_layer({"weight": torch.zeros(1, 1, dtype=torch.int8),
+                      "scales": torch.ones(1, dtype=torch.float64),
+                      "zero_points": torch.zeros(1, dtype=torch.int64)})
+
+
+class Int8LmLoader:
+    """Int8 LM decoder layers through an on-disk cache.
+
+    Create it before loading the float32 model: a present cache is then validated and packed in
+    a background thread (packing costs ~8 ns per weight and releases the GIL) while the rest
+    loads. :meth:`apply` swaps the cached layers in, or, when there is no usable cache,
+    quantises afresh with :func:`quantize_lm_int8` and writes the cache. A cache that cannot be
+    used is logged as a warning and rebuilt; one that cannot be written is skipped.
+    """
+
+    def __init__(self, source: Path, cache_dir: Path | None) -> None:
+        self.path = cache_path(cache_dir, source) if cache_dir is not None else None
+        self._source = Path(source)
+        self._cancel = threading.Event()
+        self._layers: dict[str, CachedLayer] | None = None
+        self._problem: str | None = None
+        self._thread: threading.Thread | None = None
+        try:
+            # Taken now: a checkpoint replaced during the load must not be cached under its key.
+            self._key: dict[str, object] | None = source_key(self._source)
+        except OSError:
+            self._key = None  # no checkpoint: the model load reports it
+        if self.path is not None and self._key is not None and self.path.is_file():
+            _prime_quantized_warnings()
+            self._thread = threading.Thread(target=self._read, name="int8-cache", daemon=True)
+            self._thread.start()
+
+    def _read(self) -> None:
+        assert self.path is not None and self._key is not None
+        try:
+            self._layers = read_cache(self.path, self._key, self._cancel)
+        except CacheError as err:
+            self._problem = str(err)
+        except Exception as err:  # a damaged cache must never take the load down
+            self._problem = f"{type(err).__name__}: {err}"
+
+    def cancel(self) -> None:
+        """Stop the background read (the model load failed)."""
+        self._cancel.set()
+
+    def apply(self, llm: nn.Module) -> bool:
+        """Make ``llm``'s decoder int8, in place; True when the cache was used."""
+        if self._thread is not None:
+            self._thread.join()
+        names = int8_layer_names(llm)
+        if self._layers is not None:
+            self._problem = _mismatch(llm, names, self._layers)
+            if self._problem is None:
+                for name, layer in self._layers.items():
+                    _replace(llm, name, layer.module)
+                _LOGGER.info("LM decoder int8 weights read from %s", self.path)
+                self._layers = None
+                return True
+            self._layers = None
+        if self._problem is not None:
+            _LOGGER.warning("Int8 LM cache %s not used (%s); rebuilding it", self.path,
+                            self._problem)
+        if self.path is None or self._key is None:
+            quantize_lm_int8(llm)
+            return False
+        parts: dict[str, dict[str, torch.Tensor]] = {}
+        quantize_lm_int8(llm, keep=parts)
+        try:
+            changed = source_key(self._source) != self._key
+        except OSError:
+            changed = True
+        if changed:
+            _LOGGER.warning("%s changed while loading; int8 cache not written", self._source)
+        elif list(parts) == names:
+            write_cache(self.path, self._key, parts)
+        return False
 
 
 def next_token_kl(reference: torch.Tensor, candidate: torch.Tensor) -> torch.Tensor:

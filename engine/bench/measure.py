@@ -7,7 +7,8 @@ would see it (with whatever the page cache holds).
 
 What a run measures:
 
-* ``load_s``: ``CosyVoiceEngine.load`` of the model directory.
+* ``load_s``: ``CosyVoiceEngine.load`` of the model directory (with ``--lm-int8``,
+  ``lm_int8_cache_hit`` says whether the int8 weights came from the engine's cache).
 * streaming request: ``first_audio_ms`` (request → first audio chunk) and ``stall_ms`` (playing
   from the first chunk in real time, the total time playback waits for the next chunk).
 * non-streaming request: ``total_ms`` and ``rtf``; the stages then run one after the other, so
@@ -165,6 +166,8 @@ def run(config: RunConfig) -> dict[str, Any]:
     result: dict[str, Any] = {"load_s": time.perf_counter() - start,
                               "threads": torch.get_num_threads(),
                               "lm_weights": "int8" if config.lm_int8 else "fp32"}
+    if config.lm_int8:  # a miss quantises (seconds); a hit reads the engine's int8 cache
+        result["lm_int8_cache_hit"] = bool(getattr(engine, "lm_int8_cache_hit", False))
     timer = StageTimer()
     timer.install(engine.models)
 
