@@ -47,11 +47,24 @@ class Engine(Protocol):
 EngineFactory = Callable[[Path, "int | None"], Engine]
 
 
-def load_cosyvoice(model_dir: Path, threads: int | None, lm_int8: bool = True) -> Engine:
+def load_cosyvoice(
+    model_dir: Path, threads: int | None, lm_int8: bool = True, int8_cache_dir: Path | None = None
+) -> Engine:
     """The real engine; imported here so torch loads on the engine thread, not at startup."""
     from engine.engine import CosyVoiceEngine
 
-    return CosyVoiceEngine.load(model_dir, threads=threads, lm_int8=lm_int8)
+    return CosyVoiceEngine.load(
+        model_dir, threads=threads, lm_int8=lm_int8, int8_cache_dir=int8_cache_dir
+    )
+
+
+def int8_cache_dir(config: ServerConfig) -> Path | None:
+    """``<download dir>/.cache/int8`` (persistent /data in the add-on) if that dir exists.
+
+    None (the user's cache dir) otherwise: a cache must not create a data dir of its own.
+    """
+    data = config.effective_download_dir
+    return data / ".cache" / "int8" if data.is_dir() else None
 
 
 # --- speaker names without torch ------------------------------------------------------------
@@ -268,7 +281,11 @@ async def create_server(
     from wyoming_cosyvoice.sentences import make_splitter
 
     if engine_factory is load_cosyvoice:
-        engine_factory = partial(load_cosyvoice, lm_int8=config.lm_weights == "int8")
+        engine_factory = partial(
+            load_cosyvoice,
+            lm_int8=config.lm_weights == "int8",
+            int8_cache_dir=int8_cache_dir(config),
+        )
     host = ModelHost(
         model_dir,
         engine_factory=engine_factory,
