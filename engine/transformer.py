@@ -217,6 +217,8 @@ class RelPosAttention(nn.Module):
         if t == 1:  # decode: (h, L, d_k) @ (h, d_k, B) streams the rows contiguously
             b = x.shape[0]
             raw = torch.bmm(rows, qv.view(b, self.h, self.d_k).permute(1, 2, 0))  # (h, L, B)
+            if b == 1 and mask is None:
+                return self._decode_one(q, raw.view(self.h, 1, length), kc, vc, length)
             raw = raw.permute(2, 0, 1).unsqueeze(2)  # (B, h, 1, L)
         else:  # negative relative positions are masked: zero columns keep the skew in range
             raw = F.pad(torch.matmul(qv, rows.transpose(1, 2)), (0, t - 1))  # (B, h, T, L+T-1)
@@ -226,6 +228,19 @@ class RelPosAttention(nn.Module):
         out = F.scaled_dot_product_attention(
             q + self.pos_bias_u.unsqueeze(1), kc[:, :, :length], vc[:, :, :length], attn_mask=bias)
         return self.linear_out(out.transpose(1, 2).flatten(2))
+
+    def _decode_one(self, q: Tensor, pos_scores: Tensor, kc: Tensor, vc: Tensor,
+                    length: int) -> Tensor:
+        """Attention of one query row (batch 1, no mask) in three plain kernels.
+
+        Same maths as the SDPA call (softmax((q+u)·K / sqrt(d_k) + bias) · V); for a single
+        query the fused SDPA kernel costs about 5x more in set-up than it computes.
+        """
+        qu = (q + self.pos_bias_u.unsqueeze(1)).view(self.h, 1, self.d_k)
+        scores = torch.baddbmm(pos_scores, qu, kc[0, :, :length].transpose(1, 2),
+                               alpha=1.0 / math.sqrt(self.d_k))  # (h, 1, L)
+        out = torch.bmm(scores.softmax(dim=-1), vc[0, :, :length])  # (h, 1, d_k)
+        return self.linear_out(out.view(1, 1, self.h * self.d_k))
 
 
 class _Layer(nn.Module):
