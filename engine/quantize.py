@@ -55,10 +55,44 @@ def release_pages(tensor: torch.Tensor) -> None:
         libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), _MADV_DONTNEED)
 
 
+_QKV = ("linear_q", "linear_k", "linear_v")
+FUSED_QKV = "linear_qkv"  # one int8 layer for the three projections of a decoder block
+
+
 def _int8_names(block: nn.Module) -> list[str]:
-    """The Linear layers of one decoder block that become int8 (``linear_pos`` stays float)."""
-    return [n for n, m in block.named_modules()
-            if isinstance(m, nn.Linear) and not n.endswith("linear_pos")]
+    """The int8 layers of one decoder block (``linear_pos`` stays float).
+
+    q, k and v become ONE int8 layer: per-output-channel quantisation makes stacking their rows
+    exact, and one call reads the same bytes with a third of the per-call cost (7.0 -> 4.4 ms
+    per token for the 14 blocks).
+    """
+    names = []
+    for n, m in block.named_modules():
+        if not isinstance(m, nn.Linear) or n.endswith("linear_pos"):
+            continue
+        parent, _, attr = n.rpartition(".")
+        if attr == _QKV[0]:
+            names.append(f"{parent}.{FUSED_QKV}" if parent else FUSED_QKV)
+        elif attr not in _QKV:
+            names.append(n)
+    return names
+
+
+def _float_sources(llm: nn.Module, name: str) -> list[nn.Linear]:
+    """The float Linear layers behind one int8 layer name (three for a fused q/k/v)."""
+    parent, _, attr = name.rpartition(".")
+    if attr != FUSED_QKV:
+        return [llm.get_submodule(name)]
+    owner = llm.get_submodule(parent)
+    return [getattr(owner, a) for a in _QKV]
+
+
+def _float_weight_bias(sources: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    if len(sources) == 1:
+        return sources[0].weight, sources[0].bias
+    biases = [s.bias for s in sources]
+    bias = None if any(b is None for b in biases) else torch.cat(biases)
+    return torch.cat([s.weight for s in sources]), bias
 
 
 def int8_layer_names(llm: nn.Module) -> list[str]:
@@ -86,19 +120,21 @@ def quantize_lm_int8(llm: nn.Module,
         # torch.ao.quantization is deprecated in favour of torchao, which we do not ship.
         warnings.simplefilter("ignore")
         for name in names:
-            layer = llm.get_submodule(name)
+            sources = _float_sources(llm, name)
+            weight, bias = _float_weight_bias(sources)
             observer = per_channel_dynamic_qconfig.weight()
-            observer(layer.weight)
-            qweight = _quantize_weight(layer.weight.float(), observer)
+            observer(weight)
+            qweight = _quantize_weight(weight.float(), observer)
             if keep is not None:
                 try:
-                    keep[name] = _plain_parts(qweight, layer.bias)
+                    keep[name] = _plain_parts(qweight, bias)
                 except ValueError as err:  # only the cache is lost, never the load
                     _LOGGER.warning("Int8 LM layers cannot be cached: %s", err)
                     keep.clear()
                     keep = None
-            _replace(llm, name, _pack(qweight, layer.bias))
-            _release_if_mapped(layer.weight, file_ranges)
+            _replace(llm, name, _pack(qweight, bias))
+            for source in sources:
+                _release_if_mapped(source.weight, file_ranges)
     _LOGGER.info("LM decoder quantised to int8 (%d Linear layers)", len(names))
     return llm
 
@@ -148,7 +184,7 @@ def _file_mapped_ranges() -> list[tuple[int, int]]:
 
 # --- the on-disk cache of the int8 layers -----------------------------------------------------
 
-CACHE_FORMAT = 1  # bump when the file layout or the quantisation recipe changes
+CACHE_FORMAT = 2  # bump when the file layout or the quantisation recipe changes
 _PARTS = ("weight", "scales", "zero_points", "bias")
 
 
@@ -275,18 +311,24 @@ def _mismatch(llm: nn.Module, names: list[str], layers: dict[str, CachedLayer]) 
     if list(layers) != names:
         return "its layers are not this model's"
     for name, (module, has_bias) in layers.items():
-        old = llm.get_submodule(name)
-        if (old.in_features, old.out_features) != (module.in_features, module.out_features) \
-                or (old.bias is not None) != has_bias:
+        sources = _float_sources(llm, name)
+        shape = (sources[0].in_features, sum(s.out_features for s in sources))
+        if any(s.in_features != shape[0] for s in sources) \
+                or shape != (module.in_features, module.out_features) \
+                or all(s.bias is not None for s in sources) != has_bias:
             return f"{name} has another shape"
     return None
 
 
 def _replace(llm: nn.Module, name: str, module: nn.Module) -> None:
+    """Install an int8 layer; a fused q/k/v replaces the block's three float projections."""
     parent, _, attr = name.rpartition(".")
-    old = llm.get_submodule(name)
-    module.train(old.training)
-    setattr(llm.get_submodule(parent) if parent else llm, attr, module)
+    owner = llm.get_submodule(parent) if parent else llm
+    module.train(owner.training)
+    setattr(owner, attr, module)
+    if attr == FUSED_QKV:
+        for source in _QKV:
+            delattr(owner, source)
 
 
 def _prime_quantized_warnings() -> None:

@@ -154,6 +154,8 @@ class RelPosAttention(nn.Module):
         self.pos_bias_v = nn.Parameter(torch.empty(heads, self.d_k))
         nn.init.xavier_uniform_(self.pos_bias_u)
         nn.init.xavier_uniform_(self.pos_bias_v)
+        # The int8 LM puts q, k and v in one layer here (engine.quantize) and drops the three.
+        self.linear_qkv: nn.Module | None = None
         # (weight key, (h, N, d_k) projections of relative positions N-1 … 0): see _pos_rows
         self._pos_cache: tuple[tuple, Tensor] | None = None
 
@@ -161,11 +163,17 @@ class RelPosAttention(nn.Module):
         b, t, _ = x.shape
         return x.view(b, t, self.h, self.d_k).transpose(1, 2)  # (B, h, T, d_k)
 
+    def _project_qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """q, k, v (B, h, T, d_k) from the three projections or the fused int8 one."""
+        if self.linear_qkv is not None:
+            return tuple(self._heads(p) for p in self.linear_qkv(x).chunk(3, dim=-1))
+        return (self._heads(self.linear_q(x)), self._heads(self.linear_k(x)),
+                self._heads(self.linear_v(x)))
+
     def forward(self, x: Tensor, mask: Tensor | None) -> Tensor:
         """Full pass. x (B, T, d); mask bool broadcastable to (B, 1, T, T), True = attend."""
         t = x.shape[1]
-        q, k, v = self._heads(self.linear_q(x)), self._heads(self.linear_k(x)), self._heads(
-            self.linear_v(x))
+        q, k, v = self._project_qkv(x)
         pe = rel_pos_table(x.shape[-1], t).to(dtype=x.dtype, device=x.device)
         p = self.linear_pos(pe).view(2 * t - 1, self.h, self.d_k).permute(1, 2, 0)  # (h,d_k,2T-1)
         raw = torch.matmul(q + self.pos_bias_v.unsqueeze(1), p)  # (B, h, T, 2T-1)
@@ -207,8 +215,7 @@ class RelPosAttention(nn.Module):
         """x (B, T, d) at positions start…start+T-1; appends its K/V to the cache."""
         t = x.shape[1]
         length = start + t
-        q, k, v = self._heads(self.linear_q(x)), self._heads(self.linear_k(x)), self._heads(
-            self.linear_v(x))
+        q, k, v = self._project_qkv(x)
         kc, vc = cache.kv[layer, 0], cache.kv[layer, 1]  # (B, h, max_len, d_k)
         kc[:, :, start:length] = k
         vc[:, :, start:length] = v

@@ -55,7 +55,9 @@ def test_only_the_decoder_is_quantised(models) -> None:
     _, int8 = models
     assert isinstance(int8.llm_decoder, Int8Linear)
     for layer in int8.llm.encoders:
-        assert isinstance(layer.self_attn.linear_q, Int8Linear)
+        # q, k and v are one int8 layer; the three float projections are gone.
+        assert isinstance(layer.self_attn.linear_qkv, Int8Linear)
+        assert not hasattr(layer.self_attn, "linear_q")
         assert isinstance(layer.feed_forward.w_1, Int8Linear)
         assert type(layer.self_attn.linear_pos) is torch.nn.Linear  # folded into a float table
     assert type(int8.text_encoder_affine_layer) is torch.nn.Linear
