@@ -266,6 +266,17 @@ class RunningServer:
         self.host.shutdown()
 
 
+def configured_factory(config: ServerConfig, engine_factory: EngineFactory) -> EngineFactory:
+    """The real loader with the config's LM weight format and int8 cache; test fakes as given."""
+    if engine_factory is not load_cosyvoice:
+        return engine_factory
+    return partial(
+        load_cosyvoice,
+        lm_int8=config.lm_weights == "int8",
+        int8_cache_dir=int8_cache_dir(config),
+    )
+
+
 async def create_server(
     config: ServerConfig,
     model_dir: Path,
@@ -280,15 +291,9 @@ async def create_server(
     from wyoming_cosyvoice.handler import ConnectionContext, EventHandler
     from wyoming_cosyvoice.sentences import make_splitter
 
-    if engine_factory is load_cosyvoice:
-        engine_factory = partial(
-            load_cosyvoice,
-            lm_int8=config.lm_weights == "int8",
-            int8_cache_dir=int8_cache_dir(config),
-        )
     host = ModelHost(
         model_dir,
-        engine_factory=engine_factory,
+        engine_factory=configured_factory(config, engine_factory),
         threads=config.threads,
         warmup=config.warmup,
         speakers_hint=peek_speakers(model_dir),

@@ -19,7 +19,14 @@ import uvicorn
 
 from wyoming_cosyvoice.config import ServerConfig
 from wyoming_cosyvoice.sentences import Splitter, make_splitter
-from wyoming_cosyvoice.server import Engine, EngineFactory, ModelHost, load_cosyvoice, peek_speakers
+from wyoming_cosyvoice.server import (
+    Engine,
+    EngineFactory,
+    ModelHost,
+    configured_factory,
+    load_cosyvoice,
+    peek_speakers,
+)
 
 _LOGGER = logging.getLogger(__name__)
 _GRACE_S = 3.0  # how long open streams may finish when the server stops
@@ -109,7 +116,7 @@ async def start_model_only(
     """Start loading the model in the background, as ``create_server`` does, without listening."""
     host = ModelHost(
         model_dir,
-        engine_factory=engine_factory,
+        engine_factory=configured_factory(config, engine_factory),
         threads=config.threads,
         warmup=config.warmup,
         speakers_hint=peek_speakers(model_dir),
