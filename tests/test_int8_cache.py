@@ -58,7 +58,7 @@ def reference(single_torch_thread: None) -> torch.Tensor:
     llm = engine.models.llm
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        for parent in [*llm.llm.encoders, llm]:
+        for parent in [*llm.text_encoder.encoders, *llm.llm.encoders, llm]:
             names = ["llm_decoder"] if parent is llm else [
                 n for n, m in parent.named_modules()
                 if isinstance(m, torch.nn.Linear) and not n.endswith("linear_pos")]

@@ -49,7 +49,7 @@ def test_int8_lm_stays_close(models, case: str) -> None:
     assert kl.max() > 0  # the int8 path really ran
 
 
-def test_only_the_decoder_is_quantised(models) -> None:
+def test_the_decoder_and_text_encoder_blocks_are_quantised(models) -> None:
     from torch.ao.nn.quantized.dynamic import Linear as Int8Linear
 
     _, int8 = models
@@ -60,5 +60,9 @@ def test_only_the_decoder_is_quantised(models) -> None:
         assert not hasattr(layer.self_attn, "linear_q")
         assert isinstance(layer.feed_forward.w_1, Int8Linear)
         assert type(layer.self_attn.linear_pos) is torch.nn.Linear  # folded into a float table
+    # The text encoder's blocks too (memory), but not its input layer or the affine after it.
+    for layer in int8.text_encoder.encoders:
+        assert isinstance(layer.self_attn.linear_qkv, Int8Linear)
+        assert isinstance(layer.feed_forward.w_2, Int8Linear)
+    assert type(int8.text_encoder.embed.out[0]) is torch.nn.Linear
     assert type(int8.text_encoder_affine_layer) is torch.nn.Linear
-    assert not any(isinstance(m, Int8Linear) for m in int8.text_encoder.modules())

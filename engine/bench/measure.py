@@ -36,7 +36,7 @@ from engine.bench.timers import StageTimer
 from engine.constants import SAMPLE_RATE, SPEECH_VOCAB
 
 _LOGGER = logging.getLogger(__name__)
-FLOP_COUNT_TOKENS = 50  # 1 s of audio: enough frames that per-frame costs are representative
+FLOP_COUNT_TOKENS = 50  # fallback window when the request made no tokens to size it by
 SEED = 0
 
 
@@ -134,14 +134,18 @@ def _whole_request(engine: Any, text: str, options: Any) -> dict[str, float]:
     return {"total_ms": total * 1000, "audio_s": audio_s, "rtf": total / audio_s}
 
 
-def _stage_flops(engine: Any, timer: StageTimer, n_timesteps: int,
-                 cfg_rate: float) -> dict[str, float]:
-    """FLOPs of flow and HiFT per audio second, counted on one 1-second vocoder chunk."""
+def _stage_flops(engine: Any, timer: StageTimer, n_timesteps: int, cfg_rate: float,
+                 n_tokens: int) -> dict[str, float]:
+    """FLOPs of flow and HiFT per audio second, counted on one vocoder call of ``n_tokens``.
+
+    The same window as each flow call of the timed non-streaming request: the estimator's
+    attention grows with the square of the window, so a shorter one would understate the work.
+    """
     from engine.streaming import ChunkVocoder, FlowPrompt, GeneratorNoise
 
     models = engine.models
     embedding = models.speakers[engine.speakers[0]].reshape(1, -1)
-    tokens = torch.randint(0, SPEECH_VOCAB, (1, FLOP_COUNT_TOKENS),
+    tokens = torch.randint(0, SPEECH_VOCAB, (1, n_tokens or FLOP_COUNT_TOKENS),
                            generator=torch.Generator().manual_seed(SEED))
 
     def run_chunk(steps: int) -> None:
@@ -193,6 +197,8 @@ def run(config: RunConfig) -> dict[str, Any]:
         # samples EOS earlier produces fewer tokens (then "tokens" says how many).
         _LOGGER.warning("asked for %d speech tokens per sentence, the LM produced %d (EOS)",
                         config.tokens, result["tokens"])
+    # Tokens per flow call of the whole request (one call per text segment): the FLOP window.
+    flow_window = result["tokens"] // max(1, len(timer.of("flow")))
     result["flow_ms_per_audio_s"] = timer.ms_per_audio_s("flow")
     result["hift_ms_per_audio_s"] = timer.ms_per_audio_s("hift")
     # Before the FLOP count: the peak of a serving process, not of the counting pass.
@@ -200,7 +206,8 @@ def run(config: RunConfig) -> dict[str, Any]:
 
     result["lm_weight_bytes_per_token"] = lm_weight_bytes_per_token(engine.models.llm)
     if config.count_flops:
-        result.update(_stage_flops(engine, timer, profile.n_timesteps, profile.cfg_rate))
+        result.update(_stage_flops(engine, timer, profile.n_timesteps, profile.cfg_rate,
+                                   flow_window))
         result.update(_deviations(engine, config, profile.n_timesteps, profile.cfg_rate))
     return result
 
