@@ -30,7 +30,7 @@ DATA_DIR = Path("/data")
 SHARE_DIR = Path("/share/cosyvoice")
 
 MODELS = ("CosyVoice-300M-SFT", "CosyVoice-300M", "CosyVoice-300M-Instruct")
-PROFILES = ("realtime", "fast", "quality", "batch")
+PROFILES = ("realtime", "fast", "fastest", "quality", "batch")
 
 # Must equal `options:` in addon/config.yaml (a test checks it). Used when a key is missing from
 # options.json, e.g. an add-on updated from an older version that did not have the option yet.

@@ -70,6 +70,14 @@ DEFAULTS: dict[str, Any] = {
             "cfg_rate": 0.7,
             "start_policy": "eager",
         },
+        "fastest": {
+            "streaming": True,
+            "stream_audio": True,
+            "schedule": {"first_hop": 21, "growth": 2.0, "max_hop": 100, "overlap": 20},
+            "n_timesteps": 4,
+            "cfg_rate": 0.0,
+            "start_policy": "eager",
+        },
         "quality": {
             "streaming": True,
             "stream_audio": True,
