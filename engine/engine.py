@@ -1,8 +1,8 @@
 """CosyVoiceEngine: text in, audio chunks out — the engine's one public entry point.
 
 The engine is a plain synchronous generator API (no asyncio, no wyoming). Callers drive
-``synthesize()`` from any thread; the LM runs in a helper thread per segment so it overlaps with
-the flow and vocoder.
+``synthesize()`` from any thread; once a streamed segment's first chunk is out, the LM goes on
+in a helper thread so it overlaps with the flow and vocoder (engine.tokens).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import torch
 from engine.constants import SAMPLE_RATE
 from engine.start_policy import GAPLESS, estimate_speech_seconds, hold_until_gapless
 from engine.streaming import ChunkVocoder, FlowPrompt, GeneratorNoise, stream_audio, whole_audio
-from engine.tokens import ThreadedTokens
+from engine.tokens import LmTokens
 from engine.types import (
     AudioChunk,
     SynthesisCancelled,
@@ -195,11 +195,10 @@ class CosyVoiceEngine:
                 generator=lm_generator, max_tokens=options.force_tokens,
             )
 
-        # Streaming: the LM pauses once the first chunk's tokens exist, so the first audio
-        # gets both cores; it resumes as soon as that chunk is out.
+        # The first chunk's tokens (all tokens when not streaming) come from this thread; an LM
+        # thread takes over once that chunk is out (engine.tokens says why).
         first_chunk = options.schedule.first_hop + options.schedule.overlap
-        tokens = ThreadedTokens(make_tokens, cancel,
-                                pause_after=first_chunk if options.stream else None)
+        tokens = LmTokens(make_tokens, cancel, inline=first_chunk if options.stream else None)
 
         def waves() -> Iterator[torch.Tensor]:
             if options.stream:
@@ -215,7 +214,6 @@ class CosyVoiceEngine:
                     wave = next(chunks, None)
                 if wave is None:
                     break
-                tokens.resume()
                 if cancel is not None and cancel.is_set():
                     raise SynthesisCancelled("synthesis cancelled")
                 yield AudioChunk(wave.reshape(-1).float().numpy().copy())

@@ -1,8 +1,17 @@
-"""Run the LM's token generator in its own thread so flow + HiFT can work on earlier tokens.
+"""Speech tokens from the LM: the first ones in the consumer's thread, the rest in a thread.
 
-The LM is memory-bandwidth bound and the flow/HiFT are compute bound, so on two cores the two
-stages overlap well: while the vocoder turns chunk *k* into audio, the LM is already sampling the
-tokens of chunk *k + 1*.
+The LM is memory-bandwidth bound and the flow/HiFT are compute bound, so once audio is flowing
+a background LM thread pays: while the vocoder turns chunk *k* into audio, the LM is already
+sampling the tokens of chunk *k + 1*.
+
+Until then it does not. The first chunk's tokens are all needed before anything can be
+vocoded, and a non-streaming request needs every token first. A second thread there only
+costs: each thread drives its own OpenMP team, and with more OpenMP threads than cores libgomp
+cuts its spin-wait short, so every parallel op wakes a sleeping worker (on the 2-core reference
+machine an int8 LM step took 26–28 ms with one team and 33–40 ms with two). So the first
+``inline`` tokens are generated in the consumer's thread, and the background thread takes the
+same generator over only when the consumer asks for the next token, i.e. after the first chunk
+has been vocoded.
 """
 
 from __future__ import annotations
@@ -37,61 +46,71 @@ class _Failure:
         self.error = error
 
 
-class ThreadedTokens:
-    """Iterate over tokens produced by ``make_tokens()`` in a background thread."""
+class LmTokens:
+    """Iterate over the tokens of ``make_tokens()``.
+
+    ``inline``: how many tokens to generate in the consumer's thread before a background thread
+    takes over; ``None`` generates all of them inline (no thread at all).
+    """
 
     def __init__(self, make_tokens: Callable[[], Iterator[int]],
-                 cancel: threading.Event | None = None, *,
-                 pause_after: int | None = None) -> None:
-        """``pause_after``: stop after that many tokens until :meth:`resume` is called."""
+                 cancel: threading.Event | None = None, *, inline: int | None) -> None:
         self._make_tokens = make_tokens
         self._cancel = cancel or threading.Event()
+        self._inline = inline
         self._stop = threading.Event()
-        self._pause_after = pause_after
-        self._resumed = threading.Event()
+        self._source: Iterator[int] | None = None
         self._queue: queue.SimpleQueue[object] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._produce, name="cosyvoice-lm", daemon=True)
-        self._thread.start()
-
-    def _produce(self) -> None:
-        _lower_priority()
-        try:
-            with torch.inference_mode():
-                for count, token in enumerate(self._make_tokens(), start=1):
-                    if self._stop.is_set() or self._cancel.is_set():
-                        break
-                    self._queue.put(token)
-                    if count == self._pause_after:
-                        self._wait_for_resume()
-        except BaseException as err:  # handed to the consumer, which re-raises it
-            self._queue.put(_Failure(err))
-        finally:
-            self._queue.put(_END)
+        self._thread: threading.Thread | None = None
 
     def __iter__(self) -> Iterator[int]:
+        self._source = source = self._make_tokens()
+        count = 0
+        while self._inline is None or count < self._inline:
+            token = next(source, None)
+            if token is None:
+                return
+            self._check_cancel()
+            count += 1
+            yield token
+        # The consumer wants more: the first chunk is out, so overlapping now pays.
+        self._thread = threading.Thread(target=self._produce, args=(source,),
+                                        name="cosyvoice-lm", daemon=True)
+        self._thread.start()
         while True:
             item = self._queue.get()
-            if self._cancel.is_set():
-                raise SynthesisCancelled("synthesis cancelled")
+            self._check_cancel()
             if item is _END:
                 return
             if isinstance(item, _Failure):
                 raise item.error
             yield item  # type: ignore[misc]
 
-    def _wait_for_resume(self) -> None:
-        while not self._resumed.wait(0.05):
-            if self._stop.is_set() or self._cancel.is_set():
-                return
+    def _check_cancel(self) -> None:
+        if self._cancel.is_set():
+            raise SynthesisCancelled("synthesis cancelled")
 
-    def resume(self) -> None:
-        """Let a paused producer go on (no-op otherwise)."""
-        self._resumed.set()
+    def _produce(self, source: Iterator[int]) -> None:
+        _lower_priority()
+        try:
+            with torch.inference_mode():
+                for token in source:
+                    if self._stop.is_set() or self._cancel.is_set():
+                        break
+                    self._queue.put(token)
+        except BaseException as err:  # handed to the consumer, which re-raises it
+            self._queue.put(_Failure(err))
+        finally:
+            self._queue.put(_END)
 
     def close(self) -> None:
-        """Stop the producer (at its next token) and wait for it."""
+        """Stop the LM (at its next token), wait for its thread and free its generator."""
         self._stop.set()
-        self._resumed.set()
-        self._thread.join(timeout=30)
-        if self._thread.is_alive():
-            _LOGGER.warning("LM thread did not stop within 30 s")
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+            if self._thread.is_alive():
+                _LOGGER.warning("LM thread did not stop within 30 s")
+                return  # the thread still owns the generator: closing it here would race
+        close = getattr(self._source, "close", None)
+        if close is not None:
+            close()
