@@ -266,14 +266,25 @@ class RunningServer:
         self.host.shutdown()
 
 
-def configured_factory(config: ServerConfig, engine_factory: EngineFactory) -> EngineFactory:
-    """The real loader with the config's LM weight format and int8 cache; test fakes as given."""
-    if engine_factory is not load_cosyvoice:
-        return engine_factory
-    return partial(
-        load_cosyvoice,
-        lm_int8=config.lm_weights == "int8",
-        int8_cache_dir=int8_cache_dir(config),
+def host_for_config(
+    config: ServerConfig, model_dir: Path, engine_factory: EngineFactory = load_cosyvoice
+) -> ModelHost:
+    """The model host both front ends use: the config's threads, warm-up, LM weights, int8 cache.
+
+    ``engine_factory`` other than the real loader (a test fake) is used as given.
+    """
+    if engine_factory is load_cosyvoice:
+        engine_factory = partial(
+            load_cosyvoice,
+            lm_int8=config.lm_weights == "int8",
+            int8_cache_dir=int8_cache_dir(config),
+        )
+    return ModelHost(
+        model_dir,
+        engine_factory=engine_factory,
+        threads=config.threads,
+        warmup=config.warmup,
+        speakers_hint=peek_speakers(model_dir),
     )
 
 
@@ -291,13 +302,7 @@ async def create_server(
     from wyoming_cosyvoice.handler import ConnectionContext, EventHandler
     from wyoming_cosyvoice.sentences import make_splitter
 
-    host = ModelHost(
-        model_dir,
-        engine_factory=configured_factory(config, engine_factory),
-        threads=config.threads,
-        warmup=config.warmup,
-        speakers_hint=peek_speakers(model_dir),
-    )
+    host = host_for_config(config, model_dir, engine_factory)
     context = ConnectionContext(config, host, splitter_factory or make_splitter)
     handlers: set[asyncio.Task[None]] = set()
 

@@ -23,9 +23,8 @@ from wyoming_cosyvoice.server import (
     Engine,
     EngineFactory,
     ModelHost,
-    configured_factory,
+    host_for_config,
     load_cosyvoice,
-    peek_speakers,
 )
 
 _LOGGER = logging.getLogger(__name__)
@@ -114,12 +113,6 @@ async def start_model_only(
     config: ServerConfig, model_dir: Path, *, engine_factory: EngineFactory = load_cosyvoice
 ) -> ModelOnly:
     """Start loading the model in the background, as ``create_server`` does, without listening."""
-    host = ModelHost(
-        model_dir,
-        engine_factory=configured_factory(config, engine_factory),
-        threads=config.threads,
-        warmup=config.warmup,
-        speakers_hint=peek_speakers(model_dir),
-    )
+    host = host_for_config(config, model_dir, engine_factory)
     load_task = asyncio.create_task(host.load(), name="load model")
     return ModelOnly(host, config, load_task)
