@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import signal
 import socket
 import subprocess
 import threading
@@ -244,6 +245,17 @@ def wy() -> SimpleNamespace:
         ROOT=ROOT,
         TINY_MODEL=TINY_MODEL,
     )
+
+
+def terminate(process: subprocess.Popen, timeout: float = 30) -> str:
+    """SIGTERM a server subprocess (killed after ``timeout`` s); its piped stderr, else ''."""
+    process.send_signal(signal.SIGTERM)
+    try:
+        _, err = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        _, err = process.communicate()
+    return err or ""
 
 
 def wait_for_port(port: int, process: subprocess.Popen, timeout: float = 60) -> None:

@@ -17,7 +17,6 @@ import asyncio
 import os
 import pickle
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -27,6 +26,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from conftest import terminate
 from wyoming.event import Event
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -234,12 +234,7 @@ def test_real_server_binds_only_the_uri_and_writes_only_its_int8_cache(
         streamed = asyncio.run(wy.stream(port, "Streamed text. Two sentences."))
         info_types = asyncio.run(_describe(wy, port))
     finally:
-        process.send_signal(signal.SIGTERM)
-        try:
-            _, log = process.communicate(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            _, log = process.communicate()
+        log = terminate(process)
     assert process.returncode == 0, log[-2000:]
     assert addresses == {("127.0.0.1", port)}, addresses
     assert reply.types[-1] == "audio-stop" and reply.samples > 0

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -15,7 +14,7 @@ pytest.importorskip("engine.engine", reason="the engine has not landed")
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("starlette", reason="the http extra is not installed")
 
-from conftest import free_port  # noqa: E402
+from conftest import free_port, terminate  # noqa: E402
 from test_http import parse_wav  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -45,12 +44,7 @@ def wait_healthy(url: str, process: subprocess.Popen[str], timeout: float = 90) 
 
 
 def stop(process: subprocess.Popen[str]) -> str:
-    process.send_signal(signal.SIGTERM)
-    try:
-        _, log = process.communicate(timeout=30)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        _, log = process.communicate()
+    log = terminate(process)
     assert process.returncode == 0, log[-3000:]
     return log
 

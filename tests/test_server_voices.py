@@ -19,7 +19,6 @@ import asyncio
 import os
 import re
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -32,6 +31,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from conftest import terminate
 from wyoming.info import Describe, Info
 
 from wyoming_cosyvoice.custom_voices import folder_fingerprint, split_instruction
@@ -102,12 +102,7 @@ class Server:
         return self.log_path.read_text()
 
     def stop(self) -> str:
-        self.process.send_signal(signal.SIGTERM)
-        try:
-            self.process.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
+        terminate(self.process, timeout=20)
         self._log.close()
         log = self.log
         assert self.process.returncode == 0, log[-3000:]

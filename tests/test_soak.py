@@ -20,7 +20,6 @@ import json
 import logging
 import os
 import random
-import signal
 import socket
 import statistics
 import subprocess
@@ -32,6 +31,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from conftest import terminate
 from wyoming.event import Event
 
 pytestmark = pytest.mark.soak
@@ -191,12 +191,7 @@ def test_soak(wy: SimpleNamespace, tmp_path: Path) -> None:
         soak_s = time.monotonic() - soak_start
         final = settle(process.pid, baseline)
     finally:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        terminate(process)
     log = log_path.read_text()
     error_lines = [ln for ln in log.splitlines() if " ERROR " in ln or " CRITICAL " in ln]
     rss_growth = (final["rss_kb"] - baseline["rss_kb"]) / baseline["rss_kb"]
