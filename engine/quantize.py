@@ -364,11 +364,11 @@ class Int8LmLoader:
     """Int8 LM decoder layers through an on-disk cache.
 
     Create it before loading the float32 model: a present cache is then validated and packed in
-    a background thread (packing costs ~7 ns per weight per core, one worker per core, and releases
-    the GIL) while the rest
-    loads. :meth:`apply` swaps the cached layers in, or, when there is no usable cache,
-    quantises afresh with :func:`quantize_lm_int8` and writes the cache. A cache that cannot be
-    used is logged as a warning and rebuilt; one that cannot be written is skipped.
+    the background (packing costs ~7 ns per weight, releases the GIL and runs one worker per
+    core) while the rest loads. :meth:`apply` swaps the cached layers in, or, when there is no
+    usable cache, quantises afresh with :func:`quantize_lm_int8` and writes the cache. A cache
+    that cannot be used is logged as a warning and rebuilt; one that cannot be written is
+    skipped.
     """
 
     def __init__(self, source: Path, cache_dir: Path | None) -> None:
