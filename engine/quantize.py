@@ -18,11 +18,9 @@ the float32 weights of those layers are never read.
 
 from __future__ import annotations
 
-import ctypes
 import hashlib
 import logging
 import os
-import sys
 import threading
 import warnings
 import zlib
@@ -33,29 +31,9 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from engine.pages import file_mapped_ranges, release_if_mapped
+
 _LOGGER = logging.getLogger(__name__)
-
-
-_MADV_DONTNEED = 4
-
-
-def release_pages(tensor: torch.Tensor) -> None:
-    """Drop the resident pages of a memory-mapped, never-written tensor from this process.
-
-    The checkpoint stays mapped as long as any of its tensors lives, so float32 weights that
-    were replaced by int8 copies would otherwise keep counting towards the RSS. The pages stay
-    in the page cache and fault back in from the file if touched again. Only whole pages inside
-    the tensor are released; a no-op off Linux.
-    """
-    if not sys.platform.startswith("linux") or tensor.numel() == 0:
-        return
-    page = os.sysconf("SC_PAGE_SIZE")
-    start = tensor.data_ptr()
-    end = start + tensor.numel() * tensor.element_size()
-    first, last = -(-start // page) * page, end // page * page
-    if last > first:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), _MADV_DONTNEED)
 
 
 _QKV = ("linear_q", "linear_k", "linear_v")
@@ -118,7 +96,7 @@ def quantize_lm_int8(llm: nn.Module,
     from torch.ao.nn.quantized.modules.utils import _quantize_weight
     from torch.ao.quantization import per_channel_dynamic_qconfig
 
-    file_ranges = _file_mapped_ranges()
+    file_ranges = file_mapped_ranges()
     names = int8_layer_names(llm)
     with warnings.catch_warnings():
         # torch.ao.quantization is deprecated in favour of torchao, which we do not ship.
@@ -138,7 +116,7 @@ def quantize_lm_int8(llm: nn.Module,
                     keep = None
             _replace(llm, name, _pack(qweight, bias))
             for source in sources:
-                _release_if_mapped(source.weight, file_ranges)
+                release_if_mapped(source.weight, file_ranges)
     _LOGGER.info("LM decoder quantised to int8 (%d Linear layers)", len(names))
     return llm
 
@@ -163,27 +141,6 @@ def _plain_parts(qweight: torch.Tensor, bias: torch.Tensor | None) -> dict[str, 
     if bias is not None:
         parts["bias"] = bias.detach().clone()  # a view would save its whole (mapped) storage
     return parts
-
-
-def _release_if_mapped(tensor: torch.Tensor, file_ranges: list[tuple[int, int]]) -> None:
-    # Only pages of a mapped file: released anonymous memory would read back as zeros.
-    if any(lo <= tensor.data_ptr() < hi for lo, hi in file_ranges):
-        release_pages(tensor)
-
-
-def _file_mapped_ranges() -> list[tuple[int, int]]:
-    """Address ranges of this process that map a file (from /proc/self/maps; [] elsewhere)."""
-    ranges = []
-    try:
-        with open("/proc/self/maps", encoding="ascii", errors="replace") as maps:
-            for line in maps:
-                fields = line.split(maxsplit=5)
-                if len(fields) == 6 and fields[5].startswith("/"):
-                    lo, hi = fields[0].split("-")
-                    ranges.append((int(lo, 16), int(hi, 16)))
-    except OSError:
-        return []
-    return ranges
 
 
 # --- the on-disk cache of the int8 layers -----------------------------------------------------
@@ -295,7 +252,7 @@ def read_cache(path: Path, key: dict[str, object],
     names, crcs = meta.get("layers"), meta.get("crc32")
     if not isinstance(names, list) or not isinstance(crcs, dict) or set(crcs) != set(tensors):
         raise CacheError("corrupt index")
-    file_ranges = _file_mapped_ranges()
+    file_ranges = file_mapped_ranges()
 
     def build(name: str) -> CachedLayer:
         if cancel is not None and cancel.is_set():
@@ -306,7 +263,7 @@ def read_cache(path: Path, key: dict[str, object],
                 raise CacheError(f"corrupt data in {name}.{part}")
         _check_parts(name, parts)
         layer = CachedLayer(_build_layer(parts), "bias" in parts)
-        _release_if_mapped(parts["weight"], file_ranges)
+        release_if_mapped(parts["weight"], file_ranges)
         return layer
 
     # Packing releases the GIL and is the bulk of a cached start (~1.7 s single-threaded for

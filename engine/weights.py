@@ -166,6 +166,17 @@ class LoadedModels:
     speakers: dict[str, torch.Tensor]
 
 
+def _release_replaced(raw: Mapping[str, torch.Tensor], kept: Mapping[str, torch.Tensor]) -> None:
+    """Give back the mapped pages of the tensors of ``raw`` that ``kept`` no longer uses."""
+    from engine.pages import file_mapped_ranges, release_if_mapped
+
+    used = {id(t) for t in kept.values()}
+    ranges = file_mapped_ranges()
+    for tensor in raw.values():
+        if id(tensor) not in used:
+            release_if_mapped(tensor, ranges)
+
+
 def load_model_dir(model_dir: Path) -> LoadedModels:
     """Build the LM, flow and HiFT from ``cosyvoice.yaml`` and load the official checkpoints."""
     # Imported here so this module can be read (e.g. for file checks) without the model code.
@@ -190,10 +201,12 @@ def load_model_dir(model_dir: Path) -> LoadedModels:
 
     llm_sd = read_state_dict(model_dir / "llm.pt")
     flow_sd = read_state_dict(model_dir / "flow.pt")
+    hift_raw = read_state_dict(model_dir / "hift.pt")
     try:
-        hift_sd = normalize_hift_state_dict(read_state_dict(model_dir / "hift.pt"))
+        hift_sd = normalize_hift_state_dict(hift_raw)
     except ValueError as err:
         raise ModelLoadError(f"{model_dir / 'hift.pt'}: {err}") from err
+    _release_replaced(hift_raw, hift_sd)  # the weight-norm pairs, folded into new tensors
 
     with torch.device("meta"), _without_init():
         llm = TransformerLM(args.llm)
