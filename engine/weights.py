@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from engine.hparams import ModelArgs, ModelConfigError, load_model_args
+from engine.pages import file_mapped_ranges, release_if_mapped
 from engine.types import ModelLoadError
 
 _LOGGER = logging.getLogger(__name__)
@@ -168,8 +169,6 @@ class LoadedModels:
 
 def _release_replaced(raw: Mapping[str, torch.Tensor], kept: Mapping[str, torch.Tensor]) -> None:
     """Give back the mapped pages of the tensors of ``raw`` that ``kept`` no longer uses."""
-    from engine.pages import file_mapped_ranges, release_if_mapped
-
     used = {id(t) for t in kept.values()}
     ranges = file_mapped_ranges()
     for tensor in raw.values():
