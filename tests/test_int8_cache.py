@@ -20,6 +20,7 @@ import torch
 
 from engine.engine import CosyVoiceEngine
 from engine.quantize import cache_path, default_int8_cache_dir
+from engine.types import ModelLoadError
 
 TINY = Path(__file__).parent / "data" / "tiny_model"
 FORCED = [3, 7, 9, 11, 5]
@@ -120,6 +121,22 @@ def test_a_hit_never_uses_the_float_weights_of_the_int8_layers(
     engine = load(model, cached[0])
     assert engine.lm_int8_cache_hit is True
     assert torch.equal(logits(engine), reference)
+
+
+def test_loads_restore_the_torch_thread_count(cached: tuple[Path, Path], model: Path,
+                                              tmp_path: Path) -> None:
+    # The load runs on one torch thread while the int8 layers are packed; a server left on one
+    # thread afterwards would vocode at half speed. Also when the load fails.
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert load(model, cached[0]).lm_int8_cache_hit is True
+        assert torch.get_num_threads() == 2
+        with pytest.raises(ModelLoadError):
+            load(tmp_path / "missing", cached[0])
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_a_stale_cache_is_rebuilt(
