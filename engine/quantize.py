@@ -30,6 +30,7 @@ from typing import NamedTuple
 
 import torch
 from torch import nn
+from torch.ao.nn.quantized.dynamic import Linear as DynamicLinear
 
 from engine.pages import file_mapped_ranges, release_if_mapped
 
@@ -121,10 +122,29 @@ def quantize_lm_int8(llm: nn.Module,
     return llm
 
 
+def _linear_dynamic_entry() -> object:
+    """The C++ entry point of ``quantized::linear_dynamic`` (the Python wrapper if none)."""
+    overload = torch.ops.quantized.linear_dynamic.default
+    return getattr(overload, "_op", overload)
+
+
+_LINEAR_DYNAMIC = _linear_dynamic_entry()
+
+
+class Int8Linear(DynamicLinear):
+    """torch's dynamic int8 Linear (same packing, same kernel), called without its wrappers.
+
+    The module's forward goes through the op packet's torchbind checks, keyword parsing and a
+    no-op ``.to``: ~30 us a call on top of the kernel, and a generated token makes 57 calls.
+    This forward makes the same kernel call (``reduce_range=True``, as torch's does).
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _LINEAR_DYNAMIC(x, self._packed_params._packed_params, True)
+
+
 def _pack(qweight: torch.Tensor, bias: torch.Tensor | None) -> nn.Module:
     """A dynamic int8 Linear around a per-channel qint8 weight, packed as ``from_float`` does."""
-    from torch.ao.nn.quantized.dynamic import Linear as Int8Linear
-
     # A 1x1 shell resized: the full-size constructor packs a zero weight first (~15 ms a layer).
     module = Int8Linear(1, 1, dtype=torch.qint8)
     module.in_features, module.out_features = qweight.shape[1], qweight.shape[0]
