@@ -43,17 +43,33 @@ def argmax_draw(probs: Tensor, generator: torch.Generator | None) -> int:
     return int(probs.argmax())
 
 
+def top_sorted(probs: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """The first ``k`` of ``probs.sort(descending=True, stable=True)`` (values, indices).
+
+    Found with ``topk(k + 1)`` instead of sorting the whole vocabulary (0.3 ms of a 17 ms token):
+    ties inside are put in index order as a stable sort would; a tie across the cut needs the
+    full order to know which tokens are in, so it falls back to the sort.
+    """
+    n = probs.numel()
+    if 0 < k < n:
+        values, indices = probs.topk(k + 1)
+        if values[k - 1] != values[k]:
+            order = torch.from_numpy(np.lexsort((indices.numpy(), -values.numpy()))[:k])
+            return values[order], indices[order]
+    values, indices = probs.sort(descending=True, stable=True)
+    return values[:k], indices[:k]
+
+
 def nucleus_candidates(logp: Tensor, top_p: float, top_k: int) -> tuple[Tensor, Tensor]:
     """(probs, indices) of the nucleus of ``logp`` (V,): unrenormalised, in sorted order."""
     probs = logp.float().softmax(dim=0)
-    sorted_probs, sorted_idx = probs.sort(descending=True, stable=True)
-    head = sorted_probs[:top_k]
+    head, head_idx = top_sorted(probs, top_k)
     # Mass kept *before* each token, summed sequentially in float32 like the reference loop
     # (torch.cumsum would accumulate in float64). Monotone, so a count gives the cut.
     values = head.numpy()
     before = np.concatenate(([np.float32(0.0)], np.cumsum(values[:-1], dtype=np.float32)))
     keep = max(1, int(np.count_nonzero(before < np.float32(top_p))))
-    return head[:keep], sorted_idx[:keep]
+    return head[:keep], head_idx[:keep]
 
 
 def nucleus_sampling(logp: Tensor, top_p: float, top_k: int, generator: torch.Generator | None,

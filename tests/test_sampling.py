@@ -16,6 +16,7 @@ from engine.sampling import (
     nucleus_sampling,
     ras_sampling,
     sample_next,
+    top_sorted,
 )
 
 DATA = Path(__file__).parent / "data"
@@ -59,6 +60,20 @@ def test_nucleus_rules():
     torch.testing.assert_close(probs, torch.tensor([0.5, 0.25, 0.15]))
     assert nucleus_candidates(logp, 0.8, 2)[1].tolist() == [0, 1]  # top_k bound
     assert nucleus_candidates(logp, 0.3, 25)[1].tolist() == [0]  # the first is always kept
+
+
+@pytest.mark.parametrize("values, k", [
+    (torch.rand(4097, generator=torch.Generator().manual_seed(3)), 25),  # no ties
+    (torch.tensor([0.1, 0.3, 0.3, 0.05, 0.3, 0.2, 0.3]), 3),  # ties inside the cut
+    (torch.tensor([0.1, 0.3, 0.2, 0.2, 0.05, 0.2, 0.4]), 3),  # a tie across the cut
+    (torch.tensor([0.2, 0.5, 0.2, 0.1]), 4),  # k = vocabulary
+    (torch.tensor([0.2, 0.5, 0.2]), 25),  # k > vocabulary
+])
+def test_top_sorted_is_the_head_of_a_stable_sort(values, k):
+    want_values, want_indices = values.sort(descending=True, stable=True)
+    got_values, got_indices = top_sorted(values, k)
+    assert got_indices.tolist() == want_indices[:k].tolist()
+    assert torch.equal(got_values, want_values[:k])
 
 
 def test_seeded_draws_stay_in_nucleus(fx):
