@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch import nn
 
+from engine.bench.__main__ import model_files, warm_page_cache
 from engine.bench.limits import lm_weight_bytes_per_token
 from engine.bench.measure import playback_stall_s
 from engine.bench.report import summarize
@@ -42,6 +43,22 @@ def test_playback_stall() -> None:
     assert playback_stall_s([0.0, 0.5, 3.0], [1.0, 1.0, 1.0]) == pytest.approx(1.0)
     assert playback_stall_s([2.0, 2.1, 2.2], [1.0, 1.0, 1.0]) == 0.0
     assert playback_stall_s([], []) == 0.0
+
+
+def test_the_page_cache_is_warmed_with_every_file_a_load_reads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "llm.pt").write_bytes(b"x" * 3000)
+    (model / "flow.pt").write_bytes(b"y" * 5)
+    (model / "sub").mkdir()  # not a file: not read
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    files = model_files(model, lm_int8=True)
+    assert files[:2] == [model / "flow.pt", model / "llm.pt"]
+    assert files[2].is_relative_to(tmp_path / "xdg")  # the int8 cache: absent until a load
+    assert warm_page_cache(files, block=1024) == 3005
+    assert model_files(model, lm_int8=False) == files[:2]
 
 
 def test_lm_weight_bytes_skip_positional_projection() -> None:
