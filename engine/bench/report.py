@@ -14,8 +14,8 @@ from collections.abc import Iterable
 from typing import Any, TextIO
 
 # Figures that are measured per repeat and summarised as median/min/max.
-MEASURED = ("load_s", "warmup_s", "peak_rss_mb", "first_audio_ms", "stall_ms",
-            "gapless_first_audio_ms", "gapless_stall_ms", "stream_total_ms",
+MEASURED = ("load_s", "warmup_s", "peak_rss_mb", "stream_peak_rss_mb", "first_audio_ms",
+            "stall_ms", "gapless_first_audio_ms", "gapless_stall_ms", "stream_total_ms",
             "total_ms", "rtf", "lm_prefill_ms", "lm_ms_per_token", "flow_ms_per_audio_s",
             "hift_ms_per_audio_s", "audio_s")
 # Per-run facts that do not vary between repeats (taken from the first run that has them).
@@ -87,6 +87,7 @@ _TABLE = (
     # (label, key, unit, bound key, ratio key, digits)
     ("load", "load_s", "s", None, None, 2),
     ("peak RSS", "peak_rss_mb", "MB", None, None, 0),
+    ("peak RSS, streaming only", "stream_peak_rss_mb", "MB", None, None, 0),
     ("first audio (stream)", "first_audio_ms", "ms", None, None, 0),
     ("playback stalls (stream)", "stall_ms", "ms", None, None, 0),
     ("first audio, gapless start", "gapless_first_audio_ms", "ms", None, None, 0),
