@@ -24,6 +24,7 @@ import os
 import threading
 import warnings
 import zlib
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import NamedTuple
@@ -122,7 +123,7 @@ def quantize_lm_int8(llm: nn.Module,
     return llm
 
 
-def _linear_dynamic_entry() -> object:
+def _linear_dynamic_entry() -> Callable[..., torch.Tensor]:
     """The C++ entry point of ``quantized::linear_dynamic`` (the Python wrapper if none)."""
     overload = torch.ops.quantized.linear_dynamic.default
     return getattr(overload, "_op", overload)
