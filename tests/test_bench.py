@@ -139,13 +139,18 @@ def test_summary_medians_bounds_and_ratios() -> None:
     assert result["rtf_bound"] == pytest.approx((36.0 * 50 + 2500.0 + 50 / 60 * 1000) / 1000)
 
 
-def test_benchmark_runs_on_the_tiny_model() -> None:
-    command = [sys.executable, "-m", "engine.bench", "--model-dir", str(TINY_MODEL),
-               "--tokens", "60", "--repeats", "1", "--json"]
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=280,
+def run_bench_json(*args: str, timeout: float) -> dict:
+    """``python -m engine.bench --model-dir <tiny> ARGS --json`` in a subprocess; its JSON."""
+    command = [sys.executable, "-m", "engine.bench", "--model-dir", str(TINY_MODEL), *args,
+               "--json"]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
                           check=False)
     assert done.returncode == 0, done.stderr[-3000:]
-    result = json.loads(done.stdout)
+    return json.loads(done.stdout)
+
+
+def test_benchmark_runs_on_the_tiny_model() -> None:
+    result = run_bench_json("--tokens", "60", "--repeats", "1", timeout=280)
     missing = [key for key in REQUIRED_FIELDS if result.get(key) is None]
     assert not missing, f"fields missing or null: {missing}"
     assert result["tokens"] == 60
@@ -156,12 +161,7 @@ def test_benchmark_runs_on_the_tiny_model() -> None:
 
 @pytest.mark.slow
 def test_concurrency_through_the_server() -> None:
-    command = [sys.executable, "-m", "engine.bench", "--model-dir", str(TINY_MODEL),
-               "--text", "Hello.", "--concurrency", "1,2", "--json"]
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600,
-                          check=False)
-    assert done.returncode == 0, done.stderr[-3000:]
-    result = json.loads(done.stdout)
+    result = run_bench_json("--text", "Hello.", "--concurrency", "1,2", timeout=600)
     assert [level["concurrency"] for level in result["levels"]] == [1, 2]
     for level in result["levels"]:
         assert len(level["requests"]) == level["concurrency"]
