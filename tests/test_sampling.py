@@ -64,7 +64,7 @@ def test_nucleus_rules():
 
 @pytest.mark.parametrize("values, k", [
     (torch.rand(4097, generator=torch.Generator().manual_seed(3)), 25),  # no ties
-    (torch.tensor([0.1, 0.3, 0.3, 0.05, 0.3, 0.2, 0.3]), 3),  # ties inside the cut
+    (torch.tensor([0.1, 0.3, 0.3, 0.05, 0.3, 0.2, 0.3]), 5),  # ties inside the cut
     (torch.tensor([0.1, 0.3, 0.2, 0.2, 0.05, 0.2, 0.4]), 3),  # a tie across the cut
     (torch.tensor([0.2, 0.5, 0.2, 0.1]), 4),  # k = vocabulary
     (torch.tensor([0.2, 0.5, 0.2]), 25),  # k > vocabulary
