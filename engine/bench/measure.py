@@ -3,7 +3,7 @@
 Run as ``python -m engine.bench.measure '<json config>'``; prints one JSON object as its last
 stdout line. A fresh process per repeat keeps ``peak_rss_mb`` honest (no earlier run, limit probe
 or model generation in the same address space) and measures ``load_s`` the way a server start
-would see it (with whatever the page cache holds).
+would see it, with a warm page cache (``engine.bench`` reads the model files just before).
 
 What a run measures:
 
