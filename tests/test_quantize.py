@@ -66,3 +66,28 @@ def test_the_decoder_and_text_encoder_blocks_are_quantised(models) -> None:
         assert isinstance(layer.feed_forward.w_2, Int8Linear)
     assert type(int8.text_encoder.embed.out[0]) is torch.nn.Linear
     assert type(int8.text_encoder_affine_layer) is torch.nn.Linear
+
+
+def test_cached_int8_weights_are_packed_from_a_view_not_a_copy() -> None:
+    """The cache's int8 bytes are wrapped as a per-channel qint8 tensor in place, and the packed
+    layer computes exactly what a layer packed from torch's (copying) constructor computes."""
+    import warnings
+
+    from engine.quantize import _per_channel_view
+
+    torch.manual_seed(0)
+    weight = torch.randint(-127, 128, (48, 32), dtype=torch.int8)
+    scales = torch.rand(48, dtype=torch.float64) * 0.01 + 1e-4
+    zero_points = torch.zeros(48, dtype=torch.int64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's deprecation notice for quantised tensors
+        view = _per_channel_view(weight, scales, zero_points)
+        copied = torch._make_per_channel_quantized_tensor(weight, scales, zero_points, 0)
+    assert view.data_ptr() == weight.data_ptr()
+    assert view.qscheme() == copied.qscheme() and view.q_per_channel_axis() == 0
+    assert torch.equal(view.int_repr(), copied.int_repr())
+    assert torch.equal(view.q_per_channel_scales(), copied.q_per_channel_scales())
+    x = torch.randn(3, 32)
+    packed = [torch.ops.quantized.linear_prepack(q, None) for q in (view, copied)]
+    outs = [torch.ops.quantized.linear_dynamic(x, p, True) for p in packed]
+    assert torch.equal(outs[0], outs[1])
