@@ -91,3 +91,29 @@ def test_cached_int8_weights_are_packed_from_a_view_not_a_copy() -> None:
     packed = [torch.ops.quantized.linear_prepack(q, None) for q in (view, copied)]
     outs = [torch.ops.quantized.linear_dynamic(x, p, True) for p in packed]
     assert torch.equal(outs[0], outs[1])
+
+
+@pytest.mark.parametrize("damage", ["missing-layer-data", "extra-data", "bad-dtype", "bad-entry"])
+def test_a_cache_index_that_does_not_fit_its_data_is_rejected(damage: str) -> None:
+    from engine.quantize import CacheError, FlatInt8Layers
+
+    flat = {"weight": torch.zeros(2 * 3 + 4 * 3, dtype=torch.int8),
+            "scales": torch.ones(6, dtype=torch.float64),
+            "zero_points": torch.zeros(6, dtype=torch.int64),
+            "bias": torch.zeros(4)}
+    index = [{"name": "a", "out": 2, "in": 3, "bias": False,
+              "crc32": {"weight": 0, "scales": 0, "zero_points": 0}},
+             {"name": "b", "out": 4, "in": 3, "bias": True,
+              "crc32": {"weight": 0, "scales": 0, "zero_points": 0, "bias": 0}}]
+    layers = FlatInt8Layers.from_saved(index, flat).layers()
+    assert layers["b"][0]["weight"].shape == (4, 3) and "bias" not in layers["a"][0]
+    if damage == "missing-layer-data":
+        index.append({**index[1], "name": "c"})
+    elif damage == "extra-data":
+        flat["scales"] = torch.ones(7, dtype=torch.float64)
+    elif damage == "bad-dtype":
+        flat["weight"] = flat["weight"].float()
+    else:
+        del index[0]["crc32"]
+    with pytest.raises(CacheError):
+        FlatInt8Layers.from_saved(index, flat)
