@@ -166,9 +166,15 @@ def _plain_parts(qweight: torch.Tensor, bias: torch.Tensor | None) -> dict[str, 
 # --- the on-disk cache of the int8 layers -----------------------------------------------------
 
 CACHE_FORMAT = 4  # bump when the file layout or the quantisation recipe changes
-_PARTS = ("weight", "scales", "zero_points", "bias")
 _DTYPES = {"weight": torch.int8, "scales": torch.float64, "zero_points": torch.int64,
            "bias": torch.float32}
+_PARTS = tuple(_DTYPES)
+
+
+def _part_sizes(out: int, n_in: int, has_bias: bool) -> dict[str, int]:
+    """Elements of each part of one ``out`` x ``n_in`` int8 layer."""
+    return {"weight": out * n_in, "scales": out, "zero_points": out,
+            "bias": out if has_bias else 0}
 
 
 class CacheError(Exception):
@@ -224,20 +230,24 @@ class FlatInt8Layers:
     @classmethod
     def for_model(cls, llm: nn.Module, names: list[str]) -> FlatInt8Layers:
         """Room for the int8 layers ``names`` of ``llm``, to be filled with :meth:`add`."""
-        sizes = dict.fromkeys(_PARTS, 0)
+        totals = dict.fromkeys(_PARTS, 0)
         for name in names:
             sources = _float_sources(llm, name)
-            out = sum(s.out_features for s in sources)
-            sizes["weight"] += out * sources[0].in_features
-            sizes["scales"] += out
-            sizes["zero_points"] += out
-            sizes["bias"] += out if all(s.bias is not None for s in sources) else 0
-        return cls({part: torch.empty(n, dtype=_DTYPES[part]) for part, n in sizes.items()}, [])
+            sizes = _part_sizes(sum(s.out_features for s in sources), sources[0].in_features,
+                                all(s.bias is not None for s in sources))
+            for part, size in sizes.items():
+                totals[part] += size
+        return cls({part: torch.empty(n, dtype=_DTYPES[part]) for part, n in totals.items()}, [])
 
     def add(self, name: str, parts: dict[str, torch.Tensor]) -> None:
-        """Copy one layer's parts into the next free slices (layers in :meth:`for_model` order)."""
+        """Copy one layer's parts into the next free slices (layers in :meth:`for_model` order).
+
+        ValueError when they do not fit: only the cache is lost then, never the load.
+        """
         for part, t in parts.items():
             start = self._offsets[part]
+            if start + t.numel() > self.tensors[part].numel():
+                raise ValueError(f"{name}.{part} does not fit the space set aside for it")
             self.tensors[part][start:start + t.numel()] = t.reshape(-1)
             self._offsets[part] = start + t.numel()
         self.index.append({"name": name, "out": int(parts["weight"].shape[0]),
@@ -274,9 +284,7 @@ class FlatInt8Layers:
                 raise CacheError("corrupt index")
             if set(crcs) != {"weight", "scales", "zero_points", *(["bias"] if has_bias else [])}:
                 raise CacheError(f"corrupt index entry for {name}")
-            sizes = {"weight": out * n_in, "scales": out, "zero_points": out,
-                     "bias": out if has_bias else 0}
-            for part, size in sizes.items():
+            for part, size in _part_sizes(out, n_in, has_bias).items():
                 flat._offsets[part] += size
                 if flat._offsets[part] > tensors[part].numel():
                     raise CacheError(f"truncated {part} data")
@@ -290,10 +298,8 @@ class FlatInt8Layers:
         layers = {}
         for entry in self.index:
             out, n_in = entry["out"], entry["in"]
-            sizes = {"weight": out * n_in, "scales": out, "zero_points": out,
-                     "bias": out if entry["bias"] else 0}
             parts = {}
-            for part, size in sizes.items():
+            for part, size in _part_sizes(out, n_in, entry["bias"]).items():
                 if size:
                     parts[part] = self.tensors[part][offsets[part]:offsets[part] + size]
                 offsets[part] += size

@@ -117,3 +117,19 @@ def test_a_cache_index_that_does_not_fit_its_data_is_rejected(damage: str) -> No
         del index[0]["crc32"]
     with pytest.raises(CacheError):
         FlatInt8Layers.from_saved(index, flat)
+
+
+def test_layers_that_do_not_fit_the_flat_cache_abandon_only_the_cache() -> None:
+    from engine.quantize import FlatInt8Layers
+
+    flat = FlatInt8Layers({"weight": torch.empty(6, dtype=torch.int8),
+                           "scales": torch.empty(2, dtype=torch.float64),
+                           "zero_points": torch.empty(2, dtype=torch.int64),
+                           "bias": torch.empty(0)}, [])
+    parts = {"weight": torch.ones(2, 3, dtype=torch.int8),
+             "scales": torch.ones(2, dtype=torch.float64),
+             "zero_points": torch.zeros(2, dtype=torch.int64)}
+    flat.add("a", parts)
+    assert flat.complete and flat.layers()["a"][0]["weight"].tolist() == [[1] * 3] * 2
+    with pytest.raises(ValueError, match="does not fit"):
+        flat.add("b", parts)

@@ -163,3 +163,24 @@ def test_positional_cache_grows_across_capacity(args):
         expect = enc(x)
     assert enc.encoders[0].self_attn._pos_cache[1].shape[1] == 512
     torch.testing.assert_close(torch.cat(outs, 1), expect, atol=1e-5, rtol=0)
+
+
+def test_unwritten_cache_positions_are_never_read(args):
+    """new_cache leaves its memory uninitialised: positions not yet written (here NaN) must not
+    reach any output, in a single prompt or a left-padded batch."""
+    torch.manual_seed(4)
+    enc = RelPosEncoder(args.llm.llm).eval()
+    d = args.llm.llm.input_size
+    prompt, steps = torch.randn(2, 5, d), torch.randn(3, 2, 1, d)
+
+    def run(poison: bool) -> torch.Tensor:
+        cache = enc.new_cache(2, 12)
+        cache.kv.fill_(float("nan") if poison else 0.0)
+        outs = [enc.forward_cached(prompt, cache, lengths=torch.tensor([5, 3]))[:, -1]]
+        outs += [enc.forward_cached(s, cache)[:, -1] for s in steps]
+        return torch.stack(outs)
+
+    with torch.inference_mode():
+        clean, poisoned = run(False), run(True)
+    assert torch.isfinite(poisoned).all()
+    torch.testing.assert_close(poisoned, clean, atol=0, rtol=0)
