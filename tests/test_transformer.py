@@ -165,18 +165,20 @@ def test_positional_cache_grows_across_capacity(args):
     torch.testing.assert_close(torch.cat(outs, 1), expect, atol=1e-5, rtol=0)
 
 
-def test_unwritten_cache_positions_are_never_read(args):
+@pytest.mark.parametrize("batch", [1, 2], ids=["one-prompt", "left-padded-batch"])
+def test_unwritten_cache_positions_are_never_read(args, batch: int):
     """new_cache leaves its memory uninitialised: positions not yet written (here NaN) must not
-    reach any output, in a single prompt or a left-padded batch."""
+    reach any output, neither in the one-query decode kernel nor in the masked batch path."""
     torch.manual_seed(4)
     enc = RelPosEncoder(args.llm.llm).eval()
     d = args.llm.llm.input_size
-    prompt, steps = torch.randn(2, 5, d), torch.randn(3, 2, 1, d)
+    prompt, steps = torch.randn(batch, 5, d), torch.randn(3, batch, 1, d)
+    lengths = torch.tensor([5, 3]) if batch == 2 else None
 
     def run(poison: bool) -> torch.Tensor:
-        cache = enc.new_cache(2, 12)
+        cache = enc.new_cache(batch, 12)
         cache.kv.fill_(float("nan") if poison else 0.0)
-        outs = [enc.forward_cached(prompt, cache, lengths=torch.tensor([5, 3]))[:, -1]]
+        outs = [enc.forward_cached(prompt, cache, lengths=lengths)[:, -1]]
         outs += [enc.forward_cached(s, cache)[:, -1] for s in steps]
         return torch.stack(outs)
 
