@@ -44,6 +44,7 @@ DEFAULTS: dict[str, Any] = {
         "profile": "realtime",
         "lm_weights": "int8",
         "threads": None,
+        "parallel_sentences": 1,
         "samples_per_chunk": 1024,
         "zeroconf": None,
         "seed": None,
@@ -176,6 +177,7 @@ class ServerConfig:
     profile: ProfileConfig
     lm_weights: str
     threads: int | None
+    parallel_sentences: int
     samples_per_chunk: int
     zeroconf: str | None
     seed: int | None
@@ -320,6 +322,7 @@ _SERVER_KINDS = {
     "profile": "str",
     "lm_weights": "str",
     "threads": "int+?",
+    "parallel_sentences": "int+",
     "samples_per_chunk": "int+",
     "zeroconf": "str?",
     "seed": "int?",

@@ -1,16 +1,17 @@
-"""The model host (engine loading and fair, one-at-a-time synthesis) and the listening server.
+"""The model host (engine loading and fair synthesis in turn) and the listening server.
 
 Threading model: the asyncio loop only parses events and moves bytes. Every engine call (load,
-warmup, each ``next()`` of a synthesis generator, ``close()``) runs on ONE dedicated worker
-thread, so torch's thread-local state (inference mode, thread count) is the same for all calls
-and calls run in submission order. Requests from all connections take an ``asyncio.Lock``,
-whose waiters are woken in FIFO order, once per sentence: a long text cannot starve a short one,
-and ``describe`` never waits for it.
+warmup, each ``next()`` of a synthesis generator, ``close()``) runs on a dedicated engine
+thread: one per slot (``server.parallel_sentences``, 1 by default), and a sentence keeps its
+slot's thread from start to close, so its calls run in submission order with the same
+thread-local torch state. Requests from all connections take a slot in FIFO order, once per
+sentence: a long text cannot starve a short one, and ``describe`` never waits for it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import pickle
 import threading
@@ -117,8 +118,60 @@ def peek_speakers(model_dir: Path) -> list[str] | None:
 # --- the model host -------------------------------------------------------------------------
 
 
+class _Slots:
+    """Engine slots, handed out in FIFO order (lowest free slot first).
+
+    A waiter asking for every slot (an exclusive job) waits its turn like any other: later
+    requests never overtake it.
+    """
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+        self._free = list(range(count))
+        self._waiters: collections.deque[tuple[int, asyncio.Future[list[int]]]] = (
+            collections.deque())
+
+    @property
+    def busy(self) -> int:
+        return self.count - len(self._free)
+
+    async def acquire(self, n: int = 1) -> list[int]:
+        if not self._waiters and len(self._free) >= n:
+            return self._take(n)
+        future: asyncio.Future[list[int]] = asyncio.get_running_loop().create_future()
+        self._waiters.append((n, future))
+        try:
+            return await future
+        except asyncio.CancelledError:
+            if future.done() and not future.cancelled():
+                self.release(future.result())  # granted just as the waiter was cancelled
+            else:
+                self._waiters = collections.deque(w for w in self._waiters if w[1] is not future)
+                self._wake()  # a cancelled head must not block the waiters behind it
+            raise
+
+    def release(self, slots: list[int]) -> None:
+        self._free = sorted(self._free + slots)
+        self._wake()
+
+    def _take(self, n: int) -> list[int]:
+        taken, self._free = self._free[:n], self._free[n:]
+        return taken
+
+    def _wake(self) -> None:
+        while self._waiters and len(self._free) >= self._waiters[0][0]:
+            n, future = self._waiters.popleft()
+            if not future.done():
+                future.set_result(self._take(n))
+
+
 class ModelHost:
-    """Owns the engine: loads it in the background and runs syntheses one at a time."""
+    """Owns the engine: loads it in the background and runs its syntheses in turn.
+
+    ``parallel`` sentences run at once, each on its own engine thread. Slot 0 is the only one
+    that ever runs torch on several threads (when it is alone); the others use one: an idle
+    second OpenMP team would slow every parallel region of the first one (docs/performance.md).
+    """
 
     def __init__(
         self,
@@ -128,13 +181,19 @@ class ModelHost:
         threads: int | None = None,
         warmup: bool = True,
         speakers_hint: list[str] | None = None,
+        parallel: int = 1,
     ) -> None:
         self.model_dir = model_dir
         self._factory = engine_factory
         self._threads = threads
         self._warmup = warmup
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
-        self._lock = asyncio.Lock()
+        self._executors = [
+            ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"engine{'' if i == 0 else i}")
+            for i in range(max(1, parallel))
+        ]
+        self._executor = self._executors[0]  # load, warm-up and exclusive jobs
+        self._slots = _Slots(len(self._executors))
+        self._all_cores: int | None = None  # slot 0's torch threads after the load
         self._ready: asyncio.Future[Engine] = asyncio.get_running_loop().create_future()
         self.catalog = VoiceCatalog(speakers_hint or [])
         self.engine: Engine | None = None
@@ -145,15 +204,21 @@ class ModelHost:
         """Resolves to the engine, or raises the load error."""
         return self._ready
 
+    def _load_engine(self) -> Engine:
+        engine = self._factory(self.model_dir, self._threads)
+        if len(self._executors) > 1:
+            import torch  # loaded by the engine by now
+
+            self._all_cores = torch.get_num_threads()
+        return engine
+
     async def load(self) -> Engine:
         """Load (and warm up) the engine on the engine thread."""
         loop = asyncio.get_running_loop()
         try:
             _LOGGER.info("Loading model from %s", self.model_dir)
             start = loop.time()
-            engine = await loop.run_in_executor(
-                self._executor, self._factory, self.model_dir, self._threads
-            )
+            engine = await loop.run_in_executor(self._executor, self._load_engine)
             if self._warmup:
                 await loop.run_in_executor(self._executor, engine.warmup)
             _LOGGER.info(
@@ -178,6 +243,18 @@ class ModelHost:
         except asyncio.TimeoutError as err:
             raise ServerBusyError(f"the model is still loading after {timeout:.0f} s") from err
 
+    def _on_slot(self, slot: int, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)`` on ``slot``'s thread, with the torch threads its turn allows."""
+        if self._all_cores is not None:
+            import torch
+
+            alone = slot == 0 and self._slots.busy == 1
+            threads = self._all_cores if alone else 1
+            if torch.get_num_threads() != threads:
+                # New threads (the engine's LM thread) start from the value set last.
+                torch.set_num_threads(threads)
+        return fn(*args)
+
     async def synthesize(
         self,
         text: str,
@@ -196,38 +273,46 @@ class ModelHost:
         loop = asyncio.get_running_loop()
         self.waiting += 1
         try:
-            await self._lock.acquire()
+            (slot,) = await self._slots.acquire()
         finally:
             self.waiting -= 1
+        executor = self._executors[slot]
         try:
             if cancel.is_set():
                 raise SynthesisCancelled("cancelled while queued")
             chunks = await loop.run_in_executor(
-                self._executor, partial(engine.synthesize, text, options, cancel)
+                executor, self._on_slot, slot, partial(engine.synthesize, text, options, cancel)
             )
             try:
                 while (
-                    chunk := await loop.run_in_executor(self._executor, next, chunks, None)
+                    chunk := await loop.run_in_executor(
+                        executor, self._on_slot, slot, next, chunks, None
+                    )
                 ) is not None:
                     await on_chunk(chunk)
                     if cancel.is_set():
                         raise SynthesisCancelled("cancelled by the client")
             finally:
-                # Queued behind any in-flight next(): the engine thread runs it in order,
+                # Queued behind any in-flight next(): the slot's thread runs it in order,
                 # even when this task was cancelled mid-await.
-                self._executor.submit(_close_quietly, chunks)
+                executor.submit(_close_quietly, chunks)
         finally:
-            self._lock.release()
+            self._slots.release([slot])
 
     async def run_on_engine(self, fn: Callable[..., Any], *args: Any) -> Any:
         """``fn(*args)`` on the engine thread, in its turn: between two sentences, FIFO with
-        queued requests (custom voice scans, which may take seconds, never cut into audio)."""
+        queued requests (custom voice scans, which may take seconds, never cut into audio).
+        No sentence runs meanwhile."""
         loop = asyncio.get_running_loop()
-        async with self._lock:
+        slots = await self._slots.acquire(self._slots.count)
+        try:
             return await loop.run_in_executor(self._executor, partial(fn, *args))
+        finally:
+            self._slots.release(slots)
 
     def shutdown(self) -> None:
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        for executor in self._executors:
+            executor.shutdown(wait=False, cancel_futures=True)
 
 
 def _close_quietly(chunks: Iterator[AudioChunk]) -> None:
@@ -285,6 +370,7 @@ def host_for_config(
         threads=config.threads,
         warmup=config.warmup,
         speakers_hint=peek_speakers(model_dir),
+        parallel=config.parallel_sentences,
     )
 
 
