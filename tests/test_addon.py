@@ -50,7 +50,7 @@ LANGUAGES = ("en", "zh-Hans")  # zh-Hans: the code HA's frontend uses for Simpli
 SERVER_FLAGS = {
     "--uri", "--model", "--model-dir", "--data-dir", "--download-dir", "--voice", "--profile",
     "--threads", "--samples-per-chunk", "--no-streaming", "--zeroconf", "--seed", "--debug",
-    "--voices-dir", "--version", "--hub-endpoint",
+    "--voices-dir", "--version", "--hub-endpoint", "--parallel-sentences",
 }  # fmt: skip
 FLAGS_WITHOUT_VALUE = {"--no-streaming", "--debug", "--version"}
 
@@ -236,7 +236,8 @@ def test_default_options_parse_with_the_server_parser(config: dict[str, Any]) ->
         pytest.skip("wyoming_cosyvoice.__main__ exposes no build_parser() yet (issue 4)")
     main_module = importlib.import_module("wyoming_cosyvoice.__main__")
     every = {**config["options"], "voice": "x", "threads": 2, "streaming": False, "seed": 1,
-             "hub_endpoint": "https://hf-mirror.com", "debug_logging": True}  # fmt: skip
+             "hub_endpoint": "https://hf-mirror.com", "debug_logging": True,
+             "parallel_sentences": 2}  # fmt: skip
     for model in addon.MODELS:
         for profile in addon.PROFILES:
             for options in (config["options"], every):
@@ -250,6 +251,7 @@ def test_default_options_parse_with_the_server_parser(config: dict[str, Any]) ->
                 if hasattr(main_module, "config_from_args"):
                     server_config = main_module.config_from_args(parsed)
                     assert server_config.profile.name == profile
+                    assert server_config.parallel_sentences == options["parallel_sentences"]
                     assert server_config.profile.streaming is (
                         options["streaming"] and profile != "batch"
                     )
@@ -277,6 +279,11 @@ def test_each_option_maps_to_its_flag() -> None:
     ]  # fmt: skip
 
 
+def test_parallel_sentences_maps_to_its_flag_only_when_not_one() -> None:
+    assert "--parallel-sentences" not in addon.options_to_args({"parallel_sentences": 1})
+    assert addon.options_to_args({"parallel_sentences": 2})[-2:] == ["--parallel-sentences", "2"]
+
+
 def test_hub_endpoint_selects_a_mirror() -> None:
     args = addon.options_to_args({"hub_endpoint": "https://hf-mirror.com/"})
     assert args[-2:] == ["--hub-endpoint", "https://hf-mirror.com"]
@@ -294,7 +301,7 @@ def test_missing_and_unknown_options_fall_back_to_defaults() -> None:
 @pytest.mark.parametrize(
     ("key", "value"),
     [("model", "CosyVoice2-0.5B"), ("profile", "turbo"), ("threads", -1), ("threads", True),
-     ("seed", "7"), ("streaming", "yes"), ("debug_logging", 1)],
+     ("seed", "7"), ("streaming", "yes"), ("debug_logging", 1), ("parallel_sentences", 0)],
 )  # fmt: skip
 def test_bad_values_name_the_option(key: str, value: Any) -> None:
     with pytest.raises(ValueError, match=repr(key)):

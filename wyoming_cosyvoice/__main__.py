@@ -46,6 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--lm-weights", choices=("int8", "fp32"),
         help="LM decoder weights: int8 (default, 3x faster) or fp32 (exact official maths)")
     add("--threads", type=int, help="CPU threads for the engine")
+    add("--parallel-sentences", type=int, metavar="N",
+        help="sentences synthesized at once for simultaneous clients (default 1)")
     add("--samples-per-chunk", type=int, help="audio samples per audio-chunk event")
     add("--no-streaming", action="store_true", help="do not advertise streaming text input")
     add("--zeroconf", nargs="?", const="cosyvoice", metavar="NAME", help="advertise over mDNS")
@@ -78,6 +80,7 @@ _FLAG_KEYS = {
     "voice": "server.voice",
     "profile": "server.profile",
     "threads": "server.threads",
+    "parallel_sentences": "server.parallel_sentences",
     "lm_weights": "server.lm_weights",
     "samples_per_chunk": "server.samples_per_chunk",
     "zeroconf": "server.zeroconf",

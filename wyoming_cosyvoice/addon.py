@@ -39,6 +39,7 @@ DEFAULT_OPTIONS: dict[str, Any] = {
     "voice": "",
     "profile": "realtime",
     "threads": 0,
+    "parallel_sentences": 1,
     "streaming": True,
     "debug_logging": False,
 }
@@ -99,6 +100,11 @@ def options_to_args(
     threads = _int(options, "threads", DEFAULT_OPTIONS["threads"])
     if threads:  # 0 = let the server pick (all cores)
         args += ["--threads", str(threads)]
+    parallel = _int(options, "parallel_sentences", DEFAULT_OPTIONS["parallel_sentences"])
+    if parallel is not None and parallel != 1:
+        if parallel < 1:
+            raise ValueError(f"option 'parallel_sentences': {parallel!r} is not 1 or more")
+        args += ["--parallel-sentences", str(parallel)]
     if not _bool(options, "streaming"):
         args.append("--no-streaming")
     seed = _int(options, "seed", None)
