@@ -131,10 +131,6 @@ class _Slots:
         self._waiters: collections.deque[tuple[int, asyncio.Future[list[int]]]] = (
             collections.deque())
 
-    @property
-    def busy(self) -> int:
-        return self.count - len(self._free)
-
     async def acquire(self, n: int = 1) -> list[int]:
         if not self._waiters and len(self._free) >= n:
             return self._take(n)
@@ -168,9 +164,7 @@ class _Slots:
 class ModelHost:
     """Owns the engine: loads it in the background and runs its syntheses in turn.
 
-    ``parallel`` sentences run at once, each on its own engine thread. Slot 0 is the only one
-    that ever runs torch on several threads (when it is alone); the others use one: an idle
-    second OpenMP team would slow every parallel region of the first one (docs/performance.md).
+    ``parallel`` sentences run at once, each on its own engine thread (slot).
     """
 
     def __init__(
@@ -193,7 +187,6 @@ class ModelHost:
         ]
         self._executor = self._executors[0]  # load, warm-up and exclusive jobs
         self._slots = _Slots(len(self._executors))
-        self._all_cores: int | None = None  # slot 0's torch threads after the load
         self._ready: asyncio.Future[Engine] = asyncio.get_running_loop().create_future()
         self.catalog = VoiceCatalog(speakers_hint or [])
         self.engine: Engine | None = None
@@ -204,21 +197,15 @@ class ModelHost:
         """Resolves to the engine, or raises the load error."""
         return self._ready
 
-    def _load_engine(self) -> Engine:
-        engine = self._factory(self.model_dir, self._threads)
-        if len(self._executors) > 1:
-            import torch  # loaded by the engine by now
-
-            self._all_cores = torch.get_num_threads()
-        return engine
-
     async def load(self) -> Engine:
         """Load (and warm up) the engine on the engine thread."""
         loop = asyncio.get_running_loop()
         try:
             _LOGGER.info("Loading model from %s", self.model_dir)
             start = loop.time()
-            engine = await loop.run_in_executor(self._executor, self._load_engine)
+            engine = await loop.run_in_executor(
+                self._executor, self._factory, self.model_dir, self._threads
+            )
             if self._warmup:
                 await loop.run_in_executor(self._executor, engine.warmup)
             _LOGGER.info(
@@ -242,18 +229,6 @@ class ModelHost:
             return await asyncio.wait_for(asyncio.shield(self._ready), timeout)
         except asyncio.TimeoutError as err:
             raise ServerBusyError(f"the model is still loading after {timeout:.0f} s") from err
-
-    def _on_slot(self, slot: int, fn: Callable[..., Any], *args: Any) -> Any:
-        """``fn(*args)`` on ``slot``'s thread, with the torch threads its turn allows."""
-        if self._all_cores is not None:
-            import torch
-
-            alone = slot == 0 and self._slots.busy == 1
-            threads = self._all_cores if alone else 1
-            if torch.get_num_threads() != threads:
-                # New threads (the engine's LM thread) start from the value set last.
-                torch.set_num_threads(threads)
-        return fn(*args)
 
     async def synthesize(
         self,
@@ -281,13 +256,11 @@ class ModelHost:
             if cancel.is_set():
                 raise SynthesisCancelled("cancelled while queued")
             chunks = await loop.run_in_executor(
-                executor, self._on_slot, slot, partial(engine.synthesize, text, options, cancel)
+                executor, partial(engine.synthesize, text, options, cancel)
             )
             try:
                 while (
-                    chunk := await loop.run_in_executor(
-                        executor, self._on_slot, slot, next, chunks, None
-                    )
+                    chunk := await loop.run_in_executor(executor, next, chunks, None)
                 ) is not None:
                     await on_chunk(chunk)
                     if cancel.is_set():
@@ -364,10 +337,16 @@ def host_for_config(
             lm_int8=config.lm_weights == "int8",
             int8_cache_dir=int8_cache_dir(config),
         )
+    threads = config.threads
+    if threads is None and config.parallel_sentences > 1:
+        # Sentences side by side each get one torch thread: the thread count is process-wide,
+        # and a sentence started on every core while another one starts oversubscribes the
+        # cores (measured: 0.19 instead of 0.27 audio-s/s for two at once, docs/performance.md).
+        threads = 1
     return ModelHost(
         model_dir,
         engine_factory=engine_factory,
-        threads=config.threads,
+        threads=threads,
         warmup=config.warmup,
         speakers_hint=peek_speakers(model_dir),
         parallel=config.parallel_sentences,
