@@ -109,3 +109,32 @@ def test_an_explicit_thread_count_is_kept_with_parallel_sentences(wy: SimpleName
             return srv.engines[0].threads
 
     assert run(main()) == 2
+
+
+def test_an_exclusive_job_waits_for_every_running_sentence(wy: SimpleNamespace) -> None:
+    from engine.types import SynthesisOptions
+    from wyoming_cosyvoice.server import ModelHost
+
+    async def main() -> list[bool]:
+        engine = wy.FakeEngine("model", None, delay=0.02)
+        host = ModelHost("model", engine_factory=lambda *_: engine, warmup=False, parallel=2)
+        await host.load()
+
+        async def sentence(text: str) -> None:
+            async def sink(_: Any) -> None:
+                pass
+
+            await host.synthesize(text, SynthesisOptions(speaker=engine.speakers[0]),
+                                  threading.Event(), sink, load_timeout=5)
+
+        def finished_so_far() -> list[bool]:
+            return [call.finished for call in engine.calls]
+
+        running = [asyncio.create_task(sentence(f"Sentence {i} is long enough.")) for i in (1, 2)]
+        await asyncio.sleep(0.05)  # both are speaking now
+        seen = await host.run_on_engine(finished_so_far)
+        await asyncio.gather(*running)
+        host.shutdown()
+        return seen
+
+    assert run(main()) == [True, True]

@@ -279,6 +279,9 @@ class ModelHost:
         loop = asyncio.get_running_loop()
         slots = await self._slots.acquire(self._slots.count)
         try:
+            # A cancelled sentence frees its slot before its thread has finished its last chunk
+            # and close(): wait for the other slots' threads to be idle too.
+            await asyncio.gather(*(loop.run_in_executor(e, _idle) for e in self._executors[1:]))
             return await loop.run_in_executor(self._executor, partial(fn, *args))
         finally:
             self._slots.release(slots)
@@ -286,6 +289,10 @@ class ModelHost:
     def shutdown(self) -> None:
         for executor in self._executors:
             executor.shutdown(wait=False, cancel_futures=True)
+
+
+def _idle() -> None:
+    """Nothing: queued on an engine thread, it returns once the work before it is done."""
 
 
 def _close_quietly(chunks: Iterator[AudioChunk]) -> None:
