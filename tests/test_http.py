@@ -371,5 +371,4 @@ def test_client_that_stops_reading_is_dropped_and_frees_the_engine() -> None:
 
 async def _idle(srv: BackgroundServer) -> bool:
     """True once no request is waiting for or holding the engine."""
-    host = srv.running.host
-    return host.waiting == 0 and not host._lock.locked()
+    return srv.running.host.idle

@@ -134,6 +134,7 @@ def test_an_exclusive_job_waits_for_every_running_sentence(wy: SimpleNamespace) 
         await asyncio.sleep(0.05)  # both are speaking now
         seen = await host.run_on_engine(finished_so_far)
         await asyncio.gather(*running)
+        assert host.idle
         host.shutdown()
         return seen
 

@@ -146,6 +146,10 @@ class _Slots:
                 self._wake()  # a cancelled head must not block the waiters behind it
             raise
 
+    @property
+    def all_free(self) -> bool:
+        return len(self._free) == self.count
+
     def release(self, slots: list[int]) -> None:
         self._free = sorted(self._free + slots)
         self._wake()
@@ -191,6 +195,11 @@ class ModelHost:
         self.catalog = VoiceCatalog(speakers_hint or [])
         self.engine: Engine | None = None
         self.waiting = 0  # requests queued for the engine (for the log)
+
+    @property
+    def idle(self) -> bool:
+        """No sentence holds or waits for the engine."""
+        return self.waiting == 0 and self._slots.all_free
 
     @property
     def ready(self) -> asyncio.Future[Engine]:
