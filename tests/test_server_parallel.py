@@ -7,6 +7,8 @@ import threading
 from types import SimpleNamespace
 from typing import Any
 
+import torch
+
 from wyoming_cosyvoice.server import _Slots
 
 
@@ -65,7 +67,7 @@ class MeetingEngine:
         self.threads = fake.threads
         self.speakers, self.kind = self._fake.speakers, self._fake.kind
         self.meet = threading.Barrier(2, timeout=10)
-        self.seen: list[tuple[str, str]] = []  # (text, engine thread)
+        self.seen: list[tuple[str, str, int]] = []  # (text, engine thread, torch threads)
 
     def warmup(self) -> None:
         pass
@@ -75,7 +77,8 @@ class MeetingEngine:
             if text.startswith("Together"):
                 self.meet.wait()  # times out (and the request fails) unless both run at once
             for chunk in self._fake.synthesize(text, options, cancel):
-                self.seen.append((text, threading.current_thread().name))
+                self.seen.append((text, threading.current_thread().name,
+                                  torch.get_num_threads()))
                 yield chunk
 
         return chunks()
@@ -94,12 +97,17 @@ def test_two_sentences_run_side_by_side_on_one_torch_thread_each(wy: SimpleNames
             alone = await wy.synthesize(srv.port, "Alone now.")
             return [*replies, alone], srv.engines[0]
 
-    replies, engine = run(main())
+    cores = torch.get_num_threads()
+    try:
+        replies, engine = run(main())
+    finally:
+        torch.set_num_threads(cores)
     assert all(r.types[-1] == "audio-stop" and r.samples > 0 for r in replies)
-    assert {thread for text, thread in engine.seen if text.startswith("Together")} == {
+    assert {thread for text, thread, _ in engine.seen if text.startswith("Together")} == {
         "engine_0", "engine1_0"}
-    assert {thread for text, thread in engine.seen if text == "Alone now."} == {"engine_0"}
-    assert engine.threads == 1  # the engine was loaded with one torch thread
+    assert {thread for text, thread, _ in engine.seen if text == "Alone now."} == {"engine_0"}
+    assert engine.threads is None  # loaded (and warmed up) on every core ...
+    assert {threads for *_, threads in engine.seen} == {1}  # ... then one thread per sentence
 
 
 def test_an_explicit_thread_count_is_kept_with_parallel_sentences(wy: SimpleNamespace) -> None:
@@ -108,7 +116,11 @@ def test_an_explicit_thread_count_is_kept_with_parallel_sentences(wy: SimpleName
         async with meeting_server(wy, overrides) as srv:
             return srv.engines[0].threads
 
-    assert run(main()) == 2
+    cores = torch.get_num_threads()
+    try:
+        assert run(main()) == 2
+    finally:
+        torch.set_num_threads(cores)
 
 
 def test_an_exclusive_job_waits_for_every_running_sentence(wy: SimpleNamespace) -> None:

@@ -180,10 +180,12 @@ class ModelHost:
         warmup: bool = True,
         speakers_hint: list[str] | None = None,
         parallel: int = 1,
+        serve_threads: int | None = None,
     ) -> None:
         self.model_dir = model_dir
         self._factory = engine_factory
         self._threads = threads
+        self._serve_threads = serve_threads  # torch threads once loaded and warmed up
         self._warmup = warmup
         self._executors = [
             ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"engine{'' if i == 0 else i}")
@@ -217,6 +219,9 @@ class ModelHost:
             )
             if self._warmup:
                 await loop.run_in_executor(self._executor, engine.warmup)
+            if self._serve_threads is not None:
+                await loop.run_in_executor(self._executor, _set_torch_threads,
+                                           self._serve_threads)
             _LOGGER.info(
                 "Model ready in %.1f s (%s, speakers: %s)",
                 loop.time() - start,
@@ -300,6 +305,12 @@ class ModelHost:
             executor.shutdown(wait=False, cancel_futures=True)
 
 
+def _set_torch_threads(threads: int) -> None:
+    import torch  # already loaded by the engine
+
+    torch.set_num_threads(threads)  # process-wide: every engine thread, new ones included
+
+
 def _idle() -> None:
     """Nothing: queued on an engine thread, it returns once the work before it is done."""
 
@@ -353,19 +364,21 @@ def host_for_config(
             lm_int8=config.lm_weights == "int8",
             int8_cache_dir=int8_cache_dir(config),
         )
-    threads = config.threads
-    if threads is None and config.parallel_sentences > 1:
-        # Sentences side by side each get one torch thread: the thread count is process-wide,
-        # and a sentence started on every core while another one starts oversubscribes the
-        # cores (measured: 0.19 instead of 0.27 audio-s/s for two at once, docs/performance.md).
-        threads = 1
+    serve_threads = None
+    if config.threads is None and config.parallel_sentences > 1:
+        # Sentences side by side each get one torch thread (after a load and warm-up on every
+        # core): the thread count is process-wide, and a sentence started on every core while
+        # another one starts oversubscribes the cores (measured: 0.19 instead of 0.27 audio-s/s
+        # for two at once, docs/performance.md).
+        serve_threads = 1
     return ModelHost(
         model_dir,
         engine_factory=engine_factory,
-        threads=threads,
+        threads=config.threads,
         warmup=config.warmup,
         speakers_hint=peek_speakers(model_dir),
         parallel=config.parallel_sentences,
+        serve_threads=serve_threads,
     )
 
 
