@@ -308,7 +308,9 @@ class ModelHost:
 def _set_torch_threads(threads: int) -> None:
     import torch  # already loaded by the engine
 
-    torch.set_num_threads(threads)  # process-wide: every engine thread, new ones included
+    # This thread's count, and the one threads start with that first use torch later: the
+    # other slots' threads (created after the load) and the engine's LM threads.
+    torch.set_num_threads(threads)
 
 
 def _idle() -> None:
