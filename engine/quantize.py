@@ -282,9 +282,10 @@ class FlatInt8Layers:
             if not isinstance(name, str) or not isinstance(crcs, dict) or not all(
                     isinstance(n, int) and n > 0 for n in (out, n_in)):
                 raise CacheError("corrupt index")
-            if set(crcs) != {"weight", "scales", "zero_points", *(["bias"] if has_bias else [])}:
+            sizes = _part_sizes(out, n_in, has_bias)
+            if set(crcs) != {part for part, size in sizes.items() if size}:
                 raise CacheError(f"corrupt index entry for {name}")
-            for part, size in _part_sizes(out, n_in, has_bias).items():
+            for part, size in sizes.items():
                 flat._offsets[part] += size
                 if flat._offsets[part] > tensors[part].numel():
                     raise CacheError(f"truncated {part} data")
