@@ -94,9 +94,6 @@ def quantize_lm_int8(llm: nn.Module, keep: FlatInt8Layers | None = None) -> nn.M
     weight's pages right after, so the float32 decoder is never resident as a whole. ``keep``
     receives each layer's plain int8 parts (for the cache: unpacking later costs seconds).
     """
-    from torch.ao.nn.quantized.modules.utils import _quantize_weight
-    from torch.ao.quantization import per_channel_dynamic_qconfig
-
     file_ranges = file_mapped_ranges()
     names = int8_layer_names(llm)
     with warnings.catch_warnings():
@@ -105,9 +102,7 @@ def quantize_lm_int8(llm: nn.Module, keep: FlatInt8Layers | None = None) -> nn.M
         for name in names:
             sources = _float_sources(llm, name)
             weight, bias = _float_weight_bias(sources)
-            observer = per_channel_dynamic_qconfig.weight()
-            observer(weight)
-            qweight = _quantize_weight(weight.float(), observer)
+            qweight = _quantize_weight(weight)
             if keep is not None:
                 try:
                     keep.add(name, _plain_parts(qweight, bias))
@@ -120,6 +115,23 @@ def quantize_lm_int8(llm: nn.Module, keep: FlatInt8Layers | None = None) -> nn.M
                 release_if_mapped(source.weight, file_ranges)
     _LOGGER.info("LM decoder quantised to int8 (%d Linear layers)", len(names))
     return llm
+
+
+def _quantize_weight(weight: torch.Tensor) -> torch.Tensor:
+    """Per-channel symmetric qint8, as ``per_channel_dynamic_qconfig`` observes and rounds."""
+    from torch.ao.nn.quantized.modules.utils import _quantize_weight as quantize
+    from torch.ao.quantization import per_channel_dynamic_qconfig
+
+    observer = per_channel_dynamic_qconfig.weight()
+    observer(weight)
+    return quantize(weight.float(), observer)
+
+
+def int8_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> nn.Module:
+    """One float Linear's weight as the engine's int8 layer (same recipe, same kernel)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch.ao's deprecation notices, as above
+        return _pack(_quantize_weight(weight), bias)
 
 
 def _linear_dynamic_entry() -> Callable[..., torch.Tensor]:

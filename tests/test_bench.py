@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from engine.bench.__main__ import model_files, warm_page_cache
-from engine.bench.limits import lm_weight_bytes_per_token
+from engine.bench.limits import lm_weight_bytes_per_token, measure_gemv_gbps
 from engine.bench.measure import playback_stall_s
 from engine.bench.report import summarize
 from engine.bench.synthetic import (
@@ -32,7 +32,8 @@ REQUIRED_FIELDS = (
     "load_s", "peak_rss_mb", "stream_peak_rss_mb", "first_audio_ms", "stall_ms", "total_ms", "rtf",
     "gapless_first_audio_ms", "gapless_stall_ms",
     "lm_ms_per_token", "flow_ms_per_audio_s", "hift_ms_per_audio_s",
-    "mem_bw_gbps", "gemm_gflops", "lm_bound_ms_per_token", "flow_bound_ms_per_audio_s",
+    "mem_bw_gbps", "gemv_gbps", "gemm_gflops", "lm_bound_ms_per_token",
+    "lm_kernel_bound_ms_per_token", "lm_vs_kernel_bound", "flow_bound_ms_per_audio_s",
     "hift_bound_ms_per_audio_s", "lm_vs_bound", "flow_vs_bound", "hift_vs_bound",
     "threads", "profile", "tokens", "text", "audio_s",
 )  # fmt: skip
@@ -128,15 +129,34 @@ def test_summary_medians_bounds_and_ratios() -> None:
              "hift_ms_per_audio_s": 1000.0, "tokens": 400, "audio_s": 8.0,
              "lm_weight_bytes_per_token": 720e6, "flow_gflop_per_audio_s": 150.0,
              "hift_gflop_per_audio_s": 50.0} for s in (1.0, 3.0, 2.0)]
-    result = summarize(runs, {"mem_bw_gbps": 20.0, "gemm_gflops": 60.0}, text="t",
-                       profile={"name": "realtime"}, model_dir="m")
+    result = summarize(runs, {"mem_bw_gbps": 20.0, "gemv_gbps": 8.0, "gemm_gflops": 60.0},
+                       text="t", profile={"name": "realtime"}, model_dir="m")
     assert result["load_s"] == 2.0
     assert result["spread"]["load_s"] == {"median": 2.0, "min": 1.0, "max": 3.0}
     assert result["lm_bound_ms_per_token"] == pytest.approx(36.0)
     assert result["lm_vs_bound"] == pytest.approx(80.0 / 36.0)
+    assert result["lm_kernel_bound_ms_per_token"] == pytest.approx(90.0)  # 720 MB at 8 GB/s
+    assert result["lm_vs_kernel_bound"] == pytest.approx(80.0 / 90.0)
     assert result["flow_bound_ms_per_audio_s"] == pytest.approx(2500.0)
     assert result["hift_vs_bound"] == pytest.approx(1000.0 / (50 / 60 * 1000))
     assert result["rtf_bound"] == pytest.approx((36.0 * 50 + 2500.0 + 50 / 60 * 1000) / 1000)
+
+
+@pytest.mark.parametrize("int8", [True, False])
+def test_gemv_probe_runs_the_lm_kernel(int8: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    import engine.quantize
+
+    built: list[nn.Module] = []
+    real = engine.quantize.int8_linear
+
+    def recording(weight: torch.Tensor) -> nn.Module:
+        built.append(real(weight))
+        return built[-1]
+
+    monkeypatch.setattr(engine.quantize, "int8_linear", recording)
+    assert measure_gemv_gbps(int8, blocks=1, repeats=1) > 0
+    # int8: one engine int8 layer per product of a decoder block; fp32: plain float products.
+    assert [type(m).__name__ for m in built] == (["Int8Linear"] * 4 if int8 else [])
 
 
 def run_bench_json(*args: str, timeout: float) -> dict:

@@ -69,16 +69,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def measure_limits(threads: int | None) -> dict[str, float]:
-    """This machine's read bandwidth and GEMM throughput, with the benchmark's thread count."""
+def measure_limits(threads: int | None, lm_int8: bool) -> dict[str, float]:
+    """This machine's read bandwidth, the LM kernel's GEMV rate and the GEMM throughput."""
     import torch
 
-    from engine.bench.limits import measure_gemm_gflops, measure_mem_bw_gbps
+    from engine.bench.limits import measure_gemm_gflops, measure_gemv_gbps, measure_mem_bw_gbps
 
     if threads:
         torch.set_num_threads(threads)
-    _LOGGER.info("Measuring memory bandwidth and GEMM throughput")
-    return {"mem_bw_gbps": measure_mem_bw_gbps(), "gemm_gflops": measure_gemm_gflops()}
+    _LOGGER.info("Measuring memory bandwidth, GEMV and GEMM throughput")
+    return {"mem_bw_gbps": measure_mem_bw_gbps(), "gemv_gbps": measure_gemv_gbps(lm_int8),
+            "gemm_gflops": measure_gemm_gflops()}
 
 
 def model_files(model_dir: Path, lm_int8: bool) -> list[Path]:
@@ -126,7 +127,7 @@ def run_benchmark(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
 
     profile = get_profile(args.profile, args.config)  # fail fast on a bad name
     other_load = OtherLoad()
-    limits = measure_limits(args.threads)
+    limits = measure_limits(args.threads, args.lm_int8)
     runs = []
     for index in range(args.repeats):
         config = RunConfig(model_dir=str(model_dir), text=args.text, tokens=args.tokens or None,
@@ -142,7 +143,7 @@ def run_benchmark(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
                      runs[-1]["first_audio_ms"], runs[-1]["total_ms"], runs[-1]["rtf"])
     # Again after the runs, keeping the better figure: a probe that ran while another job was
     # busy would understate the machine and so flatter the stage-to-bound ratios.
-    again = measure_limits(args.threads)
+    again = measure_limits(args.threads, args.lm_int8)
     limits = {key: max(value, again[key]) for key, value in limits.items()}
     limits["other_load_cores"] = other_load.cores()
     return summarize(runs, limits, text=args.text, profile=profile.describe(),

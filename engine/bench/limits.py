@@ -6,6 +6,9 @@ must execute their FLOPs (compute bound). The benchmark reports each stage's tim
 of its bound, which says how much an optimisation could still gain.
 
 * ``mem_bw_gbps``: read bandwidth of a large fp32 array (a reduction, like a GEMV's weight read).
+* ``gemv_gbps``: weight bytes per second the LM's own matrix-vector kernel reads (fbgemm int8 or
+  fp32, as the LM is loaded) when one row goes through LM-shaped layers, far beyond the caches:
+  what a decode step could reach with that kernel if it did nothing but its matrix products.
 * ``gemm_gflops``: fp32 matmul throughput at the flow estimator's Linear shapes (CFG batch 2 ×
   172 frames = 344 rows; q/k/v 256→512, out 512→256, FFN 256→1024→256).
 * LM bytes per token are counted on the loaded model, in the weight format it actually uses.
@@ -32,6 +35,9 @@ from engine.constants import HOP, SAMPLE_RATE
 _LOGGER = logging.getLogger(__name__)
 
 MEM_BW_BYTES = 720 * 10**6  # ≈ the fp32 LM weights read per token; far beyond any cache
+# One LM decoder block's matrix products (fused q/k/v, out, FFN in and out), as (out, in).
+GEMV_BLOCK_SHAPES = ((3072, 1024), (1024, 1024), (4096, 1024), (1024, 4096))
+GEMV_BLOCKS = 8  # 100 MB of int8 (400 MB fp32): three times the 32 MB L3 of the project's VM
 GEMM_ROWS = 344  # CFG batch 2 × 172 mel frames (2 s of audio)
 GEMM_SHAPES = ((256, 512), (256, 512), (256, 512), (512, 256), (256, 1024), (1024, 256))
 
@@ -54,6 +60,31 @@ def measure_mem_bw_gbps(n_bytes: int = MEM_BW_BYTES, repeats: int = 5) -> float:
         return n_bytes / _best_time(data.sum, repeats) / 1e9
     finally:
         del data
+
+
+def measure_gemv_gbps(int8: bool, blocks: int = GEMV_BLOCKS, repeats: int = 5) -> float:
+    """GB/s of weights read by the LM's matrix-vector kernel: one row through LM-shaped layers."""
+    from functools import partial
+
+    from engine.quantize import int8_linear
+
+    products: list[tuple[Callable[[torch.Tensor], torch.Tensor], torch.Tensor]] = []
+    n_bytes = 0
+    for _ in range(blocks):
+        for out, n_in in GEMV_BLOCK_SHAPES:
+            # Constant values: these kernels' speed does not depend on them.
+            weight = torch.full((out, n_in), 0.01)
+            layer = int8_linear(weight) if int8 else partial(torch.nn.functional.linear,
+                                                             weight=weight)
+            products.append((layer, torch.full((1, 1, n_in), 0.5)))
+            n_bytes += weight.numel() * (1 if int8 else weight.element_size())
+
+    def run() -> None:
+        for layer, row in products:
+            layer(row)
+
+    with torch.inference_mode():
+        return n_bytes / _best_time(run, repeats) / 1e9
 
 
 def measure_gemm_gflops(rows: int = GEMM_ROWS, repeats: int = 5, inner: int = 10) -> float:

@@ -4,6 +4,9 @@ Every measured figure is the median over the repeats, with ``min``/``max`` under
 Bounds use this run's limits: ``lm_bound_ms_per_token`` = LM weight bytes per token ÷ read
 bandwidth, ``flow_bound_ms_per_audio_s`` / ``hift_bound_ms_per_audio_s`` = FLOPs per audio second
 ÷ GEMM throughput. ``*_vs_bound`` is measured ÷ bound (1.0 = at this machine's physical limit).
+``lm_kernel_bound_ms_per_token`` = the same bytes ÷ the rate the LM's own GEMV kernel reaches
+alone (``gemv_gbps``): ``lm_vs_kernel_bound`` is the part of the LM's distance from its bound
+that is not the kernel's (attention, small ops, Python).
 """
 
 from __future__ import annotations
@@ -55,6 +58,11 @@ def summarize(runs: list[dict[str, Any]], limits: dict[str, float], *, text: str
     weight_bytes = result["lm_weight_bytes_per_token"]
     result["lm_bound_ms_per_token"] = (weight_bytes / (bw * 1e9) * 1e3
                                        if weight_bytes and bw else None)
+    gemv = limits.get("gemv_gbps")
+    result["lm_kernel_bound_ms_per_token"] = (weight_bytes / (gemv * 1e9) * 1e3
+                                              if weight_bytes and gemv else None)
+    result["lm_vs_kernel_bound"] = _ratio(result["lm_ms_per_token"],
+                                          result["lm_kernel_bound_ms_per_token"])
     for stage in ("flow", "hift"):
         gflop = result[f"{stage}_gflop_per_audio_s"]
         result[f"{stage}_bound_ms_per_audio_s"] = gflop / gemm * 1e3 if gflop and gemm else None
@@ -96,6 +104,8 @@ _TABLE = (
     ("RTF (whole)", "rtf", "", "rtf_bound", None, 2),
     ("LM prefill", "lm_prefill_ms", "ms", None, None, 0),
     ("LM decode", "lm_ms_per_token", "ms/token", "lm_bound_ms_per_token", "lm_vs_bound", 1),
+    ("LM decode, vs its kernel", "lm_ms_per_token", "ms/token", "lm_kernel_bound_ms_per_token",
+     "lm_vs_kernel_bound", 1),
     ("flow", "flow_ms_per_audio_s", "ms/audio-s", "flow_bound_ms_per_audio_s",
      "flow_vs_bound", 0),
     ("HiFT", "hift_ms_per_audio_s", "ms/audio-s", "hift_bound_ms_per_audio_s",
@@ -113,6 +123,7 @@ def print_table(result: dict[str, Any], out: TextIO) -> None:
     w(f"tokens    {result['tokens']} → {_fmt(result['audio_s'], 2)} s of audio, "
       f"threads {result['threads']}, repeats {result['repeats']}\n")
     w(f"machine   read bandwidth {_fmt(result.get('mem_bw_gbps'))} GB/s, "
+      f"{result.get('lm_weights') or 'LM'} GEMV {_fmt(result.get('gemv_gbps'))} GB/s, "
       f"fp32 GEMM {_fmt(result.get('gemm_gflops'))} GFLOP/s; other processes used "
       f"{_fmt(result.get('other_load_cores'), 2)} cores on average during the run\n")
     if (result.get("other_load_cores") or 0) > BUSY_CORES:
