@@ -102,7 +102,7 @@ def quantize_lm_int8(llm: nn.Module, keep: FlatInt8Layers | None = None) -> nn.M
         for name in names:
             sources = _float_sources(llm, name)
             weight, bias = _float_weight_bias(sources)
-            qweight = _quantize_weight(weight)
+            qweight = _quantize_per_channel(weight)
             if keep is not None:
                 try:
                     keep.add(name, _plain_parts(qweight, bias))
@@ -117,21 +117,21 @@ def quantize_lm_int8(llm: nn.Module, keep: FlatInt8Layers | None = None) -> nn.M
     return llm
 
 
-def _quantize_weight(weight: torch.Tensor) -> torch.Tensor:
+def _quantize_per_channel(weight: torch.Tensor) -> torch.Tensor:
     """Per-channel symmetric qint8, as ``per_channel_dynamic_qconfig`` observes and rounds."""
-    from torch.ao.nn.quantized.modules.utils import _quantize_weight as quantize
+    from torch.ao.nn.quantized.modules.utils import _quantize_weight
     from torch.ao.quantization import per_channel_dynamic_qconfig
 
     observer = per_channel_dynamic_qconfig.weight()
     observer(weight)
-    return quantize(weight.float(), observer)
+    return _quantize_weight(weight.float(), observer)
 
 
-def int8_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> nn.Module:
+def int8_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Int8Linear:
     """One float Linear's weight as the engine's int8 layer (same recipe, same kernel)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # torch.ao's deprecation notices, as above
-        return _pack(_quantize_weight(weight), bias)
+        return _pack(_quantize_per_channel(weight), bias)
 
 
 def _linear_dynamic_entry() -> Callable[..., torch.Tensor]:
@@ -155,7 +155,7 @@ class Int8Linear(DynamicLinear):
         return _LINEAR_DYNAMIC(x, self._packed_params._packed_params, True)
 
 
-def _pack(qweight: torch.Tensor, bias: torch.Tensor | None) -> nn.Module:
+def _pack(qweight: torch.Tensor, bias: torch.Tensor | None) -> Int8Linear:
     """A dynamic int8 Linear around a per-channel qint8 weight, packed as ``from_float`` does."""
     # A 1x1 shell resized: the full-size constructor packs a zero weight first (~15 ms a layer).
     module = Int8Linear(1, 1, dtype=torch.qint8)

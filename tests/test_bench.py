@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -144,18 +145,26 @@ def test_summary_medians_bounds_and_ratios() -> None:
 
 @pytest.mark.parametrize("int8", [True, False])
 def test_gemv_probe_runs_the_lm_kernel(int8: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    import engine.bench.limits
     import engine.quantize
 
     built: list[nn.Module] = []
     real = engine.quantize.int8_linear
 
-    def recording(weight: torch.Tensor) -> nn.Module:
-        built.append(real(weight))
+    def recording(weight: torch.Tensor, bias: torch.Tensor | None = None) -> nn.Module:
+        built.append(real(weight, bias))
         return built[-1]
 
+    def one_second(fn: Callable[[], object], repeats: int) -> float:
+        fn()
+        return 1.0
+
     monkeypatch.setattr(engine.quantize, "int8_linear", recording)
-    assert measure_gemv_gbps(int8, blocks=1, repeats=1) > 0
-    # int8: one engine int8 layer per product of a decoder block; fp32: plain float products.
+    monkeypatch.setattr(engine.bench.limits, "_best_time", one_second)
+    # One decoder block's 12.6 M weights in one (pretended) second: 1 byte each in int8, 4 in fp32.
+    block_bytes = (3 * 1024 * 1024 + 1024 * 1024 + 2 * 4096 * 1024) * (1 if int8 else 4)
+    assert measure_gemv_gbps(int8=int8, blocks=1, repeats=1) == pytest.approx(block_bytes / 1e9)
+    # int8: the engine's int8 layer, fused q/k/v included; fp32: plain float products.
     assert [type(m).__name__ for m in built] == (["Int8Linear"] * 4 if int8 else [])
 
 

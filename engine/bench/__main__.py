@@ -78,7 +78,7 @@ def measure_limits(threads: int | None, lm_int8: bool) -> dict[str, float]:
     if threads:
         torch.set_num_threads(threads)
     _LOGGER.info("Measuring memory bandwidth, GEMV and GEMM throughput")
-    return {"mem_bw_gbps": measure_mem_bw_gbps(), "gemv_gbps": measure_gemv_gbps(lm_int8),
+    return {"mem_bw_gbps": measure_mem_bw_gbps(), "gemv_gbps": measure_gemv_gbps(int8=lm_int8),
             "gemm_gflops": measure_gemm_gflops()}
 
 

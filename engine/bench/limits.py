@@ -35,8 +35,10 @@ from engine.constants import HOP, SAMPLE_RATE
 _LOGGER = logging.getLogger(__name__)
 
 MEM_BW_BYTES = 720 * 10**6  # ≈ the fp32 LM weights read per token; far beyond any cache
-# One LM decoder block's matrix products (fused q/k/v, out, FFN in and out), as (out, in).
-GEMV_BLOCK_SHAPES = ((3072, 1024), (1024, 1024), (4096, 1024), (1024, 4096))
+# One LM decoder block's matrix products as (out, in): q/k/v (one fused layer in the int8 LM,
+# three in the fp32 one), out, FFN in and out. 12.6 M weights either way.
+GEMV_BLOCK_SHAPES = {"int8": ((3072, 1024), (1024, 1024), (4096, 1024), (1024, 4096)),
+                     "fp32": ((1024, 1024),) * 4 + ((4096, 1024), (1024, 4096))}
 GEMV_BLOCKS = 8  # 100 MB of int8 (400 MB fp32): three times the 32 MB L3 of the project's VM
 GEMM_ROWS = 344  # CFG batch 2 × 172 mel frames (2 s of audio)
 GEMM_SHAPES = ((256, 512), (256, 512), (256, 512), (512, 256), (256, 1024), (1024, 256))
@@ -62,7 +64,7 @@ def measure_mem_bw_gbps(n_bytes: int = MEM_BW_BYTES, repeats: int = 5) -> float:
         del data
 
 
-def measure_gemv_gbps(int8: bool, blocks: int = GEMV_BLOCKS, repeats: int = 5) -> float:
+def measure_gemv_gbps(*, int8: bool, blocks: int = GEMV_BLOCKS, repeats: int = 5) -> float:
     """GB/s of weights read by the LM's matrix-vector kernel: one row through LM-shaped layers."""
     from functools import partial
 
@@ -71,7 +73,7 @@ def measure_gemv_gbps(int8: bool, blocks: int = GEMV_BLOCKS, repeats: int = 5) -
     products: list[tuple[Callable[[torch.Tensor], torch.Tensor], torch.Tensor]] = []
     n_bytes = 0
     for _ in range(blocks):
-        for out, n_in in GEMV_BLOCK_SHAPES:
+        for out, n_in in GEMV_BLOCK_SHAPES["int8" if int8 else "fp32"]:
             # Constant values: these kernels' speed does not depend on them.
             weight = torch.full((out, n_in), 0.01)
             layer = int8_linear(weight) if int8 else partial(torch.nn.functional.linear,

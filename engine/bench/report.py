@@ -5,8 +5,8 @@ Bounds use this run's limits: ``lm_bound_ms_per_token`` = LM weight bytes per to
 bandwidth, ``flow_bound_ms_per_audio_s`` / ``hift_bound_ms_per_audio_s`` = FLOPs per audio second
 ÷ GEMM throughput. ``*_vs_bound`` is measured ÷ bound (1.0 = at this machine's physical limit).
 ``lm_kernel_bound_ms_per_token`` = the same bytes ÷ the rate the LM's own GEMV kernel reaches
-alone (``gemv_gbps``): ``lm_vs_kernel_bound`` is the part of the LM's distance from its bound
-that is not the kernel's (attention, small ops, Python).
+alone (``gemv_gbps``); what ``lm_vs_kernel_bound`` exceeds 1.0 by is the engine's own time
+(attention over the cache, small ops, Python), not the kernel's.
 """
 
 from __future__ import annotations
