@@ -193,3 +193,44 @@ def test_bad_input_shapes(model: HiFTGenerator, fixtures: dict[str, Tensor]) -> 
         model.inference(torch.zeros(80, 10))
     with pytest.raises(ValueError, match="HiftNoise"):
         model.inference(fixtures["mel100/in_mel"][..., :10], noise=case_noise(fixtures, "mel100"))
+
+
+# --- weight layout ------------------------------------------------------------------------------
+
+
+def _channels_last_convs(model: HiFTGenerator) -> list[torch.nn.Module]:
+    convs = [m for m in model.modules() if hasattr(m, "weight4d")]
+    assert convs
+    return convs
+
+
+@pytest.mark.parametrize("how", ["copy", "assign"])
+def test_conv_kernels_read_the_weights_in_place(legacy_sd: dict[str, Tensor], how: str) -> None:
+    # The 4-D channels-last weight the kernels take is a view of the parameter, not a second
+    # copy of every weight, whether the state dict was copied in or assigned (the fast loader).
+    from engine.weights import assign_state_dict
+
+    if how == "copy":
+        model = build(legacy_sd)
+    else:
+        args = load_model_args(DATA / "tiny_model" / "cosyvoice.yaml").hift
+        with torch.device("meta"):
+            model = HiFTGenerator(args)
+        assign_state_dict(model, normalize_hift_state_dict(legacy_sd), DATA / "hift.pt")
+    for conv in _channels_last_convs(model):
+        w4 = conv.weight4d()
+        assert w4.data_ptr() == conv.weight.data_ptr()
+        assert w4.is_contiguous(memory_format=torch.channels_last)
+
+
+def test_swapped_weight_still_used(model: HiFTGenerator) -> None:
+    # A weight replaced after load (plain contiguous layout) is read correctly, through a copy.
+    conv = model.conv_post
+    plain = conv.weight.detach().contiguous()
+    expected = conv.weight4d().clone()
+    original = conv.weight
+    try:
+        conv.weight = torch.nn.Parameter(plain, requires_grad=False)
+        torch.testing.assert_close(conv.weight4d(), expected, rtol=0, atol=0)
+    finally:
+        conv.weight = original

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -49,6 +50,22 @@ def test_rel_pos_table_layout():
     expect[:, 0::2] = torch.sin(rel * w)
     expect[:, 1::2] = torch.cos(rel * w)
     torch.testing.assert_close(pe.double(), expect, atol=1e-6, rtol=0)
+
+
+def test_rel_pos_table_rows_do_not_depend_on_table_length():
+    # Tables start short and double; the official one has 5000 rows. Same float32 ops per row,
+    # so every row must be bit-identical to the official table's.
+    d, n = 16, 5000
+    position = torch.arange(0, n, dtype=torch.float32).unsqueeze(1)
+    div_term = torch.exp(torch.arange(0, d, 2, dtype=torch.float32) * -(math.log(10000.0) / d))
+    official = torch.zeros(n, d)
+    official[:, 0::2] = torch.sin(position * div_term)
+    official[:, 1::2] = torch.cos(position * div_term)
+    short = rel_pos_table(d, 40)
+    assert torch.equal(short[:40], official[:40].flip(0))
+    long = rel_pos_table(d, 3000)  # grows the cached table past the first size
+    assert torch.equal(long[:3000], official[:3000].flip(0))
+    assert torch.equal(rel_pos_table(d, 40), short)
 
 
 def test_state_dict_keys_match_official(args, llm_sd):
