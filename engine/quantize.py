@@ -1,4 +1,4 @@
-"""Opt-in int8 weights for the speech-token LM (the fast path; changes outputs slightly).
+"""Opt-in int8 weights for the speech-token LM and the flow (change outputs slightly).
 
 The LM decode step reads every decoder weight once per token, so it is memory-bandwidth bound:
 int8 weights (per-output-channel scales, activations quantised on the fly) read 4x fewer bytes.
@@ -9,11 +9,15 @@ is folded into a cached table.
 :func:`next_token_kl` measures what the user trades: the KL divergence of the next-token
 distributions against the float32 model on the same inputs.
 
-Quantising the full-size decoder costs seconds at every start, so :class:`Int8LmLoader` keeps
-the result in a cache file (int8 weights, per-channel scales and zero points, float biases) keyed
-on ``llm.pt``'s path, size and mtime, the cache format and the torch version. On a hit the int8
-layers are rebuilt from the cache in a background thread while the rest of the model loads, and
-the float32 weights of those layers are never read.
+The flow's int8 layers (:func:`flow_int8_layer_names`: its encoder blocks and every Linear of
+the estimator) are an approximation for the fast profiles: a quarter of the flow's 400 MB
+resident, and faster estimator passes (the mel deviation is printed by the benchmark).
+
+Quantising costs seconds at every start, so :class:`Int8Loader` keeps the result in a cache
+file (int8 weights, per-channel scales and zero points, float biases) keyed on the checkpoint's
+path, size and mtime, the cache format and the torch version. On a hit the int8 layers are
+rebuilt from the cache in a background thread while the rest of the model loads, and the float32
+weights of those layers are never read.
 """
 
 from __future__ import annotations
@@ -61,12 +65,12 @@ def _int8_names(block: nn.Module) -> list[str]:
     return names
 
 
-def _float_sources(llm: nn.Module, name: str) -> list[nn.Linear]:
+def _float_sources(model: nn.Module, name: str) -> list[nn.Linear]:
     """The float Linear layers behind one int8 layer name (three for a fused q/k/v)."""
     parent, _, attr = name.rpartition(".")
     if attr != FUSED_QKV:
-        return [llm.get_submodule(name)]
-    owner = llm.get_submodule(parent)
+        return [model.get_submodule(name)]
+    owner = model.get_submodule(parent)
     return [getattr(owner, a) for a in _QKV]
 
 
@@ -78,43 +82,67 @@ def _float_weight_bias(sources: list[nn.Linear]) -> tuple[torch.Tensor, torch.Te
     return torch.cat([s.weight for s in sources]), bias
 
 
+def _block_names(stack: str, blocks: nn.ModuleList) -> list[str]:
+    return [f"{stack}.{i}.{name}" for i, block in enumerate(blocks) for name in _int8_names(block)]
+
+
 def int8_layer_names(llm: nn.Module) -> list[str]:
     """Dotted names (in ``llm``) of every layer :func:`quantize_lm_int8` swaps; call it before."""
-    names = [f"{stack}.encoders.{i}.{name}" for stack in ("text_encoder", "llm")
-             for i, block in enumerate(getattr(llm, stack).encoders)
-             for name in _int8_names(block)]
+    names = [*_block_names("text_encoder.encoders", llm.text_encoder.encoders),
+             *_block_names("llm.encoders", llm.llm.encoders)]
     return [*names, "llm_decoder"]
 
 
+def flow_int8_layer_names(flow: nn.Module) -> list[str]:
+    """The flow's int8 layers: its encoder blocks (as in the LM) and every estimator Linear.
+
+    The estimator is where the time goes (10 passes per chunk, 400 Linear layers at 77-250
+    rows); its attention keeps three q/k/v layers, whose calls cost little at those rows.
+    """
+    estimator = [f"decoder.estimator.{n}"
+                 for n, m in flow.decoder.estimator.named_modules() if isinstance(m, nn.Linear)]
+    return [*_block_names("encoder.encoders", flow.encoder.encoders), *estimator]
+
+
 def quantize_lm_int8(llm: nn.Module, keep: FlatInt8Layers | None = None) -> nn.Module:
-    """Swap the LM's block, head and text-encoder Linear layers for dynamic int8 ones, in place.
+    """Swap the LM's block, head and text-encoder Linear layers for dynamic int8 ones, in place."""
+    return quantize_int8(llm, int8_layer_names(llm), keep)
+
+
+def quantize_flow_int8(flow: nn.Module, keep: FlatInt8Layers | None = None) -> nn.Module:
+    """Swap the flow's encoder-block and estimator Linear layers for int8 ones, in place."""
+    return quantize_int8(flow, flow_int8_layer_names(flow), keep)
+
+
+def quantize_int8(model: nn.Module, names: list[str],
+                  keep: FlatInt8Layers | None = None) -> nn.Module:
+    """Swap the Linear layers ``names`` of ``model`` for dynamic int8 ones, in place.
 
     The recipe of ``quantize_dynamic`` with ``per_channel_dynamic_qconfig`` (per-channel
     symmetric qint8 weights, fbgemm/x86 packing), one layer at a time, releasing each float32
-    weight's pages right after, so the float32 decoder is never resident as a whole. ``keep``
+    weight's pages right after, so the float32 layers are never resident as a whole. ``keep``
     receives each layer's plain int8 parts (for the cache: unpacking later costs seconds).
     """
     file_ranges = file_mapped_ranges()
-    names = int8_layer_names(llm)
     with warnings.catch_warnings():
         # torch.ao.quantization is deprecated in favour of torchao, which we do not ship.
         warnings.simplefilter("ignore")
         for name in names:
-            sources = _float_sources(llm, name)
+            sources = _float_sources(model, name)
             weight, bias = _float_weight_bias(sources)
             qweight = _quantize_per_channel(weight)
             if keep is not None:
                 try:
                     keep.add(name, _plain_parts(qweight, bias))
                 except ValueError as err:  # only the cache is lost, never the load
-                    _LOGGER.warning("Int8 LM layers cannot be cached: %s", err)
+                    _LOGGER.warning("Int8 layers cannot be cached: %s", err)
                     keep.abandon()
                     keep = None
-            _replace(llm, name, _pack(qweight, bias))
+            _replace(model, name, _pack(qweight, bias))
             for source in sources:
                 release_if_mapped(source.weight, file_ranges)
-    _LOGGER.info("LM decoder quantised to int8 (%d Linear layers)", len(names))
-    return llm
+    _LOGGER.info("%s quantised to int8 (%d Linear layers)", type(model).__name__, len(names))
+    return model
 
 
 def _quantize_per_channel(weight: torch.Tensor) -> torch.Tensor:
@@ -207,9 +235,10 @@ def default_int8_cache_dir() -> Path:
 
 
 def cache_path(cache_dir: Path, source: Path) -> Path:
-    """The cache file of one ``llm.pt``: named by its absolute path, so models never share one."""
+    """The cache file of one checkpoint (``llm.pt``, ``flow.pt``): named by its absolute path,
+    so models never share one."""
     digest = hashlib.sha256(str(Path(source).resolve()).encode()).hexdigest()[:16]
-    return Path(cache_dir) / f"llm-{digest}.int8.pt"
+    return Path(cache_dir) / f"{Path(source).stem}-{digest}.int8.pt"
 
 
 def source_key(source: Path) -> dict[str, object]:
@@ -240,11 +269,11 @@ class FlatInt8Layers:
         self._offsets = dict.fromkeys(_PARTS, 0)
 
     @classmethod
-    def for_model(cls, llm: nn.Module, names: list[str]) -> FlatInt8Layers:
-        """Room for the int8 layers ``names`` of ``llm``, to be filled with :meth:`add`."""
+    def for_model(cls, model: nn.Module, names: list[str]) -> FlatInt8Layers:
+        """Room for the int8 layers ``names`` of ``model``, to be filled with :meth:`add`."""
         totals = dict.fromkeys(_PARTS, 0)
         for name in names:
-            sources = _float_sources(llm, name)
+            sources = _float_sources(model, name)
             sizes = _part_sizes(sum(s.out_features for s in sources), sources[0].in_features,
                                 all(s.bias is not None for s in sources))
             for part, size in sizes.items():
@@ -336,9 +365,9 @@ def write_cache(path: Path, key: dict[str, object], flat: FlatInt8Layers) -> boo
         finally:
             tmp.unlink(missing_ok=True)
     except (OSError, RuntimeError) as err:  # torch.save reports a full disk as RuntimeError
-        _LOGGER.warning("Cannot write the int8 LM cache %s (%s); going on without it", path, err)
+        _LOGGER.warning("Cannot write the int8 cache %s (%s); going on without it", path, err)
         return False
-    _LOGGER.info("Saved the int8 LM weights to %s", path)
+    _LOGGER.info("Saved the int8 weights to %s", path)
     return True
 
 
@@ -379,7 +408,7 @@ def read_cache(path: Path, key: dict[str, object],
         raise CacheError(f"unreadable: {type(err).__name__}: {first_line}") from err
     meta = obj.get("meta") if isinstance(obj, dict) else None
     if not isinstance(meta, dict) or "tensors" not in obj:
-        raise CacheError("not an int8 LM cache")
+        raise CacheError("not an int8 cache")
     changed = [k for k, v in key.items() if meta.get(k) != v]
     if changed:
         raise CacheError(f"stale: {', '.join(changed)} changed")
@@ -398,7 +427,7 @@ def read_cache(path: Path, key: dict[str, object],
         return layer
 
     # Packing releases the GIL and is the bulk of a cached start (~1.7 s single-threaded for
-    # the full-size LM): one worker per core halves it.
+    # the full-size LM, ~0.7 s for the flow): one worker per core halves it.
     pool = ThreadPoolExecutor(max_workers=_pack_workers(), thread_name_prefix="int8-pack")
     try:
         return dict(zip(layers, pool.map(build, layers), strict=True))
@@ -410,12 +439,12 @@ def _pack_workers() -> int:
     return max(1, min(4, os.cpu_count() or 1))
 
 
-def _mismatch(llm: nn.Module, names: list[str], layers: dict[str, CachedLayer]) -> str | None:
+def _mismatch(model: nn.Module, names: list[str], layers: dict[str, CachedLayer]) -> str | None:
     """Why cached layers do not fit this model (None when they do); reads no weight."""
     if list(layers) != names:
         return "its layers are not this model's"
     for name, (module, has_bias) in layers.items():
-        sources = _float_sources(llm, name)
+        sources = _float_sources(model, name)
         shape = (sources[0].in_features, sum(s.out_features for s in sources))
         if any(s.in_features != shape[0] for s in sources) \
                 or shape != (module.in_features, module.out_features) \
@@ -424,10 +453,10 @@ def _mismatch(llm: nn.Module, names: list[str], layers: dict[str, CachedLayer]) 
     return None
 
 
-def _replace(llm: nn.Module, name: str, module: nn.Module) -> None:
+def _replace(model: nn.Module, name: str, module: nn.Module) -> None:
     """Install an int8 layer; a fused q/k/v replaces the block's three float projections."""
     parent, _, attr = name.rpartition(".")
-    owner = llm.get_submodule(parent) if parent else llm
+    owner = model.get_submodule(parent) if parent else model
     module.train(owner.training)
     setattr(owner, attr, module)
     if attr == FUSED_QKV:
@@ -448,20 +477,22 @@ def _prime_quantized_warnings() -> None:
                       "zero_points": torch.zeros(1, dtype=torch.int64)})
 
 
-class Int8LmLoader:
-    """Int8 LM decoder layers through an on-disk cache.
+class Int8Loader:
+    """The int8 layers ``layer_names(model)`` of one checkpoint, through an on-disk cache.
 
     Create it before loading the float32 model: a present cache is then validated and packed in
     the background (packing costs ~7 ns per weight, releases the GIL and runs one worker per
     core) while the rest loads. :meth:`apply` swaps the cached layers in, or, when there is no
-    usable cache, quantises afresh with :func:`quantize_lm_int8` and writes the cache. A cache
+    usable cache, quantises afresh with :func:`quantize_int8` and writes the cache. A cache
     that cannot be used is logged as a warning and rebuilt; one that cannot be written is
     skipped.
     """
 
-    def __init__(self, source: Path, cache_dir: Path | None) -> None:
+    def __init__(self, source: Path, cache_dir: Path | None,
+                 layer_names: Callable[[nn.Module], list[str]]) -> None:
         self.path = cache_path(cache_dir, source) if cache_dir is not None else None
         self._source = Path(source)
+        self._layer_names = layer_names
         self._cancel = threading.Event()
         self._layers: dict[str, CachedLayer] | None = None
         self._problem: str | None = None
@@ -476,6 +507,14 @@ class Int8LmLoader:
             self._thread = threading.Thread(target=self._read, name="int8-cache", daemon=True)
             self._thread.start()
 
+    @classmethod
+    def for_lm(cls, model_dir: Path, cache_dir: Path | None) -> Int8Loader:
+        return cls(Path(model_dir) / "llm.pt", cache_dir, int8_layer_names)
+
+    @classmethod
+    def for_flow(cls, model_dir: Path, cache_dir: Path | None) -> Int8Loader:
+        return cls(Path(model_dir) / "flow.pt", cache_dir, flow_int8_layer_names)
+
     def _read(self) -> None:
         assert self.path is not None and self._key is not None
         try:
@@ -489,28 +528,28 @@ class Int8LmLoader:
         """Stop the background read (the model load failed)."""
         self._cancel.set()
 
-    def apply(self, llm: nn.Module) -> bool:
-        """Make ``llm``'s decoder int8, in place; True when the cache was used."""
+    def apply(self, model: nn.Module) -> bool:
+        """Make the layers of ``model`` int8, in place; True when the cache was used."""
         if self._thread is not None:
             self._thread.join()
-        names = int8_layer_names(llm)
+        names = self._layer_names(model)
         if self._layers is not None:
-            self._problem = _mismatch(llm, names, self._layers)
+            self._problem = _mismatch(model, names, self._layers)
             if self._problem is None:
                 for name, layer in self._layers.items():
-                    _replace(llm, name, layer.module)
-                _LOGGER.info("LM decoder int8 weights read from %s", self.path)
+                    _replace(model, name, layer.module)
+                _LOGGER.info("%s: int8 weights read from %s", self._source.name, self.path)
                 self._layers = None
                 return True
             self._layers = None
         if self._problem is not None:
-            _LOGGER.warning("Int8 LM cache %s not used (%s); rebuilding it", self.path,
+            _LOGGER.warning("Int8 cache %s not used (%s); rebuilding it", self.path,
                             self._problem)
         if self.path is None or self._key is None:
-            quantize_lm_int8(llm)
+            quantize_int8(model, names)
             return False
-        flat = FlatInt8Layers.for_model(llm, names)
-        quantize_lm_int8(llm, keep=flat)
+        flat = FlatInt8Layers.for_model(model, names)
+        quantize_int8(model, names, keep=flat)
         try:
             changed = source_key(self._source) != self._key
         except OSError:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from collections.abc import Callable
@@ -168,12 +169,12 @@ def test_gemv_probe_runs_the_lm_kernel(int8: bool, monkeypatch: pytest.MonkeyPat
     assert [type(m).__name__ for m in built] == (["Int8Linear"] * 4 if int8 else [])
 
 
-def run_bench_json(*args: str, timeout: float) -> dict:
+def run_bench_json(*args: str, timeout: float, env: dict[str, str] | None = None) -> dict:
     """``python -m engine.bench --model-dir <tiny> ARGS --json`` in a subprocess; its JSON."""
     command = [sys.executable, "-m", "engine.bench", "--model-dir", str(TINY_MODEL), *args,
                "--json"]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-                          check=False)
+                          check=False, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout)
 
@@ -186,6 +187,20 @@ def test_benchmark_runs_on_the_tiny_model() -> None:
     assert result["profile"] == "realtime"
     assert result["audio_s"] > 0
     assert 0 < result["stream_peak_rss_mb"] <= result["peak_rss_mb"]
+
+
+def test_benchmark_loads_the_profiles_int8_flow_and_reports_its_deviation(
+    tmp_path: Path,
+) -> None:
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path)}  # the int8 caches land here
+    result = run_bench_json("--profile", "fastest", "--lm-int8", "--tokens", "30",
+                            "--repeats", "2", timeout=280, env=env)
+    assert (result["flow_weights"], result["lm_weights"]) == ("int8", "int8")
+    assert [run["flow_int8_cache_hit"] for run in result["runs"]] == [False, True]
+    # Measured against the float32 flow at 10 steps with guidance, not against itself.
+    assert 0 < result["mel_rel_l2_vs_exact"] < 1
+    caches = (tmp_path / "wyoming-cosyvoice" / "int8").iterdir()
+    assert sorted(p.name.split("-")[0] for p in caches) == ["flow", "llm"]
 
 
 @pytest.mark.slow

@@ -125,6 +125,7 @@ def test_custom_profile_in_a_config_file(tmp_path: Path) -> None:
         ("profiles.realtime.speed", 2, "profiles.realtime.speed"),
         ("profiles.realtime.start_policy", "later", "profiles.realtime.start_policy"),
         ("server.lm_weights", "int4", "server.lm_weights"),
+        ("profiles.fast.flow_weights", "int4", "profiles.fast.flow_weights"),
         ("profiles.batch", 3, "profiles.batch"),
         ("extras", 1, "extras"),
     ],
@@ -169,3 +170,10 @@ def test_profile_options_carry_every_setting() -> None:
     options = fast.options(speaker="x", seed=3, instruct=None, force_tokens=7)
     assert (options.n_timesteps, options.start_policy, options.seed) == (5, "gapless", 3)
     assert options.schedule == fast.schedule and options.stream is fast.stream_audio
+
+
+def test_exact_profiles_keep_the_float_flow_and_fast_ones_use_int8() -> None:
+    profiles = load_config(None).profiles
+    weights = {name: profile.flow_weights for name, profile in profiles.items()}
+    assert weights == {"realtime": "fp32", "fast": "int8", "fastest": "int8",
+                       "quality": "fp32", "batch": "fp32"}

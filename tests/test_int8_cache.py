@@ -1,4 +1,4 @@
-"""The on-disk cache of the int8 LM weights (engine.quantize.Int8LmLoader) on the tiny model.
+"""The on-disk cache of the int8 LM weights (engine.quantize.Int8Loader) on the tiny model.
 
 Every test copies the tiny model into its tmp_path and passes ``int8_cache_dir`` explicitly, so
 nothing is written outside tmp_path (and touching ``llm.pt`` never changes the repository).
@@ -6,6 +6,7 @@ nothing is written outside tmp_path (and touching ``llm.pt`` never changes the r
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import shutil
@@ -206,7 +207,7 @@ def test_an_unwritable_cache_dir_still_loads(
     blocker.write_text("")  # its "subdirectory" cannot be created, even by root
     engine = load(model, blocker / "int8")
     assert engine.lm_int8_cache_hit is False
-    assert "Cannot write the int8 LM cache" in warnings_of(caplog)
+    assert "Cannot write the int8 cache" in warnings_of(caplog)
     assert torch.equal(logits(engine), reference)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file", "tiny_model"]
 
@@ -233,3 +234,30 @@ def test_the_server_caches_under_its_download_dir(tmp_path: Path) -> None:
     assert int8_cache_dir(config) == tmp_path / ".cache" / "int8"
     missing = load_config(None, [("server.data_dirs", [str(tmp_path / "missing")])])
     assert int8_cache_dir(missing) is None  # no data dir is created just for a cache
+
+
+@pytest.mark.parametrize(("profile", "flow_int8"), [("realtime", False), ("fastest", True)])
+def test_the_server_loads_the_flow_in_its_profiles_format(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, profile: str, flow_int8: bool
+) -> None:
+    from wyoming_cosyvoice.config import load_config
+    from wyoming_cosyvoice.server import host_for_config
+
+    config = load_config(None, [("server.profile", profile), ("server.warmup", False)])
+    loaded: list[dict[str, object]] = []
+
+    def engine_load(model_dir: Path, **options: object) -> object:
+        loaded.append(options)
+        raise ModelLoadError("stop here")  # only the options matter
+
+    async def build_and_load() -> None:  # the host wants a running event loop
+        host = host_for_config(config, tmp_path)
+        try:
+            with pytest.raises(ModelLoadError):
+                host._factory(tmp_path, None)
+        finally:
+            host.shutdown()
+
+    monkeypatch.setattr(CosyVoiceEngine, "load", engine_load)
+    asyncio.run(build_and_load())
+    assert loaded and loaded[0]["flow_int8"] is flow_int8 and loaded[0]["lm_int8"] is True

@@ -28,8 +28,10 @@ _PROFILE_DEFAULTS: dict[str, Any] = {
     "n_timesteps": 10,
     "cfg_rate": 0.7,
     "start_policy": "eager",
+    "flow_weights": "fp32",
 }
 LM_WEIGHTS = ("int8", "fp32")
+FLOW_WEIGHTS = ("fp32", "int8")
 
 DEFAULTS: dict[str, Any] = {
     "server": {
@@ -70,6 +72,7 @@ DEFAULTS: dict[str, Any] = {
             "n_timesteps": 5,
             "cfg_rate": 0.7,
             "start_policy": "eager",
+            "flow_weights": "int8",
         },
         "fastest": {
             "streaming": True,
@@ -78,6 +81,7 @@ DEFAULTS: dict[str, Any] = {
             "n_timesteps": 4,
             "cfg_rate": 0.0,
             "start_policy": "eager",
+            "flow_weights": "int8",
         },
         "quality": {
             "streaming": True,
@@ -131,6 +135,7 @@ class ProfileConfig:
     n_timesteps: int
     cfg_rate: float
     start_policy: str = "eager"
+    flow_weights: str = "fp32"  # the server loads the flow in this format (int8: approximation)
 
     def options(self, *, speaker: str | None, seed: int | None, instruct: str | None,
                 force_tokens: int | None) -> SynthesisOptions:
@@ -385,7 +390,14 @@ def _profile(name: str, raw: Any) -> ProfileConfig:
         n_timesteps=_check(f"{key}.n_timesteps", values["n_timesteps"], "int+"),
         cfg_rate=float(cfg_rate),
         start_policy=_start_policy(f"{key}.start_policy", values["start_policy"]),
+        flow_weights=_flow_weights(f"{key}.flow_weights", values["flow_weights"]),
     )
+
+
+def _flow_weights(key: str, value: Any) -> str:
+    if value not in FLOW_WEIGHTS:
+        raise ConfigError(key, f"must be one of {', '.join(FLOW_WEIGHTS)}, not {value!r}")
+    return str(value)
 
 
 def _start_policy(key: str, value: Any) -> str:

@@ -49,13 +49,21 @@ EngineFactory = Callable[[Path, "int | None"], Engine]
 
 
 def load_cosyvoice(
-    model_dir: Path, threads: int | None, lm_int8: bool = True, int8_cache_dir: Path | None = None
+    model_dir: Path,
+    threads: int | None,
+    lm_int8: bool = True,
+    int8_cache_dir: Path | None = None,
+    flow_int8: bool = False,
 ) -> Engine:
     """The real engine; imported here so torch loads on the engine thread, not at startup."""
     from engine.engine import CosyVoiceEngine
 
     return CosyVoiceEngine.load(
-        model_dir, threads=threads, lm_int8=lm_int8, int8_cache_dir=int8_cache_dir
+        model_dir,
+        threads=threads,
+        lm_int8=lm_int8,
+        flow_int8=flow_int8,
+        int8_cache_dir=int8_cache_dir,
     )
 
 
@@ -356,7 +364,8 @@ class RunningServer:
 def host_for_config(
     config: ServerConfig, model_dir: Path, engine_factory: EngineFactory = load_cosyvoice
 ) -> ModelHost:
-    """The model host both front ends use: the config's threads, warm-up, LM weights, int8 cache.
+    """The model host both front ends use: the config's threads, warm-up, weight formats (LM:
+    server setting, flow: the profile's), int8 cache.
 
     ``engine_factory`` other than the real loader (a test fake) is used as given.
     """
@@ -364,6 +373,7 @@ def host_for_config(
         engine_factory = partial(
             load_cosyvoice,
             lm_int8=config.lm_weights == "int8",
+            flow_int8=config.profile.flow_weights == "int8",
             int8_cache_dir=int8_cache_dir(config),
         )
     serve_threads = None

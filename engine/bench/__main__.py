@@ -82,13 +82,14 @@ def measure_limits(threads: int | None, lm_int8: bool) -> dict[str, float]:
             "gemm_gflops": measure_gemm_gflops()}
 
 
-def model_files(model_dir: Path, lm_int8: bool) -> list[Path]:
-    """The files a load reads: the model directory's, plus the engine's int8 LM cache file."""
-    files = sorted(path for path in model_dir.iterdir() if path.is_file())
-    if lm_int8:
-        from engine.quantize import cache_path, default_int8_cache_dir
+def model_files(model_dir: Path, lm_int8: bool, flow_int8: bool = False) -> list[Path]:
+    """The files a load reads: the model directory's, plus the engine's int8 cache files."""
+    from engine.quantize import cache_path, default_int8_cache_dir
 
-        files.append(cache_path(default_int8_cache_dir(), model_dir / "llm.pt"))
+    files = sorted(path for path in model_dir.iterdir() if path.is_file())
+    for checkpoint, int8 in (("llm.pt", lm_int8), ("flow.pt", flow_int8)):
+        if int8:
+            files.append(cache_path(default_int8_cache_dir(), model_dir / checkpoint))
     return files
 
 
@@ -136,7 +137,8 @@ def run_benchmark(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
                            count_flops=index == 0, warmup=not args.no_warmup,
                            lm_int8=args.lm_int8)
         _LOGGER.info("Run %d/%d", index + 1, args.repeats)
-        warmed = warm_page_cache(model_files(model_dir, args.lm_int8))
+        warmed = warm_page_cache(model_files(model_dir, args.lm_int8,
+                                             profile.flow_weights == "int8"))
         _LOGGER.debug("Read %.0f MB of model files into the page cache", warmed / 1e6)
         runs.append(run_worker(config))
         _LOGGER.info("  first audio %.0f ms, total %.0f ms (RTF %.2f)",

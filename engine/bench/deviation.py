@@ -1,7 +1,7 @@
 """What the fast-path options trade: their distance from the exact path on the same inputs.
 
-* flow steps / guidance: relative L2 distance of the mel from the 10-step, CFG 0.7 mel, same
-  tokens, same speaker, same initial noise;
+* flow steps / guidance / int8 flow: relative L2 distance of the mel from the float32 flow's
+  10-step, CFG 0.7 mel, same tokens, same speaker, same initial noise;
 * int8 LM: KL divergence of the next-token distributions from the float32 LM, teacher-forced
   on the same token sequence.
 """
@@ -21,22 +21,27 @@ EXACT_CFG = 0.7
 
 
 def mel_relative_l2(flow: torch.nn.Module, embedding: torch.Tensor, *, n_timesteps: int,
-                    cfg_rate: float, n_tokens: int = 100, seed: int = 0) -> float:
-    """||mel(n_timesteps, cfg_rate) − mel(exact)|| / ||mel(exact)|| for random tokens."""
+                    cfg_rate: float, n_tokens: int = 100, seed: int = 0,
+                    exact_flow: torch.nn.Module | None = None) -> float:
+    """||mel(n_timesteps, cfg_rate) − mel(exact)|| / ||mel(exact)|| for random tokens.
+
+    The exact mel comes from ``exact_flow`` (the float32 flow when ``flow`` is int8), else from
+    ``flow`` itself at the exact settings.
+    """
     gen = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, SPEECH_VOCAB, (1, n_tokens), generator=gen)
     z = torch.randn(1, N_MELS, tokens_to_frames(n_tokens), generator=gen)
     prompt_tokens = torch.zeros(1, 0, dtype=torch.int64)
     prompt_feat = torch.zeros(1, 0, N_MELS)
 
-    def mel(steps: int, cfg: float) -> torch.Tensor:
+    def mel(model: torch.nn.Module, steps: int, cfg: float) -> torch.Tensor:
         with torch.inference_mode():
-            out, _ = flow.inference(tokens, prompt_tokens, prompt_feat, embedding, None,
-                                    noise=z.clone(), n_timesteps=steps, cfg_rate=cfg)
+            out, _ = model.inference(tokens, prompt_tokens, prompt_feat, embedding, None,
+                                     noise=z.clone(), n_timesteps=steps, cfg_rate=cfg)
         return out
 
-    exact = mel(EXACT_STEPS, EXACT_CFG)
-    return float((mel(n_timesteps, cfg_rate) - exact).norm() / exact.norm())
+    exact = mel(exact_flow or flow, EXACT_STEPS, EXACT_CFG)
+    return float((mel(flow, n_timesteps, cfg_rate) - exact).norm() / exact.norm())
 
 
 def lm_int8_kl(llm: torch.nn.Module, text_ids: list[int], embedding: torch.Tensor, *,

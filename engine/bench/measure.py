@@ -165,13 +165,18 @@ def run(config: RunConfig) -> dict[str, Any]:
 
     profile = get_profile(config.profile, Path(config.config) if config.config else None)
     start = time.perf_counter()
-    load_options = {"lm_int8": True} if config.lm_int8 else {}
-    engine = CosyVoiceEngine.load(config.model_dir, threads=config.threads, **load_options)
+    flow_int8 = profile.flow_weights == "int8"
+    engine = CosyVoiceEngine.load(config.model_dir, threads=config.threads,
+                                  lm_int8=config.lm_int8, flow_int8=flow_int8)
     result: dict[str, Any] = {"load_s": time.perf_counter() - start,
                               "threads": torch.get_num_threads(),
-                              "lm_weights": "int8" if config.lm_int8 else "fp32"}
-    if config.lm_int8:  # a miss quantises (seconds); a hit reads the engine's int8 cache
-        result["lm_int8_cache_hit"] = bool(getattr(engine, "lm_int8_cache_hit", False))
+                              "lm_weights": "int8" if config.lm_int8 else "fp32",
+                              "flow_weights": profile.flow_weights}
+    # A miss quantises (seconds); a hit reads the engine's int8 cache.
+    if config.lm_int8:
+        result["lm_int8_cache_hit"] = bool(engine.lm_int8_cache_hit)
+    if flow_int8:
+        result["flow_int8_cache_hit"] = bool(engine.flow_int8_cache_hit)
     timer = StageTimer()
     timer.install(engine.models)
 
@@ -211,27 +216,28 @@ def run(config: RunConfig) -> dict[str, Any]:
     if config.count_flops:
         result.update(_stage_flops(engine, timer, profile.n_timesteps, profile.cfg_rate,
                                    flow_window))
-        result.update(_deviations(engine, config, profile.n_timesteps, profile.cfg_rate))
+        result.update(_deviations(engine, config, profile.n_timesteps, profile.cfg_rate,
+                                  flow_int8))
     return result
 
 
-def _deviations(engine: Any, config: RunConfig, n_timesteps: int,
-                cfg_rate: float) -> dict[str, float]:
+def _deviations(engine: Any, config: RunConfig, n_timesteps: int, cfg_rate: float,
+                flow_int8: bool) -> dict[str, float]:
     """How far this run's fast-path options are from the exact path (0 when exact)."""
     from engine.bench.deviation import EXACT_CFG, EXACT_STEPS, lm_int8_kl, mel_relative_l2
+    from engine.weights import load_model_dir
 
     embedding = engine.models.speakers[engine.speakers[0]].reshape(1, -1)
+    # The exact references are float32 models loaded afresh: the engine's may be int8.
+    fp32 = load_model_dir(Path(config.model_dir)) if config.lm_int8 or flow_int8 else None
     out = {"mel_rel_l2_vs_exact": 0.0}
-    if (n_timesteps, cfg_rate) != (EXACT_STEPS, EXACT_CFG):
-        out["mel_rel_l2_vs_exact"] = mel_relative_l2(engine.models.flow, embedding,
-                                                     n_timesteps=n_timesteps, cfg_rate=cfg_rate)
+    if flow_int8 or (n_timesteps, cfg_rate) != (EXACT_STEPS, EXACT_CFG):
+        out["mel_rel_l2_vs_exact"] = mel_relative_l2(
+            engine.models.flow, embedding, n_timesteps=n_timesteps, cfg_rate=cfg_rate,
+            exact_flow=fp32.flow if flow_int8 else None)
     if config.lm_int8:
-        # Compared against a float32 copy loaded afresh: the engine's LM is already int8.
-        from engine.weights import load_model_dir
-
-        fp32 = load_model_dir(Path(config.model_dir)).llm
         text_ids = engine.frontend.segments(config.text)[0].token_ids
-        out.update(lm_int8_kl(fp32, text_ids, embedding))
+        out.update(lm_int8_kl(fp32.llm, text_ids, embedding))
     return out
 
 

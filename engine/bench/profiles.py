@@ -1,8 +1,9 @@
 """Benchmark profiles: the server's named profiles from ``config.yaml``, else built-in ones.
 
 A profile fixes what changes speed: the streaming schedule (when the first chunk is cut and how
-hops grow), the number of flow ODE steps and the CFG rate. The server's ``config.yaml`` is the
-single source of truth; the built-ins only keep the benchmark usable without the server package.
+hops grow), the number of flow ODE steps, the CFG rate and the flow's weight format. The
+server's ``config.yaml`` is the single source of truth; the built-ins only keep the benchmark
+usable without the server package.
 """
 
 from __future__ import annotations
@@ -25,12 +26,14 @@ class BenchProfile:
     n_timesteps: int = 10
     cfg_rate: float = 0.7
     source: str = "built-in"
+    flow_weights: str = "fp32"  # the format the engine loads the flow in
 
     def describe(self) -> dict[str, object]:
         s = self.schedule
         return {"name": self.name, "source": self.source, "schedule": s.name,
                 "first_hop": s.first_hop, "growth": s.growth, "max_hop": s.max_hop,
-                "n_timesteps": self.n_timesteps, "cfg_rate": self.cfg_rate}
+                "n_timesteps": self.n_timesteps, "cfg_rate": self.cfg_rate,
+                "flow_weights": self.flow_weights}
 
 
 BUILTIN_PROFILES = {
@@ -49,7 +52,8 @@ def available_profiles(config: Path | None = None) -> dict[str, BenchProfile]:
         return dict(BUILTIN_PROFILES)
     server = load_config(config)
     source = str(config) if config else "config.yaml"
-    return {name: BenchProfile(name, p.schedule, p.n_timesteps, p.cfg_rate, source)
+    return {name: BenchProfile(name, p.schedule, p.n_timesteps, p.cfg_rate, source,
+                               p.flow_weights)
             for name, p in server.profiles.items()}
 
 
