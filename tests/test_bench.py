@@ -211,3 +211,34 @@ def test_concurrency_through_the_server() -> None:
         assert len(level["requests"]) == level["concurrency"]
         assert all(r["audio_s"] > 0 and r["first_audio_ms"] for r in level["requests"])
         assert level["aggregate_audio_s_per_s"] > 0
+
+
+def test_flop_count_is_the_same_for_the_int8_flow(tmp_path: Path) -> None:
+    # The int8 flow does the same products: its bound must not shrink to its convolutions.
+    from engine.bench.limits import count_stage_flops
+    from engine.bench.timers import StageTimer
+    from engine.constants import SPEECH_VOCAB
+    from engine.quantize import quantize_flow_int8
+    from engine.streaming import ChunkVocoder, FlowPrompt, GeneratorNoise
+    from engine.weights import load_model_dir
+
+    def flops(int8: bool) -> float:
+        models = load_model_dir(TINY_MODEL)
+        if int8:
+            quantize_flow_int8(models.flow)
+        timer = StageTimer()
+        timer.install(models)
+        embedding = next(iter(models.speakers.values())).reshape(1, -1)
+        tokens = torch.randint(0, SPEECH_VOCAB, (1, 20), generator=torch.Generator().manual_seed(0))
+
+        def run_chunk(steps: int) -> None:
+            vocoder = ChunkVocoder(models.flow, models.hift, FlowPrompt(embedding),
+                                   GeneratorNoise(torch.Generator().manual_seed(0)),
+                                   n_timesteps=steps, cfg_rate=0.7)
+            with torch.inference_mode():
+                vocoder.chunk(tokens, finalize=True)
+
+        return count_stage_flops(run_chunk, timer, 10).flow_gflop_per_audio_s
+
+    fp32 = flops(False)
+    assert fp32 > 0 and flops(True) == pytest.approx(fp32, rel=1e-6)

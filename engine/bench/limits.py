@@ -19,6 +19,7 @@ of its bound, which says how much an optimisation could still gain.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import resource
 import time
@@ -204,8 +205,18 @@ def _cpu_attention_flops(query_shape: tuple[int, ...], key_shape: tuple[int, ...
     return 2 * rows * t_q * t_k * (d + d_v)
 
 
-_ATTENTION_FLOPS = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu:
-                    _cpu_attention_flops}
+def _int8_linear_flops(input_shape: tuple[int, ...], *args: object,
+                       out_shape: tuple[int, ...], **kwargs: object) -> int:
+    """The engine's int8 Linear layers (the int8 flow's), which the FLOP counter does not know.
+
+    Without it an int8 flow would count only its convolutions and attention, and its bound would
+    shrink by three quarters. Counted as the float product it replaces.
+    """
+    return 2 * math.prod(input_shape) * out_shape[-1]
+
+
+_EXTRA_FLOPS = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _cpu_attention_flops,
+                torch.ops.quantized.linear_dynamic: _int8_linear_flops}
 
 
 def count_stage_flops(run_chunk: Callable[[int], object], timer: StageTimer,
@@ -221,7 +232,7 @@ def count_stage_flops(run_chunk: Callable[[int], object], timer: StageTimer,
     runs: dict[int, tuple[StageEvent, StageEvent]] = {}
     for steps in (1, 2):
         timer.reset()
-        with FlopCounterMode(display=False, custom_mapping=_ATTENTION_FLOPS) as counter:
+        with FlopCounterMode(display=False, custom_mapping=_EXTRA_FLOPS) as counter:
             timer.counter = counter
             try:
                 run_chunk(steps)
