@@ -131,7 +131,12 @@ class CosyVoiceEngine:
             for loader in loaders.values():
                 loader.cancel()
             raise
-        hits = {part: loader.apply(getattr(models, part)) for part, loader in loaders.items()}
+        try:
+            hits = {part: loader.apply(getattr(models, part)) for part, loader in loaders.items()}
+        except BaseException:
+            for loader in loaders.values():  # the ones not applied yet stop packing
+                loader.cancel()
+            raise
         _LOGGER.info("Loaded %s in %.2f s", model_dir, time.perf_counter() - start)
         engine = cls(models, kind=kind, threads=threads, frontend=frontend)
         engine.lm_int8_cache_hit = hits.get("llm")

@@ -53,20 +53,15 @@ class _ChannelsLast:
     def materialize_derived(self) -> None:
         """Re-lay the weight out channels-last (after an assigning load, which replaced it)."""
         w = self.weight
-        if not w.is_meta and not _is_channels_last(w):
-            relaid = w.detach().unsqueeze(2).contiguous(memory_format=torch.channels_last)
-            self.weight = nn.Parameter(relaid.squeeze(2), requires_grad=w.requires_grad)
+        if not w.is_meta:
+            relaid = self.weight4d().detach()
+            if relaid.data_ptr() != w.data_ptr():
+                self.weight = nn.Parameter(relaid.squeeze(2), requires_grad=w.requires_grad)
 
     def weight4d(self) -> Tensor:
-        w4 = self.weight.unsqueeze(2)
-        if _is_channels_last(self.weight):
-            return w4
-        # Only if a caller swapped the weight after load: correct, at a copy per call.
-        return w4.contiguous(memory_format=torch.channels_last)
-
-
-def _is_channels_last(weight: Tensor) -> bool:
-    return weight.unsqueeze(2).is_contiguous(memory_format=torch.channels_last)
+        # A view when the weight is stored channels-last (always, unless a caller swapped it
+        # after load: then a correct copy per call).
+        return self.weight.unsqueeze(2).contiguous(memory_format=torch.channels_last)
 
 
 class CLConv1d(_ChannelsLast, nn.Conv1d):

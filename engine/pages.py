@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import struct
 import sys
 
 import torch
@@ -30,9 +31,27 @@ def release_pages(tensor: torch.Tensor) -> None:
     start = tensor.data_ptr()
     end = start + tensor.numel() * tensor.element_size()
     first, last = -(-start // page) * page, end // page * page
-    if last > first:
+    if last > first and not _has_written_pages(first // page, last // page):
         libc = ctypes.CDLL(None, use_errno=True)
         libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), _MADV_DONTNEED)
+
+
+def _has_written_pages(first: int, last: int) -> bool:
+    """Whether pages ``first``…``last``-1 hold private copies (or cannot be checked).
+
+    Checkpoints are mapped copy-on-write: a weight written in place after loading lives in
+    anonymous copies of its pages, and releasing those would silently revert it to the file's
+    values. /proc/self/pagemap marks a present page that is still the file's with bit 61.
+    """
+    try:
+        with open("/proc/self/pagemap", "rb", buffering=0) as pagemap:
+            pagemap.seek(first * 8)
+            entries = pagemap.read((last - first) * 8)
+    except OSError:
+        return True  # unknown: keep the pages
+    present, file_page = 1 << 63, 1 << 61
+    return any(entry & present and not entry & file_page
+               for (entry,) in struct.iter_unpack("<Q", entries))
 
 
 def release_if_mapped(tensor: torch.Tensor, file_ranges: list[tuple[int, int]]) -> None:

@@ -28,6 +28,7 @@ from engine.pages import file_mapped_ranges, release_if_mapped
 # The official table has 5000 rows; each row is computed on its own, so a shorter table holds the
 # same values. Starting small and doubling keeps ≈ 50 MB of never-read rows out of memory.
 _MIN_TABLE_LEN = 512
+_OFFICIAL_TABLE_LEN = 5000
 _tables: dict[int, tuple[Tensor, Tensor]] = {}
 _tables_lock = threading.Lock()
 
@@ -36,7 +37,8 @@ def _rel_pos_tables(d: int, n: int) -> tuple[Tensor, Tensor]:
     """(pos, neg), each (N >= n, d) float32: rows m hold the encodings of +m and -m.
 
     Even dims sin, odd dims cos, w_i = 10000^(-2i/d); computed with the same float32 ops as the
-    official 5000-row table so the values are identical (N is n rounded up to a power of two).
+    official 5000-row table so the values are identical (N: 512 doubled until it holds n, but
+    never more than the larger of n and 5000).
     """
     cached = _tables.get(d)
     if cached is not None and cached[0].shape[0] >= n:
@@ -48,6 +50,7 @@ def _rel_pos_tables(d: int, n: int) -> tuple[Tensor, Tensor]:
         size = _MIN_TABLE_LEN
         while size < n:
             size *= 2
+        size = min(size, max(n, _OFFICIAL_TABLE_LEN))  # no larger than the official table
         position = torch.arange(0, size, dtype=torch.float32).unsqueeze(1)
         div_term = torch.exp(
             torch.arange(0, d, 2, dtype=torch.float32) * -(math.log(10000.0) / d)

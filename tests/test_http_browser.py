@@ -177,7 +177,9 @@ def browser(tmp_path: Path) -> Iterator[DevTools]:
 
 def test_page_lists_voices_and_speaks_as_it_streams(browser: DevTools, tmp_path: Path) -> None:
     def engine(path: Path, threads: int | None) -> FakeEngine:
-        return FakeEngine(path, threads, delay=0.1)  # 100 ms of audio per 100 ms: ~2 s
+        # 100 ms of audio per 200 ms, ~4 s in all: still streaming when the first audio is
+        # checked, even on a busy machine (at ~2 s a loaded CI box once saw it done already).
+        return FakeEngine(path, threads, delay=0.2)
 
     with BackgroundServer(engine_factory=engine, wyoming=False) as srv:
         browser.call("Page.enable")

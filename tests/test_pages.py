@@ -48,3 +48,27 @@ def test_the_lm_positional_weights_are_given_back_once_projected() -> None:
     for block in llm.llm.encoders:  # rebuilt from the given-back pages, which read back intact
         block.self_attn._pos_cache = None
     assert torch.equal(decode(), first)
+
+
+def test_a_weight_written_after_loading_is_never_reverted() -> None:
+    # Checkpoints are mapped copy-on-write: releasing a written page would bring back the
+    # file's values. The positional rows must be built from, and the weight keep, the new ones.
+    llm = load_model_dir(TINY).llm
+    attention = llm.llm.encoders[0].self_attn
+    written = torch.randn(attention.linear_pos.weight.shape,
+                          generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        attention.linear_pos.weight.copy_(written)
+    rows = attention._pos_rows(10)
+    assert torch.equal(attention.linear_pos.weight, written)
+    assert resident_pages(attention.linear_pos.weight) > 0
+    expected = torch.nn.functional.linear(rel_pos_rows(attention, 10), written)
+    assert torch.allclose(rows.transpose(0, 1).reshape(10, -1) * attention.d_k ** 0.5,
+                          expected, atol=1e-5)
+
+
+def rel_pos_rows(attention: torch.nn.Module, length: int) -> torch.Tensor:
+    """The sin/cos encodings of relative positions length-1 … 0 (the rows _pos_rows projects)."""
+    from engine.transformer import rel_pos_table
+
+    return rel_pos_table(attention.linear_pos.weight.shape[1], length)[:length]

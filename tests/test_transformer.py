@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from engine import transformer
 from engine.hparams import load_model_args
 from engine.transformer import RelPosEncoder, rel_pos_table
 
@@ -52,20 +53,33 @@ def test_rel_pos_table_layout():
     torch.testing.assert_close(pe.double(), expect, atol=1e-6, rtol=0)
 
 
-def test_rel_pos_table_rows_do_not_depend_on_table_length():
+def test_rel_pos_table_rows_do_not_depend_on_table_length(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     # Tables start short and double; the official one has 5000 rows. Same float32 ops per row,
-    # so every row must be bit-identical to the official table's.
+    # so every row must be bit-identical to the official table's, +m and -m alike.
+    monkeypatch.setattr(transformer, "_tables", {})  # built here, from the shortest size
     d, n = 16, 5000
     position = torch.arange(0, n, dtype=torch.float32).unsqueeze(1)
     div_term = torch.exp(torch.arange(0, d, 2, dtype=torch.float32) * -(math.log(10000.0) / d))
-    official = torch.zeros(n, d)
-    official[:, 0::2] = torch.sin(position * div_term)
-    official[:, 1::2] = torch.cos(position * div_term)
+    pos, neg = torch.zeros(n, d), torch.zeros(n, d)
+    pos[:, 0::2] = torch.sin(position * div_term)
+    pos[:, 1::2] = torch.cos(position * div_term)
+    neg[:, 0::2] = torch.sin(-1 * position * div_term)
+    neg[:, 1::2] = torch.cos(-1 * position * div_term)
+
+    def official(length: int) -> torch.Tensor:  # relative positions length-1 … -(length-1)
+        return torch.cat([pos[:length].flip(0), neg[1:length]])
+
     short = rel_pos_table(d, 40)
-    assert torch.equal(short[:40], official[:40].flip(0))
+    assert transformer._tables[d][0].shape[0] == 512
+    assert torch.equal(short, official(40))
     long = rel_pos_table(d, 3000)  # grows the cached table past the first size
-    assert torch.equal(long[:3000], official[:3000].flip(0))
+    assert transformer._tables[d][0].shape[0] == 4096
+    assert torch.equal(long, official(3000))
     assert torch.equal(rel_pos_table(d, 40), short)
+    rel_pos_table(d, 4500)
+    assert transformer._tables[d][0].shape[0] == 5000  # never beyond the official length
 
 
 def test_state_dict_keys_match_official(args, llm_sd):

@@ -109,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
     from wyoming_cosyvoice.http.speech import synthesis_options
     from wyoming_cosyvoice.info import Voice, VoiceCatalog
     from wyoming_cosyvoice.protocol import VoiceNotFoundError
-    from wyoming_cosyvoice.server import peek_speakers
+    from wyoming_cosyvoice.server import engine_loader, peek_speakers
 
     try:
         config = settings(args)
@@ -140,11 +140,11 @@ def run(args: argparse.Namespace) -> int:
         return 2
 
     from engine.constants import SAMPLE_RATE
-    from engine.engine import CosyVoiceEngine
     from engine.types import EngineError
 
     try:
-        engine = CosyVoiceEngine.load(model_dir, threads=config.threads)
+        # The profile's weight formats, as the server would load them (batch: float32 flow).
+        engine = engine_loader(config)(model_dir, config.threads)
         if voice is None:
             voice = pick_voice(engine.speakers)
     except (EngineError, VoiceNotFoundError) as err:

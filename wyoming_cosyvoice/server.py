@@ -361,21 +361,26 @@ class RunningServer:
         self.host.shutdown()
 
 
+def engine_loader(config: ServerConfig) -> EngineFactory:
+    """The real loader with the config's weight formats (LM: server setting, flow: the
+    profile's) and int8 cache directory."""
+    return partial(
+        load_cosyvoice,
+        lm_int8=config.lm_weights == "int8",
+        flow_int8=config.profile.flow_weights == "int8",
+        int8_cache_dir=int8_cache_dir(config),
+    )
+
+
 def host_for_config(
     config: ServerConfig, model_dir: Path, engine_factory: EngineFactory = load_cosyvoice
 ) -> ModelHost:
-    """The model host both front ends use: the config's threads, warm-up, weight formats (LM:
-    server setting, flow: the profile's), int8 cache.
+    """The model host both front ends use: the config's threads, warm-up and engine loader.
 
     ``engine_factory`` other than the real loader (a test fake) is used as given.
     """
     if engine_factory is load_cosyvoice:
-        engine_factory = partial(
-            load_cosyvoice,
-            lm_int8=config.lm_weights == "int8",
-            flow_int8=config.profile.flow_weights == "int8",
-            int8_cache_dir=int8_cache_dir(config),
-        )
+        engine_factory = engine_loader(config)
     serve_threads = None
     if config.threads is None and config.parallel_sentences > 1:
         # Sentences side by side each get one torch thread (after a load and warm-up on every

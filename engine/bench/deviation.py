@@ -40,7 +40,7 @@ def mel_relative_l2(flow: torch.nn.Module, embedding: torch.Tensor, *, n_timeste
                                      noise=z.clone(), n_timesteps=steps, cfg_rate=cfg)
         return out
 
-    exact = mel(exact_flow or flow, EXACT_STEPS, EXACT_CFG)
+    exact = mel(exact_flow if exact_flow is not None else flow, EXACT_STEPS, EXACT_CFG)
     return float((mel(flow, n_timesteps, cfg_rate) - exact).norm() / exact.norm())
 
 

@@ -139,11 +139,11 @@ def print_table(result: dict[str, Any], out: TextIO) -> None:
           f"{_fmt(stats.get('max'), digits):>11}  {unit:<11}"
           f"{_fmt(result.get(bound_key), digits) if bound_key else '':>10}"
           f"{_fmt(result.get(ratio_key), 2) if ratio_key else '':>8}\n")
-    for part in ("lm", "flow"):  # a miss quantises: load_s differs a lot
+    for part, label in (("lm", "LM"), ("flow", "flow")):  # a miss quantises: load_s differs
         loads = [(run.get(f"{part}_int8_cache_hit"), run.get("load_s"))
                  for run in result.get("runs", [])]
         if any(hit is not None for hit, _ in loads):
-            w(f"\nint8 {part.upper() if part == 'lm' else part} cache per run: " + ", ".join(
+            w(f"\nint8 {label} cache per run: " + ", ".join(
                 f"{'hit' if hit else 'miss'} (load {_fmt(load, 2)} s)" for hit, load in loads)
               + "\n")
     weight_mb = (result.get("lm_weight_bytes_per_token") or 0) / 1e6
