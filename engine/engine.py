@@ -127,14 +127,9 @@ class CosyVoiceEngine:
             with single:
                 models = load_model_dir(model_dir)
                 frontend = TextFrontend()  # built while the int8 layers are still being packed
-        except BaseException:
-            for loader in loaders.values():
-                loader.cancel()
-            raise
-        try:
             hits = {part: loader.apply(getattr(models, part)) for part, loader in loaders.items()}
         except BaseException:
-            for loader in loaders.values():  # the ones not applied yet stop packing
+            for loader in loaders.values():  # those still packing in the background stop
                 loader.cancel()
             raise
         _LOGGER.info("Loaded %s in %.2f s", model_dir, time.perf_counter() - start)
