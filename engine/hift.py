@@ -23,6 +23,10 @@ _TWO_PI_F32 = torch.tensor(2 * math.pi, dtype=torch.float32)
 _PI_F32 = torch.tensor(math.pi, dtype=torch.float32)
 
 
+# 4096 last-stage frames = 64 mel frames ≈ 0.74 s of audio: ≈ 2 MB per 128-channel activation.
+DEFAULT_TILE_FRAMES = 4096
+
+
 @dataclass(frozen=True)
 class HiftNoise:
     """Injected random draws for one call (parity tests).
@@ -124,6 +128,8 @@ class ResBlock(nn.Module):
         )
         self.activations1 = nn.ModuleList(Snake(channels) for _ in dilations)
         self.activations2 = nn.ModuleList(Snake(channels) for _ in dilations)
+        # Frames on each side one output depends on (for time tiling).
+        self.reach = sum((kernel - 1) // 2 * (d + 1) for d in dilations)
 
     def forward(self, x: Tensor) -> Tensor:
         for c1, c2, a1, a2 in zip(
@@ -175,6 +181,8 @@ class HiFTGenerator(nn.Module):
         self.hop = args.istft_hop_len
         self.upp = math.prod(args.upsample_rates) * self.hop  # samples per mel frame
         self.n_kernels = len(args.resblock_kernel_sizes)
+        # Longest stretch of stage output computed at once; bounds the activations' memory.
+        self.tile_frames = DEFAULT_TILE_FRAMES
         n_bins = self.n_fft // 2 + 1
         ch = args.base_channels
 
@@ -313,23 +321,73 @@ class HiFTGenerator(nn.Module):
         real, imag = self.stft(source)
         s_stft = _to_cl(torch.cat([real, imag], dim=1))
         x = self.conv_pre(_to_cl(mel))
-        n_up = len(self.ups)
-        for i, up in enumerate(self.ups):
-            x = up(F.leaky_relu(x, self.args.lrelu_slope))
-            if i == n_up - 1:
-                # Reflection pad (1, 0): one extra frame on the left (a copy of frame 1) so the
-                # length matches the centred STFT (64T + 1).
-                x = torch.cat([x[..., 1:2], x], dim=-1).contiguous(
-                    memory_format=torch.channels_last
-                )
-            x = x + self.source_resblocks[i](self.source_downs[i](s_stft))
-            blocks = self.resblocks[i * self.n_kernels : (i + 1) * self.n_kernels]
-            acc = blocks[0](x)
-            for block in blocks[1:]:
-                acc.add_(block(x))
-            x = acc.div_(self.n_kernels)
-        x = F.leaky_relu(x)  # default slope 0.01 here, unlike inside the stages
-        return self.conv_post(x).squeeze(2)
+        for i in range(len(self.ups)):
+            x = self._stage_in_tiles(i, x, s_stft)
+        return x.squeeze(2)
+
+    def _stage_in_tiles(self, i: int, x: Tensor, s_stft: Tensor) -> Tensor:
+        """Stage ``i`` over the whole input, run in time tiles of at most ``tile_frames`` outputs.
+
+        Why: a whole 8-second chunk at the last stage's rate is ≈ 26 MB per 128-channel
+        activation, with several alive at once. Each tile computes a slice of the input widened
+        by the stage's reach (``_halo_in``) and keeps its exact middle, so the result is the
+        untiled one up to float rounding while only one tile's activations are alive.
+        """
+        n_in = x.shape[-1]
+        u = self.args.upsample_rates[i]
+        last = i == len(self.ups) - 1
+        shift = 1 if last else 0  # the last stage's one-frame left pad
+        n_tiles = -(-(n_in * u) // self.tile_frames)
+        if n_tiles <= 1:
+            return self._stage(i, x, s_stft, pad_left=last)
+        step = -(-n_in // n_tiles)
+        halo = self._halo_in(i)
+        rate = math.prod(self.args.upsample_rates[i + 1 :])  # source frames per stage output
+        pieces = []
+        for c in range(0, n_in, step):
+            d = min(n_in, c + step)
+            lo, hi = max(0, c - halo), min(n_in, d + halo)
+            # Source frames aligned with this slice's stage outputs [lo·u, hi·u) (+ the pad).
+            if last:
+                s = s_stft[..., lo * u + (shift if lo else 0) : hi * u + shift]
+            else:
+                s = s_stft[..., lo * u * rate : hi * u * rate if hi < n_in else None]
+            y = self._stage(i, x[..., lo:hi], s, pad_left=last and lo == 0)
+            offset = lo * u + (shift if lo else 0)
+            keep_lo, keep_hi = c * u + (shift if c else 0), d * u + shift
+            pieces.append(y[..., keep_lo - offset : keep_hi - offset])
+        return torch.cat(pieces, dim=-1).contiguous(memory_format=torch.channels_last)
+
+    def _halo_in(self, i: int) -> int:
+        """Input frames a tile of stage ``i`` reads beyond its ends so that its middle is exact."""
+        up = self.ups[i]
+        # Outputs a slice edge corrupts: the transposed conv's overlap, or the strided source
+        # conv's one padded output plus the source resblock's reach; then the stage's resblocks
+        # and, after the last stage, conv_post and the one-frame pad.
+        edge = max(up.kernel_size[0] - up.padding[0], 1 + self.source_resblocks[i].reach)
+        blocks = self.resblocks[i * self.n_kernels : (i + 1) * self.n_kernels]
+        reach = edge + max(block.reach for block in blocks)
+        if i == len(self.ups) - 1:
+            reach += self.conv_post.padding[0] + 1
+        return -(-reach // up.stride[0]) + 1
+
+    def _stage(self, i: int, x: Tensor, s_stft: Tensor, *, pad_left: bool) -> Tensor:
+        """One upsampling stage (the last one followed by conv_post) on aligned slices."""
+        x = self.ups[i](F.leaky_relu(x, self.args.lrelu_slope))
+        if pad_left:
+            # Reflection pad (1, 0): one extra frame on the left (a copy of frame 1) so the
+            # length matches the centred STFT (64T + 1).
+            x = torch.cat([x[..., 1:2], x], dim=-1).contiguous(memory_format=torch.channels_last)
+        x = x + self.source_resblocks[i](self.source_downs[i](s_stft))
+        blocks = self.resblocks[i * self.n_kernels : (i + 1) * self.n_kernels]
+        acc = blocks[0](x)
+        for block in blocks[1:]:
+            acc.add_(block(x))
+        x = acc.div_(self.n_kernels)
+        if i == len(self.ups) - 1:
+            x = F.leaky_relu(x)  # default slope 0.01 here, unlike inside the stages
+            x = self.conv_post(x)
+        return x
 
     @torch.inference_mode()
     def inference(
