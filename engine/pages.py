@@ -3,6 +3,11 @@
 Checkpoints are opened with ``mmap=True``, so a tensor's pages count towards the RSS once
 touched and stay mapped as long as any tensor of the file lives. Weights that were turned into
 something else at load time (int8 copies, folded weight norm) would otherwise stay resident.
+
+Releasing them once is not enough where the page cache holds large folios (ext4 since Linux
+6.16): a fault on any byte of a 2 MiB folio maps all of it, so touching a 1 KB LayerNorm weight
+maps the int8-replaced float weights around it again. :func:`fence_off_unused` takes those
+stretches out of the file mapping for good.
 """
 
 from __future__ import annotations
@@ -15,6 +20,9 @@ import sys
 import torch
 
 _MADV_DONTNEED = 4
+_PROT_NONE = 0
+# MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE: replaces what is mapped there.
+_MAP_FENCE = 0x02 | 0x20 | 0x10 | 0x4000
 
 
 def release_pages(tensor: torch.Tensor) -> None:
@@ -58,6 +66,72 @@ def release_if_mapped(tensor: torch.Tensor, file_ranges: list[tuple[int, int]]) 
     # Only pages of a mapped file: released anonymous memory would read back as zeros.
     if any(lo <= tensor.data_ptr() < hi for lo, hi in file_ranges):
         release_pages(tensor)
+
+
+def mapping_of(tensor: torch.Tensor) -> tuple[int, int] | None:
+    """Address range of the whole file mapping holding ``tensor`` (None if not file-mapped).
+
+    A mapping split into several areas (see :func:`fence_off_unused`) is found whole: its
+    areas share the file and the start address minus file offset.
+    """
+    areas = []
+    try:
+        with open("/proc/self/maps", encoding=sys.getfilesystemencoding(),
+                  errors="surrogateescape") as maps:
+            for line in maps:
+                fields = line.split(maxsplit=5)
+                if len(fields) == 6 and fields[5].startswith("/"):
+                    lo, hi = (int(x, 16) for x in fields[0].split("-"))
+                    areas.append((lo, hi, lo - int(fields[2], 16), fields[3], fields[4]))
+    except OSError:
+        return None
+    ptr = tensor.data_ptr()
+    home = next((a for a in areas if a[0] <= ptr < a[1]), None)
+    if home is None:
+        return None
+    same = [a for a in areas if a[2:] == home[2:]]  # same file and same mapping base
+    return home[2], max(hi for _, hi, *_ in same)
+
+
+def fence_off_unused(mapping: tuple[int, int], in_use: list[torch.Tensor]) -> int:
+    """Replace the pages of ``mapping`` no tensor of ``in_use`` touches by inaccessible ones.
+
+    Call it only once every tensor that will ever be read from the mapping is in ``in_use``:
+    reading a fenced page is a segmentation fault, by design, not a silent zero. The address
+    range stays reserved, so the storage's final ``munmap`` still covers exactly its own
+    pages. Returns the bytes fenced off (0 off Linux).
+    """
+    if not sys.platform.startswith("linux"):
+        return 0
+    lo, hi = mapping
+    page = os.sysconf("SC_PAGE_SIZE")
+    used = sorted(_extent(t) for t in in_use if t.numel() and lo <= t.data_ptr() < hi)
+    holes, cursor = [], lo
+    for start, end in used:
+        if start > cursor:
+            holes.append((cursor, start))
+        cursor = max(cursor, end)
+    holes.append((cursor, hi))
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                          ctypes.c_int, ctypes.c_long)
+    fenced = 0
+    for start, end in holes:
+        first, last = -(-start // page) * page, end // page * page  # whole pages only
+        if last > first:
+            got = libc.mmap(first, last - first, _PROT_NONE, _MAP_FENCE, -1, 0)
+            if got != first:
+                raise OSError(ctypes.get_errno(), "mmap over unused checkpoint pages failed")
+            fenced += last - first
+    return fenced
+
+
+def _extent(tensor: torch.Tensor) -> tuple[int, int]:
+    """[first, last) byte address a (possibly strided) tensor reads."""
+    span = sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride(),
+                                                            strict=True))
+    return tensor.data_ptr(), tensor.data_ptr() + (span + 1) * tensor.element_size()
 
 
 def file_mapped_ranges() -> list[tuple[int, int]]:

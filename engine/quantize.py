@@ -188,7 +188,9 @@ def _pack(qweight: torch.Tensor, bias: torch.Tensor | None) -> Int8Linear:
     # A 1x1 shell resized: the full-size constructor packs a zero weight first (~15 ms a layer).
     module = Int8Linear(1, 1, dtype=torch.qint8)
     module.in_features, module.out_features = qweight.shape[1], qweight.shape[0]
-    module.set_weight_bias(qweight, bias)
+    # fbgemm keeps the bias tensor it is given: a copy, so that no packed layer holds on to
+    # (or reads) a mapped checkpoint or cache file, whose unused pages are fenced off.
+    module.set_weight_bias(qweight, None if bias is None else bias.detach().clone())
     return module
 
 

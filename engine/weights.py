@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from engine.hparams import ModelArgs, ModelConfigError, load_model_args
-from engine.pages import file_mapped_ranges, release_if_mapped
+from engine.pages import fence_off_unused, file_mapped_ranges, mapping_of, release_if_mapped
 from engine.types import ModelLoadError
 
 _LOGGER = logging.getLogger(__name__)
@@ -165,6 +165,24 @@ class LoadedModels:
     flow: nn.Module
     hift: nn.Module
     speakers: dict[str, torch.Tensor]
+    # Address ranges of the mapped checkpoints (llm.pt, flow.pt, hift.pt) of this load.
+    mappings: tuple[tuple[int, int], ...] = ()
+
+    def fence_unused_pages(self) -> int:
+        """Once the weights are final (int8 swaps done): fence off the checkpoint pages that
+        no model tensor uses, so that no later fault maps them (see engine.pages). Bytes."""
+        in_use = [t for model in (self.llm, self.flow, self.hift) for t in _tensors_of(model)]
+        return sum(fence_off_unused(mapping, in_use) for mapping in self.mappings)
+
+
+def _tensors_of(model: nn.Module) -> Iterator[torch.Tensor]:
+    """Every tensor a model can read: parameters, buffers and plain tensor attributes."""
+    for module in model.modules():
+        yield from module.parameters(recurse=False)
+        yield from module.buffers(recurse=False)
+        for value in vars(module).values():
+            items = value if isinstance(value, tuple | list) else (value,)
+            yield from (item for item in items if isinstance(item, torch.Tensor))
 
 
 def _release_replaced(raw: Mapping[str, torch.Tensor], kept: Mapping[str, torch.Tensor]) -> None:
@@ -201,6 +219,8 @@ def load_model_dir(model_dir: Path) -> LoadedModels:
     llm_sd = read_state_dict(model_dir / "llm.pt")
     flow_sd = read_state_dict(model_dir / "flow.pt")
     hift_raw = read_state_dict(model_dir / "hift.pt")
+    mappings = tuple(m for m in (mapping_of(next(iter(sd.values()), torch.empty(0)))
+                                 for sd in (llm_sd, flow_sd, hift_raw)) if m is not None)
     try:
         hift_sd = normalize_hift_state_dict(hift_raw)
     except ValueError as err:
@@ -216,4 +236,4 @@ def load_model_dir(model_dir: Path) -> LoadedModels:
         assign_state_dict(module, state, model_dir / name)
     speakers = load_speakers(model_dir / SPEAKER_FILE)
     _LOGGER.debug("Loaded %s with %d speakers", model_dir, len(speakers))
-    return LoadedModels(model_dir, args, llm, flow, hift, speakers)
+    return LoadedModels(model_dir, args, llm, flow, hift, speakers, mappings)

@@ -72,3 +72,113 @@ def rel_pos_rows(attention: torch.nn.Module, length: int) -> torch.Tensor:
     from engine.transformer import rel_pos_table
 
     return rel_pos_table(attention.linear_pos.weight.shape[1], length)[:length]
+
+
+# --- fencing off the pages no model reads (large page-cache folios) -------------------------
+
+
+def file_areas(path: Path) -> list[tuple[int, int]]:
+    """This process's address ranges that still map ``path`` (from /proc/self/maps)."""
+    target = os.path.realpath(path)
+    areas = []
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split(maxsplit=5)
+            if len(fields) == 6 and fields[5].rstrip("\n") == target:
+                lo, hi = (int(x, 16) for x in fields[0].split("-"))
+                areas.append((lo, hi))
+    return areas
+
+
+def mapped(tensor: torch.Tensor, areas: list[tuple[int, int]]) -> bool:
+    return any(lo <= tensor.data_ptr() < hi for lo, hi in areas)
+
+
+def save_big_and_small(path: Path) -> dict[str, torch.Tensor]:
+    """A checkpoint with an unused 4 MB tensor between two small used ones."""
+    tensors = {"norm_a": torch.randn(256), "replaced": torch.randn(1024, 1024),
+               "norm_b": torch.randn(256)}
+    torch.save(tensors, path)
+    return tensors
+
+
+def test_fence_keeps_the_used_tensors_and_unmaps_the_rest(tmp_path: Path) -> None:
+    from engine.pages import fence_off_unused, mapping_of
+
+    path = tmp_path / "model.pt"
+    saved = save_big_and_small(path)
+    first = torch.load(path, mmap=True, weights_only=True)
+    second = torch.load(path, mmap=True, weights_only=True)  # another load, never fenced
+    lo, hi = mapping_of(first["replaced"])
+    assert mapping_of(torch.randn(4)) is None
+    assert hi - lo >= path.stat().st_size
+
+    fenced = fence_off_unused((lo, hi), [first["norm_a"], first["norm_b"]])
+    replaced_bytes = saved["replaced"].numel() * 4
+    assert replaced_bytes - 2 * os.sysconf("SC_PAGE_SIZE") <= fenced
+    areas = file_areas(path)
+    assert mapped(first["norm_a"], areas) and mapped(first["norm_b"], areas)
+    middle = first["replaced"].view(-1)[replaced_bytes // 8 :]
+    assert not mapped(middle, areas)  # its pages no longer map the file at all
+    assert mapping_of(first["norm_a"]) == (lo, hi)  # the split mapping is still found whole
+    for name in ("norm_a", "norm_b"):
+        assert torch.equal(first[name], saved[name])
+    assert all(torch.equal(second[name], saved[name]) for name in saved)
+
+
+def test_a_fenced_page_faults_instead_of_reading_zeros(tmp_path: Path) -> None:
+    # A bug that still read a fenced tensor must crash loudly, never compute with zeros.
+    import subprocess
+
+    path = tmp_path / "model.pt"
+    save_big_and_small(path)
+    script = (
+        "import torch, sys\n"
+        "from engine.pages import fence_off_unused, mapping_of\n"
+        f"sd = torch.load({str(path)!r}, mmap=True, weights_only=True)\n"
+        "fence_off_unused(mapping_of(sd['norm_a']), [sd['norm_a'], sd['norm_b']])\n"
+        "print(float(sd['norm_b'].sum()), flush=True)\n"
+        "print(float(sd['replaced'][512].sum()), flush=True)\n"
+    )
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         cwd=Path(__file__).parent.parent, timeout=120)
+    assert run.returncode == -11, run.stderr  # SIGSEGV
+    assert len(run.stdout.splitlines()) == 1  # the used tensor was read first
+
+
+def test_loaded_engine_maps_no_replaced_float_weights(tmp_path: Path) -> None:
+    """After an int8 load only the tensors the models read are still mapped from the files."""
+    from engine.engine import CosyVoiceEngine
+
+    # One int8-replaced weight per file (≥ 2 pages, so a whole page lies inside it).
+    replaced = {"llm.pt": "llm.encoders.0.feed_forward.w_1.weight",
+                "flow.pt": "decoder.estimator.mid_blocks.0.1.0.ff.net.2.weight"}
+    raw = {name: torch.load(TINY / name, mmap=True, weights_only=True) for name in replaced}
+    engine = CosyVoiceEngine.load(TINY, lm_int8=True, flow_int8=True, int8_cache_dir=tmp_path)
+    page = os.sysconf("SC_PAGE_SIZE")
+    for index, (name, key) in enumerate(replaced.items()):
+        areas = file_areas(TINY / name)
+        engine_base, engine_end = engine.models.mappings[index]  # llm.pt, flow.pt, hift.pt
+        assert any(engine_base <= lo < engine_end for lo, _ in areas)  # used tensors stay
+        # The same byte of the file, in the engine's mapping: no area maps it any more.
+        tensor = raw[name][key]
+        assert tensor.numel() * tensor.element_size() >= 2 * page
+        offset = tensor.data_ptr() - fresh_base(raw[name])
+        inner = engine_base + -(-offset // page) * page
+        assert not any(lo <= inner < hi for lo, hi in areas), key
+    with torch.inference_mode():
+        assert list(engine.synthesize("Hello.", short_options()))
+
+
+def fresh_base(state: dict[str, torch.Tensor]) -> int:
+    from engine.pages import mapping_of
+
+    found = mapping_of(next(iter(state.values())))
+    assert found is not None
+    return found[0]
+
+
+def short_options():
+    from engine.types import SynthesisOptions
+
+    return SynthesisOptions(stream=True, seed=0, force_tokens=20, n_timesteps=2)
