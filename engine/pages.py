@@ -13,9 +13,11 @@ stretches out of the file mapping for good.
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import struct
 import sys
+from collections.abc import Callable
 
 import torch
 
@@ -23,6 +25,28 @@ _MADV_DONTNEED = 4
 _PROT_NONE = 0
 # MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE: replaces what is mapped there.
 _MAP_FENCE = 0x02 | 0x20 | 0x10 | 0x4000
+
+
+def give_back_free_heap() -> None:
+    """Return the memory malloc holds free to the kernel (glibc's ``malloc_trim``; else no-op).
+
+    glibc keeps what a vocoder pass frees: measured 2026-12-03 (`fastest`, 8 s streamed), the
+    free heap grew from 40 to 115 MB over six chunks, all of it still resident. A trim after a
+    chunk costs 4–15 ms against the ≥ 1 s the chunk took.
+    """
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+@functools.cache
+def _malloc_trim() -> Callable[[int], int] | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL(None).malloc_trim  # glibc only (musl has none)
+    except AttributeError:
+        return None
 
 
 def release_pages(tensor: torch.Tensor) -> None:

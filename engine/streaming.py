@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from engine.constants import HOP, MEL_CACHE, MEL_OVERLAP, N_MELS, SOURCE_CACHE, TOKEN_OVERLAP
+from engine.pages import give_back_free_heap
 from engine.types import StreamSchedule
 
 # float64, as upstream multiplies float32 tensors by numpy hamming windows (fixtures README §9.5).
@@ -124,6 +125,7 @@ class ChunkVocoder:
             self.mel_overlap = mel[:, :, -MEL_OVERLAP:]
             mel = mel[:, :, :-MEL_OVERLAP]
         speech, source = self._hift(mel, cache_source)
+        give_back_free_heap()  # the pass's buffers: else the RSS ratchets up chunk by chunk
         if self.hift_speech is not None:
             speech = fade_in_out(speech, self.hift_speech, _SPEECH_WINDOW)
         if finalize:
