@@ -23,8 +23,8 @@ _TWO_PI_F32 = torch.tensor(2 * math.pi, dtype=torch.float32)
 _PI_F32 = torch.tensor(math.pi, dtype=torch.float32)
 
 
-# 4096 last-stage frames = 64 mel frames ≈ 0.74 s of audio: ≈ 2 MB per 128-channel activation.
-DEFAULT_TILE_FRAMES = 4096
+# 8192 last-stage frames = 128 mel frames ≈ 1.5 s of audio: 4 MB per 128-channel activation.
+DEFAULT_TILE_FRAMES = 8192
 
 
 @dataclass(frozen=True)
