@@ -347,13 +347,11 @@ class HiFTGenerator(nn.Module):
         for c in range(0, n_in, step):
             d = min(n_in, c + step)
             lo, hi = max(0, c - halo), min(n_in, d + halo)
-            # Source frames aligned with this slice's stage outputs [lo·u, hi·u) (+ the pad).
-            if last:
-                s = s_stft[..., lo * u + (shift if lo else 0) : hi * u + shift]
-            else:
-                s = s_stft[..., lo * u * rate : hi * u * rate if hi < n_in else None]
+            offset = lo * u + (shift if lo else 0)  # first stage output this slice computes
+            # The source frames of those outputs; one more frame (real data, the STFT's last
+            # frame at the end) makes the strided source conv give exactly one per output.
+            s = s_stft[..., offset * rate : hi * u * rate + 1]
             y = self._stage(i, x[..., lo:hi], s, pad_left=last and lo == 0)
-            offset = lo * u + (shift if lo else 0)
             keep_lo, keep_hi = c * u + (shift if c else 0), d * u + shift
             pieces.append(y[..., keep_lo - offset : keep_hi - offset])
         return torch.cat(pieces, dim=-1).contiguous(memory_format=torch.channels_last)

@@ -209,6 +209,31 @@ def test_time_tiles_equal_one_pass(
         assert (calls.count(1) > 1) == (64 * frames > tile_frames)
 
 
+@pytest.mark.parametrize("rates, kernels", [((8, 5, 3), (16, 11, 7)), ((4, 4, 4), (8, 8, 8))])
+def test_time_tiles_with_other_upsample_rates(rates: tuple[int, ...],
+                                              kernels: tuple[int, ...]) -> None:
+    """Odd rates (odd source strides) and three stages tile like the shipped [8, 8]."""
+    import dataclasses
+
+    base = load_model_args(DATA / "tiny_model" / "cosyvoice.yaml").hift
+    args = dataclasses.replace(base, upsample_rates=rates, upsample_kernel_sizes=kernels,
+                               source_resblock_kernel_sizes=(7, 7, 11),
+                               source_resblock_dilation_sizes=((1, 3, 5),) * 3)
+    torch.manual_seed(0)
+    model = HiFTGenerator(args)
+    upp = math.prod(rates) * args.istft_hop_len
+    for frames in (1, 5, 23):
+        mel = torch.randn(1, 80, frames)
+        source = torch.randn(1, 1, upp * frames)
+        with torch.inference_mode():
+            model.tile_frames = 1 << 30
+            whole = model.decode_spec(mel, source)
+            for tile_frames in (4, 16, 64):
+                model.tile_frames = tile_frames
+                torch.testing.assert_close(model.decode_spec(mel, source), whole,
+                                           atol=1e-5, rtol=0)
+
+
 def test_cumsum_semantics(fixtures: dict[str, Tensor]) -> None:
     """Guard: torch's CPU float32 cumsum = float64 accumulation rounded per output (README §9.4).
 
