@@ -49,8 +49,13 @@ _ONEDNN_CACHE_CAPACITY = "256"
 
 
 def _bound_onednn_cache() -> None:
-    """Cap oneDNN's primitive cache (read at its first use, so before any convolution runs)."""
-    os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", _ONEDNN_CACHE_CAPACITY)
+    """Cap oneDNN's primitive cache unless the user set it (either of oneDNN's two names).
+
+    oneDNN reads the setting when it creates its first primitive: this only takes effect in a
+    process that has not run a convolution yet (the server, the benchmark, the batch CLI).
+    """
+    if "DNNL_PRIMITIVE_CACHE_CAPACITY" not in os.environ:
+        os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", _ONEDNN_CACHE_CAPACITY)
 
 
 @contextlib.contextmanager

@@ -14,12 +14,16 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import logging
 import os
 import struct
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from typing import NamedTuple
 
 import torch
+
+_LOGGER = logging.getLogger(__name__)
 
 _MADV_DONTNEED = 4
 _PROT_NONE = 0
@@ -93,37 +97,29 @@ def release_if_mapped(tensor: torch.Tensor, file_ranges: list[tuple[int, int]]) 
 
 
 def mapping_of(tensor: torch.Tensor) -> tuple[int, int] | None:
-    """Address range of the whole file mapping holding ``tensor`` (None if not file-mapped).
+    """Address range of the file mapping holding ``tensor`` (None if not file-mapped).
 
-    A mapping split into several areas (see :func:`fence_off_unused`) is found whole: its
-    areas share the file and the start address minus file offset.
+    A mapping already split into areas is found by the areas' shared file and start address
+    minus file offset; pages fenced off at its end are no longer part of it.
     """
-    areas = []
-    try:
-        with open("/proc/self/maps", encoding=sys.getfilesystemencoding(),
-                  errors="surrogateescape") as maps:
-            for line in maps:
-                fields = line.split(maxsplit=5)
-                if len(fields) == 6 and fields[5].startswith("/"):
-                    lo, hi = (int(x, 16) for x in fields[0].split("-"))
-                    areas.append((lo, hi, lo - int(fields[2], 16), fields[3], fields[4]))
-    except OSError:
-        return None
+    areas = list(_file_areas())
     ptr = tensor.data_ptr()
-    home = next((a for a in areas if a[0] <= ptr < a[1]), None)
+    home = next((area for area in areas if area.lo <= ptr < area.hi), None)
     if home is None:
         return None
-    same = [a for a in areas if a[2:] == home[2:]]  # same file and same mapping base
-    return home[2], max(hi for _, hi, *_ in same)
+    same = [area.hi for area in areas if area.mapping == home.mapping]
+    return home.mapping[0], max(same)
 
 
 def fence_off_unused(mapping: tuple[int, int], in_use: list[torch.Tensor]) -> int:
     """Replace the pages of ``mapping`` no tensor of ``in_use`` touches by inaccessible ones.
 
-    Call it only once every tensor that will ever be read from the mapping is in ``in_use``:
-    reading a fenced page is a segmentation fault, by design, not a silent zero. The address
-    range stays reserved, so the storage's final ``munmap`` still covers exactly its own
-    pages. Returns the bytes fenced off (0 off Linux).
+    Call it only once every tensor that will ever be read from the mapping is in ``in_use``,
+    and while the mapping is alive: reading a fenced page is a segmentation fault, by design,
+    not a silent zero. A page after each tensor is kept, for kernels that read a little past
+    the end. The address range stays reserved, so the storage's final ``munmap`` still covers
+    exactly its own pages. Returns the bytes fenced off (0 off Linux or if the kernel refuses;
+    the pages then merely stay mappable, as before).
     """
     if not sys.platform.startswith("linux"):
         return 0
@@ -134,7 +130,7 @@ def fence_off_unused(mapping: tuple[int, int], in_use: list[torch.Tensor]) -> in
     for start, end in used:
         if start > cursor:
             holes.append((cursor, start))
-        cursor = max(cursor, end)
+        cursor = max(cursor, end + page)
     holes.append((cursor, hi))
     libc = ctypes.CDLL(None, use_errno=True)
     libc.mmap.restype = ctypes.c_void_p
@@ -144,9 +140,10 @@ def fence_off_unused(mapping: tuple[int, int], in_use: list[torch.Tensor]) -> in
     for start, end in holes:
         first, last = -(-start // page) * page, end // page * page  # whole pages only
         if last > first:
-            got = libc.mmap(first, last - first, _PROT_NONE, _MAP_FENCE, -1, 0)
-            if got != first:
-                raise OSError(ctypes.get_errno(), "mmap over unused checkpoint pages failed")
+            if libc.mmap(first, last - first, _PROT_NONE, _MAP_FENCE, -1, 0) != first:
+                _LOGGER.warning("Could not fence off unused checkpoint pages: %s",
+                                os.strerror(ctypes.get_errno()))
+                break
             fenced += last - first
     return fenced
 
@@ -160,14 +157,25 @@ def _extent(tensor: torch.Tensor) -> tuple[int, int]:
 
 def file_mapped_ranges() -> list[tuple[int, int]]:
     """Address ranges of this process that map a file (from /proc/self/maps; [] elsewhere)."""
-    ranges = []
+    return [(area.lo, area.hi) for area in _file_areas()]
+
+
+class _Area(NamedTuple):
+    lo: int
+    hi: int
+    mapping: tuple[int, str, str]  # (start address minus file offset, device, inode)
+
+
+def _file_areas() -> Iterator[_Area]:
+    """The file-backed areas of /proc/self/maps (none where it cannot be read)."""
     try:
-        with open("/proc/self/maps", encoding="ascii", errors="replace") as maps:
-            for line in maps:
-                fields = line.split(maxsplit=5)
-                if len(fields) == 6 and fields[5].startswith("/"):
-                    lo, hi = fields[0].split("-")
-                    ranges.append((int(lo, 16), int(hi, 16)))
+        with open("/proc/self/maps", encoding=sys.getfilesystemencoding(),
+                  errors="surrogateescape") as maps:
+            lines = maps.readlines()
     except OSError:
-        return []
-    return ranges
+        return
+    for line in lines:
+        fields = line.split(maxsplit=5)
+        if len(fields) == 6 and fields[5].startswith("/"):
+            lo, hi = (int(x, 16) for x in fields[0].split("-"))
+            yield _Area(lo, hi, (lo - int(fields[2], 16), fields[3], fields[4]))

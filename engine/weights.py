@@ -165,24 +165,41 @@ class LoadedModels:
     flow: nn.Module
     hift: nn.Module
     speakers: dict[str, torch.Tensor]
-    # Address ranges of the mapped checkpoints (llm.pt, flow.pt, hift.pt) of this load.
-    mappings: tuple[tuple[int, int], ...] = ()
+    # One tensor of each mapped checkpoint (llm.pt, flow.pt, hift.pt): keeps its mapping
+    # alive, so that fence_unused_pages() can never map over memory the process reused.
+    checkpoint_anchors: tuple[torch.Tensor, ...] = ()
 
     def fence_unused_pages(self) -> int:
         """Once the weights are final (int8 swaps done): fence off the checkpoint pages that
         no model tensor uses, so that no later fault maps them (see engine.pages). Bytes."""
         in_use = [t for model in (self.llm, self.flow, self.hift) for t in _tensors_of(model)]
-        return sum(fence_off_unused(mapping, in_use) for mapping in self.mappings)
+        fenced = 0
+        for anchor in self.checkpoint_anchors:
+            mapping = mapping_of(anchor)
+            # A checkpoint no model reads (e.g. every tensor converted to float32) is unmapped
+            # whole when its anchor goes below: nothing to fence.
+            if mapping is not None and any(mapping[0] <= t.data_ptr() < mapping[1]
+                                           for t in in_use):
+                fenced += fence_off_unused(mapping, in_use)
+        self.checkpoint_anchors = ()
+        return fenced
 
 
 def _tensors_of(model: nn.Module) -> Iterator[torch.Tensor]:
-    """Every tensor a model can read: parameters, buffers and plain tensor attributes."""
+    """Every tensor a model can read: parameters, buffers and tensor attributes (also inside
+    tuples, lists and dicts, such as cached projections)."""
     for module in model.modules():
         yield from module.parameters(recurse=False)
         yield from module.buffers(recurse=False)
-        for value in vars(module).values():
-            items = value if isinstance(value, tuple | list) else (value,)
-            yield from (item for item in items if isinstance(item, torch.Tensor))
+        pending = list(vars(module).values())
+        while pending:
+            value = pending.pop()
+            if isinstance(value, torch.Tensor):
+                yield value
+            elif isinstance(value, tuple | list):
+                pending.extend(value)
+            elif isinstance(value, dict):
+                pending.extend(value.values())
 
 
 def _release_replaced(raw: Mapping[str, torch.Tensor], kept: Mapping[str, torch.Tensor]) -> None:
@@ -219,8 +236,8 @@ def load_model_dir(model_dir: Path) -> LoadedModels:
     llm_sd = read_state_dict(model_dir / "llm.pt")
     flow_sd = read_state_dict(model_dir / "flow.pt")
     hift_raw = read_state_dict(model_dir / "hift.pt")
-    mappings = tuple(m for m in (mapping_of(next(iter(sd.values()), torch.empty(0)))
-                                 for sd in (llm_sd, flow_sd, hift_raw)) if m is not None)
+    anchors = tuple(next((t for t in sd.values() if t.numel()), torch.empty(0))
+                    for sd in (llm_sd, flow_sd, hift_raw))
     try:
         hift_sd = normalize_hift_state_dict(hift_raw)
     except ValueError as err:
@@ -236,4 +253,4 @@ def load_model_dir(model_dir: Path) -> LoadedModels:
         assign_state_dict(module, state, model_dir / name)
     speakers = load_speakers(model_dir / SPEAKER_FILE)
     _LOGGER.debug("Loaded %s with %d speakers", model_dir, len(speakers))
-    return LoadedModels(model_dir, args, llm, flow, hift, speakers, mappings)
+    return LoadedModels(model_dir, args, llm, flow, hift, speakers, anchors)

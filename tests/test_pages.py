@@ -140,34 +140,77 @@ def test_a_fenced_page_faults_instead_of_reading_zeros(tmp_path: Path) -> None:
         "print(float(sd['norm_b'].sum()), flush=True)\n"
         "print(float(sd['replaced'][512].sum()), flush=True)\n"
     )
+    import resource
+
+    def no_core_file() -> None:
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+
     run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                         cwd=Path(__file__).parent.parent, timeout=120)
+                         cwd=Path(__file__).parent.parent, timeout=120, preexec_fn=no_core_file)
     assert run.returncode == -11, run.stderr  # SIGSEGV
     assert len(run.stdout.splitlines()) == 1  # the used tensor was read first
 
 
-def test_loaded_engine_maps_no_replaced_float_weights(tmp_path: Path) -> None:
+@pytest.mark.parametrize("int8_cache", ["miss", "hit"])
+def test_loaded_engine_maps_no_replaced_float_weights(tmp_path: Path, int8_cache: str) -> None:
     """After an int8 load only the tensors the models read are still mapped from the files."""
     from engine.engine import CosyVoiceEngine
+    from engine.pages import mapping_of
 
-    # One int8-replaced weight per file (≥ 2 pages, so a whole page lies inside it).
+    # One int8-replaced weight per file, and a float32 weight the model still reads from it.
     replaced = {"llm.pt": "llm.encoders.0.feed_forward.w_1.weight",
                 "flow.pt": "decoder.estimator.mid_blocks.0.1.0.ff.net.2.weight"}
     raw = {name: torch.load(TINY / name, mmap=True, weights_only=True) for name in replaced}
+    if int8_cache == "hit":
+        CosyVoiceEngine.load(TINY, lm_int8=True, flow_int8=True, int8_cache_dir=tmp_path)
     engine = CosyVoiceEngine.load(TINY, lm_int8=True, flow_int8=True, int8_cache_dir=tmp_path)
+    assert engine.lm_int8_cache_hit is (int8_cache == "hit")
+    still_read = {"llm.pt": engine.models.llm.speech_embedding.weight,
+                  "flow.pt": engine.models.flow.input_embedding.weight}
     page = os.sysconf("SC_PAGE_SIZE")
-    for index, (name, key) in enumerate(replaced.items()):
+    for name, key in replaced.items():
         areas = file_areas(TINY / name)
-        engine_base, engine_end = engine.models.mappings[index]  # llm.pt, flow.pt, hift.pt
-        assert any(engine_base <= lo < engine_end for lo, _ in areas)  # used tensors stay
+        found = mapping_of(still_read[name])
+        assert found is not None  # still read in place from the file
         # The same byte of the file, in the engine's mapping: no area maps it any more.
+        # (Its last whole page: the page after a tensor still read stays mapped, as a margin.)
         tensor = raw[name][key]
-        assert tensor.numel() * tensor.element_size() >= 2 * page
-        offset = tensor.data_ptr() - fresh_base(raw[name])
-        inner = engine_base + -(-offset // page) * page
+        assert tensor.numel() * tensor.element_size() >= 3 * page
+        end = tensor.data_ptr() + tensor.numel() * tensor.element_size()
+        inner = found[0] + (end - fresh_base(raw[name])) // page * page - page
         assert not any(lo <= inner < hi for lo, hi in areas), key
     with torch.inference_mode():
         assert list(engine.synthesize("Hello.", short_options()))
+
+
+def test_a_checkpoint_no_model_reads_is_not_fenced(tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A half-precision checkpoint is converted to float32 copies: no model reads its mapping,
+    which must not be fenced (its addresses may belong to something else by then)."""
+    import shutil
+
+    import engine.weights
+    from engine.engine import CosyVoiceEngine
+
+    fenced_ranges: list[tuple[int, int]] = []
+    real_fence = engine.weights.fence_off_unused
+
+    def recording_fence(mapping: tuple[int, int], in_use: list[torch.Tensor]) -> int:
+        fenced_ranges.append(mapping)
+        return real_fence(mapping, in_use)
+
+    monkeypatch.setattr(engine.weights, "fence_off_unused", recording_fence)
+
+    model_dir = tmp_path / "model"
+    shutil.copytree(TINY, model_dir)
+    hift = torch.load(model_dir / "hift.pt", weights_only=True)
+    torch.save({k: v.half() for k, v in hift.items()}, model_dir / "hift.pt")
+    tts = CosyVoiceEngine.load(model_dir)
+    assert len(fenced_ranges) == 2  # llm.pt and flow.pt, read in place
+    assert not file_areas(model_dir / "hift.pt")  # unmapped with its last tensor
+    assert file_areas(model_dir / "llm.pt")  # float32: read in place
+    with torch.inference_mode():
+        assert list(tts.synthesize("Hello.", short_options()))
 
 
 def fresh_base(state: dict[str, torch.Tensor]) -> int:
