@@ -36,7 +36,7 @@ def give_back_free_heap() -> None:
 
     glibc keeps what a vocoder pass frees: measured 2026-12-03 (`fastest`, 8 s streamed), the
     free heap grew from 40 to 115 MB over six chunks, all of it still resident. A trim after a
-    chunk costs 4–15 ms against the ≥ 1 s the chunk took.
+    chunk costs 4–15 ms against the 0.4–3 s a chunk takes.
     """
     trim = _malloc_trim()
     if trim is not None:
