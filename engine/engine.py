@@ -21,7 +21,6 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.constants import SAMPLE_RATE
-from engine.pages import give_back_free_heap
 from engine.start_policy import GAPLESS, estimate_speech_seconds, hold_until_gapless
 from engine.streaming import ChunkVocoder, FlowPrompt, GeneratorNoise, stream_audio, whole_audio
 from engine.tokens import LmTokens
@@ -282,5 +281,4 @@ class CosyVoiceEngine:
         options = SynthesisOptions(stream=True, seed=0, force_tokens=50, n_timesteps=2)
         for _ in self.synthesize("Hello.", options):
             pass
-        give_back_free_heap()  # what the warm-up freed: ≈ 50 MB of the idle server's RSS
         _LOGGER.info("Warm-up took %.2f s", time.perf_counter() - start)

@@ -364,11 +364,14 @@ class HiFTGenerator(nn.Module):
         # conv's one padded output plus the source resblock's reach; then the stage's resblocks
         # and, after the last stage, conv_post and the one-frame pad.
         edge = max(up.kernel_size[0] - up.padding[0], 1 + self.source_resblocks[i].reach)
-        blocks = self.resblocks[i * self.n_kernels : (i + 1) * self.n_kernels]
-        reach = edge + max(block.reach for block in blocks)
+        reach = edge + max(block.reach for block in self._stage_blocks(i))
         if i == len(self.ups) - 1:
             reach += self.conv_post.padding[0] + 1
         return -(-reach // up.stride[0]) + 1
+
+    def _stage_blocks(self, i: int) -> nn.ModuleList:
+        """The resblocks of stage ``i`` (one per kernel size; their outputs are averaged)."""
+        return self.resblocks[i * self.n_kernels : (i + 1) * self.n_kernels]
 
     def _stage(self, i: int, x: Tensor, s_stft: Tensor, *, pad_left: bool) -> Tensor:
         """One upsampling stage (the last one followed by conv_post) on aligned slices."""
@@ -378,7 +381,7 @@ class HiFTGenerator(nn.Module):
             # length matches the centred STFT (64T + 1).
             x = torch.cat([x[..., 1:2], x], dim=-1).contiguous(memory_format=torch.channels_last)
         x = x + self.source_resblocks[i](self.source_downs[i](s_stft))
-        blocks = self.resblocks[i * self.n_kernels : (i + 1) * self.n_kernels]
+        blocks = self._stage_blocks(i)
         acc = blocks[0](x)
         for block in blocks[1:]:
             acc.add_(block(x))

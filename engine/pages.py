@@ -18,7 +18,7 @@ import logging
 import os
 import struct
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import NamedTuple
 
 import torch
@@ -38,19 +38,21 @@ def give_back_free_heap() -> None:
     free heap grew from 40 to 115 MB over six chunks, all of it still resident. A trim after a
     chunk costs 4–15 ms against the 0.4–3 s a chunk takes.
     """
-    trim = _malloc_trim()
+    trim = getattr(_libc(), "malloc_trim", None)  # glibc only (musl has none)
     if trim is not None:
         trim(0)
 
 
 @functools.cache
-def _malloc_trim() -> Callable[[int], int] | None:
+def _libc() -> ctypes.CDLL | None:
+    """This process's C library (None off Linux), with ``mmap``'s signature declared."""
     if not sys.platform.startswith("linux"):
         return None
-    try:
-        return ctypes.CDLL(None).malloc_trim  # glibc only (musl has none)
-    except AttributeError:
-        return None
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                          ctypes.c_int, ctypes.c_long)
+    return libc
 
 
 def release_pages(tensor: torch.Tensor) -> None:
@@ -68,8 +70,7 @@ def release_pages(tensor: torch.Tensor) -> None:
     end = start + tensor.numel() * tensor.element_size()
     first, last = -(-start // page) * page, end // page * page
     if last > first and not _has_written_pages(first // page, last // page):
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), _MADV_DONTNEED)
+        _libc().madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), _MADV_DONTNEED)
 
 
 def _has_written_pages(first: int, last: int) -> bool:
@@ -132,10 +133,7 @@ def fence_off_unused(mapping: tuple[int, int], in_use: list[torch.Tensor]) -> in
             holes.append((cursor, start))
         cursor = max(cursor, end + page)
     holes.append((cursor, hi))
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mmap.restype = ctypes.c_void_p
-    libc.mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
-                          ctypes.c_int, ctypes.c_long)
+    libc = _libc()
     fenced = 0
     for start, end in holes:
         first, last = -(-start // page) * page, end // page * page  # whole pages only
