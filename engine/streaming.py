@@ -114,6 +114,7 @@ class ChunkVocoder:
     def chunk(self, tokens: torch.Tensor, *, finalize: bool) -> torch.Tensor:
         """Audio (1, S) for a window of tokens (1, n); ``finalize`` on the utterance's last."""
         mel = self._flow(tokens)
+        give_back_free_heap()  # the flow's buffers, before HiFT's (other sizes) grow the heap
         if self.mel_overlap is not None:
             mel = fade_in_out(mel, self.mel_overlap, _MEL_WINDOW)
         if self.hift_mel is not None:
