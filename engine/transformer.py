@@ -6,10 +6,12 @@ ESPnet relative-position self-attention and a position-wise FFN, then ``after_no
 names equal the official state-dict keys so ``load_state_dict(strict=True)`` works.
 
 Relative positions: score bias ``bd[i, j] = (q_i + pos_bias_v) · P[m]`` with ``m = pos(i) - pos(j)``
-and ``P = linear_pos(pe)``, ``pe`` the interleaved sin/cos table. ``forward`` recomputes P over the
-2T-1 positions (cheap, one call per request). The cached path (LM decode) precomputes
-``P`` for m >= 0 once per layer (``linear_pos`` has no bias and the table is constant), so a decode
-step only slices the last L rows: this removes the O(L·d²) per-step cost of the official code.
+and ``P = linear_pos(pe)``, ``pe`` the interleaved sin/cos table. Causal encoders (the LM, its text
+encoder) only ever attend to m >= 0: P for those is computed once per layer and cached
+(``linear_pos`` has no bias and the table is constant), so a decode step only slices the last L
+rows, which removes the O(L·d²) per-step cost of the official code, and ``linear_pos`` is not read
+again (its mapped pages are given back). The bidirectional flow encoder recomputes P over the 2T-1
+positions at every pass.
 """
 
 from __future__ import annotations
@@ -176,14 +178,21 @@ class RelPosAttention(nn.Module):
         return (self._heads(self.linear_q(x)), self._heads(self.linear_k(x)),
                 self._heads(self.linear_v(x)))
 
-    def forward(self, x: Tensor, mask: Tensor | None) -> Tensor:
-        """Full pass. x (B, T, d); mask bool broadcastable to (B, 1, T, T), True = attend."""
+    def forward(self, x: Tensor, mask: Tensor | None, *, causal: bool = False) -> Tensor:
+        """Full pass. x (B, T, d); mask bool broadcastable to (B, 1, T, T), True = attend.
+
+        ``causal``: ``mask`` hides every later key, so only relative positions >= 0 count and
+        the cached rows serve (the weight is then read only when the rows grow).
+        """
         t = x.shape[1]
         q, k, v = self._project_qkv(x)
-        pe = rel_pos_table(x.shape[-1], t).to(dtype=x.dtype, device=x.device)
-        p = self.linear_pos(pe).view(2 * t - 1, self.h, self.d_k).permute(1, 2, 0)  # (h,d_k,2T-1)
-        raw = torch.matmul(q + self.pos_bias_v.unsqueeze(1), p)  # (B, h, T, 2T-1)
-        bias = _skew(raw, t, t) * (1.0 / math.sqrt(self.d_k))
+        qv = q + self.pos_bias_v.unsqueeze(1)
+        if causal:
+            bias = self._causal_pos_bias(qv, t, t)
+        else:
+            pe = rel_pos_table(x.shape[-1], t).to(dtype=x.dtype, device=x.device)
+            p = self.linear_pos(pe).view(2 * t - 1, self.h, self.d_k).permute(1, 2, 0)
+            bias = _skew(torch.matmul(qv, p), t, t) * (1.0 / math.sqrt(self.d_k))
         if mask is not None:
             bias = bias.masked_fill(~mask, float("-inf"))
         out = F.scaled_dot_product_attention(q + self.pos_bias_u.unsqueeze(1), k, v,
@@ -228,22 +237,29 @@ class RelPosAttention(nn.Module):
         kc, vc = cache.kv[layer, 0], cache.kv[layer, 1]  # (B, h, max_len, d_k)
         kc[:, :, start:length] = k
         vc[:, :, start:length] = v
-        rows = self._pos_rows(length)  # (h, L, d_k)
         qv = q + self.pos_bias_v.unsqueeze(1)
         if t == 1:  # decode: (h, L, d_k) @ (h, d_k, B) streams the rows contiguously
+            rows = self._pos_rows(length)  # (h, L, d_k)
             b = x.shape[0]
             raw = torch.bmm(rows, qv.view(b, self.h, self.d_k).permute(1, 2, 0))  # (h, L, B)
             if b == 1 and mask is None:
                 return self._decode_one(q, raw.view(self.h, 1, length), kc, vc, length)
             raw = raw.permute(2, 0, 1).unsqueeze(2)  # (B, h, 1, L)
-        else:  # negative relative positions are masked: zero columns keep the skew in range
-            raw = F.pad(torch.matmul(qv, rows.transpose(1, 2)), (0, t - 1))  # (B, h, T, L+T-1)
-        bias = _skew(raw, t, length)  # already scaled by 1/sqrt(d_k) through the rows
+            bias = _skew(raw, t, length)  # already scaled by 1/sqrt(d_k) through the rows
+        else:
+            bias = self._causal_pos_bias(qv, t, length)
         if mask is not None:
             bias = bias.masked_fill(~mask, float("-inf"))
         out = F.scaled_dot_product_attention(
             q + self.pos_bias_u.unsqueeze(1), kc[:, :, :length], vc[:, :, :length], attn_mask=bias)
         return self.linear_out(out.transpose(1, 2).flatten(2))
+
+    def _causal_pos_bias(self, qv: Tensor, t: int, length: int) -> Tensor:
+        """(B, h, T, L) scaled position scores of T queries at L-T … L-1 under a causal mask."""
+        rows = self._pos_rows(length)  # (h, L, d_k), relative positions L-1 … 0
+        # Negative relative positions are masked: zero columns keep the skew in range.
+        raw = F.pad(torch.matmul(qv, rows.transpose(1, 2)), (0, t - 1))  # (B, h, T, L+T-1)
+        return _skew(raw, t, length)  # already scaled by 1/sqrt(d_k) through the rows
 
     def _decode_one(self, q: Tensor, pos_scores: Tensor, kc: Tensor, vc: Tensor,
                     length: int) -> Tensor:
@@ -273,10 +289,11 @@ class _Layer(nn.Module):
         else:
             self.norm1, self.norm2 = ln_a, ln_b
         self._norms = (ln_a, ln_b)  # plain tuple: not registered twice
+        self.causal = args.causal
 
     def forward(self, x: Tensor, mask: Tensor | None) -> Tensor:
         ln_a, ln_b = self._norms
-        x = x + self.self_attn(ln_a(x), mask)
+        x = x + self.self_attn(ln_a(x), mask, causal=self.causal)
         return x + self.feed_forward(ln_b(x))
 
     def forward_cached(self, x: Tensor, cache: KVCache, layer: int, start: int,

@@ -99,6 +99,23 @@ def test_text_encoder_causal(args, llm_sd, llm_fx, case):
     torch.testing.assert_close(out[0], llm_fx[f"{case}/text_encoder_out"], atol=1e-5, rtol=0)
 
 
+def test_causal_pass_uses_the_cached_rows_and_agrees_with_all_positions(args, llm_sd):
+    """A causal full pass scores with the cached rows of m >= 0 (linear_pos is then no longer
+    read), and equals projecting all 2T-1 relative positions under the same mask."""
+    enc = RelPosEncoder(args.llm.text_encoder).eval()
+    enc.load_state_dict(_sub(llm_sd, "text_encoder."), strict=True)
+    attention = enc.encoders[0].self_attn
+    t = 23
+    x = torch.randn(1, t, args.llm.text_encoder.output_size,
+                    generator=torch.Generator().manual_seed(4))
+    mask = torch.ones(t, t, dtype=torch.bool).tril().view(1, 1, t, t)
+    with torch.inference_mode():
+        every_position = attention(x, mask)
+        cached = attention(x, mask, causal=True)
+    torch.testing.assert_close(cached, every_position, atol=1e-5, rtol=0)
+    assert attention._pos_cache is not None and attention._pos_cache[1].shape[1] >= t
+
+
 @pytest.mark.parametrize("case", ["tok40_noprompt", "tok60_prompt15"])
 def test_flow_encoder_bidirectional(args, case):
     sd = torch.load(DATA / "tiny_model" / "flow.pt", weights_only=True)
