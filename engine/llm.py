@@ -56,7 +56,7 @@ class TransformerLM(nn.Module):
 
     @property
     def _device(self) -> torch.device:
-        return self.speech_embedding.weight.device
+        return self.llm_embedding.weight.device
 
     # --- input assembly --------------------------------------------------------------------
 
@@ -104,9 +104,8 @@ class TransformerLM(nn.Module):
     def decode_step(self, tokens: Tensor | int, cache: KVCache) -> StepOut:
         """Feed the previous token(s) (B,) (or one int) and return the next step's outputs."""
         if isinstance(tokens, int):
-            x = self.speech_embedding.weight[tokens].view(1, 1, -1)
-        else:
-            x = self.speech_embedding(tokens.view(-1, 1))  # (B, 1, D)
+            tokens = torch.tensor([tokens])
+        x = self.speech_embedding(tokens.view(-1, 1))  # (B, 1, D)
         hidden = self.llm.forward_cached(x, cache)[:, -1]
         return StepOut(hidden, self.llm_decoder(hidden))
 

@@ -112,6 +112,26 @@ def mapping_of(tensor: torch.Tensor) -> tuple[int, int] | None:
     return home.mapping[0], max(same)
 
 
+def file_location(tensor: torch.Tensor) -> tuple[str, int] | None:
+    """(path, byte offset in the file) of a file-mapped tensor's first element, else None.
+
+    None too when the path no longer names the mapped file (deleted or replaced since).
+    """
+    ptr = tensor.data_ptr()
+    area = next((a for a in _file_areas() if a.lo <= ptr < a.hi), None)
+    if area is None:
+        return None
+    try:
+        stat = os.stat(area.path)
+    except OSError:
+        return None
+    device, inode = area.mapping[1:]
+    major, minor = (int(x, 16) for x in device.split(":"))
+    if (stat.st_ino, os.major(stat.st_dev), os.minor(stat.st_dev)) != (int(inode), major, minor):
+        return None
+    return area.path, ptr - area.mapping[0]
+
+
 def fence_off_unused(mapping: tuple[int, int], in_use: list[torch.Tensor]) -> int:
     """Replace the pages of ``mapping`` no tensor of ``in_use`` touches by inaccessible ones.
 
@@ -162,6 +182,7 @@ class _Area(NamedTuple):
     lo: int
     hi: int
     mapping: tuple[int, str, str]  # (start address minus file offset, device, inode)
+    path: str
 
 
 def _file_areas() -> Iterator[_Area]:
@@ -176,4 +197,5 @@ def _file_areas() -> Iterator[_Area]:
         fields = line.split(maxsplit=5)
         if len(fields) == 6 and fields[5].startswith("/"):
             lo, hi = (int(x, 16) for x in fields[0].split("-"))
-            yield _Area(lo, hi, (lo - int(fields[2], 16), fields[3], fields[4]))
+            yield _Area(lo, hi, (lo - int(fields[2], 16), fields[3], fields[4]),
+                        fields[5].rstrip("\n"))

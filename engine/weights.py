@@ -98,10 +98,21 @@ def check_state_dict(module: nn.Module, state: Mapping[str, torch.Tensor], path:
         raise ModelLoadError(f"{path} does not fit {CONFIG_FILE}: " + "; ".join(problems))
 
 
+def _is_small(tensor: torch.Tensor) -> bool:
+    """Norms, biases and position biases (1-D, or one page at most): a few MB in all.
+
+    They are copied out of the mapped checkpoint. Read in place, each would map the 2 MiB
+    page-cache folio around it (engine.pages), and with it the pages of its large neighbours,
+    which the fence then cannot take away.
+    """
+    return tensor.dim() <= 1 or tensor.numel() * tensor.element_size() <= 4096
+
+
 def assign_state_dict(module: nn.Module, state: Mapping[str, torch.Tensor], path: Path) -> None:
     """Check, then load ``state`` into ``module`` by assignment (mmap'd tensors used in place)."""
     check_state_dict(module, state, path)
-    floats = {k: (v if v.dtype == torch.float32 else v.float()) for k, v in state.items()}
+    floats = {k: (v.float() if v.dtype != torch.float32 else v.clone() if _is_small(v) else v)
+              for k, v in state.items()}
     module.load_state_dict(floats, strict=True, assign=True)
     module.eval()
     module.requires_grad_(False)
@@ -168,6 +179,20 @@ class LoadedModels:
     # One tensor of each mapped checkpoint (llm.pt, flow.pt, hift.pt): keeps its mapping
     # alive, so that fence_unused_pages() can never map over memory the process reused.
     checkpoint_anchors: tuple[torch.Tensor, ...] = ()
+
+    def read_embeddings_from_files(self) -> list[str]:
+        """Serve the mapped embedding tables by reading rows from their files (see
+        engine.file_rows); before :meth:`fence_unused_pages`. Returns the tables swapped."""
+        from engine.file_rows import FileEmbedding
+
+        swapped = []
+        for owner, name in ((self.llm, "text_embedding"), (self.llm, "speech_embedding"),
+                            (self.flow, "input_embedding")):
+            reader = FileEmbedding.replacing(getattr(owner, name))
+            if reader is not None:
+                setattr(owner, name, reader)
+                swapped.append(f"{type(owner).__name__}.{name}")
+        return swapped
 
     def fence_unused_pages(self) -> int:
         """Once the weights are final (int8 swaps done): fence off the checkpoint pages that

@@ -165,8 +165,8 @@ def test_loaded_engine_maps_no_replaced_float_weights(tmp_path: Path, int8_cache
         CosyVoiceEngine.load(TINY, lm_int8=True, flow_int8=True, int8_cache_dir=tmp_path)
     engine = CosyVoiceEngine.load(TINY, lm_int8=True, flow_int8=True, int8_cache_dir=tmp_path)
     assert engine.lm_int8_cache_hit is (int8_cache == "hit")
-    still_read = {"llm.pt": engine.models.llm.speech_embedding.weight,
-                  "flow.pt": engine.models.flow.input_embedding.weight}
+    still_read = {"llm.pt": engine.models.llm.llm.embed.out[0].weight,
+                  "flow.pt": engine.models.flow.spk_embed_affine_layer.weight}
     page = os.sysconf("SC_PAGE_SIZE")
     for name, key in replaced.items():
         areas = file_areas(TINY / name)
@@ -225,3 +225,13 @@ def short_options():
     from engine.types import SynthesisOptions
 
     return SynthesisOptions(stream=True, seed=0, force_tokens=20, n_timesteps=2)
+
+
+def test_small_tensors_are_copied_out_of_the_checkpoint() -> None:
+    """Norms and biases: read in place, each would map the 2 MiB folio around it."""
+    from engine.pages import mapping_of
+
+    llm = load_model_dir(TINY).llm
+    block = llm.llm.encoders[0]
+    assert mapping_of(block.norm1.weight) is None and mapping_of(block.self_attn.pos_bias_u) is None
+    assert mapping_of(block.feed_forward.w_1.weight) is not None  # large: used in place
