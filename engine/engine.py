@@ -151,7 +151,8 @@ class CosyVoiceEngine:
             for loader in loaders.values():  # those still packing in the background stop
                 loader.cancel()
             raise
-        models.read_embeddings_from_files()
+        swapped = models.read_embeddings_from_files()
+        _LOGGER.debug("Embedding tables read from their files: %s", ", ".join(swapped) or "none")
         fenced = models.fence_unused_pages()
         _LOGGER.debug("Fenced off %.0f MB of unused checkpoint pages", fenced / 1e6)
         _LOGGER.info("Loaded %s in %.2f s", model_dir, time.perf_counter() - start)

@@ -9,9 +9,9 @@ all (the kernel's page cache still serves the reads).
 
 from __future__ import annotations
 
+import io
 import logging
 import os
-import weakref
 
 import torch
 from torch import Tensor, nn
@@ -24,34 +24,42 @@ _LOGGER = logging.getLogger(__name__)
 class FileEmbedding(nn.Module):
     """``nn.Embedding`` lookups (same values, same shapes) served from a file with ``pread``."""
 
-    def __init__(self, path: str, offset: int, num_embeddings: int, embedding_dim: int,
+    def __init__(self, file: io.FileIO, offset: int, num_embeddings: int, embedding_dim: int,
                  dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
-        self.num_embeddings, self.embedding_dim, self.dtype = num_embeddings, embedding_dim, dtype
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self._dtype = dtype
         self._row_bytes = embedding_dim * dtype.itemsize
         self._offset = offset
-        self._fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-        weakref.finalize(self, os.close, self._fd)
+        # A file object, not a bare descriptor: it closes itself, and a copy of the module
+        # fails loudly instead of reading a descriptor it does not own.
+        self._file = file
 
     @classmethod
     def replacing(cls, embedding: nn.Embedding) -> FileEmbedding | None:
         """A reader of ``embedding``'s mapped weight, or None if it is not read from a file."""
         weight = embedding.weight
-        if not weight.is_contiguous() or weight.dtype != torch.float32:
+        if (not weight.is_contiguous() or weight.dtype != torch.float32
+                or embedding.padding_idx is not None or embedding.max_norm is not None):
             return None
-        location = file_location(weight)
-        if location is None:
+        spot = file_location(weight)
+        if spot is None:
             return None
-        path, offset = location
         try:
-            reader = cls(path, offset, *weight.shape, dtype=weight.dtype)
-        except OSError as err:  # e.g. the file was replaced since it was mapped
-            _LOGGER.debug("Keeping %s mapped: %s", path, err)
+            file = open(spot.path, "rb", buffering=0)  # noqa: SIM115 (the module owns it)
+        except OSError as err:  # e.g. deleted since it was mapped
+            _LOGGER.debug("Keeping %s mapped: %s", spot.path, err)
             return None
+        # The inode only: btrfs subvolumes report another device number to stat than to maps.
+        if os.fstat(file.fileno()).st_ino != spot.inode:
+            file.close()
+            return None
+        reader = cls(file, spot.offset, *weight.shape, dtype=weight.dtype)
         # The bytes must be the mapped ones: checked on the first and the last row.
         for row in (0, weight.shape[0] - 1):
-            if not torch.equal(reader.rows([row])[0], weight[row]):
-                _LOGGER.warning("%s changed on disk since it was loaded; reading it mapped", path)
+            if reader.rows([row])[0].numpy().tobytes() != weight[row].detach().numpy().tobytes():
+                _LOGGER.warning("%s changed since it was loaded; reading it mapped", spot.path)
+                file.close()
                 return None
         return reader
 
@@ -65,11 +73,11 @@ class FileEmbedding(nn.Module):
                 raise IndexError(f"index {i} out of range for an embedding of "
                                  f"{self.num_embeddings} rows")
             row = view[n * size:(n + 1) * size]
-            if os.preadv(self._fd, [row], self._offset + i * size) != size:
+            if os.preadv(self._file.fileno(), [row], self._offset + i * size) != size:
                 raise OSError(f"short read of embedding row {i} (file truncated?)")
         if not data:
-            return torch.empty(0, self.embedding_dim, dtype=self.dtype)
-        return torch.frombuffer(data, dtype=self.dtype).view(len(ids), self.embedding_dim)
+            return torch.empty(0, self.embedding_dim, dtype=self._dtype)
+        return torch.frombuffer(data, dtype=self._dtype).view(len(ids), self.embedding_dim)
 
     def forward(self, ids: Tensor) -> Tensor:
         return self.rows(ids.reshape(-1).tolist()).view(*ids.shape, self.embedding_dim)

@@ -104,7 +104,7 @@ class TransformerLM(nn.Module):
     def decode_step(self, tokens: Tensor | int, cache: KVCache) -> StepOut:
         """Feed the previous token(s) (B,) (or one int) and return the next step's outputs."""
         if isinstance(tokens, int):
-            tokens = torch.tensor([tokens])
+            tokens = torch.tensor([tokens], device=self._device)
         x = self.speech_embedding(tokens.view(-1, 1))  # (B, 1, D)
         hidden = self.llm.forward_cached(x, cache)[:, -1]
         return StepOut(hidden, self.llm_decoder(hidden))

@@ -112,24 +112,25 @@ def mapping_of(tensor: torch.Tensor) -> tuple[int, int] | None:
     return home.mapping[0], max(same)
 
 
-def file_location(tensor: torch.Tensor) -> tuple[str, int] | None:
-    """(path, byte offset in the file) of a file-mapped tensor's first element, else None.
+class FileSpot(NamedTuple):
+    """Where a file-mapped tensor's first byte lives: the file's path, inode and byte offset."""
 
-    None too when the path no longer names the mapped file (deleted or replaced since).
+    path: str
+    inode: int
+    offset: int
+
+
+def file_location(tensor: torch.Tensor) -> FileSpot | None:
+    """The file and offset behind a file-mapped tensor (None if it is not file-mapped).
+
+    The path is the mapped file's name now (a rename is followed, a deleted file ends in
+    " (deleted)"): whoever opens it must check the inode.
     """
     ptr = tensor.data_ptr()
     area = next((a for a in _file_areas() if a.lo <= ptr < a.hi), None)
     if area is None:
         return None
-    try:
-        stat = os.stat(area.path)
-    except OSError:
-        return None
-    device, inode = area.mapping[1:]
-    major, minor = (int(x, 16) for x in device.split(":"))
-    if (stat.st_ino, os.major(stat.st_dev), os.minor(stat.st_dev)) != (int(inode), major, minor):
-        return None
-    return area.path, ptr - area.mapping[0]
+    return FileSpot(area.path, int(area.mapping[2]), ptr - area.mapping[0])
 
 
 def fence_off_unused(mapping: tuple[int, int], in_use: list[torch.Tensor]) -> int:

@@ -257,8 +257,9 @@ class RelPosAttention(nn.Module):
     def _causal_pos_bias(self, qv: Tensor, t: int, length: int) -> Tensor:
         """(B, h, T, L) scaled position scores of T queries at L-T … L-1 under a causal mask."""
         rows = self._pos_rows(length)  # (h, L, d_k), relative positions L-1 … 0
-        # Negative relative positions are masked: zero columns keep the skew in range.
-        raw = F.pad(torch.matmul(qv, rows.transpose(1, 2)), (0, t - 1))  # (B, h, T, L+T-1)
+        # Negative relative positions (later keys) get -inf columns: causal even without a mask,
+        # and they keep the skew in range.
+        raw = F.pad(torch.matmul(qv, rows.transpose(1, 2)), (0, t - 1), value=float("-inf"))
         return _skew(raw, t, length)  # already scaled by 1/sqrt(d_k) through the rows
 
     def _decode_one(self, q: Tensor, pos_scores: Tensor, kc: Tensor, vc: Tensor,
