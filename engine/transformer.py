@@ -181,8 +181,9 @@ class RelPosAttention(nn.Module):
     def forward(self, x: Tensor, mask: Tensor | None, *, causal: bool = False) -> Tensor:
         """Full pass. x (B, T, d); mask bool broadcastable to (B, 1, T, T), True = attend.
 
-        ``causal``: ``mask`` hides every later key, so only relative positions >= 0 count and
-        the cached rows serve (the weight is then read only when the rows grow).
+        ``causal``: every query sees earlier keys only (whatever ``mask`` says), so only
+        relative positions >= 0 count and the cached rows serve (``linear_pos`` is then read
+        only when the rows grow).
         """
         t = x.shape[1]
         q, k, v = self._project_qkv(x)
