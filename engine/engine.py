@@ -151,10 +151,9 @@ class CosyVoiceEngine:
             for loader in loaders.values():  # those still packing in the background stop
                 loader.cancel()
             raise
-        swapped = models.read_embeddings_from_files()
-        _LOGGER.debug("Embedding tables read from their files: %s", ", ".join(swapped) or "none")
-        fenced = models.fence_unused_pages()
-        _LOGGER.debug("Fenced off %.0f MB of unused checkpoint pages", fenced / 1e6)
+        swapped, fenced = models.release_checkpoint_pages()
+        _LOGGER.debug("Embedding tables read from their files: %s; fenced off %.0f MB of unused "
+                      "checkpoint pages", ", ".join(swapped) or "none", fenced / 1e6)
         _LOGGER.info("Loaded %s in %.2f s", model_dir, time.perf_counter() - start)
         engine = cls(models, kind=kind, threads=threads, frontend=frontend)
         engine.lm_int8_cache_hit = hits.get("llm")

@@ -18,7 +18,7 @@ import logging
 import os
 import struct
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import NamedTuple
 
 import torch
@@ -104,8 +104,7 @@ def mapping_of(tensor: torch.Tensor) -> tuple[int, int] | None:
     minus file offset; pages fenced off at its end are no longer part of it.
     """
     areas = list(_file_areas())
-    ptr = tensor.data_ptr()
-    home = next((area for area in areas if area.lo <= ptr < area.hi), None)
+    home = _area_holding(tensor, areas)
     if home is None:
         return None
     same = [area.hi for area in areas if area.mapping == home.mapping]
@@ -126,11 +125,10 @@ def file_location(tensor: torch.Tensor) -> FileSpot | None:
     The path is the mapped file's name now (a rename is followed, a deleted file ends in
     " (deleted)"): whoever opens it must check the inode.
     """
-    ptr = tensor.data_ptr()
-    area = next((a for a in _file_areas() if a.lo <= ptr < a.hi), None)
+    area = _area_holding(tensor, _file_areas())
     if area is None:
         return None
-    return FileSpot(area.path, int(area.mapping[2]), ptr - area.mapping[0])
+    return FileSpot(area.path, int(area.mapping[2]), tensor.data_ptr() - area.mapping[0])
 
 
 def fence_off_unused(mapping: tuple[int, int], in_use: list[torch.Tensor]) -> int:
@@ -184,6 +182,11 @@ class _Area(NamedTuple):
     hi: int
     mapping: tuple[int, str, str]  # (start address minus file offset, device, inode)
     path: str
+
+
+def _area_holding(tensor: torch.Tensor, areas: Iterable[_Area]) -> _Area | None:
+    ptr = tensor.data_ptr()
+    return next((area for area in areas if area.lo <= ptr < area.hi), None)
 
 
 def _file_areas() -> Iterator[_Area]:

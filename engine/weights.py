@@ -98,6 +98,9 @@ def check_state_dict(module: nn.Module, state: Mapping[str, torch.Tensor], path:
         raise ModelLoadError(f"{path} does not fit {CONFIG_FILE}: " + "; ".join(problems))
 
 
+_SMALL_BYTES = 4096  # one page
+
+
 def _is_small(tensor: torch.Tensor) -> bool:
     """Norms, biases and position biases (1-D, or one page at most): a few MB in all.
 
@@ -105,7 +108,7 @@ def _is_small(tensor: torch.Tensor) -> bool:
     page-cache folio around it (engine.pages), and with it the pages of its large neighbours,
     which the fence then cannot take away.
     """
-    return tensor.dim() <= 1 or tensor.numel() * tensor.element_size() <= 4096
+    return tensor.dim() <= 1 or tensor.numel() * tensor.element_size() <= _SMALL_BYTES
 
 
 def assign_state_dict(module: nn.Module, state: Mapping[str, torch.Tensor], path: Path) -> None:
@@ -177,12 +180,19 @@ class LoadedModels:
     hift: nn.Module
     speakers: dict[str, torch.Tensor]
     # One tensor of each mapped checkpoint (llm.pt, flow.pt, hift.pt): keeps its mapping
-    # alive, so that fence_unused_pages() can never map over memory the process reused.
+    # alive, so that release_checkpoint_pages() can never map over memory the process reused.
     checkpoint_anchors: tuple[torch.Tensor, ...] = ()
 
-    def read_embeddings_from_files(self) -> list[str]:
+    def release_checkpoint_pages(self) -> tuple[list[str], int]:
+        """Once the weights are final (int8 swaps done): serve the embedding tables from their
+        files, then fence off every checkpoint page no model reads any more (engine.pages).
+        Returns the tables swapped and the bytes fenced off."""
+        swapped = self._read_embeddings_from_files()  # first: the fence then unmaps the tables
+        return swapped, self._fence_unused_pages()
+
+    def _read_embeddings_from_files(self) -> list[str]:
         """Serve the mapped embedding tables by reading rows from their files (see
-        engine.file_rows); before :meth:`fence_unused_pages`. Returns the tables swapped."""
+        engine.file_rows). Returns the tables swapped."""
         from engine.file_rows import FileEmbedding
 
         swapped = []
@@ -194,9 +204,9 @@ class LoadedModels:
                 swapped.append(f"{type(owner).__name__}.{name}")
         return swapped
 
-    def fence_unused_pages(self) -> int:
-        """Once the weights are final (int8 swaps done): fence off the checkpoint pages that
-        no model tensor uses, so that no later fault maps them (see engine.pages). Bytes."""
+    def _fence_unused_pages(self) -> int:
+        """Fence off the checkpoint pages that no model tensor uses, so that no later fault
+        maps them (see engine.pages). Bytes."""
         in_use = [t for model in (self.llm, self.flow, self.hift) for t in _tensors_of(model)]
         fenced = 0
         for anchor in self.checkpoint_anchors:
