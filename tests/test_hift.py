@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import Tensor
 
-from engine.hift import HiFTGenerator, HiftNoise
+from engine.hift import _PHASE_TILE, HiFTGenerator, HiftNoise, _cumulative_phase
 from engine.hparams import load_model_args
 from engine.weight_norm import normalize_hift_state_dict
 
@@ -243,6 +243,15 @@ def test_cumsum_semantics(fixtures: dict[str, Tensor]) -> None:
     incr = f0.repeat_interleave(256).view(1, 1, -1) * torch.arange(1, 10).view(1, -1, 1) / 22050
     f64 = torch.cumsum(incr, -1, dtype=torch.float64).float()
     assert torch.equal(f64, torch.cumsum(incr, -1))  # torch CPU semantics we replicate
+
+
+def test_tiled_phase_equals_one_cumsum() -> None:
+    """The source's running sum, in float64 tiles, is the one-pass float32 cumsum to the bit."""
+    frames = (5 * _PHASE_TILE) // (2 * 256) + 3
+    f0 = torch.rand(1, frames, generator=torch.Generator().manual_seed(3))
+    incr = (f0 * 500).repeat_interleave(256).view(1, 1, -1) * torch.arange(1, 10).view(1, -1, 1)
+    incr = incr / 22050  # 2.5 tiles and a few samples
+    assert torch.equal(_cumulative_phase(incr), torch.cumsum(incr, -1) % 1)
 
 
 def test_random_draws_use_generator(model: HiFTGenerator, fixtures: dict[str, Tensor]) -> None:
