@@ -12,6 +12,7 @@ from __future__ import annotations
 import io
 import logging
 import os
+import weakref
 
 import torch
 from torch import Tensor, nn
@@ -31,9 +32,10 @@ class FileEmbedding(nn.Module):
         self._dtype = dtype
         self._row_bytes = embedding_dim * dtype.itemsize
         self._offset = offset
-        # A file object, not a bare descriptor: it closes itself, and a copy of the module
-        # fails loudly instead of reading a descriptor it does not own.
+        # A file object, not a bare descriptor: a copy of the module fails loudly instead of
+        # reading a descriptor it does not own. Closed with the module (no ResourceWarning).
         self._file = file
+        weakref.finalize(self, file.close)
 
     @classmethod
     def replacing(cls, embedding: nn.Embedding) -> FileEmbedding | None:

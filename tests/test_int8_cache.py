@@ -261,3 +261,39 @@ def test_the_server_loads_the_flow_in_its_profiles_format(
     monkeypatch.setattr(CosyVoiceEngine, "load", engine_load)
     asyncio.run(build_and_load())
     assert loaded and loaded[0]["flow_int8"] is flow_int8 and loaded[0]["lm_int8"] is True
+
+
+@pytest.fixture
+def arm_quantized_engine() -> Iterator[None]:
+    """Torch's int8 kernels on aarch64 (the add-on's other platform) are QNNPACK's, not fbgemm's.
+
+    x86 builds ship QNNPACK too, so the packing and the int8 layers the Raspberry Pi runs are
+    tested here as well.
+    """
+    if "qnnpack" not in torch.backends.quantized.supported_engines:
+        pytest.skip("this torch build has no QNNPACK")
+    before = torch.backends.quantized.engine
+    torch.backends.quantized.engine = "qnnpack"
+    yield
+    torch.backends.quantized.engine = before
+
+
+def test_the_int8_lm_and_flow_work_on_the_arm_engine(
+    arm_quantized_engine: None, model: Path, tmp_path: Path, reference: torch.Tensor
+) -> None:
+    from engine.quantize import next_token_kl
+    from engine.types import SynthesisOptions
+
+    cache_dir = tmp_path / "cache"
+    for expect_hit in (False, True):  # packed from fresh weights, then from the cache
+        engine = CosyVoiceEngine.load(model, lm_int8=True, flow_int8=True,
+                                      int8_cache_dir=cache_dir)
+        assert engine.lm_int8_cache_hit is expect_hit
+        assert engine.flow_int8_cache_hit is expect_hit
+        # Same int8 weights as fbgemm's path, other activation rounding: close, not equal.
+        kl = next_token_kl(reference, logits(engine))
+        assert 0 < kl.max() <= 1e-2, kl
+        options = SynthesisOptions(stream=True, seed=0, force_tokens=30, n_timesteps=2)
+        audio = torch.cat([torch.from_numpy(c.samples)
+                           for c in engine.synthesize("Hello there.", options)])
+        assert audio.numel() > 0 and torch.isfinite(audio).all() and audio.abs().max() > 0
