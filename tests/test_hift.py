@@ -245,13 +245,15 @@ def test_cumsum_semantics(fixtures: dict[str, Tensor]) -> None:
     assert torch.equal(f64, torch.cumsum(incr, -1))  # torch CPU semantics we replicate
 
 
-def test_tiled_phase_equals_one_cumsum() -> None:
-    """The source's running sum, in float64 tiles, is the one-pass float32 cumsum to the bit."""
-    frames = (5 * _PHASE_TILE) // (2 * 256) + 3
+@pytest.mark.parametrize("tiles", [1, 2, 2.5])
+def test_tiled_phase_equals_one_cumsum(tiles: float) -> None:
+    """The source's running sum, in float64 tiles, is the one-pass float64 cumsum to the bit."""
+    frames = int(tiles * _PHASE_TILE) // 256 + (3 if tiles % 1 else 0)
     f0 = torch.rand(1, frames, generator=torch.Generator().manual_seed(3))
     incr = (f0 * 500).repeat_interleave(256).view(1, 1, -1) * torch.arange(1, 10).view(1, -1, 1)
-    incr = incr / 22050  # 2.5 tiles and a few samples
-    assert torch.equal(_cumulative_phase(incr), torch.cumsum(incr, -1) % 1)
+    incr = incr / 22050
+    one_pass = torch.cumsum(incr, -1, dtype=torch.float64).float() % 1  # the reference recipe
+    assert torch.equal(_cumulative_phase(incr), one_pass)
 
 
 def test_random_draws_use_generator(model: HiFTGenerator, fixtures: dict[str, Tensor]) -> None:
