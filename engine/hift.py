@@ -28,7 +28,7 @@ _PI_F32 = torch.tensor(math.pi, dtype=torch.float32)
 # 8192 measured no faster on streamed chunks and 30-80 MB higher at the peak (2026-12-03).
 DEFAULT_TILE_FRAMES = 4096
 # Samples per float64 running-sum tile of the harmonic source (≈ 3 s; 9 harmonics: 4.7 MB a
-# tile): streamed chunks take one piece, longer passes stay at that size.
+# tile): a streamed chunk is one tile, longer passes stay at that size.
 _PHASE_TILE = 65536
 
 
@@ -39,14 +39,14 @@ def _cumulative_phase(incr: Tensor) -> Tensor:
     (the reference). Run in time tiles, each seeded with the previous tile's last float64 sum, so
     the result is the same to the bit while the float64 copies stay small.
     """
-    if incr.shape[-1] <= _PHASE_TILE:  # a streamed chunk: one piece
-        return torch.cumsum(incr, dim=-1, dtype=torch.float64).to(torch.float32).remainder_(1)
     out = torch.empty_like(incr, dtype=torch.float32)
-    carry = incr.new_zeros(incr.shape[:-1] + (1,), dtype=torch.float64)
+    carry = None
     for lo in range(0, incr.shape[-1], _PHASE_TILE):
-        hi = min(incr.shape[-1], lo + _PHASE_TILE)
-        sums = torch.cat([carry, incr[..., lo:hi].to(torch.float64)], dim=-1).cumsum_(-1)
-        out[..., lo:hi] = sums[..., 1:]
+        sums = incr[..., lo:lo + _PHASE_TILE].to(torch.float64, copy=True)  # summed in place
+        if carry is not None:
+            sums[..., :1] += carry  # carry + x: the sum the one-pass cumsum reaches here
+        sums.cumsum_(-1)
+        out[..., lo:lo + _PHASE_TILE] = sums
         carry = sums[..., -1:].clone()  # not a view: the tile's buffer can go
     return out.remainder_(1)
 
