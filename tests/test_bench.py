@@ -17,7 +17,7 @@ from torch import nn
 from engine.bench.__main__ import model_files, warm_page_cache
 from engine.bench.limits import lm_weight_bytes_per_token, measure_gemv_gbps
 from engine.bench.measure import playback_stall_s
-from engine.bench.report import summarize
+from engine.bench.report import FIRST_AUDIO_PARTS, summarize
 from engine.bench.synthetic import (
     EOS_BIAS,
     SFT_SPEAKERS,
@@ -26,6 +26,7 @@ from engine.bench.synthetic import (
     official_config_path,
     state_dict_specs,
 )
+from engine.bench.timers import StageEvent, StageTimer
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT / "tests" / "data"
@@ -47,6 +48,24 @@ def test_playback_stall() -> None:
     assert playback_stall_s([0.0, 0.5, 3.0], [1.0, 1.0, 1.0]) == pytest.approx(1.0)
     assert playback_stall_s([2.0, 2.1, 2.2], [1.0, 1.0, 1.0]) == 0.0
     assert playback_stall_s([], []) == 0.0
+
+
+def test_first_audio_parts_follow_the_first_chunk() -> None:
+    # Request at t=10 s; the LM starts at 10.1, yields its first token at 10.3 and the chunk's
+    # third at 10.5; the flow runs 10.5–10.9 and HiFT 10.9–11.2; the audio is out at 11.25.
+    # Later calls (the next chunk) and later tokens do not count.
+    timer = StageTimer()
+    timer.events += [
+        StageEvent("lm", 10.1, 12.0, token_times=[10.3, 10.4, 10.5, 11.5, 12.0]),
+        StageEvent("flow", 11.3, 11.6), StageEvent("flow", 10.5, 10.9),
+        StageEvent("hift", 10.9, 11.2), StageEvent("hift", 11.6, 11.8),
+    ]
+    parts = timer.first_audio_parts(10.0, 11.25)
+    expected = {"frontend": 100, "prefill": 200, "tokens": 200, "flow": 400, "hift": 300,
+                "other": 50}
+    assert {k: parts[f"first_audio_{k}_ms"] for k in expected} == pytest.approx(expected)
+    assert parts["first_chunk_tokens"] == 3
+    assert StageTimer().first_audio_parts(0.0, 1.0) == {}  # nothing recorded: no parts
 
 
 def test_the_page_cache_is_warmed_with_every_file_a_load_reads(
@@ -188,6 +207,13 @@ def test_benchmark_runs_on_the_tiny_model() -> None:
     assert result["profile"] == "realtime"
     assert result["audio_s"] > 0
     assert 0 < result["stream_peak_rss_mb"] <= result["peak_rss_mb"]
+    # The parts of the first audio add up to it, run by run; the realtime schedule's first
+    # chunk is 25 new tokens + the 20-token look-ahead.
+    run = result["runs"][0]
+    assert run["first_chunk_tokens"] == 45
+    parts = [run[key] for key in FIRST_AUDIO_PARTS]
+    assert all(part >= 0 for part in parts[:-1])
+    assert sum(parts) == pytest.approx(run["first_audio_ms"])
 
 
 def test_benchmark_loads_the_profiles_int8_flow_and_reports_its_deviation(

@@ -9,8 +9,9 @@ What a run measures:
 
 * ``load_s``: ``CosyVoiceEngine.load`` of the model directory (with ``--lm-int8``,
   ``lm_int8_cache_hit`` says whether the int8 weights came from the engine's cache).
-* streaming request: ``first_audio_ms`` (request → first audio chunk) and ``stall_ms`` (playing
-  from the first chunk in real time, the total time playback waits for the next chunk).
+* streaming request: ``first_audio_ms`` (request → first audio chunk), its parts
+  (``first_audio_*_ms``, from the stage timers) and ``stall_ms`` (playing from the first chunk
+  in real time, the total time playback waits for the next chunk).
 * non-streaming request: ``total_ms`` and ``rtf``; the stages then run one after the other, so
   the stage timers give clean ``lm_ms_per_token``, ``flow_ms_per_audio_s``, ``hift_ms_per_audio_s``.
 * optionally FLOPs of flow and HiFT per audio second, and the LM's weight bytes per token.
@@ -86,7 +87,8 @@ def playback_stall_s(arrivals: list[float], durations: list[float]) -> float:
     return stall
 
 
-def _stream_request(engine: Any, text: str, options: Any) -> dict[str, float | int]:
+def _stream_request(engine: Any, text: str, options: Any,
+                    timer: StageTimer) -> dict[str, float | int]:
     arrivals: list[float] = []
     durations: list[float] = []
     start = time.perf_counter()
@@ -97,7 +99,8 @@ def _stream_request(engine: Any, text: str, options: Any) -> dict[str, float | i
     if not arrivals:
         raise RuntimeError("the streaming request produced no audio")
     held = replay_gapless(arrivals, durations, options.force_tokens, text)
-    return {"first_audio_ms": arrivals[0] * 1000,
+    return {**timer.first_audio_parts(start, start + arrivals[0]),
+            "first_audio_ms": arrivals[0] * 1000,
             "stall_ms": playback_stall_s(arrivals, durations) * 1000,
             "gapless_first_audio_ms": held[0] * 1000,
             "gapless_stall_ms": playback_stall_s(held, durations) * 1000,
@@ -189,7 +192,7 @@ def run(config: RunConfig) -> dict[str, Any]:
                                n_timesteps=profile.n_timesteps, cfg_rate=profile.cfg_rate,
                                force_tokens=config.tokens)
     timer.reset()
-    result.update(_stream_request(engine, config.text, options))
+    result.update(_stream_request(engine, config.text, options, timer))
     # What a streaming server holds: load, warm-up and streamed chunks. The whole request below
     # vocodes every second of audio in one flow and HiFT pass, so it peaks higher.
     result["stream_peak_rss_mb"] = peak_rss_mb()

@@ -16,14 +16,17 @@ import statistics
 from collections.abc import Iterable
 from typing import Any, TextIO
 
+# Where the streamed request's first audio went (engine.bench.timers.first_audio_parts), in order.
+FIRST_AUDIO_PARTS = ("first_audio_frontend_ms", "first_audio_prefill_ms", "first_audio_tokens_ms",
+                     "first_audio_flow_ms", "first_audio_hift_ms", "first_audio_other_ms")
 # Figures that are measured per repeat and summarised as median/min/max.
 MEASURED = ("load_s", "warmup_s", "peak_rss_mb", "stream_peak_rss_mb", "first_audio_ms",
             "stall_ms", "gapless_first_audio_ms", "gapless_stall_ms", "stream_total_ms",
             "total_ms", "rtf", "lm_prefill_ms", "lm_ms_per_token", "flow_ms_per_audio_s",
-            "hift_ms_per_audio_s", "audio_s")
+            "hift_ms_per_audio_s", "audio_s", *FIRST_AUDIO_PARTS)
 # Per-run facts that do not vary between repeats (taken from the first run that has them).
 # The cache hits are the first run's (a cold cache misses once); the table lists every run's.
-FACTS = ("threads", "lm_weights", "flow_weights", "tokens", "chunks",
+FACTS = ("threads", "lm_weights", "flow_weights", "tokens", "chunks", "first_chunk_tokens",
          "lm_weight_bytes_per_token", "flow_gflop_per_audio_s", "hift_gflop_per_audio_s",
          "estimator_mflop_per_frame_step", "mel_rel_l2_vs_exact", "lm_int8_kl_mean",
          "lm_int8_kl_max", "lm_int8_cache_hit", "flow_int8_cache_hit")
@@ -139,6 +142,7 @@ def print_table(result: dict[str, Any], out: TextIO) -> None:
           f"{_fmt(stats.get('max'), digits):>11}  {unit:<11}"
           f"{_fmt(result.get(bound_key), digits) if bound_key else '':>10}"
           f"{_fmt(result.get(ratio_key), 2) if ratio_key else '':>8}\n")
+    _print_first_audio_parts(result, out)
     for part, label in (("lm", "LM"), ("flow", "flow")):  # a miss quantises: load_s differs
         loads = [(run.get(f"{part}_int8_cache_hit"), run.get("load_s"))
                  for run in result.get("runs", [])]
@@ -160,6 +164,18 @@ def print_table(result: dict[str, Any], out: TextIO) -> None:
         w(f", int8 LM next-token KL mean {_fmt(result['lm_int8_kl_mean'], 5)} "
           f"max {_fmt(result.get('lm_int8_kl_max'), 5)} nats")
     w(".\n")
+
+
+def _print_first_audio_parts(result: dict[str, Any], out: TextIO) -> None:
+    """One line: the median first audio's parts, in the order the request waits for them."""
+    if any(result.get(key) is None for key in FIRST_AUDIO_PARTS):
+        return
+    tokens = result.get("first_chunk_tokens")
+    labels = ("frontend", "LM prefill", f"{tokens - 1 if tokens else '?'} more tokens",
+              "flow", "HiFT", "other")
+    parts = " + ".join(f"{label} {result[key]:,.0f}"
+                       for label, key in zip(labels, FIRST_AUDIO_PARTS, strict=True))
+    out.write(f"\nfirst audio (medians of its parts, first chunk {tokens} tokens): {parts} ms\n")
 
 
 def print_json(result: dict[str, Any], out: TextIO) -> None:

@@ -121,3 +121,31 @@ class StageTimer:
         events = self.of(stage)
         audio = sum(e.audio_s for e in events)
         return sum(e.seconds for e in events) / audio * 1000 if audio else None
+
+    def first_audio_parts(self, request_start: float, first_audio: float) -> dict[str, float]:
+        """Where a streamed request's time to first audio went, in ms (empty if unknown).
+
+        The first chunk waits for, one after the other: the text frontend (request → the LM
+        starts), the LM's prefill (→ first token), decoding the rest of the chunk's tokens (→ the
+        flow starts), the flow and HiFT passes over that chunk; ``other`` is what is left (the
+        cross-fades, handing the chunk over). ``first_chunk_tokens`` is how many tokens the first
+        flow call got.
+        """
+        lm = [e for e in self.of("lm") if e.token_times]
+        flow, hift = self.of("flow"), self.of("hift")
+        if not (lm and flow and hift):
+            return {}
+        first_lm = min(lm, key=lambda e: e.start)
+        first_flow = min(flow, key=lambda e: e.start)
+        first_hift = min(hift, key=lambda e: e.start)
+        parts = {
+            "first_audio_frontend_ms": first_lm.start - request_start,
+            "first_audio_prefill_ms": first_lm.token_times[0] - first_lm.start,
+            "first_audio_tokens_ms": first_flow.start - first_lm.token_times[0],
+            "first_audio_flow_ms": first_flow.seconds,
+            "first_audio_hift_ms": first_hift.seconds,
+        }
+        parts = {key: seconds * 1000 for key, seconds in parts.items()}
+        parts["first_audio_other_ms"] = (first_audio - request_start) * 1000 - sum(parts.values())
+        parts["first_chunk_tokens"] = sum(t <= first_flow.start for t in first_lm.token_times)
+        return parts
