@@ -221,7 +221,10 @@ def test_a_describe_flood_without_reading_is_bounded(wy: SimpleNamespace) -> Non
             await asyncio.sleep(0.3)
             import gc
 
-            queued = max(h._out.qsize() for h in gc.get_objects() if isinstance(h, EventHandler))
+            # type(), not isinstance(): the latter reads __class__ of every object in the process,
+            # and torch's deprecated aliases warn when touched.
+            queued = max(h._out.qsize() for h in gc.get_objects()
+                         if issubclass(type(h), EventHandler))
             other = await wy.synthesize(srv.port, "Someone else.")
             await asyncio.sleep(1.0)  # past stall_timeout_s: the flooder is refused
             # Now read: a bounded number of answers, then the refusal, then the close.
