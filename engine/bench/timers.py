@@ -125,6 +125,8 @@ class StageTimer:
     def first_audio_parts(self, request_start: float, first_audio: float) -> dict[str, float]:
         """Where a streamed request's time to first audio went, in ms (empty if unknown).
 
+        ``request_start`` and ``first_audio`` are ``perf_counter`` times, like the events'.
+
         The first chunk waits for, one after the other: the text frontend (request → the LM
         starts), the LM's prefill (→ first token), decoding the rest of the chunk's tokens (→ the
         flow starts), the flow and HiFT passes over that chunk; ``other`` is what is left (the
