@@ -99,7 +99,8 @@ def _stream_request(engine: Any, text: str, options: Any,
     if not arrivals:
         raise RuntimeError("the streaming request produced no audio")
     held = replay_gapless(arrivals, durations, options.force_tokens, text)
-    return {**timer.first_audio_parts(start, start + arrivals[0]),
+    first_audio = start + arrivals[0]  # a perf_counter time, like the stage timers'
+    return {**timer.first_audio_parts(start, first_audio),
             "first_audio_ms": arrivals[0] * 1000,
             "stall_ms": playback_stall_s(arrivals, durations) * 1000,
             "gapless_first_audio_ms": held[0] * 1000,

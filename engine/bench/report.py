@@ -16,9 +16,8 @@ import statistics
 from collections.abc import Iterable
 from typing import Any, TextIO
 
-# Where the streamed request's first audio went (engine.bench.timers.first_audio_parts), in order.
-FIRST_AUDIO_PARTS = ("first_audio_frontend_ms", "first_audio_prefill_ms", "first_audio_tokens_ms",
-                     "first_audio_flow_ms", "first_audio_hift_ms", "first_audio_other_ms")
+from engine.bench.timers import FIRST_AUDIO_PARTS
+
 # Figures that are measured per repeat and summarised as median/min/max.
 MEASURED = ("load_s", "warmup_s", "peak_rss_mb", "stream_peak_rss_mb", "first_audio_ms",
             "stall_ms", "gapless_first_audio_ms", "gapless_stall_ms", "stream_total_ms",
@@ -171,11 +170,12 @@ def _print_first_audio_parts(result: dict[str, Any], out: TextIO) -> None:
     if any(result.get(key) is None for key in FIRST_AUDIO_PARTS):
         return
     tokens = result.get("first_chunk_tokens")
-    labels = ("frontend", "LM prefill", f"{tokens - 1 if tokens else '?'} more tokens",
+    chunk = f"{tokens} tokens" if tokens else "? tokens"
+    labels = ("frontend", "LM prefill", f"{tokens - 1} more tokens" if tokens else "more tokens",
               "flow", "HiFT", "other")
     parts = " + ".join(f"{label} {result[key]:,.0f}"
                        for label, key in zip(labels, FIRST_AUDIO_PARTS, strict=True))
-    out.write(f"\nfirst audio (medians of its parts, first chunk {tokens} tokens): {parts} ms\n")
+    out.write(f"\nfirst audio (medians of its parts; first chunk {chunk}): {parts} ms\n")
 
 
 def print_json(result: dict[str, Any], out: TextIO) -> None:

@@ -4,7 +4,8 @@ The engine calls three model methods: ``llm.generate`` (a token generator, run i
 ``flow.inference`` (tokens → mel) and ``hift.inference`` (mel → audio). The timer replaces them
 with instance attributes that call the original and record a :class:`StageEvent`. In a
 non-streaming request the stages run one after the other (the vocoder waits for the last token),
-so their times are clean per-stage costs; in a streaming request they overlap on the two cores.
+so their times are clean per-stage costs; in a streaming request they overlap on the two cores
+once the first chunk is out (before, they run in turn: :meth:`StageTimer.first_audio_parts`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,10 @@ from typing import Any
 import torch
 
 from engine.constants import HOP, SAMPLE_RATE
+
+# The parts of a streamed request's first audio, in the order it waits for them.
+FIRST_AUDIO_PARTS = ("first_audio_frontend_ms", "first_audio_prefill_ms", "first_audio_tokens_ms",
+                     "first_audio_flow_ms", "first_audio_hift_ms", "first_audio_other_ms")
 
 
 @dataclass
@@ -122,16 +127,19 @@ class StageTimer:
         audio = sum(e.audio_s for e in events)
         return sum(e.seconds for e in events) / audio * 1000 if audio else None
 
-    def first_audio_parts(self, request_start: float, first_audio: float) -> dict[str, float]:
+    def first_audio_parts(self, request_start: float,
+                          first_audio: float) -> dict[str, float | int]:
         """Where a streamed request's time to first audio went, in ms (empty if unknown).
 
-        ``request_start`` and ``first_audio`` are ``perf_counter`` times, like the events'.
+        ``request_start`` and ``first_audio`` are ``perf_counter`` times, like the events'. Call
+        it once the stream is drained: the LM's event is recorded when its generator ends.
 
-        The first chunk waits for, one after the other: the text frontend (request → the LM
-        starts), the LM's prefill (→ first token), decoding the rest of the chunk's tokens (→ the
-        flow starts), the flow and HiFT passes over that chunk; ``other`` is what is left (the
-        cross-fades, handing the chunk over). ``first_chunk_tokens`` is how many tokens the first
-        flow call got.
+        The first chunk waits for each part in turn (the engine decodes the first chunk's tokens
+        in the consumer's thread, so nothing overlaps them): request → the LM starts (the whole
+        text's normalisation and tokenising, the voice), → its first token (prefill), → the flow
+        starts (the rest of the chunk's tokens), the first flow call, the first HiFT call. The
+        rest is ``other``: the heap trims between the stages, the fades, handing the chunk over.
+        ``first_chunk_tokens`` is how many tokens the first flow call got.
         """
         lm = [e for e in self.of("lm") if e.token_times]
         flow, hift = self.of("flow"), self.of("hift")
@@ -140,14 +148,14 @@ class StageTimer:
         first_lm = min(lm, key=lambda e: e.start)
         first_flow = min(flow, key=lambda e: e.start)
         first_hift = min(hift, key=lambda e: e.start)
-        parts = {
-            "first_audio_frontend_ms": first_lm.start - request_start,
-            "first_audio_prefill_ms": first_lm.token_times[0] - first_lm.start,
-            "first_audio_tokens_ms": first_flow.start - first_lm.token_times[0],
-            "first_audio_flow_ms": first_flow.seconds,
-            "first_audio_hift_ms": first_hift.seconds,
-        }
-        parts = {key: seconds * 1000 for key, seconds in parts.items()}
-        parts["first_audio_other_ms"] = (first_audio - request_start) * 1000 - sum(parts.values())
+        seconds = (first_lm.start - request_start,
+                   first_lm.token_times[0] - first_lm.start,
+                   first_flow.start - first_lm.token_times[0],
+                   first_flow.seconds,
+                   first_hift.seconds)
+        other = first_audio - request_start - sum(seconds)
+        parts: dict[str, float | int] = {
+            key: value * 1000 for key, value in zip(FIRST_AUDIO_PARTS, (*seconds, other),
+                                                    strict=True)}
         parts["first_chunk_tokens"] = sum(t <= first_flow.start for t in first_lm.token_times)
         return parts
