@@ -170,12 +170,12 @@ def _print_first_audio_parts(result: dict[str, Any], out: TextIO) -> None:
     if any(result.get(key) is None for key in FIRST_AUDIO_PARTS):
         return
     tokens = result.get("first_chunk_tokens")
-    chunk = f"{tokens} tokens" if tokens else "? tokens"
-    labels = ("frontend", "LM prefill", f"{tokens - 1} more tokens" if tokens else "more tokens",
-              "flow", "HiFT", "other")
+    more = f"{tokens - 1} more tokens" if tokens else "more tokens"
+    labels = ("frontend", "LM prefill", more, "flow", "HiFT", "other")
     parts = " + ".join(f"{label} {result[key]:,.0f}"
                        for label, key in zip(labels, FIRST_AUDIO_PARTS, strict=True))
-    out.write(f"\nfirst audio (medians of its parts; first chunk {chunk}): {parts} ms\n")
+    out.write(f"\nfirst audio (medians of its parts; first chunk {tokens or '?'} tokens): "
+              f"{parts} ms\n")
 
 
 def print_json(result: dict[str, Any], out: TextIO) -> None:
