@@ -71,6 +71,24 @@ def test_first_audio_parts_follow_the_first_chunk() -> None:
     assert StageTimer().first_audio_parts(0.0, 1.0) == {}  # nothing recorded: no parts
 
 
+def test_the_limits_are_the_best_of_a_probe_before_the_runs_and_after_each(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import engine.bench.__main__ as bench
+
+    probes = iter([{"mem_bw_gbps": 30.0, "gemv_gbps": 20.0, "gemm_gflops": 75.0},
+                   {"mem_bw_gbps": 40.0, "gemv_gbps": 18.0, "gemm_gflops": 130.0},
+                   {"mem_bw_gbps": 35.0, "gemv_gbps": 22.0, "gemm_gflops": 100.0}])
+    monkeypatch.setattr(bench, "measure_limits", lambda threads, lm_int8: next(probes))
+    monkeypatch.setattr(bench, "warm_page_cache", lambda files: 0)
+    monkeypatch.setattr(bench, "run_worker",
+                        lambda config: {"first_audio_ms": 1.0, "total_ms": 2.0, "rtf": 1.0})
+    args = bench.build_parser().parse_args(["--model-dir", str(tmp_path), "--repeats", "2"])
+    result = bench.run_benchmark(args, tmp_path)
+    assert (result["mem_bw_gbps"], result["gemv_gbps"], result["gemm_gflops"]) == (40, 22, 130)
+    assert next(probes, None) is None  # one probe before the runs and one after each
+
+
 def test_the_page_cache_is_warmed_with_every_file_a_load_reads(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
