@@ -279,6 +279,11 @@ def event_bytes(kind: str, data: dict[str, Any] | None = None, **extra: Any) -> 
     return json.dumps(head).encode() + b"\n" + block
 
 
+def synthesize_all(engine: Any, text: str, options: Any) -> torch.Tensor:
+    """Every sample a real engine's ``synthesize(text, options)`` yields, in one tensor."""
+    return torch.cat([torch.from_numpy(c.samples) for c in engine.synthesize(text, options)])
+
+
 @pytest.fixture(scope="module")
 def single_torch_thread() -> Iterator[None]:
     """Tiny tensors: a second thread only contends (100x slower on a loaded 2-core box)."""

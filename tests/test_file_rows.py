@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import synthesize_all
 
 from engine.file_rows import FileEmbedding
 from engine.weights import load_model_dir
@@ -78,9 +79,9 @@ def test_the_engine_reads_its_embedding_tables_from_the_files() -> None:
         assert torch.equal(served(ids), reference(ids)), name
     # Same tokens and audio as a model reading the tables through the mapping.
     options = SynthesisOptions(stream=False, seed=3, force_tokens=12, n_timesteps=2)
-    audio = torch.cat([torch.from_numpy(c.samples) for c in engine.synthesize("Hello.", options)])
+    audio = synthesize_all(engine, "Hello.", options)
     engine.models.llm.speech_embedding = expected.llm.speech_embedding
     engine.models.llm.text_embedding = expected.llm.text_embedding
     engine.models.flow.input_embedding = expected.flow.input_embedding
-    again = torch.cat([torch.from_numpy(c.samples) for c in engine.synthesize("Hello.", options)])
+    again = synthesize_all(engine, "Hello.", options)
     assert torch.equal(audio, again)

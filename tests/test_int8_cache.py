@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import synthesize_all
 
 from engine.engine import CosyVoiceEngine
 from engine.quantize import cache_path, default_int8_cache_dir
@@ -296,6 +297,5 @@ def test_the_int8_lm_and_flow_work_on_the_arm_engine(
         assert kl.max() <= 1e-2, kl
         assert kl.max() > 0 or arm_quantized_engine == "qnnpack", "QNNPACK did not run"
         options = SynthesisOptions(stream=True, seed=0, force_tokens=30, n_timesteps=2)
-        audio = torch.cat([torch.from_numpy(c.samples)
-                           for c in engine.synthesize("Hello there.", options)])
+        audio = synthesize_all(engine, "Hello there.", options)
         assert audio.numel() > 0 and torch.isfinite(audio).all() and audio.abs().max() > 0
