@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.constants import SAMPLE_RATE
+from engine.flow_estimator import TransformerBlock
+from engine.onednn_linear import use_onednn_linears
 from engine.start_policy import GAPLESS, estimate_speech_seconds, hold_until_gapless
 from engine.streaming import ChunkVocoder, FlowPrompt, GeneratorNoise, stream_audio, whole_audio
 from engine.tokens import LmTokens
@@ -147,13 +149,17 @@ class CosyVoiceEngine:
                 models = load_model_dir(model_dir)
                 frontend = TextFrontend()  # built while the int8 layers are still being packed
             hits = {part: loader.apply(getattr(models, part)) for part, loader in loaders.items()}
+            # Float32 estimator layers (int8 ones are left alone): oneDNN on reordered weights,
+            # 15-27 % faster estimator passes (engine.onednn_linear).
+            packed = use_onednn_linears(models.flow.decoder.estimator, TransformerBlock)
         except BaseException:
             for loader in loaders.values():  # those still packing in the background stop
                 loader.cancel()
             raise
         swapped, fenced = models.release_checkpoint_pages()
         _LOGGER.debug("Embedding tables read from their files: %s; fenced off %.0f MB of unused "
-                      "checkpoint pages", ", ".join(swapped) or "none", fenced / 1e6)
+                      "checkpoint pages; %d estimator layers on oneDNN",
+                      ", ".join(swapped) or "none", fenced / 1e6, packed)
         _LOGGER.info("Loaded %s in %.2f s", model_dir, time.perf_counter() - start)
         engine = cls(models, kind=kind, threads=threads, frontend=frontend)
         engine.lm_int8_cache_hit = hits.get("llm")

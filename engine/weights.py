@@ -232,8 +232,11 @@ def _tensors_of(model: nn.Module) -> Iterator[torch.Tensor]:
         pending = [v for k, v in vars(module).items() if k not in _MODULE_INTERNALS]
         while pending:
             value = pending.pop()
+            # Only strided tensors can be views of a checkpoint (oneDNN's reordered weights
+            # are opaque copies with no data pointer).
             if isinstance(value, torch.Tensor):
-                yield value
+                if value.layout == torch.strided:
+                    yield value
             elif isinstance(value, tuple | list):
                 pending.extend(value)
             elif isinstance(value, dict):

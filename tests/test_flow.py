@@ -15,7 +15,9 @@ import pytest
 import torch
 
 from engine.flow import FlowModel, empty_flow_cache
+from engine.flow_estimator import TransformerBlock
 from engine.hparams import load_model_args
+from engine.onednn_linear import onednn_linear_available, use_onednn_linears
 
 DATA = Path(__file__).parent / "data"
 CASES = ("tok40_noprompt", "tok60_noprompt", "tok60_prompt15")
@@ -31,14 +33,34 @@ def expand(codes: torch.Tensor, shape: tuple[int, ...], scale: float = 1 / 32) -
     return (codes.to(torch.float32).repeat(reps)[:n] * scale).view(shape)
 
 
-@pytest.fixture(scope="module")
-def flow() -> FlowModel:
+def _tiny_flow() -> FlowModel:
     torch.set_num_threads(min(2, torch.get_num_threads()))
     args = load_model_args(DATA / "tiny_model" / "cosyvoice.yaml").flow
     model = FlowModel(args)
     state = torch.load(DATA / "tiny_model" / "flow.pt", weights_only=True)
     model.load_state_dict(state, strict=True)
     return model.eval()
+
+
+@pytest.fixture(scope="module")
+def flow() -> FlowModel:
+    return _tiny_flow()
+
+
+@pytest.fixture(scope="module")
+def onednn_flow() -> FlowModel:
+    """The estimator as the engine serves it: transformer Linears on oneDNN (engine.load)."""
+    if not onednn_linear_available():
+        pytest.skip("this torch has no oneDNN matmul")
+    model = _tiny_flow()
+    assert use_onednn_linears(model.decoder.estimator, TransformerBlock) > 0
+    return model
+
+
+@pytest.fixture(scope="module", params=["default", "onednn"])
+def any_flow(request: pytest.FixtureRequest) -> FlowModel:
+    """Parity tests run on both Linear paths: torch's default and the engine's oneDNN one."""
+    return request.getfixturevalue("flow" if request.param == "default" else "onednn_flow")
 
 
 @pytest.fixture(scope="module")
@@ -87,11 +109,11 @@ def test_meta_build_and_assign_load(flow: FlowModel, fx: dict[str, torch.Tensor]
     _close(out, g["out"], MEL_TOL, "estimator after assign-load")
 
 
-def test_estimator_direct(flow: FlowModel, fx: dict[str, torch.Tensor]) -> None:
+def test_estimator_direct(any_flow: FlowModel, fx: dict[str, torch.Tensor]) -> None:
     """Batch 2, odd T=37 (down/up rounding), row 1 padded from frame 29, different t per row."""
     g = {k.split("/", 1)[1]: v for k, v in fx.items() if k.startswith("estimator_direct/")}
     with torch.no_grad():
-        out = flow.decoder.estimator(g["x"], g["mask"], g["mu"], g["t"], g["spks"], g["cond"])
+        out = any_flow.decoder.estimator(g["x"], g["mask"], g["mu"], g["t"], g["spks"], g["cond"])
     _close(out, g["out"], MEL_TOL, "estimator_direct/out")
     assert torch.all(out[1, :, 29:] == 0)
 
@@ -113,7 +135,7 @@ def test_conditioning(flow: FlowModel, fx: dict[str, torch.Tensor], case: str) -
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_inference(flow: FlowModel, fx: dict[str, torch.Tensor], case: str) -> None:
+def test_inference(any_flow: FlowModel, fx: dict[str, torch.Tensor], case: str) -> None:
     def g(name: str) -> torch.Tensor:
         return fx[f"{case}/{name}"]
 
@@ -125,9 +147,9 @@ def test_inference(flow: FlowModel, fx: dict[str, torch.Tensor], case: str) -> N
         assert step == len(steps)
         steps.append((x.clone(), t.clone(), dphi.clone()))
 
-    mel, cache = flow.inference(g("in_token"), g("in_prompt_token"), g("in_prompt_feat"),
-                                g("in_embedding"), g("in_flow_cache"), noise=z,
-                                step_callback=capture)
+    mel, cache = any_flow.inference(g("in_token"), g("in_prompt_token"), g("in_prompt_feat"),
+                                    g("in_embedding"), g("in_flow_cache"), noise=z,
+                                    step_callback=capture)
     _close(mel, g("out_feat"), MEL_TOL, "out_feat")
     _close(cache, g("out_flow_cache"), ENC_TOL, "out_flow_cache")
     assert len(steps) == 10
@@ -150,7 +172,7 @@ def _flow_prompt(kwargs: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor
 
 @pytest.mark.parametrize("run", ["vc250/stream", "vc221_prompt/stream", "e2e_sft_llm/stream",
                                  "vc221_prompt/nonstream"])
-def test_stream_chunks_with_flow_cache(flow: FlowModel, stream_fx: tuple[dict, dict],
+def test_stream_chunks_with_flow_cache(any_flow: FlowModel, stream_fx: tuple[dict, dict],
                                        run: str) -> None:
     """Each chunk's flow mel given its tokens, its injected z and the previous chunk's cache."""
     tensors, meta = stream_fx
@@ -165,8 +187,8 @@ def test_stream_chunks_with_flow_cache(flow: FlowModel, stream_fx: tuple[dict, d
         assert list(cache.shape) == chunk["flow_cache_in_shape"]
         codes = tensors[f"{run}/rng/{call['idx']:02d}_{call['fn']}"]
         z = expand(codes, tuple(call["shape"]), call["scale"])
-        mel, cache = flow.inference(tensors[f"{run}/chunk{i}/tokens"], prompt_tokens, prompt_feat,
-                                    embedding, cache, noise=z)
+        mel, cache = any_flow.inference(tensors[f"{run}/chunk{i}/tokens"], prompt_tokens,
+                                        prompt_feat, embedding, cache, noise=z)
         _close(mel, tensors[f"{run}/chunk{i}/flow_mel_out"], MEL_TOL, f"{run} chunk{i}")
         assert list(cache.shape) == chunk["flow_cache_out_shape"]
 
