@@ -41,13 +41,13 @@ def onednn_linear_available() -> bool:
 class OneDnnLinear(nn.Module):
     """``y = x W^T + b`` through oneDNN, with W reordered once (inference only)."""
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        weight = linear.weight.detach()
-        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight, _EXPECTED_ROWS)
+        self.out_features, self.in_features = weight.shape
+        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach(),
+                                                                    _EXPECTED_ROWS)
         # A copy: the layer must not keep a view into the mapped checkpoint (fenced off later).
-        self.bias = None if linear.bias is None else linear.bias.detach().clone()
+        self.bias = None if bias is None else bias.detach().clone()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias,
@@ -72,6 +72,6 @@ def use_onednn_linears(root: nn.Module, block_type: type[nn.Module]) -> int:
             for owner in block.modules():
                 for name, child in owner.named_children():
                     if type(child) is nn.Linear and child.weight.dtype == torch.float32:
-                        setattr(owner, name, OneDnnLinear(child))
+                        setattr(owner, name, OneDnnLinear(child.weight, child.bias))
                         swapped += 1
     return swapped

@@ -10,7 +10,8 @@ of its bound, which says how much an optimisation could still gain.
   fp32, as the LM is loaded) when one row goes through LM-shaped layers, far beyond the caches:
   what a decode step could reach with that kernel if it did nothing but its matrix products.
 * ``gemm_gflops``: fp32 matmul throughput at the flow estimator's Linear shapes (CFG batch 2 ×
-  172 frames = 344 rows; q/k/v 256→512, out 512→256, FFN 256→1024→256).
+  172 frames = 344 rows; q/k/v 256→512, out 512→256, FFN 256→1024→256), the faster of torch's
+  default kernel and oneDNN on reordered weights.
 * LM bytes per token are counted on the loaded model, in the weight format it actually uses.
 * Flow and HiFT FLOPs are counted with ``torch.utils.flop_counter`` on the loaded modules, on the
   same token count as the timed request (attention is quadratic in it), attention included.
@@ -18,6 +19,7 @@ of its bound, which says how much an optimisation could still gain.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
@@ -32,6 +34,7 @@ from torch import nn
 
 from engine.bench.timers import StageEvent, StageTimer
 from engine.constants import HOP, SAMPLE_RATE
+from engine.onednn_linear import OneDnnLinear, onednn_linear_available
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -91,19 +94,26 @@ def measure_gemv_gbps(*, int8: bool, blocks: int = GEMV_BLOCKS, repeats: int = 5
 
 
 def measure_gemm_gflops(rows: int = GEMM_ROWS, repeats: int = 5, inner: int = 10) -> float:
-    """GFLOP/s of fp32 ``linear`` over the flow estimator's shapes, summed like one block."""
+    """GFLOP/s of fp32 products over the flow estimator's shapes, summed like one block: the
+    faster of torch's default ``linear`` and oneDNN on reordered weights (the engine's)."""
     generator = torch.Generator().manual_seed(0)
     operands = [(torch.randn(rows, k, generator=generator), torch.randn(n, k, generator=generator))
                 for k, n in GEMM_SHAPES]
     flops = inner * sum(2 * rows * k * n for k, n in GEMM_SHAPES)
+    kernels = [[(x, functools.partial(torch.nn.functional.linear, weight=w)) for x, w in operands]]
+    if onednn_linear_available():
+        kernels.append([(x, OneDnnLinear(w)) for x, w in operands])
 
-    def run() -> None:
-        for _ in range(inner):
-            for x, w in operands:
-                torch.nn.functional.linear(x, w)
+    def timed(products: list[tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]]) -> float:
+        def run() -> None:
+            for _ in range(inner):
+                for x, product in products:
+                    product(x)
+
+        return _best_time(run, repeats)
 
     with torch.inference_mode():
-        return flops / _best_time(run, repeats) / 1e9
+        return flops / min(timed(products) for products in kernels) / 1e9
 
 
 class OtherLoad:
@@ -205,18 +215,21 @@ def _cpu_attention_flops(query_shape: tuple[int, ...], key_shape: tuple[int, ...
     return 2 * rows * t_q * t_k * (d + d_v)
 
 
-def _int8_linear_flops(input_shape: tuple[int, ...], *args: object,
-                       out_shape: tuple[int, ...], **kwargs: object) -> int:
-    """The engine's int8 Linear layers (the int8 flow's), which the FLOP counter does not know.
+def _packed_linear_flops(input_shape: tuple[int, ...], *args: object,
+                         out_shape: tuple[int, ...], **kwargs: object) -> int:
+    """The engine's Linear layers on packed weights (the int8 flow's, the float flow's oneDNN
+    ones), which the FLOP counter does not know.
 
-    Without it an int8 flow would count only its convolutions and attention, and its bound would
+    Without it the flow would count only its convolutions and attention, and its bound would
     shrink by three quarters. Counted as the float product it replaces.
     """
     return 2 * math.prod(input_shape) * out_shape[-1]
 
 
 _EXTRA_FLOPS = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _cpu_attention_flops,
-                torch.ops.quantized.linear_dynamic: _int8_linear_flops}
+                torch.ops.quantized.linear_dynamic: _packed_linear_flops}
+if onednn_linear_available():
+    _EXTRA_FLOPS[torch.ops.mkldnn._linear_pointwise] = _packed_linear_flops
 
 
 def count_stage_flops(run_chunk: Callable[[int], object], timer: StageTimer,
