@@ -229,9 +229,9 @@ def test_benchmark_runs_on_the_tiny_model() -> None:
     assert result["audio_s"] > 0
     assert 0 < result["stream_peak_rss_mb"] <= result["peak_rss_mb"]
     # The parts of the first audio add up to it, run by run; the realtime schedule's first
-    # chunk is 25 new tokens + the 20-token look-ahead.
+    # chunk is 21 new tokens + the 20-token look-ahead.
     run = result["runs"][0]
-    assert run["first_chunk_tokens"] == 45
+    assert run["first_chunk_tokens"] == 41
     parts = [run[key] for key in FIRST_AUDIO_PARTS]
     assert all(part >= 0 for part in parts)  # consecutive intervals, so no part is negative
     assert sum(parts) == pytest.approx(run["first_audio_ms"])

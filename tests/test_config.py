@@ -42,7 +42,7 @@ def test_profiles() -> None:
     assert config.profile.name == "realtime"
     realtime, quality, batch = (config.profiles[n] for n in ("realtime", "quality", "batch"))
     assert realtime.streaming and realtime.stream_audio
-    assert realtime.schedule.first_hop == 25 < OFFICIAL_SCHEDULE.first_hop
+    assert realtime.schedule.first_hop == 21 < OFFICIAL_SCHEDULE.first_hop
     assert realtime.schedule == LOW_LATENCY_SCHEDULE
     assert quality.schedule == OFFICIAL_SCHEDULE and quality.streaming
     assert not batch.streaming and not batch.stream_audio

@@ -106,7 +106,7 @@ def test_first_chunk_is_early(runs) -> None:
     _, chunks = runs
     first_tokens = LOW_LATENCY_SCHEDULE.first_hop + LOW_LATENCY_SCHEDULE.overlap
     assert first_tokens < OFFICIAL_SCHEDULE.first_hop + OFFICIAL_SCHEDULE.overlap
-    # 45 tokens → 77 frames, 34 held back for the fade, 5120 samples held for HiFT's fade.
+    # 41 tokens → 70 frames, 34 held back for the fade, 5120 samples held for HiFT's fade.
     assert len(chunks[0]) == (tokens_to_frames(first_tokens) - MEL_OVERLAP) * HOP - SOURCE_CACHE
 
 

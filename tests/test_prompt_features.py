@@ -133,12 +133,15 @@ def test_resampler_lengths_and_identity() -> None:
 # --- feature extractors ---------------------------------------------------------------------
 
 
-def test_filterbanks_and_windows_are_bit_exact(feat_fx) -> None:
+def test_filterbanks_are_bit_exact_and_the_window_within_an_ulp(feat_fx) -> None:
     assert torch.equal(slaney_mel_filters(22050, 1024, 80, 0.0, 8000.0),
                        feat_fx["mel22050/mel_basis"])
     assert torch.equal(slaney_mel_filters(16000, 400, 128), feat_fx["whisper/mel_filters"])
     assert torch.equal(kaldi_mel_banks(), feat_fx["fbank/mel_banks"])
-    assert torch.equal(povey_window(), feat_fx["fbank/povey_window"])
+    # Same recipe as the official fbank (hann ** 0.85), but torch's vectorised pow rounds
+    # differently by CPU: on an AVX-512 host 15 of the 400 values are one ulp off the
+    # fixtures' (relative 2.3e-7); bit-exact on the AVX2 host that made them.
+    torch.testing.assert_close(povey_window(), feat_fx["fbank/povey_window"], atol=0, rtol=3e-7)
 
 
 def test_prompt_mel_matches_the_v1_release_extractor(wave_fx, feat_fx) -> None:

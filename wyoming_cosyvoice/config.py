@@ -60,7 +60,7 @@ DEFAULTS: dict[str, Any] = {
         "realtime": {
             "streaming": True,
             "stream_audio": True,
-            "schedule": {"first_hop": 25, "growth": 2.0, "max_hop": 100, "overlap": 20},
+            "schedule": {"first_hop": 21, "growth": 2.0, "max_hop": 100, "overlap": 20},
             "n_timesteps": 10,
             "cfg_rate": 0.7,
             "start_policy": "eager",
