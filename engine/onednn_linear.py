@@ -1,6 +1,6 @@
 """Float32 Linear layers run by oneDNN on a weight reordered once at load.
 
-The flow estimator's transformer blocks multiply 40-400 rows by 256-1024-wide weights, ten
+The flow estimator's transformer blocks multiply 70-400 rows by 256-1024-wide weights, ten
 passes per chunk. At those sizes torch's default CPU path (``F.linear``, MKL's sgemm) measured
 15-27 % slower per estimator pass than oneDNN's matmul on a weight laid out for it in advance
 (2026-12-04, AVX-512 host, interleaved A/B in one process: 202 -> 151 ms at 77 frames, 421 ->
@@ -21,7 +21,7 @@ from torch import nn
 _LOGGER = logging.getLogger(__name__)
 
 # The row count oneDNN is told to expect when it picks the weight's layout; any count works at
-# run time. A streamed chunk's estimator pass sees 80-400 rows (2 CFG rows x frames, halved in
+# run time. A streamed chunk's estimator pass sees 70-400 rows (2 CFG rows x frames, halved in
 # the U-Net's middle).
 _EXPECTED_ROWS = 128
 
