@@ -50,15 +50,12 @@ def test_swaps_only_float_linears_inside_the_given_blocks() -> None:
 
 
 def test_engine_load_puts_the_float_estimator_on_onednn() -> None:
-    engine = CosyVoiceEngine.load(TINY)
-    layers = [m for m in engine.models.flow.decoder.estimator.modules()
-              if isinstance(m, OneDnnLinear | nn.Linear)]
-    blocks = [m for b in engine.models.flow.decoder.estimator.modules()
-              if isinstance(b, TransformerBlock) for m in b.modules()]
-    in_blocks = [m for m in blocks if isinstance(m, OneDnnLinear | nn.Linear)]
+    estimator = CosyVoiceEngine.load(TINY).models.flow.decoder.estimator
+    in_blocks = [m for b in estimator.modules() if isinstance(b, TransformerBlock)
+                 for m in b.modules() if isinstance(m, OneDnnLinear | nn.Linear)]
     assert in_blocks and all(isinstance(m, OneDnnLinear) for m in in_blocks)
     # Outside the transformer blocks (the time MLP, 1-2 rows) the default path is faster.
-    assert any(type(m) is nn.Linear for m in layers)
+    assert any(type(m) is nn.Linear for m in estimator.modules())
 
 
 def test_engine_load_leaves_an_int8_estimator_alone(tmp_path: Path) -> None:
