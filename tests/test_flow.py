@@ -17,7 +17,12 @@ import torch
 from engine.flow import FlowModel, empty_flow_cache
 from engine.flow_estimator import TransformerBlock
 from engine.hparams import load_model_args
-from engine.onednn_linear import onednn_linear_available, use_onednn_linears
+from engine.onednn_layers import (
+    onednn_conv_available,
+    onednn_linear_available,
+    use_onednn_convs,
+    use_onednn_linears,
+)
 
 DATA = Path(__file__).parent / "data"
 CASES = ("tok40_noprompt", "tok60_noprompt", "tok60_prompt15")
@@ -49,11 +54,13 @@ def flow() -> FlowModel:
 
 @pytest.fixture(scope="module")
 def onednn_flow() -> FlowModel:
-    """The estimator as the engine serves it: transformer Linears on oneDNN (engine.load)."""
-    if not onednn_linear_available():
-        pytest.skip("this torch has no oneDNN matmul")
+    """The estimator as the engine serves it: transformer Linears and convolutions on oneDNN
+    (engine.load)."""
+    if not (onednn_linear_available() and onednn_conv_available()):
+        pytest.skip("this torch has no oneDNN matmul or convolution")
     model = _tiny_flow()
     assert use_onednn_linears(model.decoder.estimator, TransformerBlock) > 0
+    assert use_onednn_convs(model.decoder.estimator) > 0
     return model
 
 

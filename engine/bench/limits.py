@@ -34,7 +34,7 @@ from torch import nn
 
 from engine.bench.timers import StageEvent, StageTimer
 from engine.constants import HOP, SAMPLE_RATE
-from engine.onednn_linear import OneDnnLinear, onednn_linear_available
+from engine.onednn_layers import OneDnnLinear, onednn_linear_available
 
 _LOGGER = logging.getLogger(__name__)
 
