@@ -5,9 +5,9 @@ passes per chunk. At those sizes torch's default CPU path (``F.linear``, MKL's s
 15-27 % slower per estimator pass than oneDNN's matmul on a weight laid out for it in advance
 (2026-12-04, AVX-512 host, interleaved A/B in one process: 202 -> 151 ms at 77 frames, 421 ->
 320 ms at 206). Its convolutions are the same story: ``F.conv1d`` hands oneDNN the plain weight,
-which it reorders on every call; on a reordered weight a k3 conv over 35-70 frames took
-23-35 % less (:class:`OneDnnConv1d`). Same float32 maths; only the summation order differs
-(≈1e-6 relative).
+which it reorders on every call; on a reordered weight a single k3 conv over 35-70 frames took
+23-35 % less (:class:`OneDnnConv1d`), a whole float32 pass 3-5 % less. Same float32 maths;
+only the summation order differs (≈1e-6 relative).
 
 The reordered weight is a copy in oneDNN's blocked layout, so the checkpoint's float32 pages
 are no longer read and are fenced off with the rest (engine.weights): no second resident copy.
@@ -100,10 +100,16 @@ class OneDnnConv1d(nn.Module):
     without a copy, and a channels-last input is what this layer reads fastest.
     """
 
+    @staticmethod
+    def supports(conv: nn.Conv1d) -> bool:
+        return conv.groups == 1 and conv.padding_mode == "zeros" \
+            and not isinstance(conv.padding, str) and conv.weight.dtype == torch.float32
+
     def __init__(self, conv: nn.Conv1d, expected_frames: int = _EXPECTED_FRAMES) -> None:
         super().__init__()
-        if conv.groups != 1 or conv.padding_mode != "zeros" or isinstance(conv.padding, str):
-            raise ValueError(f"only zero-padded, ungrouped convolutions are supported: {conv}")
+        if not self.supports(conv):
+            raise ValueError(f"only zero-padded, ungrouped float32 convolutions are supported: "
+                             f"{conv}")
         self.in_channels, self.out_channels = conv.in_channels, conv.out_channels
         self.kernel_size = conv.kernel_size[0]
         self.padding = [conv.padding[0], 0]
@@ -127,8 +133,9 @@ class OneDnnConv1d(nn.Module):
 
 
 def use_onednn_convs(root: nn.Module) -> int:
-    """Swap every float32 ``nn.Conv1d`` under ``root`` for a :class:`OneDnnConv1d`.
-    Returns how many were swapped (0 without oneDNN)."""
+    """Swap every ``nn.Conv1d`` under ``root`` that :class:`OneDnnConv1d` supports (zero
+    padding, no groups, float32; others stay). Returns how many were swapped (0 without
+    oneDNN)."""
     if not onednn_conv_available():
         _LOGGER.debug("torch has no oneDNN convolution: Conv1d layers stay on the default path")
         return 0
@@ -136,7 +143,7 @@ def use_onednn_convs(root: nn.Module) -> int:
     with torch.no_grad():
         for owner in list(root.modules()):
             for name, child in owner.named_children():
-                if type(child) is nn.Conv1d and child.weight.dtype == torch.float32:
+                if type(child) is nn.Conv1d and OneDnnConv1d.supports(child):
                     setattr(owner, name, OneDnnConv1d(child))
                     swapped += 1
     return swapped

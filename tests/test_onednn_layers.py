@@ -108,9 +108,11 @@ def test_conv_refuses_what_it_cannot_run() -> None:
         OneDnnConv1d(nn.Conv1d(8, 8, 3, padding=1, padding_mode="reflect"))
 
 
-def test_swaps_every_float_conv1d_under_the_root() -> None:
+def test_swaps_the_conv1d_layers_it_can_run() -> None:
     root = nn.Sequential(nn.Conv1d(4, 8, 3, padding=1), nn.ModuleList([nn.Conv1d(8, 8, 1)]),
-                         nn.ConvTranspose1d(8, 8, 4, stride=2, padding=1))
+                         nn.ConvTranspose1d(8, 8, 4, stride=2, padding=1),
+                         nn.Conv1d(8, 8, 3, padding=1, groups=2))
     assert use_onednn_convs(root) == 2
     assert isinstance(root[0], OneDnnConv1d) and isinstance(root[1][0], OneDnnConv1d)
     assert type(root[2]) is nn.ConvTranspose1d  # transposed convolutions stay as they are
+    assert type(root[3]) is nn.Conv1d  # so do those it cannot run (grouped here)
