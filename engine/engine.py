@@ -149,9 +149,9 @@ class CosyVoiceEngine:
                 models = load_model_dir(model_dir)
                 # A float32 estimator runs its transformer layers on oneDNN (engine.onednn_layers:
                 # 15-27 % faster passes), and every estimator runs its convolutions there.
-                # Reordered here, on this thread while the int8 layers are packed: +0.1 s of
-                # load, against +0.2-0.4 s after the packing or on a thread of its own
-                # (measured 2026-12-04).
+                # Reordered here, on this thread while the int8 layers are packed: the Linears
+                # +0.1 s of load, against +0.2-0.4 s after the packing or on a thread of its
+                # own; the 53 convolutions 33-39 ms on one thread (measured 2026-12-04).
                 estimator = models.flow.decoder.estimator
                 packed = use_onednn_convs(estimator)
                 if not flow_int8:

@@ -17,6 +17,7 @@ Where torch was built without oneDNN the layers stay ``nn.Linear`` and ``nn.Conv
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -72,23 +73,35 @@ class OneDnnLinear(nn.Module):
                f"bias={self.bias is not None}"
 
 
+def _swap_children(owners: Iterable[nn.Module], replace: Callable[[nn.Module], nn.Module | None]
+                   ) -> int:
+    """Set every child of ``owners`` for which ``replace`` returns a module to that module."""
+    swapped = 0
+    with torch.no_grad():
+        for owner in list(owners):
+            for name, child in list(owner.named_children()):
+                new = replace(child)
+                if new is not None:
+                    setattr(owner, name, new)
+                    swapped += 1
+    return swapped
+
+
 def use_onednn_linears(root: nn.Module, block_type: type[nn.Module]) -> int:
     """Swap every float ``nn.Linear`` inside modules of ``block_type`` for a
     :class:`OneDnnLinear`. Returns how many were swapped (0 without oneDNN)."""
     if not onednn_linear_available():
         _LOGGER.debug("torch has no oneDNN matmul: Linear layers stay on the default path")
         return 0
-    swapped = 0
-    with torch.no_grad():
-        for block in root.modules():
-            if not isinstance(block, block_type):
-                continue
-            for owner in block.modules():
-                for name, child in owner.named_children():
-                    if type(child) is nn.Linear and child.weight.dtype == torch.float32:
-                        setattr(owner, name, OneDnnLinear(child.weight, child.bias))
-                        swapped += 1
-    return swapped
+
+    def replace(child: nn.Module) -> nn.Module | None:
+        if type(child) is nn.Linear and child.weight.dtype == torch.float32:
+            return OneDnnLinear(child.weight, child.bias)
+        return None
+
+    owners = (owner for block in root.modules() if isinstance(block, block_type)
+              for owner in block.modules())
+    return _swap_children(owners, replace)
 
 
 class OneDnnConv1d(nn.Module):
@@ -139,11 +152,10 @@ def use_onednn_convs(root: nn.Module) -> int:
     if not onednn_conv_available():
         _LOGGER.debug("torch has no oneDNN convolution: Conv1d layers stay on the default path")
         return 0
-    swapped = 0
-    with torch.no_grad():
-        for owner in list(root.modules()):
-            for name, child in owner.named_children():
-                if type(child) is nn.Conv1d and OneDnnConv1d.supports(child):
-                    setattr(owner, name, OneDnnConv1d(child))
-                    swapped += 1
-    return swapped
+
+    def replace(child: nn.Module) -> nn.Module | None:
+        if type(child) is nn.Conv1d and OneDnnConv1d.supports(child):
+            return OneDnnConv1d(child)
+        return None
+
+    return _swap_children(root.modules(), replace)
