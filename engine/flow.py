@@ -115,6 +115,8 @@ class ConditionalCFM(nn.Module):
     def solve(self, z: Tensor, mu: Tensor, spks: Tensor, cond: Tensor, *, n_timesteps: int,
               cfg_rate: float, step_callback: StepCallback | None = None) -> Tensor:
         """Integrate from noise z (1, 80, T) at t=0 to t=1; returns the mel (1, 80, T) float32."""
+        if n_timesteps < 1:
+            raise ValueError(f"n_timesteps must be at least 1, got {n_timesteps}")
         t_span = self.time_grid(n_timesteps, mu.dtype)
         # The CFG batch: row 0 conditional, row 1 with mu/spks/cond zeroed (same x, t, mask).
         # These inputs are the same at every step, so they are built once. Guidance off
@@ -125,21 +127,25 @@ class ConditionalCFM(nn.Module):
         cond_in = torch.cat([cond, torch.zeros_like(cond)])[:rows]  # (rows, 80, T)
         mask = torch.ones(rows, 1, z.shape[-1], dtype=mu.dtype, device=mu.device)
 
-        x = z
         # Time is advanced by accumulation (t += dt; dt = t_{k+1} − t) as upstream, which can
         # differ from t_span[k] in the last float32 bit.
-        t = t_span[0]
-        dt = t_span[1] - t_span[0]
-        for step in range(1, n_timesteps + 1):
+        times, steps = [t_span[0]], [t_span[1] - t_span[0]]
+        for step in range(1, n_timesteps):
+            times.append(times[-1] + steps[-1])
+            steps.append(t_span[step + 1] - times[-1])
+        # Every step's time-MLP output in one batch, one row per step (the CFG rows share t).
+        step_biases = self.estimator.time_biases(torch.stack(times))
+
+        x = z
+        for step, (t, dt) in enumerate(zip(times, steps, strict=True)):
             x_in = torch.cat([x, x]) if rows == 2 else x  # (rows, 80, T)
-            dphi = self.estimator(x_in, mask, mu_in, t.expand(rows), spks_in, cond_in)
+            biases = [b[step:step + 1] for b in step_biases]
+            dphi = self.estimator(x_in, mask, mu_in, t.expand(rows), spks_in, cond_in,
+                                  time_biases=biases)
             if step_callback is not None:
-                step_callback(step - 1, x, t, dphi)
+                step_callback(step, x, t, dphi)
             v = (1.0 + cfg_rate) * dphi[:1] - cfg_rate * dphi[1:] if rows == 2 else dphi
             x = x + dt * v
-            t = t + dt
-            if step < n_timesteps:
-                dt = t_span[step + 1] - t
         return x.float()
 
 

@@ -237,3 +237,27 @@ def test_generator_noise_is_reproducible(flow: FlowModel, fx: dict[str, torch.Te
     with pytest.raises(ValueError):
         flow.inference(g("in_token"), g("in_prompt_token"), g("in_prompt_feat"),
                        g("in_embedding"), None, noise=torch.zeros(1, 80, 67))
+
+
+def test_time_biases_computed_ahead_give_the_same_pass(flow: FlowModel) -> None:
+    """An ODE solve computes every step's time biases in one batch (one row per step): a pass
+    given its step's row must match a pass that computes them from t itself."""
+    estimator = flow.decoder.estimator
+    gen = torch.Generator().manual_seed(0)
+    x, mu, cond = (torch.randn(2, 80, 24, generator=gen) for _ in range(3))
+    spks = torch.randn(2, 80, generator=gen)
+    mask = torch.ones(2, 1, 24)
+    times = torch.tensor([0.0, 0.3, 0.9])
+    with torch.inference_mode():
+        ahead = estimator.time_biases(times)
+        for step, t in enumerate(times):
+            alone = estimator(x, mask, mu, t.expand(2), spks, cond)
+            given = estimator(x, mask, mu, t.expand(2), spks, cond,
+                              time_biases=[b[step:step + 1] for b in ahead])
+            torch.testing.assert_close(given, alone, atol=1e-6, rtol=1e-5)
+
+
+def test_solve_refuses_zero_steps(flow: FlowModel) -> None:
+    z = torch.zeros(1, 80, 8)
+    with pytest.raises(ValueError, match="n_timesteps"):
+        flow.decoder.solve(z, z, torch.zeros(1, 80), z, n_timesteps=0, cfg_rate=0.7)
