@@ -265,7 +265,7 @@ class ConditionalDecoder(nn.Module):
         ResNet block's time bias (N, C_out), in the order :meth:`forward` takes them.
 
         An ODE solve knows every step's time in advance and asks once for all of them: the
-        time MLPs then read their weights (17 MB of float32 at 300M size) once a solve instead
+        time MLPs then read their weights (20 MB of float32 at 300M size) once a solve instead
         of once a pass. Measured 2026-12-04 after a 70-frame batch-2 pass: 2.3 ms of its
         146 ms; all ten steps' rows at once 3.9 ms.
         """
