@@ -12,6 +12,11 @@ machine an int8 LM step took 26–28 ms with one team and 33–40 ms with two). 
 ``inline`` tokens are generated in the consumer's thread, and the background thread takes the
 same generator over only when the consumer asks for the next token, i.e. after the first chunk
 has been vocoded.
+
+The background thread uses as many torch threads as the consumer's thread, and follows it when
+the consumer's count changes (a server that runs sentences side by side gives each one core).
+torch's thread count belongs to each thread; a new thread starts from the last count set
+anywhere in the process.
 """
 
 from __future__ import annotations
@@ -62,6 +67,7 @@ class LmTokens:
         self._source: Iterator[int] | None = None
         self._queue: queue.SimpleQueue[object] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
+        self._threads = 1  # the consumer's torch thread count, which the LM thread follows
 
     def __iter__(self) -> Iterator[int]:
         self._source = source = self._make_tokens()
@@ -74,10 +80,12 @@ class LmTokens:
             count += 1
             yield token
         # The consumer wants more: the first chunk is out, so overlapping now pays.
+        self._threads = torch.get_num_threads()
         self._thread = threading.Thread(target=self._produce, args=(source,),
                                         name="cosyvoice-lm", daemon=True)
         self._thread.start()
         while True:
+            self._threads = torch.get_num_threads()  # read in the consumer's thread
             item = self._queue.get()
             self._check_cancel()
             if item is _END:
@@ -94,8 +102,11 @@ class LmTokens:
         _lower_priority()
         try:
             with torch.inference_mode():
-                for token in source:
-                    if self._stop.is_set() or self._cancel.is_set():
+                while True:
+                    if (threads := self._threads) != torch.get_num_threads():
+                        torch.set_num_threads(threads)
+                    token = next(source, None)
+                    if token is None or self._stop.is_set() or self._cancel.is_set():
                         break
                     self._queue.put(token)
         except BaseException as err:  # handed to the consumer, which re-raises it

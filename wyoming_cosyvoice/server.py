@@ -158,6 +158,11 @@ class _Slots:
     def all_free(self) -> bool:
         return len(self._free) == self.count
 
+    @property
+    def busy(self) -> int:
+        """How many slots are taken."""
+        return self.count - len(self._free)
+
     def release(self, slots: list[int]) -> None:
         self._free = sorted(self._free + slots)
         self._wake()
@@ -177,6 +182,14 @@ class ModelHost:
     """Owns the engine: loads it in the background and runs its syntheses in turn.
 
     ``parallel`` sentences run at once, each on its own engine thread (slot).
+
+    ``shared_cores``: with ``parallel`` > 1, a sentence running alone on slot 0 gets every
+    torch thread and sentences side by side get one each, set before every chunk (torch's
+    thread count belongs to each thread). Only slot 0 ever runs more than one: a thread that
+    has run a multi-thread OpenMP team keeps it, idle, for as long as it lives, and an idle
+    team beside an active one slows the active one's operations (measured 2026-12-04: a
+    140-row product 275 → 364 µs). New sentences take the lowest free slot, so a sentence
+    that arrives alone is on slot 0.
     """
 
     def __init__(
@@ -188,12 +201,13 @@ class ModelHost:
         warmup: bool = True,
         speakers_hint: list[str] | None = None,
         parallel: int = 1,
-        serve_threads: int | None = None,
+        shared_cores: bool = False,
     ) -> None:
         self.model_dir = model_dir
         self._factory = engine_factory
         self._threads = threads
-        self._serve_threads = serve_threads  # torch threads once loaded and warmed up
+        self._shared_cores = shared_cores and parallel > 1
+        self._all_threads = 1  # slot 0's torch threads after the load (shared_cores)
         self._warmup = warmup
         self._executors = [
             ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"engine{'' if i == 0 else i}")
@@ -227,9 +241,8 @@ class ModelHost:
             )
             if self._warmup:
                 await loop.run_in_executor(self._executor, engine.warmup)
-            if self._serve_threads is not None:
-                await loop.run_in_executor(self._executor, _set_torch_threads,
-                                           self._serve_threads)
+            if self._shared_cores:
+                self._all_threads = await loop.run_in_executor(self._executor, _torch_threads)
             _LOGGER.info(
                 "Model ready in %.1f s (%s, speakers: %s)",
                 loop.time() - start,
@@ -278,11 +291,17 @@ class ModelHost:
             if cancel.is_set():
                 raise SynthesisCancelled("cancelled while queued")
             chunks = await loop.run_in_executor(
-                executor, partial(engine.synthesize, text, options, cancel)
+                executor,
+                _with_threads,
+                self._threads_for(slot),
+                partial(engine.synthesize, text, options, cancel),
             )
             try:
+                next_chunk = partial(next, chunks, None)
                 while (
-                    chunk := await loop.run_in_executor(executor, next, chunks, None)
+                    chunk := await loop.run_in_executor(
+                        executor, _with_threads, self._threads_for(slot), next_chunk
+                    )
                 ) is not None:
                     await on_chunk(chunk)
                     if cancel.is_set():
@@ -293,6 +312,12 @@ class ModelHost:
                 executor.submit(_close_quietly, chunks)
         finally:
             self._slots.release([slot])
+
+    def _threads_for(self, slot: int) -> int | None:
+        """Torch threads for the next call of the sentence on ``slot`` (None: leave them)."""
+        if not self._shared_cores:
+            return None
+        return self._all_threads if slot == 0 and self._slots.busy == 1 else 1
 
     async def run_on_engine(self, fn: Callable[..., Any], *args: Any) -> Any:
         """``fn(*args)`` on the engine thread, in its turn: between two sentences, FIFO with
@@ -313,12 +338,24 @@ class ModelHost:
             executor.shutdown(wait=False, cancel_futures=True)
 
 
-def _set_torch_threads(threads: int) -> None:
+def _torch_threads() -> int:
     import torch  # already loaded by the engine
 
-    # This thread's count, and the one threads start with that first use torch later: the
-    # other slots' threads (created after the load) and the engine's LM threads.
-    torch.set_num_threads(threads)
+    return torch.get_num_threads()
+
+
+def _with_threads(threads: int | None, fn: Callable[[], Any]) -> Any:
+    """``fn()`` with this thread's torch thread count set to ``threads`` (None: as it is).
+
+    The count is this thread's own; threads started later begin with it. The engine's LM
+    thread follows the thread that consumes its tokens (engine.tokens).
+    """
+    if threads is not None:
+        import torch  # already loaded by the engine
+
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
+    return fn()
 
 
 def _idle() -> None:
@@ -381,13 +418,10 @@ def host_for_config(
     """
     if engine_factory is load_cosyvoice:
         engine_factory = engine_loader(config)
-    serve_threads = None
-    if config.threads is None and config.parallel_sentences > 1:
-        # Sentences side by side each get one torch thread (after a load and warm-up on every
-        # core): the thread count is process-wide, and a sentence started on every core while
-        # another one starts oversubscribes the cores (measured: 0.19 instead of 0.27 audio-s/s
-        # for two at once, docs/performance.md).
-        serve_threads = 1
+    # Sentences side by side share the cores (one torch thread each) unless the user set a
+    # thread count: on every core each, two sentences oversubscribe the cores (measured: 0.19
+    # instead of 0.27 audio-s/s for two at once, docs/performance.md).
+    shared_cores = config.threads is None and config.parallel_sentences > 1
     return ModelHost(
         model_dir,
         engine_factory=engine_factory,
@@ -395,7 +429,7 @@ def host_for_config(
         warmup=config.warmup,
         speakers_hint=peek_speakers(model_dir),
         parallel=config.parallel_sentences,
-        serve_threads=serve_threads,
+        shared_cores=shared_cores,
     )
 
 
