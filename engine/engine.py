@@ -250,7 +250,7 @@ class CosyVoiceEngine:
         flow_prompt = voice.flow_prompt or FlowPrompt(voice.flow_embedding)
         vocoder = ChunkVocoder(self.models.flow, self.models.hift, flow_prompt,
                                GeneratorNoise(noise_generator), n_timesteps=options.n_timesteps,
-                               cfg_rate=options.cfg_rate)
+                               cfg_rate=options.cfg_rate, threads=options.threads)
 
         def make_tokens() -> Iterator[int]:
             return self.models.llm.generate(
@@ -261,7 +261,8 @@ class CosyVoiceEngine:
         # The first chunk's tokens (all tokens when not streaming) come from this thread; an LM
         # thread takes over once that chunk is out (engine.tokens says why).
         first_chunk = options.schedule.first_hop + options.schedule.overlap
-        tokens = LmTokens(make_tokens, cancel, inline=first_chunk if options.stream else None)
+        tokens = LmTokens(make_tokens, cancel, inline=first_chunk if options.stream else None,
+                          threads=options.threads)
 
         def waves() -> Iterator[torch.Tensor]:
             if options.stream:

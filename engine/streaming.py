@@ -25,6 +25,7 @@ import torch
 
 from engine.constants import HOP, MEL_CACHE, MEL_OVERLAP, N_MELS, SOURCE_CACHE, TOKEN_OVERLAP
 from engine.pages import give_back_free_heap
+from engine.thread_budget import ThreadBudget, apply_thread_budget
 from engine.types import StreamSchedule
 
 # float64, as upstream multiplies float32 tensors by numpy hamming windows (fixtures README §9.5).
@@ -84,9 +85,11 @@ class ChunkVocoder:
     """Turns token chunks of one utterance into audio, carrying the cross-chunk state."""
 
     def __init__(self, flow: torch.nn.Module, hift: torch.nn.Module, prompt: FlowPrompt,
-                 noise: NoiseSource, *, n_timesteps: int = 10, cfg_rate: float = 0.7) -> None:
+                 noise: NoiseSource, *, n_timesteps: int = 10, cfg_rate: float = 0.7,
+                 threads: ThreadBudget | None = None) -> None:
         self.flow, self.hift, self.prompt, self.noise = flow, hift, prompt, noise
         self.n_timesteps, self.cfg_rate = n_timesteps, cfg_rate
+        self.threads = threads  # applied before the flow, after each flow step and before HiFT
         self.flow_cache = torch.zeros(1, N_MELS, 0, 2)  # (1, 80, frames, [z | mu])
         self.mel_overlap: torch.Tensor | None = None  # (1, 80, 34) held back for the fade
         self.hift_mel: torch.Tensor | None = None  # (1, 80, 20) left context for HiFT
@@ -97,9 +100,13 @@ class ChunkVocoder:
         prompt_frames = self.prompt.feat.shape[1]
         n_frames = prompt_frames + int(tokens.shape[1] / 50 * 22050 / HOP)
         z = self.noise.flow_noise((1, N_MELS, n_frames))
+        apply_thread_budget(self.threads)
+        after_step = (None if self.threads is None
+                      else lambda *_: apply_thread_budget(self.threads))
         mel, self.flow_cache = self.flow.inference(
             tokens, self.prompt.tokens, self.prompt.feat, self.prompt.embedding, self.flow_cache,
             noise=z, n_timesteps=self.n_timesteps, cfg_rate=self.cfg_rate,
+            step_callback=after_step,
         )
         return mel
 
@@ -108,6 +115,7 @@ class ChunkVocoder:
         from engine.hift import HiftNoise
 
         phase, sine_noise = self.noise.hift_noise(mel.shape[2] * HOP)
+        apply_thread_budget(self.threads)
         return self.hift.inference(mel, cache_source,
                                    noise=HiftNoise(phase_uniform=phase, sine_noise=sine_noise))
 

@@ -13,10 +13,9 @@ machine an int8 LM step took 26–28 ms with one team and 33–40 ms with two). 
 same generator over only when the consumer asks for the next token, i.e. after the first chunk
 has been vocoded.
 
-The background thread uses as many torch threads as the consumer's thread, and follows it when
-the consumer's count changes (a server that runs sentences side by side gives each one core).
-torch's thread count belongs to each thread; a new thread starts from the last count set
-anywhere in the process.
+Before each token the producing thread takes the caller's thread budget (engine.thread_budget);
+without one, the background thread follows the consumer's thread count. torch's thread count
+belongs to each thread, and a new thread starts from the last count set anywhere in the process.
 """
 
 from __future__ import annotations
@@ -29,6 +28,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
+from engine.thread_budget import ThreadBudget, apply_thread_budget
 from engine.types import SynthesisCancelled
 
 _LOGGER = logging.getLogger(__name__)
@@ -55,24 +55,28 @@ class LmTokens:
     """Iterate over the tokens of ``make_tokens()``.
 
     ``inline``: how many tokens to generate in the consumer's thread before a background thread
-    takes over; ``None`` generates all of them inline (no thread at all).
+    takes over; ``None`` generates all of them inline (no thread at all). ``threads``: the
+    caller's thread budget, applied before each token.
     """
 
     def __init__(self, make_tokens: Callable[[], Iterator[int]],
-                 cancel: threading.Event | None = None, *, inline: int | None) -> None:
+                 cancel: threading.Event | None = None, *, inline: int | None,
+                 threads: ThreadBudget | None = None) -> None:
         self._make_tokens = make_tokens
         self._cancel = cancel or threading.Event()
         self._inline = inline
+        self._budget = threads
         self._stop = threading.Event()
         self._source: Iterator[int] | None = None
         self._queue: queue.SimpleQueue[object] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
-        self._threads = 1  # the consumer's torch thread count, which the LM thread follows
+        self._threads = 1  # the consumer's torch thread count (followed without a budget)
 
     def __iter__(self) -> Iterator[int]:
         self._source = source = self._make_tokens()
         count = 0
         while self._inline is None or count < self._inline:
+            apply_thread_budget(self._budget)
             token = next(source, None)
             if token is None:
                 return
@@ -102,9 +106,9 @@ class LmTokens:
         _lower_priority()
         try:
             with torch.inference_mode():
+                budget = self._budget or (lambda: self._threads)
                 while True:
-                    if (threads := self._threads) != torch.get_num_threads():
-                        torch.set_num_threads(threads)
+                    apply_thread_budget(budget)
                     token = next(source, None)
                     if token is None or self._stop.is_set() or self._cancel.is_set():
                         break

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -65,6 +66,9 @@ class SynthesisOptions:
     # 'eager': release audio as soon as it exists; 'gapless': hold the first chunks until
     # playback from then on will not starve (see engine.start_policy).
     start_policy: str = "eager"
+    # Asked before each LM token and flow step: torch threads from then on (None: leave the
+    # calling thread's count). engine.thread_budget says why.
+    threads: Callable[[], int] | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True, eq=False)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections.abc import Callable, Iterator
 
@@ -70,3 +71,20 @@ def test_the_lm_thread_follows_the_consumers_thread_count() -> None:
     assert len(counts) == n_tokens
     assert counts[:switch_after + 1] == [3] * (switch_after + 1)  # inline, then the LM thread
     assert counts[-4:] == [1] * 4
+
+
+def test_a_thread_budget_is_applied_before_every_token_in_both_threads() -> None:
+    counts: list[tuple[str, int]] = []
+    pattern = [2, 1, 3]
+    answers = itertools.cycle(pattern)
+
+    def make_tokens() -> Iterator[int]:
+        for token in range(10):
+            counts.append((threading.current_thread().name, torch.get_num_threads()))
+            yield token
+
+    got: list[int] = []
+    _consume(lambda: got.extend(LmTokens(make_tokens, inline=3, threads=lambda: next(answers))))
+    assert got == list(range(10))
+    assert [n for _, n in counts] == [pattern[i % 3] for i in range(10)]
+    assert [name for name, _ in counts] == ["consumer"] * 3 + ["cosyvoice-lm"] * 7

@@ -68,11 +68,14 @@ class MeetingEngine:
         self.speakers, self.kind = self._fake.speakers, self._fake.kind
         self.meet = threading.Barrier(2, timeout=10)
         self.seen: list[tuple[str, str, int]] = []  # (text, engine thread, torch threads)
+        self.budgets: list[Any] = []  # options.threads of each sentence
 
     def warmup(self) -> None:
         pass
 
     def synthesize(self, text: str, options: Any, cancel: Any = None) -> Any:
+        self.budgets.append(options.threads)
+
         def chunks() -> Any:
             if text.startswith("Together"):
                 self.meet.wait()  # times out (and the request fails) unless both run at once
@@ -115,6 +118,8 @@ def test_sentences_side_by_side_share_the_cores_and_one_alone_gets_them_all(
     # A sentence alone (on the first slot) gets every core back.
     assert {(thread, n) for text, thread, n in engine.seen if text == "Alone now."} == {
         ("engine_0", 3)}
+    # The engine gets the same policy to ask between LM tokens and flow steps.
+    assert len(engine.budgets) == 3 and all(callable(b) for b in engine.budgets)
 
 
 def test_only_the_first_slot_runs_a_sentence_on_every_core() -> None:
@@ -142,14 +147,15 @@ def test_only_the_first_slot_runs_a_sentence_on_every_core() -> None:
 
 
 def test_an_explicit_thread_count_is_kept_with_parallel_sentences(wy: SimpleNamespace) -> None:
-    async def main() -> int | None:
+    async def main() -> tuple[int | None, list[Any]]:
         overrides = {"server.parallel_sentences": 2, "server.threads": 2}
         async with meeting_server(wy, overrides) as srv:
-            return srv.engines[0].threads
+            await wy.synthesize(srv.port, "Alone now.")
+            return srv.engines[0].threads, srv.engines[0].budgets
 
     cores = torch.get_num_threads()
     try:
-        assert run(main()) == 2
+        assert run(main()) == (2, [None])  # no thread budget either: every sentence keeps 2
     finally:
         torch.set_num_threads(cores)
 

@@ -93,3 +93,28 @@ def test_official_nonstream(models, scenario: str) -> None:
         audio = whole_audio(tokens, vocoder)
     expected = FIXTURES[f"{scenario}/nonstream/chunk0/speech_out"]
     torch.testing.assert_close(audio, expected, atol=AUDIO_ATOL, rtol=0)
+
+
+def test_a_thread_budget_is_asked_before_each_flow_step_and_hift(models) -> None:
+    """A server running sentences side by side changes a sentence's threads between flow
+    steps (engine.thread_budget); the audio must not change with it."""
+    tokens, prompt = _case("vc250")
+    asked: list[int] = []
+    cores = torch.get_num_threads()
+
+    def budget() -> int:
+        asked.append(torch.get_num_threads())
+        return 1 if len(asked) % 2 else 2  # alternate, to change the count at every step
+
+    vocoder = ChunkVocoder(models.flow, models.hift, prompt, ReplayNoise("vc250/nonstream"),
+                           threads=budget)
+    try:
+        with torch.inference_mode():
+            audio = whole_audio(tokens, vocoder)
+    finally:
+        torch.set_num_threads(cores)
+    expected = FIXTURES["vc250/nonstream/chunk0/speech_out"]
+    torch.testing.assert_close(audio, expected, atol=AUDIO_ATOL, rtol=0)
+    # Before the flow, after each of its 10 steps, before HiFT; and each answer was applied.
+    assert len(asked) == 1 + 10 + 1
+    assert asked[1:] == [1 if i % 2 else 2 for i in range(1, len(asked))]

@@ -18,7 +18,7 @@ import threading
 import zipfile
 from collections.abc import Awaitable, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 from typing import Any, Protocol
@@ -287,6 +287,8 @@ class ModelHost:
         finally:
             self.waiting -= 1
         executor = self._executors[slot]
+        if self._shared_cores:  # the engine asks again before each LM token and flow step
+            options = replace(options, threads=partial(self._threads_for, slot))
         try:
             if cancel.is_set():
                 raise SynthesisCancelled("cancelled while queued")
@@ -314,7 +316,9 @@ class ModelHost:
             self._slots.release([slot])
 
     def _threads_for(self, slot: int) -> int | None:
-        """Torch threads for the next call of the sentence on ``slot`` (None: leave them)."""
+        """Torch threads for the sentence on ``slot`` from now on (None: leave them as they
+        are). Asked on the loop before each chunk and by the engine, from its threads, before
+        each LM token and flow step (reads of two ints: no lock needed)."""
         if not self._shared_cores:
             return None
         return self._all_threads if slot == 0 and self._slots.busy == 1 else 1
