@@ -282,6 +282,9 @@ class ConditionalDecoder(nn.Module):
         frames."""
         if time_biases is None:
             time_biases = self.time_biases(t)
+        elif len(time_biases) != len(self._resnets()):
+            raise ValueError(f"{len(time_biases)} time biases for "
+                             f"{len(self._resnets())} ResNet blocks")
         rows = x.shape[0]
         biases = iter([b.expand(rows, -1) if b.shape[0] == 1 else b for b in time_biases])
 

@@ -255,6 +255,8 @@ def test_time_biases_computed_ahead_give_the_same_pass(flow: FlowModel) -> None:
             given = estimator(x, mask, mu, t.expand(2), spks, cond,
                               time_biases=[b[step:step + 1] for b in ahead])
             torch.testing.assert_close(given, alone, atol=1e-6, rtol=1e-5)
+        with pytest.raises(ValueError, match="time biases"):
+            estimator(x, mask, mu, times[0].expand(2), spks, cond, time_biases=ahead[:-1])
 
 
 def test_solve_refuses_zero_steps(flow: FlowModel) -> None:

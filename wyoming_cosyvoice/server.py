@@ -184,8 +184,9 @@ class ModelHost:
     ``parallel`` sentences run at once, each on its own engine thread (slot).
 
     ``shared_cores``: with ``parallel`` > 1, a sentence running alone on slot 0 gets every
-    torch thread and sentences side by side get one each, set before every chunk (torch's
-    thread count belongs to each thread). Only slot 0 ever runs more than one: a thread that
+    torch thread and sentences side by side get one each: set before every chunk, and asked
+    again by the engine before every LM token and flow step (``SynthesisOptions.threads``;
+    torch's thread count belongs to each thread). Only slot 0 ever runs more than one: a thread that
     has run a multi-thread OpenMP team keeps it, idle, for as long as it lives, and an idle
     team beside an active one slows the active one's operations (measured 2026-12-04: a
     140-row product 275 → 364 µs). New sentences take the lowest free slot, so a sentence
