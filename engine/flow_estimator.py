@@ -255,6 +255,7 @@ class ConditionalDecoder(nn.Module):
 
         self.final_block = Block1D(rev[-1], rev[-1])
         self.final_proj = nn.Conv1d(rev[-1], args.out_channels, 1)
+        self._n_resnets = len(self._resnets())
 
     def _resnets(self) -> list[ResnetBlock1D]:
         """The ResNet blocks in the order :meth:`forward` runs them."""
@@ -282,9 +283,9 @@ class ConditionalDecoder(nn.Module):
         frames."""
         if time_biases is None:
             time_biases = self.time_biases(t)
-        elif len(time_biases) != len(self._resnets()):
-            raise ValueError(f"{len(time_biases)} time biases for "
-                             f"{len(self._resnets())} ResNet blocks")
+        elif len(time_biases) != self._n_resnets:
+            raise ValueError(f"{len(time_biases)} time biases for {self._n_resnets} ResNet "
+                             "blocks")
         rows = x.shape[0]
         biases = iter([b.expand(rows, -1) if b.shape[0] == 1 else b for b in time_biases])
 

@@ -186,11 +186,11 @@ class ModelHost:
     ``shared_cores``: with ``parallel`` > 1, a sentence running alone on slot 0 gets every
     torch thread and sentences side by side get one each: set before every chunk, and asked
     again by the engine before every LM token and flow step (``SynthesisOptions.threads``;
-    torch's thread count belongs to each thread). Only slot 0 ever runs more than one: a thread that
-    has run a multi-thread OpenMP team keeps it, idle, for as long as it lives, and an idle
-    team beside an active one slows the active one's operations (measured 2026-12-04: a
-    140-row product 275 → 364 µs). New sentences take the lowest free slot, so a sentence
-    that arrives alone is on slot 0.
+    torch's thread count belongs to each thread). Only slot 0 ever runs more than one: a
+    thread that has run a multi-thread OpenMP team keeps it, idle, for as long as it lives,
+    and an idle team beside an active one slows the active one's operations (measured
+    2026-12-04: a 140-row product 275 → 364 µs). New sentences take the lowest free slot, so a
+    sentence that arrives alone is on slot 0.
     """
 
     def __init__(
@@ -288,23 +288,21 @@ class ModelHost:
         finally:
             self.waiting -= 1
         executor = self._executors[slot]
-        if self._shared_cores:  # the engine asks again before each LM token and flow step
-            options = replace(options, threads=partial(self._threads_for, slot))
+        # One policy, applied on the slot's thread before each call and by the engine before
+        # each LM token and flow step.
+        budget = partial(self._threads_for, slot) if self._shared_cores else None
+        if budget is not None:
+            options = replace(options, threads=budget)
         try:
             if cancel.is_set():
                 raise SynthesisCancelled("cancelled while queued")
             chunks = await loop.run_in_executor(
-                executor,
-                _with_threads,
-                self._threads_for(slot),
-                partial(engine.synthesize, text, options, cancel),
+                executor, _with_threads, budget, partial(engine.synthesize, text, options, cancel)
             )
             try:
                 next_chunk = partial(next, chunks, None)
                 while (
-                    chunk := await loop.run_in_executor(
-                        executor, _with_threads, self._threads_for(slot), next_chunk
-                    )
+                    chunk := await loop.run_in_executor(executor, _with_threads, budget, next_chunk)
                 ) is not None:
                     await on_chunk(chunk)
                     if cancel.is_set():
@@ -317,9 +315,9 @@ class ModelHost:
             self._slots.release([slot])
 
     def _threads_for(self, slot: int) -> int | None:
-        """Torch threads for the sentence on ``slot`` from now on (None: leave them as they
-        are). Asked on the loop before each chunk and by the engine, from its threads, before
-        each LM token and flow step (reads of two ints: no lock needed)."""
+        """Torch threads for the sentence on ``slot`` from now on (None without
+        ``shared_cores``: leave them). Asked on the loop before each chunk and by the engine,
+        from its threads, before each LM token and flow step (reads of two ints: no lock)."""
         if not self._shared_cores:
             return None
         return self._all_threads if slot == 0 and self._slots.busy == 1 else 1
@@ -349,17 +347,13 @@ def _torch_threads() -> int:
     return torch.get_num_threads()
 
 
-def _with_threads(threads: int | None, fn: Callable[[], Any]) -> Any:
-    """``fn()`` with this thread's torch thread count set to ``threads`` (None: as it is).
+def _with_threads(budget: Callable[[], int] | None, fn: Callable[[], Any]) -> Any:
+    """``fn()`` after setting this thread's torch thread count to ``budget()`` (None: as it
+    is). Also for engines that do not ask the budget themselves."""
+    if budget is not None:
+        from engine.thread_budget import apply_thread_budget  # torch: loaded by the engine
 
-    The count is this thread's own; threads started later begin with it. The engine's LM
-    thread follows the thread that consumes its tokens (engine.tokens).
-    """
-    if threads is not None:
-        import torch  # already loaded by the engine
-
-        if torch.get_num_threads() != threads:
-            torch.set_num_threads(threads)
+        apply_thread_budget(budget)
     return fn()
 
 
@@ -423,9 +417,9 @@ def host_for_config(
     """
     if engine_factory is load_cosyvoice:
         engine_factory = engine_loader(config)
-    # Sentences side by side share the cores (one torch thread each) unless the user set a
-    # thread count: on every core each, two sentences oversubscribe the cores (measured: 0.19
-    # instead of 0.27 audio-s/s for two at once, docs/performance.md).
+    # Sentences share the cores (every core for one alone, one thread each side by side)
+    # unless the user set a thread count: on every core each, two sentences oversubscribe the
+    # cores (measured: 0.19 instead of 0.27 audio-s/s for two at once, docs/performance.md).
     shared_cores = config.threads is None and config.parallel_sentences > 1
     return ModelHost(
         model_dir,
