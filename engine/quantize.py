@@ -31,7 +31,7 @@ import zlib
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -162,13 +162,13 @@ def int8_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Int8L
         return _pack(_quantize_per_channel(weight), bias)
 
 
-def _linear_dynamic_entry() -> Callable[..., torch.Tensor]:
-    """The C++ entry point of ``quantized::linear_dynamic`` (the Python wrapper if none)."""
-    overload = torch.ops.quantized.linear_dynamic.default
+def _op_entry(overload: Any) -> Callable[..., torch.Tensor]:
+    """The C++ entry point of an op overload (its Python wrapper if none)."""
     return getattr(overload, "_op", overload)
 
 
-_LINEAR_DYNAMIC = _linear_dynamic_entry()
+_LINEAR_DYNAMIC = _op_entry(torch.ops.quantized.linear_dynamic.default)
+_LINEAR_RELU_DYNAMIC = _op_entry(torch.ops.quantized.linear_relu_dynamic.default)
 
 
 class Int8Linear(DynamicLinear):
@@ -181,6 +181,10 @@ class Int8Linear(DynamicLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _LINEAR_DYNAMIC(x, self._packed_params._packed_params, True)
+
+    def forward_relu(self, x: torch.Tensor) -> torch.Tensor:
+        """relu(forward(x)) in one kernel call: the ReLU runs in the kernel's epilogue."""
+        return _LINEAR_RELU_DYNAMIC(x, self._packed_params._packed_params, True)
 
 
 def _pack(qweight: torch.Tensor, bias: torch.Tensor | None) -> Int8Linear:

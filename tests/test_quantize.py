@@ -93,6 +93,20 @@ def test_cached_int8_weights_are_packed_from_a_view_not_a_copy() -> None:
     assert torch.equal(outs[0], outs[1])
 
 
+@pytest.mark.parametrize("rows", [1, 7])
+def test_the_fused_relu_layer_equals_relu_after_the_layer(rows: int) -> None:
+    """forward_relu (the ReLU in the kernel's epilogue) is bit-identical to relu(forward)."""
+    from engine.quantize import int8_linear
+
+    torch.manual_seed(5)
+    layer = int8_linear(torch.randn(64, 32), torch.randn(64))
+    x = torch.randn(1, rows, 32)
+    with torch.inference_mode():
+        fused, plain = layer.forward_relu(x), torch.relu(layer(x))
+    assert (plain == 0).any() and (plain > 0).any()
+    assert torch.equal(fused, plain)
+
+
 @pytest.mark.parametrize("damage", ["missing-layer-data", "extra-data", "bad-dtype", "bad-entry"])
 def test_a_cache_index_that_does_not_fit_its_data_is_rejected(damage: str) -> None:
     from engine.quantize import CacheError, FlatInt8Layers

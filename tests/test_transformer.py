@@ -177,6 +177,31 @@ def test_chunked_prefill_and_weight_reload(args):
     torch.testing.assert_close(got, expect, atol=1e-5, rtol=0)
 
 
+def test_decode_steps_after_a_weight_reload_use_the_new_weights(args):
+    """The one-sequence decode step caches the stacked position biases (and the positional
+    rows): reloading weights must invalidate them, as it does for the full pass."""
+    torch.manual_seed(6)
+    enc = RelPosEncoder(args.llm.llm).eval()
+    x = torch.randn(1, 9, args.llm.llm.input_size)
+
+    def decode() -> torch.Tensor:
+        cache = enc.new_cache(1, 9)
+        outs = [enc.forward_cached(x[:, :5], cache)]
+        outs += [enc.forward_cached(x[:, i:i + 1], cache) for i in range(5, 9)]
+        return torch.cat(outs, 1)
+
+    with torch.inference_mode():
+        decode()
+    other = RelPosEncoder(args.llm.llm)
+    for layer in other.encoders:  # the default init leaves little to tell the biases apart
+        torch.nn.init.normal_(layer.self_attn.pos_bias_u)
+        torch.nn.init.normal_(layer.self_attn.pos_bias_v)
+    enc.load_state_dict(other.state_dict())
+    with torch.inference_mode():
+        got, expect = decode(), enc(x)
+    torch.testing.assert_close(got, expect, atol=1e-5, rtol=0)
+
+
 def test_batched_left_padded_cache(args):
     """Two prompts of different length in one left-padded batch decode like separate runs."""
     torch.manual_seed(2)
