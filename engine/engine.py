@@ -122,7 +122,9 @@ class CosyVoiceEngine:
         for the fast profiles: faster estimator passes, 300 MB less memory). They are cached in
         ``int8_cache_dir`` (None: ``$XDG_CACHE_HOME/wyoming-cosyvoice/int8``), so later loads
         skip quantising; ``lm_int8_cache_hit`` and ``flow_int8_cache_hit`` on the engine tell
-        whether the cache was used (None: float32).
+        whether the cache was used (None: float32). The same directory holds the checkpoints'
+        indexes, which let later loads map their tensors without unpickling
+        (engine.checkpoint_index).
         """
         if threads:
             torch.set_num_threads(threads)
@@ -130,10 +132,10 @@ class CosyVoiceEngine:
         start = time.perf_counter()
         model_dir = Path(model_dir)
         loaders: dict[str, Int8Loader] = {}
-        if lm_int8 or flow_int8:
-            from engine.quantize import Int8Loader, default_int8_cache_dir
+        from engine.quantize import Int8Loader, default_int8_cache_dir
 
-            cache_dir = Path(int8_cache_dir) if int8_cache_dir else default_int8_cache_dir()
+        cache_dir = Path(int8_cache_dir) if int8_cache_dir else default_int8_cache_dir()
+        if lm_int8 or flow_int8:
             # Created first: cached int8 layers are packed in the background while the rest loads.
             if lm_int8:
                 loaders["llm"] = Int8Loader.for_lm(model_dir, cache_dir)
@@ -146,7 +148,8 @@ class CosyVoiceEngine:
         single = _one_torch_thread() if loaders else contextlib.nullcontext()
         try:
             with single:
-                models = load_model_dir(model_dir)
+                # The checkpoints' indexes live beside the int8 caches: engine.checkpoint_index.
+                models = load_model_dir(model_dir, index_dir=cache_dir)
                 # A float32 estimator runs its transformer layers on oneDNN (engine.onednn_layers:
                 # 15-27 % faster passes), and every estimator runs its convolutions there.
                 # Reordered here, on this thread while the int8 layers are packed: the Linears

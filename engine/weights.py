@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from engine.checkpoint_index import read_indexed, write_index
 from engine.hparams import ModelArgs, ModelConfigError, load_model_args
 from engine.pages import fence_off_unused, file_mapped_ranges, mapping_of, release_if_mapped
 from engine.types import ModelLoadError
@@ -64,8 +65,16 @@ def read_checkpoint(path: Path) -> object:
         raise ModelLoadError(f"{path}: truncated or corrupt checkpoint ({err})") from err
 
 
-def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
-    """Read a checkpoint that must be a flat mapping of names to tensors."""
+def read_state_dict(path: Path, index_dir: Path | None = None) -> dict[str, torch.Tensor]:
+    """Read a checkpoint that must be a flat mapping of names to tensors.
+
+    With ``index_dir``, through the checkpoint's index there when it has a usable one (no
+    unpickling: engine.checkpoint_index), else loaded and vetted as usual and indexed.
+    """
+    if index_dir is not None:
+        indexed = read_indexed(path, index_dir)
+        if indexed is not None:
+            return indexed
     obj = read_checkpoint(path)
     if not isinstance(obj, Mapping):
         raise ModelLoadError(
@@ -74,7 +83,10 @@ def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
     bad = [str(k) for k, v in obj.items() if not isinstance(k, str) or not torch.is_tensor(v)]
     if bad:
         raise ModelLoadError(f"{path}: entries that are not tensors: {_list_keys(bad)}")
-    return dict(obj)
+    state = dict(obj)
+    if index_dir is not None:
+        write_index(path, index_dir, state)
+    return state
 
 
 def check_state_dict(module: nn.Module, state: Mapping[str, torch.Tensor], path: Path) -> None:
@@ -252,8 +264,9 @@ def _release_replaced(raw: Mapping[str, torch.Tensor], kept: Mapping[str, torch.
             release_if_mapped(tensor, ranges)
 
 
-def load_model_dir(model_dir: Path) -> LoadedModels:
-    """Build the LM, flow and HiFT from ``cosyvoice.yaml`` and load the official checkpoints."""
+def load_model_dir(model_dir: Path, index_dir: Path | None = None) -> LoadedModels:
+    """Build the LM, flow and HiFT from ``cosyvoice.yaml`` and load the official checkpoints
+    (through their indexes in ``index_dir``, if given: see read_state_dict)."""
     # Imported here so this module can be read (e.g. for file checks) without the model code.
     from engine.flow import FlowModel
     from engine.hift import HiFTGenerator
@@ -274,9 +287,9 @@ def load_model_dir(model_dir: Path) -> LoadedModels:
     except ModelConfigError as err:
         raise ModelLoadError(str(err)) from err
 
-    llm_sd = read_state_dict(model_dir / "llm.pt")
-    flow_sd = read_state_dict(model_dir / "flow.pt")
-    hift_raw = read_state_dict(model_dir / "hift.pt")
+    llm_sd = read_state_dict(model_dir / "llm.pt", index_dir)
+    flow_sd = read_state_dict(model_dir / "flow.pt", index_dir)
+    hift_raw = read_state_dict(model_dir / "hift.pt", index_dir)
     anchors = tuple(next((t for t in sd.values() if t.numel()), torch.empty(0))
                     for sd in (llm_sd, flow_sd, hift_raw))
     try:

@@ -20,9 +20,11 @@ import pytest
 import torch
 from conftest import synthesize_all
 
+from engine.checkpoint_index import index_path
 from engine.engine import CosyVoiceEngine
 from engine.quantize import cache_path, default_int8_cache_dir
 from engine.types import ModelLoadError
+from engine.weights import CHECKPOINT_FILES
 
 TINY = Path(__file__).parent / "data" / "tiny_model"
 FORCED = [3, 7, 9, 11, 5]
@@ -93,8 +95,11 @@ def test_miss_writes_the_cache_and_a_hit_gives_identical_logits(
     caplog.set_level(logging.INFO)
     fresh = load(model, cache_dir)
     assert fresh.lm_int8_cache_hit is False
-    files = list(cache_dir.iterdir())
-    assert files == [cache_path(cache_dir, model / "llm.pt")]  # no temp file left behind
+    # No temp file left behind; beside the int8 layers, the checkpoints' indexes.
+    files = sorted(p for p in cache_dir.iterdir() if not p.name.endswith(".index.json"))
+    assert files == [cache_path(cache_dir, model / "llm.pt")]
+    assert sorted(index_path(cache_dir, model / name).name for name in CHECKPOINT_FILES) == \
+        sorted(p.name for p in cache_dir.iterdir() if p.name.endswith(".index.json"))
     assert torch.equal(logits(fresh), reference)  # the fresh path is quantize_dynamic's recipe
 
     hit = load(model, cache_dir)
@@ -213,10 +218,11 @@ def test_an_unwritable_cache_dir_still_loads(
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file", "tiny_model"]
 
 
-def test_fp32_loads_do_not_touch_the_cache(model: Path, tmp_path: Path) -> None:
+def test_fp32_loads_write_only_the_checkpoint_indexes(model: Path, tmp_path: Path) -> None:
     engine = CosyVoiceEngine.load(model, int8_cache_dir=tmp_path / "cache")
     assert engine.lm_int8_cache_hit is None
-    assert not (tmp_path / "cache").exists()
+    assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == sorted(
+        index_path(tmp_path / "cache", model / name).name for name in CHECKPOINT_FILES)
 
 
 def test_the_default_cache_dir_follows_xdg(monkeypatch: pytest.MonkeyPatch,
