@@ -1,7 +1,8 @@
 """Load an official CosyVoice v1 model directory: config, checkpoints and speaker table.
 
 Every checkpoint is opened with ``torch.load(weights_only=True, mmap=True)``: no pickle code runs,
-and the tensors stay memory-mapped. The models are built on the ``meta`` device and the mapped
+and the tensors stay memory-mapped (or, once it is indexed, mapped through its index without
+unpickling: engine.checkpoint_index). The models are built on the ``meta`` device and the mapped
 tensors are assigned in place, so loading allocates no second copy of any weight. Every failure
 is a :class:`ModelLoadError` that names the file and the offending keys.
 """
