@@ -249,7 +249,25 @@ class HiFTGenerator(nn.Module):
         # On the meta device (fast loading) the window is rebuilt by materialize_derived().
         self.register_buffer("window", window if window.is_meta else self._hann(),
                              persistent=False)
+        # The filter's convolutions (everything between the source spectrum and the iSTFT) run
+        # in this dtype; bfloat16 is an opt-in approximation (use_bfloat16).
+        self.filter_dtype = torch.float32
         self.eval()
+
+    def _filter_modules(self) -> list[nn.Module]:
+        return [self.conv_pre, self.ups, self.source_downs, self.source_resblocks,
+                self.resblocks, self.conv_post]
+
+    def use_bfloat16(self) -> None:
+        """Run the filter's convolutions in bfloat16 (an approximation; irreversible).
+
+        On a CPU with AVX-512 BF16 they run about twice as fast and their weights take half the
+        memory; the F0 predictor, the harmonic source, the STFT and the iSTFT stay float32.
+        Measured on the full-size model with random weights: waveform relative L2 ≈ 0.008.
+        """
+        for module in self._filter_modules():
+            module.to(torch.bfloat16)  # keeps each weight's channels-last strides
+        self.filter_dtype = torch.bfloat16
 
     def _hann(self) -> Tensor:
         # Periodic Hann, computed in float64 and rounded like scipy's window cast to float32.
@@ -345,15 +363,15 @@ class HiFTGenerator(nn.Module):
     def decode_spec(self, mel: Tensor, source: Tensor) -> Tensor:
         """Mel (1, 80, T) + source (1, 1, 256T) → conv_post output (1, 18, 64T + 1)."""
         real, imag = self.stft(source)
-        s_stft = _to_cl(torch.cat([real, imag], dim=1))
-        x = self.conv_pre(_to_cl(mel))
+        s_stft = _to_cl(torch.cat([real, imag], dim=1).to(self.filter_dtype))
+        x = self.conv_pre(_to_cl(mel.to(self.filter_dtype)))
         for i in range(len(self.ups)):
             x = self._stage_in_tiles(i, x, s_stft)
             if i + 1 < len(self.ups):
                 # The next stage's buffers are larger than this one's: without a trim glibc
                 # grows the heap past this stage's freed ones, which stay resident.
                 give_back_free_heap()
-        return x.squeeze(2)
+        return x.squeeze(2).float()
 
     def _stage_in_tiles(self, i: int, x: Tensor, s_stft: Tensor) -> Tensor:
         """Stage ``i`` over the whole input, run in time tiles of at most ``tile_frames`` outputs.

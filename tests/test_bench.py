@@ -27,6 +27,7 @@ from engine.bench.synthetic import (
     state_dict_specs,
 )
 from engine.bench.timers import FIRST_AUDIO_PARTS, StageEvent, StageTimer
+from engine.engine import bf16_convolutions_available
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT / "tests" / "data"
@@ -243,7 +244,8 @@ def test_benchmark_loads_the_profiles_int8_flow_and_reports_its_deviation(
     # A profile with the exact steps and guidance but an int8 flow: only a comparison with the
     # float32 flow can show a deviation.
     config = yaml.safe_load((ROOT / "config.yaml").read_text())
-    config["profiles"]["exact_int8"] = {**config["profiles"]["realtime"], "flow_weights": "int8"}
+    config["profiles"]["exact_int8"] = {**config["profiles"]["realtime"], "flow_weights": "int8",
+                                        "hift_weights": "bf16"}
     config_path = tmp_path / "config.yaml"
     config_path.write_text(yaml.safe_dump(config))
     env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path)}  # the int8 caches land here
@@ -252,6 +254,11 @@ def test_benchmark_loads_the_profiles_int8_flow_and_reports_its_deviation(
     assert (result["flow_weights"], result["lm_weights"]) == ("int8", "int8")
     assert [run["flow_int8_cache_hit"] for run in result["runs"]] == [False, True]
     assert 0 < result["mel_rel_l2_vs_exact"] < 0.05
+    if bf16_convolutions_available():  # else HiFT stays float32, and says so
+        assert result["hift_weights"] == "bfloat16"
+        assert 0 < result["wave_rel_l2_vs_exact_hift"] < 0.05
+    else:
+        assert (result["hift_weights"], result["wave_rel_l2_vs_exact_hift"]) == ("float32", 0)
     caches = [p.name for p in (tmp_path / "wyoming-cosyvoice" / "int8").iterdir()]
     assert sorted(n.split("-")[0] for n in caches if n.endswith(".int8.pt")) == ["flow", "llm"]
     # and an index per checkpoint, so later loads skip unpickling (engine.checkpoint_index)

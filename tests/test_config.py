@@ -177,3 +177,13 @@ def test_exact_profiles_keep_the_float_flow_and_fast_ones_use_int8() -> None:
     weights = {name: profile.flow_weights for name, profile in profiles.items()}
     assert weights == {"realtime": "fp32", "fast": "int8", "fastest": "int8",
                        "quality": "fp32", "batch": "fp32"}
+
+
+def test_only_the_fast_profiles_run_hift_in_bfloat16() -> None:
+    profiles = load_config(None).profiles
+    weights = {name: profile.hift_weights for name, profile in profiles.items()}
+    assert weights == {"realtime": "fp32", "fast": "bf16", "fastest": "bf16",
+                       "quality": "fp32", "batch": "fp32"}
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [("profiles.fastest.hift_weights", "fp16")])
+    assert err.value.key == "profiles.fastest.hift_weights"

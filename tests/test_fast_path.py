@@ -49,3 +49,28 @@ def test_int8_kl_is_reported(models) -> None:
     emb = models.speakers["中文女"].reshape(1, -1)
     kl = lm_int8_kl(models.llm, [50260, 1234, 567], emb, n_steps=10)
     assert 0.0 < kl["lm_int8_kl_mean"] <= kl["lm_int8_kl_max"] < 1e-2
+
+
+def test_the_engine_runs_hift_in_bfloat16_only_where_the_cpu_supports_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    import logging
+
+    from engine import engine as engine_module
+    from engine.bench.deviation import hift_relative_l2, random_tokens_mel
+    from engine.engine import CosyVoiceEngine
+
+    model, cache = DATA / "tiny_model", tmp_path / "cache"
+    exact = CosyVoiceEngine.load(model, int8_cache_dir=cache)
+    assert exact.hift_dtype == "float32"
+    if engine_module.bf16_convolutions_available():
+        approx = CosyVoiceEngine.load(model, hift_bf16=True, int8_cache_dir=cache)
+        assert approx.hift_dtype == "bfloat16"
+        embedding = exact.models.speakers[exact.speakers[0]].reshape(1, -1)
+        mel = random_tokens_mel(exact.models.flow, embedding, n_timesteps=2, cfg_rate=0.7,
+                                n_tokens=30)
+        assert 0 < hift_relative_l2(approx.models.hift, exact.models.hift, mel) < 0.05
+    monkeypatch.setattr(engine_module, "bf16_convolutions_available", lambda: False)
+    with caplog.at_level(logging.WARNING):
+        fallback = CosyVoiceEngine.load(model, hift_bf16=True, int8_cache_dir=cache)
+    assert fallback.hift_dtype == "float32"
+    assert "no fast bfloat16 convolutions" in caplog.text

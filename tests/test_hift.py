@@ -314,3 +314,28 @@ def test_swapped_weight_still_used(model: HiFTGenerator) -> None:
         torch.testing.assert_close(conv.weight4d(), expected, rtol=0, atol=0)
     finally:
         conv.weight = original
+
+
+# --- bfloat16 filter (an opt-in approximation of the fast profiles) --------------------------
+
+
+@pytest.mark.skipif(not torch.ops.mkldnn._is_mkldnn_bf16_supported(),
+                    reason="this CPU has no oneDNN bfloat16 convolutions")
+def test_the_bfloat16_filter_stays_close_and_keeps_its_weights_channels_last(
+    fixtures: dict[str, Tensor], legacy_sd: dict[str, Tensor]
+) -> None:
+    exact, approx = build(legacy_sd), build(legacy_sd)
+    approx.use_bfloat16()
+    assert approx.filter_dtype == torch.bfloat16
+    for conv in (approx.conv_pre, approx.ups[0], approx.resblocks[0].convs1[0]):
+        assert conv.weight.dtype == torch.bfloat16
+        assert conv.weight4d().data_ptr() == conv.weight.data_ptr()  # a view, no copy per call
+    # The parts around the filter stay float32.
+    assert approx.m_source.l_linear.weight.dtype == torch.float32
+    assert next(approx.f0_predictor.parameters()).dtype == torch.float32
+    mel = fixtures["mel100/in_mel"]
+    want, _ = exact.inference(mel, noise=case_noise(fixtures, "mel100"))
+    got, source = approx.inference(mel, noise=case_noise(fixtures, "mel100"))
+    assert got.dtype == torch.float32 and source.dtype == torch.float32
+    deviation = float((got - want).norm() / want.norm())
+    assert 0 < deviation < 0.05, deviation

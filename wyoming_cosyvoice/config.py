@@ -29,9 +29,11 @@ _PROFILE_DEFAULTS: dict[str, Any] = {
     "cfg_rate": 0.7,
     "start_policy": "eager",
     "flow_weights": "fp32",
+    "hift_weights": "fp32",
 }
 LM_WEIGHTS = ("int8", "fp32")
 FLOW_WEIGHTS = ("fp32", "int8")
+HIFT_WEIGHTS = ("fp32", "bf16")
 
 DEFAULTS: dict[str, Any] = {
     "server": {
@@ -73,6 +75,7 @@ DEFAULTS: dict[str, Any] = {
             "cfg_rate": 0.7,
             "start_policy": "eager",
             "flow_weights": "int8",
+            "hift_weights": "bf16",
         },
         "fastest": {
             "streaming": True,
@@ -82,6 +85,7 @@ DEFAULTS: dict[str, Any] = {
             "cfg_rate": 0.0,
             "start_policy": "eager",
             "flow_weights": "int8",
+            "hift_weights": "bf16",
         },
         "quality": {
             "streaming": True,
@@ -136,6 +140,7 @@ class ProfileConfig:
     cfg_rate: float
     start_policy: str = "eager"
     flow_weights: str = "fp32"  # the server loads the flow in this format (int8: approximation)
+    hift_weights: str = "fp32"  # HiFT's filter runs in this format (bf16: approximation)
 
     def options(self, *, speaker: str | None, seed: int | None, instruct: str | None,
                 force_tokens: int | None) -> SynthesisOptions:
@@ -390,13 +395,14 @@ def _profile(name: str, raw: Any) -> ProfileConfig:
         n_timesteps=_check(f"{key}.n_timesteps", values["n_timesteps"], "int+"),
         cfg_rate=float(cfg_rate),
         start_policy=_start_policy(f"{key}.start_policy", values["start_policy"]),
-        flow_weights=_flow_weights(f"{key}.flow_weights", values["flow_weights"]),
+        flow_weights=_one_of(f"{key}.flow_weights", values["flow_weights"], FLOW_WEIGHTS),
+        hift_weights=_one_of(f"{key}.hift_weights", values["hift_weights"], HIFT_WEIGHTS),
     )
 
 
-def _flow_weights(key: str, value: Any) -> str:
-    if value not in FLOW_WEIGHTS:
-        raise ConfigError(key, f"must be one of {', '.join(FLOW_WEIGHTS)}, not {value!r}")
+def _one_of(key: str, value: Any, allowed: tuple[str, ...]) -> str:
+    if value not in allowed:
+        raise ConfigError(key, f"must be one of {', '.join(allowed)}, not {value!r}")
     return str(value)
 
 

@@ -54,6 +54,7 @@ def load_cosyvoice(
     lm_int8: bool = True,
     int8_cache_dir: Path | None = None,
     flow_int8: bool = False,
+    hift_bf16: bool = False,
 ) -> Engine:
     """The real engine; imported here so torch loads on the engine thread, not at startup."""
     from engine.engine import CosyVoiceEngine
@@ -63,6 +64,7 @@ def load_cosyvoice(
         threads=threads,
         lm_int8=lm_int8,
         flow_int8=flow_int8,
+        hift_bf16=hift_bf16,
         int8_cache_dir=int8_cache_dir,
     )
 
@@ -398,12 +400,13 @@ class RunningServer:
 
 
 def engine_loader(config: ServerConfig) -> EngineFactory:
-    """The real loader with the config's weight formats (LM: server setting, flow: the
-    profile's) and int8 cache directory."""
+    """The real loader with the config's weight formats (LM: server setting, flow and HiFT:
+    the profile's) and int8 cache directory."""
     return partial(
         load_cosyvoice,
         lm_int8=config.lm_weights == "int8",
         flow_int8=config.profile.flow_weights == "int8",
+        hift_bf16=config.profile.hift_weights == "bf16",
         int8_cache_dir=int8_cache_dir(config),
     )
 

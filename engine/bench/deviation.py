@@ -3,7 +3,9 @@
 * flow steps / guidance / int8 flow: relative L2 distance of the mel from the float32 flow's
   10-step, CFG 0.7 mel, same tokens, same speaker, same initial noise;
 * int8 LM: KL divergence of the next-token distributions from the float32 LM, teacher-forced
-  on the same token sequence.
+  on the same token sequence;
+* bfloat16 HiFT: relative L2 distance of the waveform from the float32 HiFT's, same mel, same
+  source noise.
 """
 
 from __future__ import annotations
@@ -28,20 +30,36 @@ def mel_relative_l2(flow: torch.nn.Module, embedding: torch.Tensor, *, n_timeste
     The exact mel comes from ``exact_flow`` (the float32 flow when ``flow`` is int8), else from
     ``flow`` itself at the exact settings.
     """
+    exact = random_tokens_mel(exact_flow if exact_flow is not None else flow, embedding,
+                              n_timesteps=EXACT_STEPS, cfg_rate=EXACT_CFG, n_tokens=n_tokens,
+                              seed=seed)
+    mel = random_tokens_mel(flow, embedding, n_timesteps=n_timesteps, cfg_rate=cfg_rate,
+                            n_tokens=n_tokens, seed=seed)
+    return float((mel - exact).norm() / exact.norm())
+
+
+def random_tokens_mel(flow: torch.nn.Module, embedding: torch.Tensor, *, n_timesteps: int,
+                      cfg_rate: float, n_tokens: int = 100, seed: int = 0) -> torch.Tensor:
+    """The flow's mel (1, 80, T) of ``n_tokens`` random speech tokens, seeded noise."""
     gen = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, SPEECH_VOCAB, (1, n_tokens), generator=gen)
     z = torch.randn(1, N_MELS, tokens_to_frames(n_tokens), generator=gen)
-    prompt_tokens = torch.zeros(1, 0, dtype=torch.int64)
-    prompt_feat = torch.zeros(1, 0, N_MELS)
+    with torch.inference_mode():
+        out, _ = flow.inference(tokens, torch.zeros(1, 0, dtype=torch.int64),
+                                torch.zeros(1, 0, N_MELS), embedding, None, noise=z,
+                                n_timesteps=n_timesteps, cfg_rate=cfg_rate)
+    return out
 
-    def mel(model: torch.nn.Module, steps: int, cfg: float) -> torch.Tensor:
-        with torch.inference_mode():
-            out, _ = model.inference(tokens, prompt_tokens, prompt_feat, embedding, None,
-                                     noise=z.clone(), n_timesteps=steps, cfg_rate=cfg)
+
+def hift_relative_l2(hift: torch.nn.Module, exact_hift: torch.nn.Module, mel: torch.Tensor, *,
+                     seed: int = 0) -> float:
+    """||wave(hift) − wave(exact_hift)|| / ||wave(exact_hift)||, same mel and source noise."""
+    def wave(model: torch.nn.Module) -> torch.Tensor:
+        out, _ = model.inference(mel, generator=torch.Generator().manual_seed(seed))
         return out
 
-    exact = mel(exact_flow if exact_flow is not None else flow, EXACT_STEPS, EXACT_CFG)
-    return float((mel(flow, n_timesteps, cfg_rate) - exact).norm() / exact.norm())
+    exact = wave(exact_hift)
+    return float((wave(hift) - exact).norm() / exact.norm())
 
 
 def lm_int8_kl(llm: torch.nn.Module, text_ids: list[int], embedding: torch.Tensor, *,

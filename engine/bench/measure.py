@@ -171,11 +171,14 @@ def run(config: RunConfig) -> dict[str, Any]:
     start = time.perf_counter()
     flow_int8 = profile.flow_weights == "int8"
     engine = CosyVoiceEngine.load(config.model_dir, threads=config.threads,
-                                  lm_int8=config.lm_int8, flow_int8=flow_int8)
+                                  lm_int8=config.lm_int8, flow_int8=flow_int8,
+                                  hift_bf16=profile.hift_weights == "bf16")
     result: dict[str, Any] = {"load_s": time.perf_counter() - start,
                               "threads": torch.get_num_threads(),
                               "lm_weights": "int8" if config.lm_int8 else "fp32",
-                              "flow_weights": profile.flow_weights}
+                              "flow_weights": profile.flow_weights,
+                              # what HiFT ran in: bf16 is asked for, float32 without CPU support
+                              "hift_weights": engine.hift_dtype}
     # A miss quantises (seconds); a hit reads the engine's int8 cache.
     if config.lm_int8:
         result["lm_int8_cache_hit"] = bool(engine.lm_int8_cache_hit)
@@ -228,13 +231,22 @@ def run(config: RunConfig) -> dict[str, Any]:
 def _deviations(engine: Any, config: RunConfig, n_timesteps: int, cfg_rate: float,
                 flow_int8: bool) -> dict[str, float]:
     """How far this run's fast-path options are from the exact path (0 when exact)."""
-    from engine.bench.deviation import EXACT_CFG, EXACT_STEPS, lm_int8_kl, mel_relative_l2
+    from engine.bench.deviation import (
+        EXACT_CFG,
+        EXACT_STEPS,
+        hift_relative_l2,
+        lm_int8_kl,
+        mel_relative_l2,
+        random_tokens_mel,
+    )
     from engine.weights import load_model_dir
 
     embedding = engine.models.speakers[engine.speakers[0]].reshape(1, -1)
-    # The exact references are float32 models loaded afresh: the engine's may be int8.
-    fp32 = load_model_dir(Path(config.model_dir)) if config.lm_int8 or flow_int8 else None
-    out = {"mel_rel_l2_vs_exact": 0.0}
+    hift_bf16 = engine.hift_dtype != "float32"
+    # The exact references are float32 models loaded afresh: the engine's may be int8 / bf16.
+    fp32 = load_model_dir(Path(config.model_dir)) \
+        if config.lm_int8 or flow_int8 or hift_bf16 else None
+    out = {"mel_rel_l2_vs_exact": 0.0, "wave_rel_l2_vs_exact_hift": 0.0}
     if flow_int8 or (n_timesteps, cfg_rate) != (EXACT_STEPS, EXACT_CFG):
         out["mel_rel_l2_vs_exact"] = mel_relative_l2(
             engine.models.flow, embedding, n_timesteps=n_timesteps, cfg_rate=cfg_rate,
@@ -242,6 +254,10 @@ def _deviations(engine: Any, config: RunConfig, n_timesteps: int, cfg_rate: floa
     if config.lm_int8:
         text_ids = engine.frontend.segments(config.text)[0].token_ids
         out.update(lm_int8_kl(fp32.llm, text_ids, embedding))
+    if hift_bf16:  # both vocoders on the same mel (the exact flow's)
+        mel = random_tokens_mel(fp32.flow, embedding, n_timesteps=EXACT_STEPS,
+                                cfg_rate=EXACT_CFG)
+        out["wave_rel_l2_vs_exact_hift"] = hift_relative_l2(engine.models.hift, fp32.hift, mel)
     return out
 
 

@@ -27,13 +27,14 @@ class BenchProfile:
     cfg_rate: float = 0.7
     source: str = "built-in"
     flow_weights: str = "fp32"  # the format the engine loads the flow in
+    hift_weights: str = "fp32"  # the format HiFT's filter runs in
 
     def describe(self) -> dict[str, object]:
         s = self.schedule
         return {"name": self.name, "source": self.source, "schedule": s.name,
                 "first_hop": s.first_hop, "growth": s.growth, "max_hop": s.max_hop,
                 "n_timesteps": self.n_timesteps, "cfg_rate": self.cfg_rate,
-                "flow_weights": self.flow_weights}
+                "flow_weights": self.flow_weights, "hift_weights": self.hift_weights}
 
 
 BUILTIN_PROFILES = {
@@ -53,7 +54,7 @@ def available_profiles(config: Path | None = None) -> dict[str, BenchProfile]:
     server = load_config(config)
     source = str(config) if config else "config.yaml"
     return {name: BenchProfile(name, p.schedule, p.n_timesteps, p.cfg_rate, source,
-                               p.flow_weights)
+                               p.flow_weights, p.hift_weights)
             for name, p in server.profiles.items()}
 
 

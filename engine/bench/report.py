@@ -25,9 +25,11 @@ MEASURED = ("load_s", "warmup_s", "peak_rss_mb", "stream_peak_rss_mb", "first_au
             "hift_ms_per_audio_s", "audio_s", *FIRST_AUDIO_PARTS)
 # Per-run facts that do not vary between repeats (taken from the first run that has them).
 # The cache hits are the first run's (a cold cache misses once); the table lists every run's.
-FACTS = ("threads", "lm_weights", "flow_weights", "tokens", "chunks", "first_chunk_tokens",
+FACTS = ("threads", "lm_weights", "flow_weights", "hift_weights", "tokens", "chunks",
+         "first_chunk_tokens",
          "lm_weight_bytes_per_token", "flow_gflop_per_audio_s", "hift_gflop_per_audio_s",
-         "estimator_mflop_per_frame_step", "mel_rel_l2_vs_exact", "lm_int8_kl_mean",
+         "estimator_mflop_per_frame_step", "mel_rel_l2_vs_exact", "wave_rel_l2_vs_exact_hift",
+         "lm_int8_kl_mean",
          "lm_int8_kl_max", "lm_int8_cache_hit", "flow_int8_cache_hit")
 
 
@@ -157,11 +159,16 @@ def print_table(result: dict[str, Any], out: TextIO) -> None:
     if result.get("flow_weights") == "int8":
         w("The flow runs int8 weights: its bound is the float32 GEMM rate's, so its ratio can "
           "fall below 1.\n")
+    if result.get("hift_weights") == "bfloat16":
+        w("HiFT's filter runs in bfloat16: its bound is the float32 GEMM rate's, so its ratio "
+          "can fall below 1.\n")
     w(f"Deviation from the exact path: mel relative L2 "
       f"{_fmt(result.get('mel_rel_l2_vs_exact'), 4)}")
     if result.get("lm_int8_kl_mean") is not None:
         w(f", int8 LM next-token KL mean {_fmt(result['lm_int8_kl_mean'], 5)} "
           f"max {_fmt(result.get('lm_int8_kl_max'), 5)} nats")
+    if result.get("wave_rel_l2_vs_exact_hift"):
+        w(f", bfloat16 HiFT waveform relative L2 {_fmt(result['wave_rel_l2_vs_exact_hift'], 4)}")
     w(".\n")
 
 
