@@ -187,3 +187,16 @@ def test_only_the_fast_profiles_run_hift_in_bfloat16() -> None:
     with pytest.raises(ConfigError) as err:
         load_config(None, [("profiles.fastest.hift_weights", "fp16")])
     assert err.value.key == "profiles.fastest.hift_weights"
+
+
+@pytest.mark.parametrize(("profile", "flow_int8", "hift_bf16"),
+                         [("realtime", False, False), ("fast", True, True),
+                          ("fastest", True, True), ("batch", False, False)])
+def test_the_server_loads_the_weight_formats_its_profile_names(
+        profile: str, flow_int8: bool, hift_bf16: bool) -> None:
+    from wyoming_cosyvoice.server import engine_loader
+
+    loader = engine_loader(load_config(None, [("server.profile", profile)]))
+    assert loader.keywords["flow_int8"] is flow_int8
+    assert loader.keywords["hift_bf16"] is hift_bf16
+    assert loader.keywords["lm_int8"] is True  # the server's own setting, int8 by default
