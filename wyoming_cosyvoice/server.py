@@ -247,9 +247,10 @@ class ModelHost:
             if self._shared_cores:
                 self._all_threads = await loop.run_in_executor(self._executor, _torch_threads)
             _LOGGER.info(
-                "Model ready in %.1f s (%s, speakers: %s)",
+                "Model ready in %.1f s (%s, HiFT in %s, speakers: %s)",
                 loop.time() - start,
                 getattr(engine, "kind", "?"),
+                getattr(engine, "hift_dtype", "float32"),  # bfloat16: the fast profiles
                 ", ".join(engine.speakers) or "none",
             )
         except BaseException as err:
