@@ -394,7 +394,7 @@ def _profile(name: str, raw: Any) -> ProfileConfig:
         schedule=_schedule(f"{key}.schedule", values["schedule"]),
         n_timesteps=_check(f"{key}.n_timesteps", values["n_timesteps"], "int+"),
         cfg_rate=float(cfg_rate),
-        start_policy=_start_policy(f"{key}.start_policy", values["start_policy"]),
+        start_policy=_one_of(f"{key}.start_policy", values["start_policy"], START_POLICIES),
         flow_weights=_one_of(f"{key}.flow_weights", values["flow_weights"], FLOW_WEIGHTS),
         hift_weights=_one_of(f"{key}.hift_weights", values["hift_weights"], HIFT_WEIGHTS),
     )
@@ -403,12 +403,6 @@ def _profile(name: str, raw: Any) -> ProfileConfig:
 def _one_of(key: str, value: Any, allowed: tuple[str, ...]) -> str:
     if value not in allowed:
         raise ConfigError(key, f"must be one of {', '.join(allowed)}, not {value!r}")
-    return str(value)
-
-
-def _start_policy(key: str, value: Any) -> str:
-    if value not in START_POLICIES:
-        raise ConfigError(key, f"must be one of {', '.join(START_POLICIES)}, not {value!r}")
     return str(value)
 
 
@@ -442,8 +436,7 @@ def build_config(raw: dict[str, Any]) -> ServerConfig:
     if not isinstance(profiles_raw, dict) or not profiles_raw:
         raise ConfigError("profiles", "must be a non-empty mapping of profile names")
     profiles = {str(name): _profile(str(name), prof) for name, prof in profiles_raw.items()}
-    if values["lm_weights"] not in LM_WEIGHTS:
-        raise ConfigError("server.lm_weights", f"must be one of {', '.join(LM_WEIGHTS)}")
+    _one_of("server.lm_weights", values["lm_weights"], LM_WEIGHTS)
     profile_name = values.pop("profile")
     if profile_name not in profiles:
         raise ConfigError(
