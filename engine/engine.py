@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import platform
 import random
 import threading
 import time
@@ -60,11 +61,21 @@ def _bound_onednn_cache() -> None:
 
 
 def bf16_convolutions_available() -> bool:
-    """Whether oneDNN runs bfloat16 convolutions on this CPU (without it they take a slow
-    reference path, so the bfloat16 HiFT is not used)."""
+    """Whether oneDNN computes bfloat16 convolutions natively on this CPU.
+
+    Without oneDNN's bfloat16 they take a slow reference path. On x86 it also needs AVX-512
+    BF16 or AMX: with plain AVX-512 oneDNN emulates the bfloat16 products, which was not
+    measured here, so the bfloat16 HiFT is not used there.
+    """
     check = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
     try:
-        return bool(check()) if check is not None else False
+        if check is None or not check():
+            return False
+        if platform.machine().lower() not in ("x86_64", "amd64"):
+            return True  # Arm: oneDNN reports bfloat16 only with the BF16 extension
+        native = (getattr(torch.cpu, "_is_avx512_bf16_supported", None),
+                  getattr(torch.cpu, "_is_amx_tile_supported", None))
+        return any(probe is not None and probe() for probe in native)
     except RuntimeError:
         return False
 

@@ -74,3 +74,25 @@ def test_the_engine_runs_hift_in_bfloat16_only_where_the_cpu_supports_it(
         fallback = CosyVoiceEngine.load(model, hift_bf16=True, int8_cache_dir=cache)
     assert fallback.hift_dtype == "float32"
     assert "no fast bfloat16 convolutions" in caplog.text
+
+
+@pytest.mark.parametrize(("machine", "mkldnn", "avx512_bf16", "amx", "expect"), [
+    ("x86_64", True, True, False, True),
+    ("x86_64", True, False, True, True),
+    ("x86_64", True, False, False, False),  # plain AVX-512: oneDNN would emulate bfloat16
+    ("x86_64", False, True, True, False),
+    ("aarch64", True, False, False, True),  # Arm: oneDNN's own check is the BF16 extension
+    ("aarch64", False, False, False, False),
+])
+def test_bfloat16_hift_needs_native_bfloat16(monkeypatch: pytest.MonkeyPatch, machine: str,
+                                             mkldnn: bool, avx512_bf16: bool, amx: bool,
+                                             expect: bool) -> None:
+    from engine import engine as engine_module
+
+    monkeypatch.setattr(engine_module.platform, "machine", lambda: machine)
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: mkldnn,
+                        raising=False)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16,
+                        raising=False)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx, raising=False)
+    assert engine_module.bf16_convolutions_available() is expect
