@@ -38,10 +38,16 @@ _DTYPES = {str(t).removeprefix("torch."): t for t in (
     torch.int16, torch.int8, torch.uint8, torch.bool)}
 
 
-def index_path(index_dir: Path, checkpoint: Path) -> Path:
-    """The index file of one checkpoint, named by its absolute path (models never share one)."""
+def cache_file(cache_dir: Path, checkpoint: Path, suffix: str) -> Path:
+    """A cache file of one checkpoint in the engine's cache dir (its index, its int8 layers),
+    named by the checkpoint's absolute path, so models never share one."""
     digest = hashlib.sha256(str(Path(checkpoint).resolve()).encode()).hexdigest()[:16]
-    return Path(index_dir) / f"{Path(checkpoint).stem}-{digest}.index.json"
+    return Path(cache_dir) / f"{Path(checkpoint).stem}-{digest}{suffix}"
+
+
+def index_path(index_dir: Path, checkpoint: Path) -> Path:
+    """The index file of one checkpoint."""
+    return cache_file(index_dir, checkpoint, ".index.json")
 
 
 def zip_key(checkpoint: Path) -> str | None:
@@ -128,8 +134,8 @@ def write_index(checkpoint: Path, index_dir: Path, tensors: Mapping[str, torch.T
 
 
 def _entries(checkpoint: Path, tensors: Mapping[str, torch.Tensor]) -> dict[str, list] | None:
-    size = Path(checkpoint).stat().st_size
-    inode = Path(checkpoint).stat().st_ino
+    st = Path(checkpoint).stat()
+    size, inode = st.st_size, st.st_ino
     base: int | None = None
     entries = {}
     for name, tensor in tensors.items():

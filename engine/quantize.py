@@ -22,7 +22,6 @@ weights of those layers are never read.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import threading
@@ -37,6 +36,7 @@ import torch
 from torch import nn
 from torch.ao.nn.quantized.dynamic import Linear as DynamicLinear
 
+from engine.checkpoint_index import cache_file
 from engine.pages import file_mapped_ranges, release_if_mapped
 
 _LOGGER = logging.getLogger(__name__)
@@ -241,10 +241,8 @@ def default_int8_cache_dir() -> Path:
 
 
 def cache_path(cache_dir: Path, source: Path) -> Path:
-    """The cache file of one checkpoint (``llm.pt``, ``flow.pt``): named by its absolute path,
-    so models never share one."""
-    digest = hashlib.sha256(str(Path(source).resolve()).encode()).hexdigest()[:16]
-    return Path(cache_dir) / f"{Path(source).stem}-{digest}.int8.pt"
+    """The int8 cache file of one checkpoint (``llm.pt``, ``flow.pt``)."""
+    return cache_file(cache_dir, source, ".int8.pt")
 
 
 def source_key(source: Path) -> dict[str, object]:

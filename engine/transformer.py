@@ -350,6 +350,10 @@ class RelPosEncoder(nn.Module):
         self.after_norm = nn.LayerNorm(args.output_size, eps=1e-5)
         self.xscale = math.sqrt(args.output_size)
 
+    def _input(self, x: Tensor) -> Tensor:
+        """The input layer, scaled by sqrt(d) as upstream."""
+        return self.embed(x) * self.xscale
+
     def _mask(self, b: int, t: int, lengths: Tensor | None, device: torch.device) -> Tensor | None:
         """(B|1, 1, T, T) bool, True = attend: causal AND key-not-padding."""
         mask = None
@@ -365,7 +369,7 @@ class RelPosEncoder(nn.Module):
         """x (B, T, input_size) → (B, T, output_size). Rows past ``lengths`` are don't-care."""
         b, t, _ = x.shape
         mask = self._mask(b, t, lengths, x.device)
-        x = self.embed(x) * self.xscale
+        x = self._input(x)
         for layer in self.encoders:
             x = layer(x, mask)
         return self.after_norm(x)
@@ -419,7 +423,7 @@ class RelPosEncoder(nn.Module):
                 pos = torch.arange(length, device=x.device)
                 keys = keys | (pos.view(1, -1) == (pos[start:].view(-1, 1)))
             mask = keys if mask is None else mask & keys
-        x = self.embed(x) * self.xscale
+        x = self._input(x)
         for i, layer in enumerate(self.encoders):
             x = layer.forward_cached(x, cache, i, start, mask)
         cache.length = length
@@ -433,7 +437,7 @@ class RelPosEncoder(nn.Module):
         slots = kv[:, :, :, start].unbind(0)  # per layer (2, h, d_k): this position's K/V
         keys = kv[:, 0, :, :length].unbind(0)  # per layer (h, L, d_k)
         values = kv[:, 1, :, :length].unbind(0)
-        x = self.embed(x) * self.xscale
+        x = self._input(x)
         for layer, slot, k, v in zip(self.encoders, slots, keys, values, strict=True):
             x = layer.decode_position(x, slot, k, v, length)
         cache.length = length
