@@ -22,7 +22,13 @@ from torch import nn
 
 from engine.checkpoint_index import read_indexed, write_index
 from engine.hparams import ModelArgs, ModelConfigError, load_model_args
-from engine.pages import fence_off_unused, file_mapped_ranges, mapping_of, release_if_mapped
+from engine.pages import (
+    fence_off_unused,
+    file_mapped_ranges,
+    mapping_of,
+    read_copies,
+    release_if_mapped,
+)
 from engine.types import ModelLoadError
 
 _LOGGER = logging.getLogger(__name__)
@@ -117,9 +123,10 @@ _SMALL_BYTES = 4096  # one page
 def _is_small(tensor: torch.Tensor) -> bool:
     """Norms, biases and position biases (1-D, or one page at most): a few MB in all.
 
-    They are copied out of the mapped checkpoint. Read in place, each would map the 2 MiB
-    page-cache folio around it (engine.pages), and with it the pages of its large neighbours,
-    which the fence then cannot take away.
+    They are copied out of the checkpoint with ``pread`` (engine.pages.read_copies). Read in
+    place, or copied through the mapping, each would map the 2 MiB page-cache folio around it,
+    and with it the pages of its large neighbours: in place for good (the fence cannot take
+    them away), copied until the fence at the end of the load.
     """
     return tensor.dim() <= 1 or tensor.numel() * tensor.element_size() <= _SMALL_BYTES
 
@@ -127,7 +134,9 @@ def _is_small(tensor: torch.Tensor) -> bool:
 def assign_state_dict(module: nn.Module, state: Mapping[str, torch.Tensor], path: Path) -> None:
     """Check, then load ``state`` into ``module`` by assignment (mmap'd tensors used in place)."""
     check_state_dict(module, state, path)
-    floats = {k: (v.float() if v.dtype != torch.float32 else v.clone() if _is_small(v) else v)
+    small = [k for k, v in state.items() if v.dtype == torch.float32 and _is_small(v)]
+    copies = dict(zip(small, read_copies([state[k] for k in small]), strict=True))
+    floats = {k: copies.get(k, v.float() if v.dtype != torch.float32 else v)
               for k, v in state.items()}
     module.load_state_dict(floats, strict=True, assign=True)
     module.eval()

@@ -235,3 +235,51 @@ def test_small_tensors_are_copied_out_of_the_checkpoint() -> None:
     block = llm.llm.encoders[0]
     assert mapping_of(block.norm1.weight) is None and mapping_of(block.self_attn.pos_bias_u) is None
     assert mapping_of(block.feed_forward.w_1.weight) is not None  # large: used in place
+
+
+def page_is_mapped(address: int) -> bool:
+    """Whether the page holding ``address`` is mapped into this process (pagemap's bit 63)."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    with open("/proc/self/pagemap", "rb", buffering=0) as pagemap:
+        pagemap.seek(address // page * 8)
+        (entry,) = struct.unpack("<Q", pagemap.read(8))
+    return bool(entry >> 63)
+
+
+def test_copies_are_read_from_the_file_without_mapping_its_pages(tmp_path: Path) -> None:
+    """Copied through the mapping, a small tensor would map the page-cache folio around it
+    (2 MiB with large folios) until the load's fence: measured 300 MB at the load's peak."""
+    from engine.pages import read_copies
+
+    path = tmp_path / "model.pt"
+    saved = save_big_and_small(path)
+    state = torch.load(path, mmap=True, weights_only=True)
+    copies = read_copies([state["norm_a"], state["norm_b"]])
+
+    # The file's pages under the small tensors were never touched through the mapping.
+    assert not page_is_mapped(state["norm_a"].data_ptr())
+    assert not page_is_mapped(state["norm_b"].data_ptr())
+    areas = file_areas(path)
+    for copy, name in zip(copies, ["norm_a", "norm_b"], strict=True):
+        assert torch.equal(copy, saved[name]) and not mapped(copy, areas)
+
+    # Neither is read from a file: cloned (a strided view is not one stretch of the file).
+    plain, strided = torch.randn(3, 4), state["replaced"][:, :3]
+    copies = read_copies([plain, strided])
+    for copy, expected in zip(copies, [plain, saved["replaced"][:, :3]], strict=True):
+        assert torch.equal(copy, expected) and copy.is_contiguous()
+        assert copy.data_ptr() != expected.data_ptr() and not mapped(copy, areas)
+
+
+def test_a_file_replaced_since_mapping_is_copied_from_the_mapping(tmp_path: Path) -> None:
+    from engine.pages import read_copies
+
+    path = tmp_path / "model.pt"
+    saved = save_big_and_small(path)
+    state = torch.load(path, mmap=True, weights_only=True)
+    other = tmp_path / "other.pt"
+    torch.save({name: -tensor for name, tensor in saved.items()}, other)
+    os.replace(other, path)  # a new inode at the same path: its bytes are not the mapped ones
+
+    (copy,) = read_copies([state["norm_a"]])
+    assert torch.equal(copy, saved["norm_a"])
