@@ -139,8 +139,8 @@ def read_copies(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     page-cache folio around it, and with it pages of the large weights beside it that the int8
     layers replace: measured 2026-12-04, 200 MB of ``flow.pt`` and 100 MB of ``llm.pt``
     resident at the load's peak, until the fence. ``pread`` copies from the page cache and maps
-    nothing. A tensor that is not file-mapped, or whose file cannot be read back as mapped, is
-    cloned.
+    nothing. A tensor that is not file-mapped, was written since (copy-on-write), or whose file
+    cannot be read back as mapped, is cloned.
     """
     areas = list(_file_areas())
     files: dict[tuple[int, str, str], io.FileIO | None] = {}
@@ -155,7 +155,7 @@ def read_copies(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
 def _pread_copy(tensor: torch.Tensor, areas: list[_Area],
                 files: dict[tuple[int, str, str], io.FileIO | None]) -> torch.Tensor:
     area = _area_holding(tensor, areas) if tensor.numel() else None
-    if area is None or not tensor.is_contiguous():
+    if area is None or not tensor.is_contiguous() or _written_since_mapped(tensor):
         return tensor.clone(memory_format=torch.contiguous_format)
     if area.mapping not in files:
         files[area.mapping] = _open_mapped(area)
@@ -167,6 +167,14 @@ def _pread_copy(tensor: torch.Tensor, areas: list[_Area],
     if file is None or os.preadv(file.fileno(), [buffer], offset) != size:
         return tensor.clone(memory_format=torch.contiguous_format)
     return copy
+
+
+def _written_since_mapped(tensor: torch.Tensor) -> bool:
+    """Whether any page of a file-mapped tensor holds a private copy (the file has other bytes)."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    start = tensor.data_ptr()
+    end = start + tensor.numel() * tensor.element_size()
+    return _has_written_pages(start // page, -(-end // page))
 
 
 def _open_mapped(area: _Area) -> io.FileIO | None:

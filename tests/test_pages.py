@@ -283,3 +283,16 @@ def test_a_file_replaced_since_mapping_is_copied_from_the_mapping(tmp_path: Path
 
     (copy,) = read_copies([state["norm_a"]])
     assert torch.equal(copy, saved["norm_a"])
+
+
+def test_a_tensor_written_since_mapping_is_copied_with_its_new_values(tmp_path: Path) -> None:
+    # Mapped copy-on-write: the file still has the old bytes, the tensor the new ones.
+    from engine.pages import read_copies
+
+    path = tmp_path / "model.pt"
+    save_big_and_small(path)
+    state = torch.load(path, mmap=True, weights_only=True)
+    state["norm_b"][7] = 123.0
+
+    (copy,) = read_copies([state["norm_b"]])
+    assert torch.equal(copy, state["norm_b"]) and copy[7] == 123.0
