@@ -17,7 +17,7 @@ import weakref
 import torch
 from torch import Tensor, nn
 
-from engine.pages import file_location
+from engine.pages import file_location, open_mapped_file
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -47,14 +47,8 @@ class FileEmbedding(nn.Module):
         spot = file_location(weight)
         if spot is None:
             return None
-        try:
-            file = open(spot.path, "rb", buffering=0)  # noqa: SIM115 (the module owns it)
-        except OSError as err:  # e.g. deleted since it was mapped
-            _LOGGER.debug("Keeping %s mapped: %s", spot.path, err)
-            return None
-        # The inode only: btrfs subvolumes report another device number to stat than to maps.
-        if os.fstat(file.fileno()).st_ino != spot.inode:
-            file.close()
+        file = open_mapped_file(spot.path, spot.inode)  # the module owns it
+        if file is None:
             return None
         reader = cls(file, spot.offset, *weight.shape, dtype=weight.dtype)
         # The bytes must be the mapped ones: checked on the first and the last row.

@@ -158,7 +158,7 @@ def _pread_copy(tensor: torch.Tensor, areas: list[_Area],
     if area is None or not tensor.is_contiguous() or _written_since_mapped(tensor):
         return tensor.clone(memory_format=torch.contiguous_format)
     if area.mapping not in files:
-        files[area.mapping] = _open_mapped(area)
+        files[area.mapping] = open_mapped_file(area.path, int(area.mapping[2]))
     file = files[area.mapping]
     copy = torch.empty_like(tensor, memory_format=torch.contiguous_format)
     size = tensor.numel() * tensor.element_size()
@@ -177,14 +177,17 @@ def _written_since_mapped(tensor: torch.Tensor) -> bool:
     return _has_written_pages(start // page, -(-end // page))
 
 
-def _open_mapped(area: _Area) -> io.FileIO | None:
-    """The file behind ``area``, if it is still the mapped one (same inode)."""
+def open_mapped_file(path: str, inode: int) -> io.FileIO | None:
+    """``path`` opened for reading, if it is still the mapped file (same inode); else None.
+
+    The inode only: btrfs subvolumes report another device number to stat than to maps.
+    """
     try:
-        file = open(area.path, "rb", buffering=0)  # noqa: SIM115 (closed by read_copies)
-    except OSError:
+        file = open(path, "rb", buffering=0)  # noqa: SIM115 (the caller closes it)
+    except OSError as err:  # e.g. deleted since it was mapped
+        _LOGGER.debug("Cannot reopen mapped file %s: %s", path, err)
         return None
-    # The inode only: btrfs subvolumes report another device number to stat than to maps.
-    if os.fstat(file.fileno()).st_ino != int(area.mapping[2]):
+    if os.fstat(file.fileno()).st_ino != inode:
         file.close()
         return None
     return file
