@@ -67,6 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
     add("--http-port", type=int, help="also serve the HTTP API and web page on this port")
     add("--http-host", default="0.0.0.0", help="address of the HTTP API (default 0.0.0.0)")
     add("--http-only", action="store_true", help="serve only HTTP, no Wyoming listener")
+    add("--http-allow-origin", action="append", default=[], metavar="ORIGIN",
+        help="another site's web page allowed to call the HTTP API (repeatable or a comma list; "
+             "* = any)")  # fmt: skip
     add("--version", action="store_true", help="print the version and exit")
     return p
 
@@ -163,11 +166,13 @@ def import_engine() -> str | None:
 
 
 async def serve(
-    config: ServerConfig, model_dir: Path, http: tuple[str, int, bool] | None = None
+    config: ServerConfig,
+    model_dir: Path,
+    http: tuple[str, int, bool, tuple[str, ...]] | None = None,
 ) -> int:
     """Run until SIGINT/SIGTERM (exit 0) or until the model fails to load (exit 1).
 
-    ``http`` = (host, port, HTTP only): the HTTP API on the same model host (issue 8).
+    ``http`` = (host, port, HTTP only, allowed origins): the HTTP API on the same model host.
     """
     from wyoming_cosyvoice.server import create_server
 
@@ -181,7 +186,7 @@ async def serve(
     if http is not None:
         from wyoming_cosyvoice.http import start_http
 
-        web = await start_http(config, running.host, http[0], http[1])
+        web = await start_http(config, running.host, http[0], http[1], allow_origins=http[3])
     from wyoming_cosyvoice.custom_voices import CustomVoices, custom_voice_exists
 
     if (
@@ -270,7 +275,14 @@ def main(argv: list[str] | None = None) -> int:
             _LOGGER.error("The HTTP API needs the http extra (%s): pip install "
                           "'wyoming-cosyvoice[http]'", err)  # fmt: skip
             return 2
-        http = (args.http_host, args.http_port, args.http_only)
+        from wyoming_cosyvoice.http.origin import parse_allowed_origins
+
+        try:
+            origins = parse_allowed_origins(args.http_allow_origin)
+        except ValueError as err:
+            _LOGGER.error("--http-allow-origin: %s", err)
+            return 2
+        http = (args.http_host, args.http_port, args.http_only, origins)
 
     from wyoming_cosyvoice.download import ModelNotFoundError
 

@@ -30,7 +30,14 @@ from wyoming_cosyvoice.http.errors import (
     http_error_handler,
     starlette_error_handler,
 )
-from wyoming_cosyvoice.http.speech import SpeechParser, SpeechRequest, max_body_bytes, read_json
+from wyoming_cosyvoice.http.origin import origin_middleware
+from wyoming_cosyvoice.http.speech import (
+    SpeechParser,
+    SpeechRequest,
+    max_body_bytes,
+    read_json,
+    require_json,
+)
 from wyoming_cosyvoice.http.stream import (
     SpeechJob,
     SpeechResponse,
@@ -44,7 +51,13 @@ from wyoming_cosyvoice.sentences import Splitter, make_splitter
 from wyoming_cosyvoice.server import ModelHost
 
 _LOGGER = logging.getLogger(__name__)
-
+# The page's icon: a speech bubble, inline so an install without package data still has it.
+FAVICON = (
+    '<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 32 32">'
+    '<path fill="#1565c0" d="M4 4h24a2 2 0 0 1 2 2v15a2 2 0 0 1-2 2H13l-7 6v-6H4a2 2 0 0 1-2-2'
+    'V6a2 2 0 0 1 2-2z"/><path stroke="#fff" stroke-width="2.5" stroke-linecap="round" '
+    'd="M10 11v5M14 9v9M18 11v5M22 12v3"/></svg>'
+)
 
 
 def _page() -> str:
@@ -77,7 +90,8 @@ class TtsRoutes:
     def __init__(self, config: ServerConfig, host: ModelHost,
                  splitter_factory: Callable[[], Splitter]) -> None:  # fmt: skip
         self.config, self.host = config, host
-        self.parser = SpeechParser(config, lambda: host.catalog, splitter_factory)
+        self.parser = SpeechParser(config, lambda: host.catalog, splitter_factory,
+                                   lambda: getattr(host.engine, "kind", None))  # fmt: skip
         self.page = _page()
 
     # --- state ----------------------------------------------------------------------------
@@ -104,6 +118,10 @@ class TtsRoutes:
 
     async def index(self, request: Request) -> Response:
         return HTMLResponse(self.page)
+
+    async def favicon(self, request: Request) -> Response:
+        return Response(FAVICON, media_type="image/svg+xml",
+                        headers={"Cache-Control": "max-age=86400"})  # fmt: skip
 
     async def health(self, request: Request) -> Response:
         state, error = self.status()
@@ -141,6 +159,7 @@ class TtsRoutes:
     async def _speak(
         self, request: Request, parse: Callable[[dict[str, Any]], SpeechRequest]
     ) -> Response:
+        require_json(request)
         data = await read_json(request, max_body_bytes(self.config))
         self.require_ready()
         speech = parse(data)
@@ -170,17 +189,24 @@ def create_app(
     host: ModelHost,
     *,
     splitter_factory: Callable[[], Splitter] = make_splitter,
+    allow_origins: tuple[str, ...] = (),
 ) -> Starlette:
-    """The HTTP API over ``host`` (which the caller starts loading and shuts down)."""
+    """The HTTP API over ``host`` (which the caller starts loading and shuts down).
+
+    ``allow_origins``: web-page origins besides the server's own that may call the API
+    (normalised by :func:`.origin.parse_allowed_origins`; ``*`` = any).
+    """
     routes = TtsRoutes(config, host, splitter_factory)
     app = Starlette(
         routes=[
             Route("/", routes.index, methods=["GET"]),
+            Route("/favicon.ico", routes.favicon, methods=["GET"]),
             Route("/health", routes.health, methods=["GET"]),
             Route("/voices", routes.voices, methods=["GET"]),
             Route("/tts", routes.tts, methods=["POST"]),
             Route("/v1/audio/speech", routes.openai_speech, methods=["POST"]),
         ],
+        middleware=origin_middleware(allow_origins),
         exception_handlers={
             HttpError: http_error_handler,
             HTTPException: starlette_error_handler,

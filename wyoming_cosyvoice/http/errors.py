@@ -17,9 +17,11 @@ _LOGGER = logging.getLogger(__name__)
 
 _TYPES = {
     400: "invalid_request_error",
+    403: "permission_error",
     404: "not_found_error",
     405: "invalid_request_error",
     413: "request_too_large",
+    415: "invalid_request_error",
     500: "server_error",
     503: "service_unavailable",
 }

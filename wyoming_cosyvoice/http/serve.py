@@ -64,11 +64,16 @@ async def start_http(
     port: int = 0,
     *,
     splitter_factory: Callable[[], Splitter] = make_splitter,
+    allow_origins: tuple[str, ...] = (),
 ) -> HttpServer:
-    """Listen on ``bind:port`` (0 = any free port) in the running loop; returns once bound."""
+    """Listen on ``bind:port`` (0 = any free port) in the running loop; returns once bound.
+
+    ``allow_origins``: other sites' web pages that may call the API (``--http-allow-origin``).
+    """
     from wyoming_cosyvoice.http.app import create_app
 
-    app = create_app(config, host, splitter_factory=splitter_factory)
+    app = create_app(config, host, splitter_factory=splitter_factory,
+                     allow_origins=allow_origins)  # fmt: skip
     uv_config = uvicorn.Config(
         app,
         host=bind,

@@ -30,6 +30,10 @@ OPENAI_VOICES = frozenset(
     "alloy ash ballad coral echo fable nova onyx sage shimmer verse marin cedar".split()
 )
 TTS_FIELDS = ("text", "voice", "speaker", "profile", "seed", "stream", "format")
+# OpenAI's fields, then this server's extensions (the same as /tts).
+OPENAI_FIELDS = ("model", "input", "voice", "instructions", "response_format", "speed",
+                 "stream_format", "profile", "seed")  # fmt: skip
+INSTRUCT_MODEL = "CosyVoice-300M-Instruct"
 
 
 @dataclass(frozen=True)
@@ -63,6 +67,19 @@ def max_body_bytes(config: ServerConfig) -> int:
     return max(config.limits.max_data_bytes, 6 * config.limits.max_text_chars + 4096)
 
 
+def require_json(request: Request) -> None:
+    """415 unless the body is declared JSON.
+
+    A browser sends a cross-origin ``text/plain`` or form POST without asking the server
+    first (a CORS "simple request"); a JSON one needs the server's consent (a preflight).
+    """
+    media = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if media != "application/json":
+        got = repr(media) if media else "none"
+        raise HttpError(415, "the body must be JSON, sent with 'Content-Type: application/json'"
+                        f" (got {got})", code="unsupported_media_type")  # fmt: skip
+
+
 async def read_json(request: Request, limit: int) -> dict[str, Any]:
     """The body as a JSON object; 413 past ``limit`` bytes without reading the rest."""
     declared = request.headers.get("content-length")
@@ -87,6 +104,14 @@ async def read_json(request: Request, limit: int) -> dict[str, Any]:
     return data
 
 
+def _refuse_unknown(data: dict[str, Any], known: tuple[str, ...]) -> None:
+    """A typo or an unsupported option is a 400 naming it, never silently dropped."""
+    unknown = sorted(set(data) - set(known))
+    if unknown:
+        raise HttpError(400, f"unknown field(s) {', '.join(unknown)}; known: "
+                        f"{', '.join(known)}", param=unknown[0])  # fmt: skip
+
+
 def _optional(data: dict[str, Any], key: str, kind: type | tuple[type, ...], what: str) -> Any:
     value = data.get(key)
     if value is None:
@@ -106,17 +131,16 @@ class SpeechParser:
         config: ServerConfig,
         catalog: Callable[[], VoiceCatalog],
         splitter_factory: Callable[[], Splitter],
+        model_kind: Callable[[], str | None] = lambda: None,
     ) -> None:
         self.config = config
         self._catalog = catalog  # a callable: the catalog is replaced once the model loads
         self._splitter_factory = splitter_factory
+        self._model_kind = model_kind  # 'sft', 'base' or 'instruct' once loaded
 
     def tts(self, data: dict[str, Any]) -> SpeechRequest:
         """``POST /tts``: {text, voice?, speaker?, profile?, seed?, stream?, format?}."""
-        unknown = sorted(set(data) - set(TTS_FIELDS))
-        if unknown:
-            raise HttpError(400, f"unknown field(s) {', '.join(unknown)}; known: "
-                            f"{', '.join(TTS_FIELDS)}", param=unknown[0])  # fmt: skip
+        _refuse_unknown(data, TTS_FIELDS)
         text = self._text(data, "text")
         stream = _optional(data, "stream", bool, "true or false") or False
         audio_format = self._format(data.get("format"), "format")
@@ -130,13 +154,15 @@ class SpeechParser:
     def openai(self, data: dict[str, Any]) -> SpeechRequest:
         """``POST /v1/audio/speech``: {model, input, voice, response_format?, stream_format?}.
 
-        The audio is always streamed (chunked), as OpenAI does; ``model`` is accepted as given.
+        Without ``stream_format`` the answer is one whole file (a WAV with its real sizes); with
+        it, the audio is streamed as it is made. ``model`` is accepted as given.
         """
+        _refuse_unknown(data, OPENAI_FIELDS)
         _optional(data, "model", str, "a string")
         text = self._text(data, "input")
         audio_format = self._format(data.get("response_format"), "response_format")
-        stream_format = _optional(data, "stream_format", str, "'audio' or 'sse'") or "audio"
-        if stream_format not in ("audio", "sse"):
+        stream_format = _optional(data, "stream_format", str, "'audio' or 'sse'")
+        if stream_format not in (None, "audio", "sse"):
             raise HttpError(400, f"stream_format {stream_format!r} is not supported; use "
                             "'audio' or 'sse'", param="stream_format")  # fmt: skip
         speed = _optional(data, "speed", (int, float), "a number")
@@ -148,9 +174,21 @@ class SpeechParser:
         if name and name.casefold() in OPENAI_VOICES and self._catalog().find(name) is None:
             name = None
         voice = self._voice(name, None, text)
+        instruct = self._instructions(data)
+        return self._request(data, text, voice, stream=stream_format is not None,
+                             audio_format=audio_format, sse=stream_format == "sse",
+                             instruct=instruct)  # fmt: skip
+
+    def _instructions(self, data: dict[str, Any]) -> str | None:
+        """The instruction for an -Instruct model; refused by any other (it would be ignored)."""
         instruct = _optional(data, "instructions", str, "a string")
-        return self._request(data, text, voice, stream=True, audio_format=audio_format,
-                             sse=stream_format == "sse", instruct=instruct)  # fmt: skip
+        if instruct is None or not instruct.strip():
+            return None  # clients that always send the field send it empty
+        if self._model_kind() != "instruct":
+            raise HttpError(400, f"'instructions' needs the {INSTRUCT_MODEL} model; the model "
+                            "this server runs has no instruct mode",
+                            code="instructions_unsupported", param="instructions")  # fmt: skip
+        return instruct
 
     # --- the shared checks ----------------------------------------------------------------
 
