@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import platform
 import random
 import threading
 import time
@@ -21,6 +20,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from engine import cpu
 from engine.constants import SAMPLE_RATE
 from engine.flow_estimator import TransformerBlock
 from engine.onednn_layers import use_onednn_convs, use_onednn_linears
@@ -58,26 +58,6 @@ def _bound_onednn_cache() -> None:
     """
     if "DNNL_PRIMITIVE_CACHE_CAPACITY" not in os.environ:
         os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", _ONEDNN_CACHE_CAPACITY)
-
-
-def bf16_convolutions_available() -> bool:
-    """Whether oneDNN computes bfloat16 convolutions natively on this CPU.
-
-    Without oneDNN's bfloat16 they take a slow reference path. On x86 it also needs AVX-512
-    BF16 or AMX: with plain AVX-512 oneDNN emulates the bfloat16 products, which was not
-    measured here, so the bfloat16 HiFT is not used there.
-    """
-    check = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
-    try:
-        if check is None or not check():
-            return False
-        if platform.machine().lower() not in ("x86_64", "amd64"):
-            return True  # Arm: oneDNN reports bfloat16 only with the BF16 extension
-        native = (getattr(torch.cpu, "_is_avx512_bf16_supported", None),
-                  getattr(torch.cpu, "_is_amx_tile_supported", None))
-        return any(probe is not None and probe() for probe in native)
-    except RuntimeError:
-        return False
 
 
 @contextlib.contextmanager
@@ -131,6 +111,8 @@ class CosyVoiceEngine:
         # Whether load() read the int8 layers from their cache (None: float32 weights).
         self.lm_int8_cache_hit: bool | None = None
         self.flow_int8_cache_hit: bool | None = None
+        # What load() chose for this CPU (int8 kernels, bfloat16, thread ceiling).
+        self.cpu_choices: cpu.CpuChoices | None = None
 
     @classmethod
     def load(cls, model_dir: Path | str, *, threads: int | None = None,
@@ -144,15 +126,25 @@ class CosyVoiceEngine:
         for the fast profiles: faster estimator passes, 300 MB less memory); ``hift_bf16`` runs
         HiFT's filter in bfloat16 where oneDNN supports it (another approximation: about twice
         as fast with AVX-512 BF16, half its weights' memory; ``hift_dtype`` on the engine says
-        what was used). The int8 weights are cached in
+        what was used). Kernels and threads are chosen for this CPU (engine.cpu; the engine's
+        ``cpu_choices`` say which): int8 falls back to float32 where no int8 kernel works, and
+        ``threads`` is capped where more would crash. The int8 weights are cached in
         ``int8_cache_dir`` (None: ``$XDG_CACHE_HOME/wyoming-cosyvoice/int8``), so later loads
         skip quantising; ``lm_int8_cache_hit`` and ``flow_int8_cache_hit`` on the engine tell
         whether the cache was used (None: float32). The same directory holds the checkpoints'
         indexes, which let later loads map their tensors without unpickling
         (engine.checkpoint_index).
         """
+        choices = cpu.detect()
+        _LOGGER.info("CPU %s", choices.describe())
+        threads = cpu.capped_threads(threads, choices.thread_ceiling)
         if threads:
             torch.set_num_threads(threads)
+        if choices.int8_kernels is not None:
+            torch.backends.quantized.engine = choices.int8_kernels
+        elif lm_int8 or flow_int8:
+            _LOGGER.warning("No int8 kernel works on this CPU: the LM and flow run float32")
+            lm_int8 = flow_int8 = False
         _bound_onednn_cache()
         start = time.perf_counter()
         model_dir = Path(model_dir)
@@ -186,7 +178,7 @@ class CosyVoiceEngine:
                     packed += use_onednn_linears(estimator, TransformerBlock)
                 frontend = TextFrontend()  # built while the int8 layers are still being packed
                 if hift_bf16:
-                    if bf16_convolutions_available():
+                    if choices.bfloat16:
                         models.hift.use_bfloat16()
                     else:
                         _LOGGER.warning("This CPU has no fast bfloat16 convolutions: HiFT "
@@ -204,6 +196,7 @@ class CosyVoiceEngine:
         engine = cls(models, kind=kind, threads=threads, frontend=frontend)
         engine.lm_int8_cache_hit = hits.get("llm")
         engine.flow_int8_cache_hit = hits.get("flow")
+        engine.cpu_choices = choices
         return engine
 
     @property

@@ -119,7 +119,8 @@ def quantize_int8(model: nn.Module, names: list[str],
     """Swap the Linear layers ``names`` of ``model`` for dynamic int8 ones, in place.
 
     The recipe of ``quantize_dynamic`` with ``per_channel_dynamic_qconfig`` (per-channel
-    symmetric qint8 weights, fbgemm/x86 packing), one layer at a time, releasing each float32
+    symmetric qint8 weights, packed for torch's quantized engine: engine.cpu picks one that
+    works on this CPU), one layer at a time, releasing each float32
     weight's pages right after, so the float32 layers are never resident as a whole. ``keep``
     receives each layer's plain int8 parts (for the cache: unpacking later costs seconds).
     """

@@ -27,7 +27,7 @@ from engine.bench.synthetic import (
     state_dict_specs,
 )
 from engine.bench.timers import FIRST_AUDIO_PARTS, StageEvent, StageTimer
-from engine.engine import bf16_convolutions_available
+from engine.cpu import bf16_native, detect
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT / "tests" / "data"
@@ -252,9 +252,10 @@ def test_benchmark_loads_the_profiles_int8_flow_and_reports_its_deviation(
     result = run_bench_json("--profile", "exact_int8", "--config", str(config_path), "--lm-int8",
                             "--tokens", "30", "--repeats", "2", timeout=280, env=env)
     assert (result["flow_weights"], result["lm_weights"]) == ("int8", "int8")
+    assert result["cpu"] == detect().as_dict()  # the kernels and threads the engine chose
     assert [run["flow_int8_cache_hit"] for run in result["runs"]] == [False, True]
     assert 0 < result["mel_rel_l2_vs_exact"] < 0.05
-    if bf16_convolutions_available():  # else HiFT stays float32, and says so
+    if bf16_native():  # else HiFT stays float32, and says so
         assert result["hift_weights"] == "bfloat16"
         assert 0 < result["wave_rel_l2_vs_exact_hift"] < 0.05
     else:

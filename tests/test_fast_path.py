@@ -55,44 +55,22 @@ def test_the_engine_runs_hift_in_bfloat16_only_where_the_cpu_supports_it(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     import logging
 
-    from engine import engine as engine_module
+    from engine import cpu
     from engine.bench.deviation import hift_relative_l2, random_tokens_mel
     from engine.engine import CosyVoiceEngine
 
     model, cache = DATA / "tiny_model", tmp_path / "cache"
     exact = CosyVoiceEngine.load(model, int8_cache_dir=cache)
     assert exact.hift_dtype == "float32"
-    if engine_module.bf16_convolutions_available():
+    if cpu.bf16_native():
         approx = CosyVoiceEngine.load(model, hift_bf16=True, int8_cache_dir=cache)
         assert approx.hift_dtype == "bfloat16"
         embedding = exact.models.speakers[exact.speakers[0]].reshape(1, -1)
         mel = random_tokens_mel(exact.models.flow, embedding, n_timesteps=2, cfg_rate=0.7,
                                 n_tokens=30)
         assert 0 < hift_relative_l2(approx.models.hift, exact.models.hift, mel) < 0.05
-    monkeypatch.setattr(engine_module, "bf16_convolutions_available", lambda: False)
+    monkeypatch.setattr(cpu, "bf16_native", lambda: False)
     with caplog.at_level(logging.WARNING):
         fallback = CosyVoiceEngine.load(model, hift_bf16=True, int8_cache_dir=cache)
     assert fallback.hift_dtype == "float32"
     assert "no fast bfloat16 convolutions" in caplog.text
-
-
-@pytest.mark.parametrize(("machine", "mkldnn", "avx512_bf16", "amx", "expect"), [
-    ("x86_64", True, True, False, True),
-    ("x86_64", True, False, True, True),
-    ("x86_64", True, False, False, False),  # plain AVX-512: oneDNN would emulate bfloat16
-    ("x86_64", False, True, True, False),
-    ("aarch64", True, False, False, True),  # Arm: oneDNN's own check is the BF16 extension
-    ("aarch64", False, False, False, False),
-])
-def test_bfloat16_hift_needs_native_bfloat16(monkeypatch: pytest.MonkeyPatch, machine: str,
-                                             mkldnn: bool, avx512_bf16: bool, amx: bool,
-                                             expect: bool) -> None:
-    from engine import engine as engine_module
-
-    monkeypatch.setattr(engine_module.platform, "machine", lambda: machine)
-    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: mkldnn,
-                        raising=False)
-    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16,
-                        raising=False)
-    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx, raising=False)
-    assert engine_module.bf16_convolutions_available() is expect

@@ -178,7 +178,9 @@ def run(config: RunConfig) -> dict[str, Any]:
                               "lm_weights": "int8" if config.lm_int8 else "fp32",
                               "flow_weights": profile.flow_weights,
                               # what HiFT ran in: bf16 is asked for, float32 without CPU support
-                              "hift_weights": engine.hift_dtype}
+                              "hift_weights": engine.hift_dtype,
+                              # int8 kernels, native bfloat16 and thread ceiling (engine.cpu)
+                              "cpu": engine.cpu_choices.as_dict()}
     # A miss quantises (seconds); a hit reads the engine's int8 cache.
     if config.lm_int8:
         result["lm_int8_cache_hit"] = bool(engine.lm_int8_cache_hit)

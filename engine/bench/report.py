@@ -30,7 +30,7 @@ FACTS = ("threads", "lm_weights", "flow_weights", "hift_weights", "tokens", "chu
          "lm_weight_bytes_per_token", "flow_gflop_per_audio_s", "hift_gflop_per_audio_s",
          "estimator_mflop_per_frame_step", "mel_rel_l2_vs_exact", "wave_rel_l2_vs_exact_hift",
          "lm_int8_kl_mean",
-         "lm_int8_kl_max", "lm_int8_cache_hit", "flow_int8_cache_hit")
+         "lm_int8_kl_max", "lm_int8_cache_hit", "flow_int8_cache_hit", "cpu")
 
 
 BUSY_CORES = 0.2  # other processes' average load above which the figures are flagged
@@ -131,6 +131,8 @@ def print_table(result: dict[str, Any], out: TextIO) -> None:
       f"{result.get('lm_weights') or 'LM'} GEMV {_fmt(result.get('gemv_gbps'))} GB/s, "
       f"fp32 GEMM {_fmt(result.get('gemm_gflops'))} GFLOP/s; other processes used "
       f"{_fmt(result.get('other_load_cores'), 2)} cores on average during the run\n")
+    if result.get("cpu"):
+        w(f"cpu       {', '.join(f'{k} {v}' for k, v in result['cpu'].items())}\n")
     if (result.get("other_load_cores") or 0) > BUSY_CORES:
         w("WARNING   the machine was busy with other work: these figures are pessimistic\n")
     w("\n")
