@@ -12,6 +12,7 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 import sys
 from dataclasses import replace
@@ -23,6 +24,9 @@ from wyoming_cosyvoice import __version__
 from wyoming_cosyvoice.config import ConfigError, ServerConfig, load_config, parse_override
 
 _LOGGER = logging.getLogger("wyoming_cosyvoice")
+# How long a stop waits for the engine to notice its cancelled work (it checks before every LM
+# token and after every audio chunk): well inside the Supervisor's 10 s before it kills.
+SHUTDOWN_GRACE_S = 5.0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -234,6 +238,10 @@ async def serve(
     elif running.load_task in done:
         await stopper  # serve until a signal
     _LOGGER.info("Shutting down")
+    # The Supervisor kills a container 10 s after SIGTERM: stop the engine's work first.
+    deadline = loop.time() + SHUTDOWN_GRACE_S
+    if cancelled := running.host.cancel_all():
+        _LOGGER.info("Cancelled %d request(s) in progress", cancelled)
     if zc is not None:
         await zc.close()
     stopper.cancel()
@@ -242,7 +250,22 @@ async def serve(
     if web is not None:
         await web.stop()
     await running.stop()
+    if not await running.host.wait_idle(deadline - loop.time()):
+        _LOGGER.warning(
+            "The engine is still inside a computation %.0f s after the stop; exiting without it",
+            SHUTDOWN_GRACE_S,
+        )
+        _exit_now(code)
     return code
+
+
+def _exit_now(code: int) -> None:
+    """End the process without joining the engine threads (Python would wait for their current
+    computation). Everything else is stopped and cache files are written atomically."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -17,7 +17,7 @@ import pickle
 import threading
 import zipfile
 from collections.abc import Awaitable, Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
@@ -222,6 +222,9 @@ class ModelHost:
         self.catalog = VoiceCatalog(speakers_hint or [])
         self.engine: Engine | None = None
         self.waiting = 0  # requests queued for the engine (for the log)
+        self._calls: set[Future[Any]] = set()  # engine-thread calls that have not returned
+        self._sentences: dict[object, threading.Event] = {}  # cancel event of each sentence
+        self._stopping = False
 
     @property
     def idle(self) -> bool:
@@ -239,13 +242,13 @@ class ModelHost:
         try:
             _LOGGER.info("Loading model from %s", self.model_dir)
             start = loop.time()
-            engine = await loop.run_in_executor(
+            engine = await self._call(
                 self._executor, self._factory, self.model_dir, self._threads
             )
             if self._warmup:
-                await loop.run_in_executor(self._executor, engine.warmup)
+                await self._call(self._executor, engine.warmup)
             if self._shared_cores:
-                self._all_threads = await loop.run_in_executor(self._executor, _torch_threads)
+                self._all_threads = await self._call(self._executor, _torch_threads)
             _LOGGER.info(
                 "Model ready in %.1f s (%s, HiFT in %s, speakers: %s)",
                 loop.time() - start,
@@ -281,10 +284,27 @@ class ModelHost:
         """Synthesize ``text`` (one sentence) and await ``on_chunk`` for each chunk, in order.
 
         Waits its turn (FIFO) behind other requests. Raises ``SynthesisCancelled`` when
-        ``cancel`` is set; the engine stops within one chunk.
+        ``cancel`` is set (the engine stops within one chunk) or the host is stopping.
         """
+        key = object()  # sentences of one request share its cancel event
+        self._sentences[key] = cancel
+        try:
+            await self._synthesize(text, options, cancel, on_chunk, load_timeout=load_timeout)
+        finally:
+            del self._sentences[key]
+
+    async def _synthesize(
+        self,
+        text: str,
+        options: SynthesisOptions,
+        cancel: threading.Event,
+        on_chunk: Callable[[AudioChunk], Awaitable[None]],
+        *,
+        load_timeout: float,
+    ) -> None:
+        if self._stopping:
+            raise SynthesisCancelled("the server is shutting down")
         engine = await self.wait_ready(load_timeout)
-        loop = asyncio.get_running_loop()
         self.waiting += 1
         try:
             (slot,) = await self._slots.acquire()
@@ -297,15 +317,15 @@ class ModelHost:
         if budget is not None:
             options = replace(options, threads=budget)
         try:
-            if cancel.is_set():
+            if cancel.is_set() or self._stopping:
                 raise SynthesisCancelled("cancelled while queued")
-            chunks = await loop.run_in_executor(
+            chunks = await self._call(
                 executor, _with_threads, budget, partial(engine.synthesize, text, options, cancel)
             )
             try:
                 next_chunk = partial(next, chunks, None)
                 while (
-                    chunk := await loop.run_in_executor(executor, _with_threads, budget, next_chunk)
+                    chunk := await self._call(executor, _with_threads, budget, next_chunk)
                 ) is not None:
                     await on_chunk(chunk)
                     if cancel.is_set():
@@ -313,7 +333,7 @@ class ModelHost:
             finally:
                 # Queued behind any in-flight next(): the slot's thread runs it in order,
                 # even when this task was cancelled mid-await.
-                executor.submit(_close_quietly, chunks)
+                self._submit(executor, _close_quietly, chunks)
         finally:
             self._slots.release([slot])
 
@@ -329,15 +349,59 @@ class ModelHost:
         """``fn(*args)`` on the engine thread, in its turn: between two sentences, FIFO with
         queued requests (custom voice scans, which may take seconds, never cut into audio).
         No sentence runs meanwhile."""
-        loop = asyncio.get_running_loop()
         slots = await self._slots.acquire(self._slots.count)
         try:
             # A cancelled sentence frees its slot before its thread has finished its last chunk
             # and close(): wait for the other slots' threads to be idle too.
-            await asyncio.gather(*(loop.run_in_executor(e, _idle) for e in self._executors[1:]))
-            return await loop.run_in_executor(self._executor, partial(fn, *args))
+            await asyncio.gather(*(self._call(e, _idle) for e in self._executors[1:]))
+            return await self._call(self._executor, partial(fn, *args))
         finally:
             self._slots.release(slots)
+
+    def _submit(
+        self, executor: ThreadPoolExecutor, fn: Callable[..., Any], *args: Any
+    ) -> Future[Any]:
+        """``fn(*args)`` on an engine thread, tracked until it has returned, even when its
+        caller stops waiting for it: :meth:`wait_idle` waits for exactly these calls."""
+        call = executor.submit(fn, *args)
+        self._calls.add(call)
+        call.add_done_callback(self._calls.discard)
+        return call
+
+    def _call(
+        self, executor: ThreadPoolExecutor, fn: Callable[..., Any], *args: Any
+    ) -> Awaitable[Any]:
+        """:meth:`_submit`, awaitable on the loop."""
+        return asyncio.wrap_future(self._submit(executor, fn, *args))
+
+    def cancel_all(self) -> int:
+        """Shutdown: cancel every sentence now, running or queued, and refuse new ones.
+
+        The engine sees the cancel event at its next check (each LM token, each chunk).
+        Returns how many requests were cancelled.
+        """
+        self._stopping = True
+        requests = {id(cancel): cancel for cancel in list(self._sentences.values())}
+        for cancel in requests.values():
+            cancel.set()
+        return len(requests)
+
+    async def wait_idle(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` s for the engine threads' calls to return.
+
+        False if one is still running: a computation in progress (a load, a long flow pass)
+        cannot be interrupted, only abandoned with the process.
+        """
+        running = [call for call in list(self._calls) if not call.done()]
+        if not running:
+            return True
+        # Outcomes (a cancelled sentence's exception) belong to the callers that awaited them.
+        outcomes = asyncio.gather(*map(asyncio.wrap_future, running), return_exceptions=True)
+        try:
+            await asyncio.wait_for(asyncio.shield(outcomes), max(timeout, 0.0))
+        except asyncio.TimeoutError:
+            return False
+        return True
 
     def shutdown(self) -> None:
         for executor in self._executors:
