@@ -8,6 +8,7 @@ talking to the server at the same time still gets its full audio.
 from __future__ import annotations
 
 import asyncio
+import logging
 import socket
 from types import SimpleNamespace
 from typing import Any
@@ -55,9 +56,6 @@ BAD_INPUT: dict[str, tuple[bytes, str]] = {
         header("synthesize", {"text": "Hi.", "voice": {"language": "fr_FR"}}),
         "VoiceNotFoundError",
     ),
-    "empty text": (header("synthesize", {"text": ""}), "EmptyTextError"),
-    "blank text": (header("synthesize", {"text": "   \n "}), "EmptyTextError"),
-    "only punctuation": (header("synthesize", {"text": "?!..."}), "EmptyTextError"),
     "text too long": (header("synthesize", {"text": "a" * 201}), "LimitExceededError"),
     "stream too long": (
         START + header("synthesize-chunk", {"text": "a" * 150}) * 2,
@@ -126,6 +124,73 @@ def test_bad_input_gets_an_error_and_a_close(wy: SimpleNamespace, case: str) -> 
     assert len(errors[0].data["text"]) > 10
     assert good.types[-1] == "audio-stop"
     assert good.samples == wy.FakeEngine.expected_samples("A good client is unaffected.")
+
+
+NOTHING_TO_SPEAK = {"empty": "", "blank": "   \n ", "punctuation": "?!...", "emoji": "😀🎉"}
+
+
+@pytest.mark.parametrize("text", list(NOTHING_TO_SPEAK.values()), ids=list(NOTHING_TO_SPEAK))
+def test_nothing_to_speak_is_an_empty_audio_block(wy: SimpleNamespace, text: str) -> None:
+    """Home Assistant writes its WAV header at the first audio-start: with no audio-start, a
+    text with nothing to speak would reach it as zero bytes instead of an empty WAV."""
+
+    async def main() -> tuple[Any, Any, Any]:
+        async with wy.fake_server(LIMITS) as srv:
+            whole = await wy.synthesize(srv.port, text)
+            streamed = await wy.stream(srv.port, text)
+            after = await wy.stream(srv.port, "Still speaking.")
+            return whole, streamed, after
+
+    whole, streamed, after = run(main())
+    assert whole.types == ["audio-start", "audio-stop"]
+    assert streamed.types == ["audio-start", "audio-stop", "synthesize-stopped"]
+    assert whole.events[0].data["rate"] == 22050 and whole.events[0].data["width"] == 2
+    assert after.samples == wy.FakeEngine.expected_samples("Still speaking.")
+
+
+def test_a_stream_with_only_some_silent_fragments_gets_no_extra_block(
+    wy: SimpleNamespace,
+) -> None:
+    async def main() -> Any:
+        async with wy.fake_server(LIMITS) as srv:
+            return await wy.stream(srv.port, "😀 Hello there. 🎉")
+
+    reply = run(main())
+    assert reply.types.count("audio-start") == 1 and reply.samples > 0
+
+
+# name -> (bytes sent, words the log line must contain)
+REFUSED_STREAMS: dict[str, tuple[bytes, str]] = {
+    "unknown voice": (
+        header("synthesize-start", {"voice": {"name": "nobody"}})
+        + header("synthesize-chunk", {"text": "Hello there."})
+        + header("synthesize-stop"),
+        "unknown voice 'nobody'",
+    ),
+    "text too long": (
+        START + header("synthesize-chunk", {"text": "a" * 150}) * 2,
+        "over the limit of 200",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSED_STREAMS))
+def test_a_refused_stream_is_logged_as_a_warning_with_its_reason(
+    wy: SimpleNamespace, case: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Home Assistant ignores error events while streaming: its user hears silence, and the
+    add-on log is the only place that says why."""
+    payload, reason = REFUSED_STREAMS[case]
+    caplog.set_level(logging.INFO, logger="wyoming_cosyvoice")
+
+    async def main() -> list[Event]:
+        async with wy.fake_server(LIMITS) as srv:
+            return await raw_exchange(srv.port, payload)
+
+    events = run(main())
+    assert events[-1].type == "error"
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any(reason in message for message in warnings), caplog.text
 
 
 def test_lying_data_length_waits_then_the_client_leaves(wy: SimpleNamespace) -> None:

@@ -140,14 +140,17 @@ def test_streaming_audio_starts_before_the_stream_ends(wy: SimpleNamespace) -> N
     assert run(main()) == 1  # "And more text" after the first block
 
 
-def test_empty_stream_still_ends_with_synthesize_stopped(wy: SimpleNamespace) -> None:
+def test_empty_stream_is_an_empty_audio_block_then_synthesize_stopped(
+    wy: SimpleNamespace,
+) -> None:
     async def main() -> list[str]:
         async with wy.fake_server() as srv:
             empty = await wy.stream(srv.port, "")
             punct = await wy.stream(srv.port, " ... ")
             return empty.types + ["|"] + punct.types
 
-    assert run(main()) == ["synthesize-stopped", "|", "synthesize-stopped"]
+    block = ["audio-start", "audio-stop", "synthesize-stopped"]
+    assert run(main()) == [*block, "|", *block]
 
 
 def test_two_requests_on_one_connection(wy: SimpleNamespace) -> None:

@@ -38,7 +38,6 @@ from wyoming_cosyvoice.custom_voices import split_instruction
 from wyoming_cosyvoice.info import Voice, build_info
 from wyoming_cosyvoice.protocol import (
     ClientError,
-    EmptyTextError,
     LimitExceededError,
     ServerBusyError,
     StreamStateError,
@@ -78,11 +77,12 @@ class _Request:
     instruct: str | None = None  # -Instruct model: voice.speaker naming no voice (issue 9)
     chars: int = 0
     splitter: Splitter | None = None
+    spoken: int = 0  # sentences queued so far (a stream with none still gets an audio block)
 
 
 @dataclass
 class _Speak:
-    """Sentences spoken inside one audio-start … audio-stop."""
+    """Sentences spoken inside one audio-start … audio-stop (none: an empty block)."""
 
     request: _Request
     sentences: list[str]
@@ -216,12 +216,16 @@ class EventHandler:
                 return False
         return True
 
-    def _fail(self, err: ClientError) -> None:
-        """Send ``error`` after what is already queued, then close the connection."""
+    def _fail(self, err: ClientError, level: int = logging.WARNING) -> None:
+        """Send ``error`` after what is already queued, then close the connection.
+
+        Logged at WARNING: Home Assistant ignores ``error`` while streaming, so for its user
+        the log is the only place that says why the speaker stayed silent.
+        """
         if self._closing:
             return
         self._closing = True
-        _LOGGER.info("Refusing request from %s: %s (%s)", self._peer, err, err.code)
+        _LOGGER.log(level, "Refused a request from %s: %s (%s)", self._peer, err, err.code)
         self._cancel.set()
         if self._worker_task is not None and self._worker_task is not asyncio.current_task():
             self._worker_task.cancel()
@@ -237,7 +241,10 @@ class EventHandler:
             await asyncio.sleep(min(timeout, 5.0))
             idle = self._pending == 0 and self._out.empty()
             if idle and time.monotonic() - self._last_activity > timeout:
-                self._fail(LimitExceededError(f"no request for {timeout:.0f} s; closing"))
+                # Housekeeping, not a refused request.
+                self._fail(
+                    LimitExceededError(f"no request for {timeout:.0f} s; closing"), logging.INFO
+                )
 
     # --- events in ----------------------------------------------------------------------
 
@@ -251,13 +258,9 @@ class EventHandler:
                 return  # Home Assistant's compatibility copy of the streamed text
             text = event_text(data, "synthesize")
             request = _Request(event_voice(data), chars=len(text))
-            if not text.strip():
-                raise EmptyTextError("synthesize has no text to speak")
             self._check_length(request.chars)
             sentences = [s for s in split_all(text, self._ctx.splitter_factory()) if has_speech(s)]
-            if not sentences:
-                raise EmptyTextError(f"text {text[:40]!r} has nothing to speak")
-            self._enqueue(_Speak(request, sentences))
+            self._enqueue(_Speak(request, sentences))  # none (emoji, blank): an empty WAV
         elif kind == "synthesize-start":
             if self._stream is not None:
                 raise StreamStateError("synthesize-start while a stream is already open")
@@ -274,6 +277,10 @@ class EventHandler:
             stream = self._open_stream(kind)
             assert stream.splitter is not None
             self._speak_sentences(stream, stream.splitter.flush())
+            if not stream.spoken:
+                # Home Assistant writes its WAV header at the first audio-start: without one,
+                # a text with nothing to speak would reach it as zero bytes, not an empty WAV.
+                self._enqueue(_Speak(stream, []))
             self._stream = None
             self._enqueue(_Finish())
         else:
@@ -287,6 +294,7 @@ class EventHandler:
     def _speak_sentences(self, stream: _Request, sentences: list[str]) -> None:
         for sentence in sentences:
             if has_speech(sentence):
+                stream.spoken += 1
                 self._enqueue(_Speak(stream, [sentence]))
 
     def _enqueue(self, job: _Speak | _Finish) -> None:
@@ -343,6 +351,9 @@ class EventHandler:
                 self._last_activity = time.monotonic()
 
     async def _speak(self, job: _Speak) -> None:
+        if not job.sentences:
+            self._send_empty_audio()
+            return
         host, limits = self._ctx.host, self._limits
         await host.wait_ready(limits.load_wait_s)
         request = job.request
@@ -388,6 +399,12 @@ class EventHandler:
             stats["first"],
             time.monotonic() - started,
         )
+
+    def _send_empty_audio(self) -> None:
+        """audio-start + audio-stop: the client gets a valid WAV with no samples."""
+        self._out.put_nowait(AudioStart(rate=SAMPLE_RATE, width=_WIDTH, channels=_CHANNELS).event())
+        self._out.put_nowait(AudioStop().event())
+        _LOGGER.info("Nothing to speak for %s: sent an empty audio block", self._peer)
 
     async def _wait_for_space(self) -> None:
         """Wait while the client has more than ``max_buffered_audio_s`` unread.

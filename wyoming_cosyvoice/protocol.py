@@ -37,10 +37,6 @@ class VoiceNotFoundError(ClientError):
     """The requested voice or speaker does not exist."""
 
 
-class EmptyTextError(ClientError):
-    """A ``synthesize`` request without any text to speak."""
-
-
 class TextError(ClientError):
     """The text frontend cannot turn this text into speech."""
 
