@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
+from engine.text import cli as frontend_cli
 from engine.types import (
     LOW_LATENCY_SCHEDULE,
     OFFICIAL_SCHEDULE,
@@ -75,8 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
     synth.add_argument("--tokens", type=int, help="force this many speech tokens (benchmarks)")
 
     front = sub.add_parser("frontend", help="show normalised segments and token ids",
-                           add_help=False)
-    front.add_argument("rest", nargs=argparse.REMAINDER)
+                           description=frontend_cli.DESCRIPTION)
+    frontend_cli.add_arguments(front)
     return parser
 
 
@@ -87,9 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.DEBUG if args.debug else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.command == "frontend":
-        from engine.text.cli import main as frontend_main
-
-        return frontend_main(args.rest)
+        return frontend_cli.run(args)
     try:
         return _synthesize(args)
     except (EngineError, ValueError, OSError) as err:

@@ -48,3 +48,19 @@ def test_frontend_json() -> None:
     segments = json.loads(result.stdout)["segments"]
     assert segments and all(seg["token_ids"] for seg in segments)
     assert "7" not in "".join(seg["text"] for seg in segments)  # the time is spoken in words
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["frontend", "--json", "你好"],
+        ["frontend", "你好", "--json"],
+        ["frontend", "--language-tags", "你好", "--json"],
+    ],
+)
+def test_frontend_options_go_before_or_after_the_text(
+    argv: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(argv) == 0
+    segments = json.loads(capsys.readouterr().out)["segments"]
+    assert segments and all(seg["token_ids"] for seg in segments)

@@ -7,28 +7,35 @@ import json
 import logging
 import sys
 
-from engine.text.errors import TextInputError
-from engine.text.frontend import TextFrontend
-
 _LOGGER = logging.getLogger(__name__)
+DESCRIPTION = "Print the normalised segments of TEXT and their whisper BPE token ids."
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="python -m engine frontend",
-        description="Print the normalised segments of TEXT and their whisper BPE token ids.",
-    )
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The frontend command's arguments; options go before or after the text."""
     parser.add_argument("text", help="text to normalise ('-' reads stdin)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--instruct", action="store_true", help="treat TEXT as instruct text")
     parser.add_argument(
         "--language-tags", action="store_true", help="prefix each segment with <|lang|>"
     )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m engine frontend", description=DESCRIPTION)
+    add_arguments(parser)
     return parser
 
 
 def main(argv: list[str]) -> int:
-    args = build_parser().parse_args(argv)
+    return run(build_parser().parse_args(argv))
+
+
+def run(args: argparse.Namespace) -> int:
+    """Print the segments of ``args.text`` (arguments from :func:`add_arguments`)."""
+    from engine.text.errors import TextInputError
+    from engine.text.frontend import TextFrontend
+
     text = sys.stdin.read() if args.text == "-" else args.text
     frontend = TextFrontend(language_tags=args.language_tags)
     try:
