@@ -334,6 +334,41 @@ def test_main_rejects_a_bad_options_file(tmp_path: Path) -> None:
     assert run_addon_main("--options", str(tmp_path / "options.json"), "--print").returncode == 2
 
 
+def _missing_model_message(tmp_path: Path) -> str:
+    """The server's message for the add-on's default model, absent, offline."""
+    from wyoming_cosyvoice.__main__ import build_parser, config_from_args, resolve_model_dir
+    from wyoming_cosyvoice.download import ModelNotFoundError
+
+    args = addon.options_to_args({}, data_dir=tmp_path / "data", share_dir=tmp_path / "share")
+    config = config_from_args(build_parser().parse_args([*args, "--offline"]))
+    with pytest.raises(ModelNotFoundError) as err:
+        resolve_model_dir(config)
+    return str(err.value)
+
+
+def test_missing_model_message_in_the_addon_names_the_share_folder_and_an_option(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, config: dict[str, Any]
+) -> None:
+    (tmp_path / "options.json").write_text("{}")
+    monkeypatch.setattr(addon, "OPTIONS_FILE", tmp_path / "options.json")
+    assert addon.in_addon()
+    message = _missing_model_message(tmp_path)
+    model = addon.DEFAULT_OPTIONS["model"]
+    assert f"/share/cosyvoice/models/{model}/" in message  # searched, and reachable by Samba
+    assert "'hub_endpoint'" in message and "hub_endpoint" in config["schema"]
+    assert "--model-dir" not in message and "/data/" not in message, message
+    assert str(tmp_path) not in message  # no path of the container's private /data
+
+
+def test_missing_model_message_outside_the_addon_names_the_command_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(addon, "OPTIONS_FILE", tmp_path / "no-options.json")
+    assert not addon.in_addon()
+    message = _missing_model_message(tmp_path)
+    assert "--model-dir" in message and str(tmp_path / "data" / "models") in message
+
+
 def test_prepare_dirs_creates_the_user_folders(tmp_path: Path) -> None:
     addon.prepare_dirs(tmp_path / "data", tmp_path / "share/cosyvoice")
     for path in ("data/models", "share/cosyvoice/models", "share/cosyvoice/voices"):

@@ -121,6 +121,29 @@ def options_to_args(
     return args
 
 
+def in_addon() -> bool:
+    """Running as the Home Assistant add-on: the Supervisor has written its options file."""
+    return OPTIONS_FILE.is_file()
+
+
+def missing_model_help(name: str, repo_id: str, files: Sequence[str]) -> str:
+    """What an add-on user can do about a model that is missing and was not downloaded.
+
+    Of the folders searched, only /share can be reached from outside the container (Samba
+    share, File editor), and add-on options take the place of command-line flags.
+    """
+    folder = SHARE_DIR / "models" / name
+    return (
+        f"Model {name} is not installed and was not downloaded.\n"
+        f"To install it by hand, download these files from https://huggingface.co/{repo_id} "
+        f"(or ModelScope iic/{name}):\n  {' '.join(files)}\n"
+        f"and put them in {folder}/ (for example through the Samba share or File editor "
+        "add-on), then restart the add-on.\n"
+        "If huggingface.co cannot be reached from this network, set the add-on option "
+        "'hub_endpoint' to a Hugging Face mirror instead."
+    )
+
+
 def read_options(path: Path) -> dict[str, Any]:
     """Read options.json; a missing file means defaults (e.g. running the image by hand)."""
     if not path.exists():

@@ -20,6 +20,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from wyoming_cosyvoice import addon
+
 _LOGGER = logging.getLogger(__name__)
 
 MODEL_FILES = ("cosyvoice.yaml", "llm.pt", "flow.pt", "hift.pt", "spk2info.pt")
@@ -82,6 +84,8 @@ def find_model(
 
 
 def _how_to_place(name: str, spec: ModelSpec, target: Path, searched: list[Path]) -> str:
+    if addon.in_addon():  # the add-on's user sees neither /data nor the command line
+        return addon.missing_model_help(name, spec.repo_id, spec.files)
     places = "\n".join(f"  {p.absolute()}" for p in searched)
     files = " ".join(spec.files)
     return (
