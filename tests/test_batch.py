@@ -12,6 +12,7 @@ import subprocess
 import sys
 import wave
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -107,3 +108,36 @@ def test_refusals_exit_2_before_loading_the_model(
 ) -> None:
     assert batch.main([*argv, "--model-dir", str(TINY), "-o", os.devnull]) == 2
     assert needle in caplog.text
+
+
+MIXED = "Good morning, this is the English part. 今天天气很好，我们去公园吧。 And English again."
+
+
+@pytest.mark.parametrize(
+    ("voice", "speakers"),
+    [(None, ["英文男", "中文女", "英文男"]), ("zh-female", ["中文女", "中文女", "中文女"])],
+)
+def test_batch_reads_each_sentence_in_a_voice_of_its_language(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, wy: Any, voice: str | None,
+    speakers: list[str],
+) -> None:  # fmt: skip
+    """Without --voice, a mixed text switches voice per segment, as the server picks one for
+    a request; --voice keeps one voice throughout."""
+    from wyoming_cosyvoice import server
+
+    engines: list[Any] = []
+
+    def loader(config: Any) -> Any:
+        def load(model_dir: Path, threads: int | None) -> Any:
+            engines.append(wy.FakeEngine(model_dir, threads, delay=0.0))
+            return engines[-1]
+
+        return load
+
+    monkeypatch.setattr(server, "engine_loader", loader)
+    argv = ["--batch", MIXED, "--model-dir", str(TINY), "-o", str(tmp_path / "mixed.wav"),
+            "--quiet", *(["--voice", voice] if voice else [])]  # fmt: skip
+    assert batch.main(argv) == 0
+    assert [call.speaker for call in engines[0].calls] == speakers
+    n, _ = frames(tmp_path / "mixed.wav")
+    assert n == sum(wy.FakeEngine.expected_samples(call.text) for call in engines[0].calls)

@@ -3,8 +3,9 @@
 Without ``--batch`` the text is spoken in one engine call, with the server's default profile.
 With ``--batch`` (audiobooks, chapters) the text is split into sentence segments, each is
 synthesized with the ``batch`` profile (whole-sentence, best quality; no streaming), and all are
-written one after another into one WAV file while a progress bar counts segments. A segment the
-text frontend refuses is skipped with a warning instead of losing a long run.
+written one after another into one WAV file while a progress bar counts segments. Without
+``--voice`` each segment gets a voice of its own language, as the server picks one. A segment
+the text frontend refuses is skipped with a warning instead of losing a long run.
 
 Runs the engine directly on this thread: no server, no event loop.
 """
@@ -39,7 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--batch", action="store_true",
         help="long text: split into segments, batch profile, progress bar")  # fmt: skip
     add("--segments-dir", type=Path, help="with --batch: also write each segment as NNNN.wav")
-    add("--voice", help="voice name (e.g. en-female) or speaker; default: by the text's language")
+    add("--voice", help="voice name (e.g. en-female) or speaker; default: by the language "
+        "of the text (with --batch: of each segment)")
     add("--profile", help="settings profile (default: batch with --batch, else the server's)")
     add("--seed", type=int, help="fixed sampling seed (reproducible audio)")
     add("--config", type=Path, help="settings file (default: the repository's config.yaml)")
@@ -127,14 +129,17 @@ def run(args: argparse.Namespace) -> int:
         _LOGGER.error("%s", err)
         return 1
 
-    # The voice is checked before the (slow) model load: spk2info.pt names the speakers.
-    def pick_voice(speakers: list[str]) -> Voice:
+    # The voices are checked before the (slow) model load: spk2info.pt names the speakers.
+    # Without --voice (or a configured default) each segment gets a voice of its own language,
+    # chosen as the server chooses one for a request.
+    def pick_voices(speakers: list[str]) -> list[Voice]:
         wanted = {"name": args.voice} if args.voice else {}
-        return VoiceCatalog(speakers).resolve(wanted, default=config.voice, text=text)
+        catalog = VoiceCatalog(speakers)
+        return [catalog.resolve(wanted, default=config.voice, text=s) for s in segments]
 
     speakers = peek_speakers(model_dir)
     try:
-        voice = pick_voice(speakers) if speakers else None
+        voices = pick_voices(speakers) if speakers else None
     except VoiceNotFoundError as err:
         _LOGGER.error("%s", err)
         return 2
@@ -145,19 +150,21 @@ def run(args: argparse.Namespace) -> int:
     try:
         # The profile's weight formats, as the server would load them (batch: float32 flow).
         engine = engine_loader(config)(model_dir, config.threads)
-        if voice is None:
-            voice = pick_voice(engine.speakers)
+        if voices is None:
+            voices = pick_voices(engine.speakers)
     except (EngineError, VoiceNotFoundError) as err:
         _LOGGER.error("%s", err)
         return 1 if isinstance(err, EngineError) else 2
-    options = replace(synthesis_options(config.profile, voice.speaker, config.seed),
-                      force_tokens=args.force_tokens)  # fmt: skip
-    return write(engine, segments, options, args, SAMPLE_RATE, voice.name, config.profile.name)
+    options = [replace(synthesis_options(config.profile, voice.speaker, config.seed),
+                       force_tokens=args.force_tokens) for voice in voices]  # fmt: skip
+    names = ", ".join(dict.fromkeys(voice.name for voice in voices))
+    return write(engine, segments, options, args, SAMPLE_RATE, names, config.profile.name)
 
 
-def write(engine: Any, segments: list[str], options: Any, args: argparse.Namespace, rate: int,
-          voice: str, profile: str) -> int:  # fmt: skip
-    """Synthesize ``segments`` in order into one WAV (and the segment files)."""
+def write(engine: Any, segments: list[str], options: list[Any], args: argparse.Namespace,
+          rate: int, voices: str, profile: str) -> int:  # fmt: skip
+    """Synthesize ``segments`` in order, each with its ``options``, into one WAV (and the
+    segment files)."""
     from tqdm import tqdm
 
     from engine.types import EngineError
@@ -173,7 +180,8 @@ def write(engine: Any, segments: list[str], options: Any, args: argparse.Namespa
     try:
         for index, segment in enumerate(segments):
             try:
-                pcm = b"".join(chunk.pcm16 for chunk in engine.synthesize(segment, options))
+                chunks = engine.synthesize(segment, options[index])
+                pcm = b"".join(chunk.pcm16 for chunk in chunks)
             except (EngineError, ValueError) as err:  # TextInputError is a ValueError
                 if not args.batch:
                     raise
@@ -204,7 +212,7 @@ def write(engine: Any, segments: list[str], options: Any, args: argparse.Namespa
     _LOGGER.info(
         "Wrote %s: %d segment(s)%s, %.1f s of audio (%s, %s profile) in %.1f s",
         "stdout" if to_stdout else args.output, len(segments),
-        f", {skipped} skipped" if skipped else "", frames / rate, voice, profile, elapsed,
+        f", {skipped} skipped" if skipped else "", frames / rate, voices, profile, elapsed,
     )  # fmt: skip
     return code
 
