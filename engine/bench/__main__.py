@@ -35,6 +35,7 @@ def _levels(value: str) -> list[int]:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from engine.bench.neighbours import KINDS
     from engine.bench.profiles import DEFAULT_PROFILE
     from engine.bench.synthetic import DEFAULT_CACHE_DIR
 
@@ -64,6 +65,12 @@ def build_parser() -> argparse.ArgumentParser:
                         help="instead: K simultaneous requests through the Wyoming server")
     parser.add_argument("--server-arg", action="append", default=[], metavar="ARG",
                         help="extra server argument for --concurrency (repeatable)")
+    parser.add_argument("--neighbours", type=int, default=0, metavar="N",
+                        help="run N CPU-hungry neighbour processes for the whole benchmark, "
+                             "as on a busy Home Assistant box (default: none)")
+    parser.add_argument("--neighbour-kind", choices=KINDS, default="spin",
+                        help="spin: a busy loop; memory: a loop copying 64 MB buffers "
+                             "(default: %(default)s)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--debug", action="store_true", help="verbose progress on stderr")
     return parser
@@ -158,36 +165,51 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.debug else logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if args.repeats < 1 or args.tokens < 0:
-        _LOGGER.error("--repeats must be >= 1 and --tokens >= 0")
+    if args.repeats < 1 or args.tokens < 0 or args.neighbours < 0:
+        _LOGGER.error("--repeats must be >= 1, --tokens and --neighbours >= 0")
         return 2
     try:
-        if args.synthetic:
-            from engine.bench.synthetic import ensure_synthetic_model
+        result = _run(args)
+    except (OSError, ValueError, RuntimeError) as err:
+        _LOGGER.error("%s", err)
+        return 1
+    if args.json:
+        sys.stdout.write(json.dumps(result, ensure_ascii=False) + "\n")
+    elif args.concurrency:
+        from engine.bench import concurrency
 
-            model_dir = ensure_synthetic_model(args.cache_dir)
-        else:
-            model_dir = args.model_dir
+        concurrency.print_table(result, sys.stdout)
+    else:
+        from engine.bench.report import print_table
+
+        print_table(result, sys.stdout)
+    return 0
+
+
+def _run(args: argparse.Namespace) -> dict[str, Any]:
+    """The benchmark the arguments ask for, with its neighbours running throughout."""
+    from engine.bench.neighbours import running
+
+    if args.synthetic:
+        from engine.bench.synthetic import ensure_synthetic_model
+
+        model_dir = ensure_synthetic_model(args.cache_dir)
+    else:
+        model_dir = args.model_dir
+    with running(args.neighbours, args.neighbour_kind):
+        if args.neighbours:
+            _LOGGER.info("Running %d %s neighbour process(es)", args.neighbours,
+                         args.neighbour_kind)
         if args.concurrency:
             from engine.bench import concurrency
 
             result = concurrency.run(model_dir, text=args.text, levels=args.concurrency,
                                      profile=args.profile, threads=args.threads,
                                      tokens=args.tokens or None, extra_args=args.server_arg)
-            printer = concurrency.print_table
         else:
-            from engine.bench.report import print_table
-
             result = run_benchmark(args, model_dir)
-            printer = print_table
-    except (OSError, ValueError, RuntimeError) as err:
-        _LOGGER.error("%s", err)
-        return 1
-    if args.json:
-        sys.stdout.write(json.dumps(result, ensure_ascii=False) + "\n")
-    else:
-        printer(result, sys.stdout)
-    return 0
+    result["neighbours"] = {"count": args.neighbours, "kind": args.neighbour_kind}
+    return result
 
 
 if __name__ == "__main__":

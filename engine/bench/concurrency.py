@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import socket
 import statistics
 import subprocess
@@ -50,6 +51,15 @@ class ServerProcess:
             if line.startswith("VmHWM:"):
                 return int(line.split()[1]) / 1024
         return None
+
+    def cpu_s(self) -> float | None:
+        """CPU seconds the server has used so far (all its threads; None without /proc)."""
+        try:
+            stat = Path(f"/proc/{self.process.pid}/stat").read_text()
+        except OSError:
+            return None
+        fields = stat.rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
     def stop(self) -> None:
         if self.process.poll() is None:
@@ -147,9 +157,12 @@ async def wait_ready(server: ServerProcess, timeout: float = READY_TIMEOUT_S) ->
             await asyncio.sleep(0.5)
 
 
-async def run_level(port: int, text: str, k: int) -> dict[str, Any]:
-    """K simultaneous requests; per-request times and aggregate audio seconds per wall second."""
-    results = await asyncio.gather(*(request(port, text) for _ in range(k)))
+async def run_level(server: ServerProcess, text: str, k: int) -> dict[str, Any]:
+    """K simultaneous requests; per-request times, aggregate audio seconds per wall second and
+    the server's CPU seconds per audio second."""
+    cpu_before = server.cpu_s()
+    results = await asyncio.gather(*(request(server.port, text) for _ in range(k)))
+    cpu_after = server.cpu_s()
     wall = max(r["end"] for r in results) - min(r["start"] for r in results)
     audio = sum(r["audio_s"] for r in results)
     firsts = [r["first_audio_ms"] for r in results if r["first_audio_ms"] is not None]
@@ -161,6 +174,8 @@ async def run_level(port: int, text: str, k: int) -> dict[str, Any]:
         "total_ms_median": statistics.median(r["total_ms"] for r in results),
         "audio_s": audio, "wall_s": wall,
         "aggregate_audio_s_per_s": audio / wall if wall > 0 else None,
+        "server_cpu_s_per_audio_s": (cpu_after - cpu_before) / audio
+        if cpu_before is not None and cpu_after is not None and audio > 0 else None,
     }
 
 
@@ -170,7 +185,7 @@ async def _run(server: ServerProcess, text: str, levels: list[int]) -> dict[str,
     results = []
     for k in levels:
         _LOGGER.info("Sending %d simultaneous request(s)", k)
-        results.append(await run_level(server.port, text, k))
+        results.append(await run_level(server, text, k))
     single = next((r["aggregate_audio_s_per_s"] for r in results if r["concurrency"] == 1), None)
     for r in results:
         r["throughput_vs_single"] = (r["aggregate_audio_s_per_s"] / single
@@ -202,9 +217,14 @@ def print_table(result: dict[str, Any], out: TextIO) -> None:
     w(f"server    {result['model_dir']} profile {result['profile']}, threads "
       f"{result['threads'] or 'default'}; ready after {result['server_ready_s']:.1f} s, "
       f"peak RSS {result['server_peak_rss_mb'] or 0:,.0f} MB\n")
-    w(f"text      {result['text']}\n\n")
+    w(f"text      {result['text']}\n")
+    neighbours = result.get("neighbours") or {}
+    if neighbours.get("count"):
+        w(f"busy      {neighbours['count']} {neighbours['kind']} neighbour process(es) ran "
+          "throughout\n")
+    w("\n")
     w(f"{'K':>3}{'first audio ms (each)':>34}{'total ms (each)':>34}"
-      f"{'audio s':>9}{'wall s':>9}{'audio-s/s':>11}{'×single':>9}\n")
+      f"{'audio s':>9}{'wall s':>9}{'audio-s/s':>11}{'×single':>9}{'CPU-s/audio-s':>15}\n")
     for level in result["levels"]:
         firsts = " ".join(f"{r['first_audio_ms']:.0f}" if r["first_audio_ms"] else "–"
                           for r in level["requests"])
@@ -212,4 +232,9 @@ def print_table(result: dict[str, Any], out: TextIO) -> None:
         ratio = level["throughput_vs_single"]
         w(f"{level['concurrency']:>3}{firsts:>34}{totals:>34}{level['audio_s']:>9.2f}"
           f"{level['wall_s']:>9.2f}{level['aggregate_audio_s_per_s'] or 0:>11.3f}"
-          f"{(f'{ratio:.2f}' if ratio else '–'):>9}\n")
+          f"{(f'{ratio:.2f}' if ratio else '–'):>9}"
+          f"{_fmt(level.get('server_cpu_s_per_audio_s')):>15}\n")
+
+
+def _fmt(value: float | None) -> str:
+    return "–" if value is None else f"{value:.2f}"

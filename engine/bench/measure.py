@@ -12,6 +12,8 @@ What a run measures:
 * streaming request: ``first_audio_ms`` (request → first audio chunk), its parts
   (``first_audio_*_ms``, from the stage timers) and ``stall_ms`` (playing from the first chunk
   in real time, the total time playback waits for the next chunk).
+* both requests: CPU seconds of this process per audio second (``stream_cpu_s_per_audio_s``,
+  ``cpu_s_per_audio_s``): what the audio costs the machine, whatever else runs on it.
 * non-streaming request: ``total_ms`` and ``rtf``; the stages then run one after the other, so
   the stage timers give clean ``lm_ms_per_token``, ``flow_ms_per_audio_s``, ``hift_ms_per_audio_s``.
 * optionally FLOPs of flow and HiFT per audio second, and the LM's weight bytes per token.
@@ -91,11 +93,13 @@ def _stream_request(engine: Any, text: str, options: Any,
                     timer: StageTimer) -> dict[str, float | int]:
     arrivals: list[float] = []
     durations: list[float] = []
+    cpu_start = time.process_time()
     start = time.perf_counter()
     for chunk in engine.synthesize(text, options):
         if chunk.duration_s > 0:
             arrivals.append(time.perf_counter() - start)
             durations.append(chunk.duration_s)
+    cpu_s = time.process_time() - cpu_start
     if not arrivals:
         raise RuntimeError("the streaming request produced no audio")
     held = replay_gapless(arrivals, durations, options.force_tokens, text)
@@ -105,7 +109,8 @@ def _stream_request(engine: Any, text: str, options: Any,
             "stall_ms": playback_stall_s(arrivals, durations) * 1000,
             "gapless_first_audio_ms": held[0] * 1000,
             "gapless_stall_ms": playback_stall_s(held, durations) * 1000,
-            "stream_total_ms": arrivals[-1] * 1000, "chunks": len(arrivals)}
+            "stream_total_ms": arrivals[-1] * 1000, "chunks": len(arrivals),
+            "stream_cpu_s_per_audio_s": cpu_s / sum(durations)}
 
 
 def replay_gapless(arrivals: list[float], durations: list[float], forced_tokens: int | None,
@@ -130,12 +135,15 @@ def replay_gapless(arrivals: list[float], durations: list[float], forced_tokens:
 
 
 def _whole_request(engine: Any, text: str, options: Any) -> dict[str, float]:
+    cpu_start = time.process_time()
     start = time.perf_counter()
     audio_s = sum(chunk.duration_s for chunk in engine.synthesize(text, options))
     total = time.perf_counter() - start
+    cpu_s = time.process_time() - cpu_start
     if audio_s <= 0:
         raise RuntimeError("the non-streaming request produced no audio")
-    return {"total_ms": total * 1000, "audio_s": audio_s, "rtf": total / audio_s}
+    return {"total_ms": total * 1000, "audio_s": audio_s, "rtf": total / audio_s,
+            "cpu_s_per_audio_s": cpu_s / audio_s}
 
 
 def _stage_flops(engine: Any, timer: StageTimer, n_timesteps: int, cfg_rate: float,

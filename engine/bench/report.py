@@ -22,7 +22,8 @@ from engine.bench.timers import FIRST_AUDIO_PARTS
 MEASURED = ("load_s", "warmup_s", "peak_rss_mb", "stream_peak_rss_mb", "first_audio_ms",
             "stall_ms", "gapless_first_audio_ms", "gapless_stall_ms", "stream_total_ms",
             "total_ms", "rtf", "lm_prefill_ms", "lm_ms_per_token", "flow_ms_per_audio_s",
-            "hift_ms_per_audio_s", "audio_s", *FIRST_AUDIO_PARTS)
+            "hift_ms_per_audio_s", "audio_s", "stream_cpu_s_per_audio_s", "cpu_s_per_audio_s",
+            *FIRST_AUDIO_PARTS)
 # Per-run facts that do not vary between repeats (taken from the first run that has them).
 # The cache hits are the first run's (a cold cache misses once); the table lists every run's.
 FACTS = ("threads", "lm_weights", "flow_weights", "hift_weights", "tokens", "chunks",
@@ -105,7 +106,9 @@ _TABLE = (
     ("playback stalls (stream)", "stall_ms", "ms", None, None, 0),
     ("first audio, gapless start", "gapless_first_audio_ms", "ms", None, None, 0),
     ("stalls, gapless start", "gapless_stall_ms", "ms", None, None, 0),
+    ("CPU per audio s (stream)", "stream_cpu_s_per_audio_s", "CPU-s", None, None, 2),
     ("total (whole)", "total_ms", "ms", None, None, 0),
+    ("CPU per audio s (whole)", "cpu_s_per_audio_s", "CPU-s", None, None, 2),
     ("RTF (whole)", "rtf", "", "rtf_bound", None, 2),
     ("LM prefill", "lm_prefill_ms", "ms", None, None, 0),
     ("LM decode", "lm_ms_per_token", "ms/token", "lm_bound_ms_per_token", "lm_vs_bound", 1),
@@ -133,7 +136,11 @@ def print_table(result: dict[str, Any], out: TextIO) -> None:
       f"{_fmt(result.get('other_load_cores'), 2)} cores on average during the run\n")
     if result.get("cpu"):
         w(f"cpu       {', '.join(f'{k} {v}' for k, v in result['cpu'].items())}\n")
-    if (result.get("other_load_cores") or 0) > BUSY_CORES:
+    neighbours = result.get("neighbours") or {}
+    if neighbours.get("count"):
+        w(f"busy      {neighbours['count']} {neighbours['kind']} neighbour process(es) ran "
+          "throughout, as on a shared Home Assistant box\n")
+    elif (result.get("other_load_cores") or 0) > BUSY_CORES:
         w("WARNING   the machine was busy with other work: these figures are pessimistic\n")
     w("\n")
     w(f"{'metric':<26}{'median':>12}{'min':>11}{'max':>11}  {'unit':<11}"
