@@ -1,0 +1,323 @@
+"""Release engineering: one version, the image built from the checkout, the release workflow.
+
+Docker cannot run here, so the image build and the workflow are checked on paper: the version in
+every file follows pyproject.toml, the Dockerfile installs the checkout (not a download) with
+torch's CPU build, the build context admits what the Dockerfile copies, the workflow passes
+GitHub's schema and shellcheck and publishes where the Supervisor pulls. The smoke test the
+workflow runs inside each image (script/smoke-test) runs here against this install.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import importlib.machinery
+import importlib.util
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+import yaml
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
+
+ROOT = Path(__file__).resolve().parents[1]
+ADDON = ROOT / "addon"
+DOCKERFILE = ADDON / "Dockerfile"
+DOCKERIGNORE = ADDON / "Dockerfile.dockerignore"
+WORKFLOW = ROOT / ".github/workflows/release.yaml"
+SMOKE_TEST = ROOT / "script/smoke-test"
+TINY_MODEL = ROOT / "tests/data/tiny_model"
+CPU_INDEX = "https://download.pytorch.org/whl/cpu"
+
+
+def load_yaml(path: Path) -> Any:
+    return yaml.safe_load(path.read_text(encoding="utf-8"))
+
+
+def pyproject() -> dict[str, Any]:
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())
+
+
+def tool(name: str) -> str:
+    path = Path(sys.executable).parent / name
+    found = str(path) if path.exists() else shutil.which(name)
+    if not found:
+        pytest.fail(f"{name} not installed; run script/setup --test")
+    return found
+
+
+def dockerfile_instructions() -> list[str]:
+    """The Dockerfile's instructions, continuation lines joined, comments dropped."""
+    text = DOCKERFILE.read_text()
+    lines = [line for line in text.splitlines() if not line.lstrip().startswith("#")]
+    return [i.strip() for i in re.split(r"\n(?=\S)", "\n".join(lines).replace("\\\n", " ")) if i]
+
+
+def dockerfile_arg(name: str) -> str:
+    match = re.search(rf"^ARG {name}=(\S+)$", DOCKERFILE.read_text(), re.M)
+    assert match, f"no ARG {name}=... in addon/Dockerfile"
+    return match.group(1)
+
+
+# --- one version -----------------------------------------------------------------------------
+
+
+def newest_changelog_version() -> str:
+    match = re.search(r"^## (\S+)", (ADDON / "CHANGELOG.md").read_text(), re.M)
+    assert match, "addon/CHANGELOG.md has no '## <version>' entry"
+    return match.group(1)
+
+
+def test_every_copy_of_the_version_follows_pyproject() -> None:
+    version = pyproject()["project"]["version"]
+    copies = {
+        "addon/config.yaml version": load_yaml(ADDON / "config.yaml")["version"],
+        "addon/build.yaml args.WYOMING_COSYVOICE_VERSION": load_yaml(ADDON / "build.yaml")["args"][
+            "WYOMING_COSYVOICE_VERSION"
+        ],
+        "addon/Dockerfile ARG WYOMING_COSYVOICE_VERSION": dockerfile_arg(
+            "WYOMING_COSYVOICE_VERSION"
+        ),
+        "addon/CHANGELOG.md newest entry": newest_changelog_version(),
+    }
+    assert {where: v for where, v in copies.items() if v != version} == {}, (
+        f"pyproject.toml says {version}"
+    )
+
+
+def test_torch_pin_is_the_same_everywhere() -> None:
+    pin = next(d for d in pyproject()["project"]["dependencies"] if d.startswith("torch=="))
+    torch_version = pin.removeprefix("torch==")
+    assert dockerfile_arg("TORCH_VERSION") == torch_version
+    assert load_yaml(ADDON / "build.yaml")["args"]["TORCH_VERSION"] == torch_version
+
+
+def test_version_is_a_plain_release_number() -> None:
+    """The tag is v<version> and the image tag <version>: no local parts or spaces."""
+    assert re.fullmatch(r"\d+\.\d+\.\d+", pyproject()["project"]["version"])
+
+
+def test_release_tags_start_the_workflow() -> None:
+    version = pyproject()["project"]["version"]
+    patterns = load_yaml(WORKFLOW)["on"]["push"]["tags"]
+    assert any(fnmatch.fnmatchcase(f"v{version}", p) for p in patterns)
+
+
+# --- the image -------------------------------------------------------------------------------
+
+
+def test_image_is_published_where_the_supervisor_pulls() -> None:
+    """`image:` names the repository owner's ghcr.io namespace: the only one the workflow's
+    token can push to. {arch} is filled in by the Supervisor and by the workflow's matrix."""
+    image = load_yaml(ADDON / "config.yaml")["image"]
+    owner = load_yaml(ROOT / "repository.yaml")["url"].rstrip("/").split("/")[-2]
+    assert re.fullmatch(rf"ghcr\.io/{re.escape(owner.lower())}/\{{arch\}}-[a-z0-9-]+", image)
+
+
+def package_copies() -> dict[str, str]:
+    """COPY source → destination for every COPY in the Dockerfile."""
+    copies = {}
+    for instruction in dockerfile_instructions():
+        if instruction.startswith("COPY "):
+            *sources, dest = instruction.split()[1:]
+            copies.update({source: dest for source in sources})
+    return copies
+
+
+def test_dockerfile_installs_the_checkout() -> None:
+    text = DOCKERFILE.read_text()
+    assert "archive/refs" not in text and "git+" not in text  # no download of a tag
+    copies = package_copies()
+    packages = [
+        p.rstrip("*") for p in pyproject()["tool"]["setuptools"]["packages"]["find"]["include"]
+    ]
+    needed = ["pyproject.toml", pyproject()["project"]["readme"], *packages]
+    missing = [source for source in needed if source not in copies]
+    assert missing == [], "the package build needs these in the image"
+    package_dir = copies["pyproject.toml"].rstrip("/")
+    for package in packages:
+        assert copies[package].rstrip("/") == f"{package_dir}/{package}"
+    install = next(i for i in dockerfile_instructions() if f'"{package_dir}[' in i)
+    assert install.startswith("RUN pip install ")
+    assert copies["addon/rootfs"] == "/"
+
+
+def test_torch_comes_from_the_cpu_index_before_the_package() -> None:
+    instructions = dockerfile_instructions()
+    torch_install = next(
+        i for i, text in enumerate(instructions) if '"torch==${TORCH_VERSION}"' in text
+    )
+    assert f"--index-url {CPU_INDEX}" in instructions[torch_install]
+    first_copy = next(i for i, text in enumerate(instructions) if text.startswith("COPY "))
+    assert torch_install < first_copy, "torch must be installed before the package resolves"
+
+
+def test_image_lets_openmp_workers_sleep() -> None:
+    env = " ".join(i for i in dockerfile_instructions() if i.startswith("ENV "))
+    assert re.search(r"\bOMP_WAIT_POLICY=PASSIVE\b", env)
+
+
+def test_image_is_labelled_an_addon() -> None:
+    labels = " ".join(i for i in dockerfile_instructions() if i.startswith("LABEL "))
+    assert 'io.hass.type="addon"' in labels
+
+
+def ignored(path: str, patterns: list[str]) -> bool:
+    """Docker's rule for a .dockerignore: the last pattern matching the path (or a folder above
+    it; with **/, any part of it) decides, and '!' takes the path back in."""
+    verdict = False
+    parts = path.split("/")
+    folders = ["/".join(parts[: n + 1]) for n in range(len(parts))]
+    for pattern in patterns:
+        bare = pattern.lstrip("!").rstrip("/")
+        candidates = folders + parts if bare.startswith("**/") else folders
+        if any(fnmatch.fnmatchcase(c, bare.removeprefix("**/")) for c in candidates):
+            verdict = not pattern.startswith("!")
+    return verdict
+
+
+def tracked_files(source: str) -> list[str]:
+    """What a clean checkout has under a path (what the workflow's build context holds)."""
+    listed = subprocess.run(
+        ["git", "ls-files", "--", source], capture_output=True, text=True, cwd=ROOT, check=True
+    )
+    return listed.stdout.split()
+
+
+def dockerignore_patterns() -> list[str]:
+    lines = (line.strip() for line in DOCKERIGNORE.read_text().splitlines())
+    return [line for line in lines if line and not line.startswith("#")]
+
+
+def test_build_context_admits_what_the_dockerfile_copies() -> None:
+    """A COPY of a path the ignore file leaves out fails the build ("not found")."""
+    patterns = dockerignore_patterns()
+    copied = [path for source in package_copies() for path in tracked_files(source)]
+    assert len(copied) > 10
+    assert [path for path in copied if ignored(path, patterns)] == []
+    left_out = [
+        ".venv/bin/python",
+        "data/CosyVoice-300M-SFT/llm.pt",
+        ".git/HEAD",
+        "engine/__pycache__/engine.cpython-311.pyc",
+        "tests/data/tiny_model/llm.pt",
+    ]
+    assert [path for path in left_out if not ignored(path, patterns)] == []
+
+
+# --- the workflow ----------------------------------------------------------------------------
+
+
+def check_workflow_schema(path: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [tool("check-jsonschema"), "--builtin-schema", "vendor.github-workflows", str(path)],
+        capture_output=True,
+        text=True,
+    )
+
+
+def test_workflow_matches_githubs_schema(tmp_path: Path) -> None:
+    result = check_workflow_schema(WORKFLOW)
+    assert result.returncode == 0, result.stdout + result.stderr
+    broken = tmp_path / "broken.yaml"  # the check is not one that accepts anything
+    broken.write_text(WORKFLOW.read_text().replace("runs-on:", "run-on:", 1))
+    assert check_workflow_schema(broken).returncode != 0
+
+
+def workflow_steps() -> list[dict[str, Any]]:
+    return [step for job in load_yaml(WORKFLOW)["jobs"].values() for step in job.get("steps", [])]
+
+
+def test_workflow_run_scripts_pass_shellcheck(tmp_path: Path) -> None:
+    scripts = []
+    for number, step in enumerate(s for s in workflow_steps() if "run" in s):
+        # GitHub substitutes ${{ … }} before bash runs; a plain word stands in for it here.
+        body = re.sub(r"\$\{\{.*?\}\}", "EXPRESSION", step["run"])
+        script = tmp_path / f"step{number}.sh"
+        script.write_text("#!/usr/bin/env bash\nset -eo pipefail\n" + body)
+        scripts.append(str(script))
+    assert scripts
+    result = subprocess.run(
+        [tool("shellcheck"), "--severity=style", *scripts], capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_workflow_actions_are_pinned_to_commits() -> None:
+    """A tag can be moved to other code; a commit cannot."""
+    uses = [step["uses"] for step in workflow_steps() if "uses" in step]
+    assert uses
+    assert [u for u in uses if not re.fullmatch(r"[\w.-]+/[\w./-]+@[0-9a-f]{40}", u)] == []
+
+
+def test_workflow_smoke_test_uses_files_that_exist() -> None:
+    runs = "\n".join(step.get("run", "") for step in workflow_steps())
+    mounted = re.findall(r'"\$PWD/([^:"]+):', runs)
+    assert "script/smoke-test" in mounted and "tests/data/tiny_model" in mounted
+    assert [path for path in mounted if not (ROOT / path).exists()] == []
+
+
+def test_workflow_yaml_passes_yamllint() -> None:
+    # 130: a pinned action (owner/repo/path@<40-hex commit>  # <version>) does not fit in 100.
+    rules = "{extends: default, rules: {line-length: {max: 130}}}"
+    result = subprocess.run(
+        [tool("yamllint"), "--strict", "-d", rules, str(ROOT / ".github")],
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+# --- the smoke test the workflow runs inside each image ----------------------------------------
+
+
+def smoke_module() -> ModuleType:
+    loader = importlib.machinery.SourceFileLoader("smoke_test", str(SMOKE_TEST))
+    module = importlib.util.module_from_spec(importlib.util.spec_from_loader(loader.name, loader))
+    loader.exec_module(module)
+    return module
+
+
+def test_smoke_test_refuses_a_cuda_build_of_torch() -> None:
+    smoke = smoke_module()
+    assert smoke.cuda_build_problems(None, ["torch", "numpy", "onnxruntime"]) == []
+    problems = smoke.cuda_build_problems("13.0", ["torch", "nvidia-cublas-cu13", "triton"])
+    assert problems == [
+        "torch is built for CUDA 13.0",
+        "CUDA-only packages installed: nvidia-cublas-cu13, triton",
+    ]
+    assert smoke.cuda_build_problems(None, ["NVIDIA-NCCL-cu13"]) != []
+
+
+def run_smoke_test(model_dir: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, str(SMOKE_TEST), "--model-dir", str(model_dir)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
+
+
+def test_smoke_test_passes_on_this_install() -> None:
+    result = run_smoke_test(TINY_MODEL)
+    assert result.returncode == 0, result.stdout + result.stderr
+    for step in ("CPU build", "describe:", "synthesize:", "healthcheck: healthy"):
+        assert step in result.stdout, step
+
+
+def test_smoke_test_fails_on_a_model_that_cannot_load(tmp_path: Path) -> None:
+    broken = tmp_path / "model"
+    shutil.copytree(TINY_MODEL, broken)
+    (broken / "llm.pt").write_bytes(b"not a checkpoint")
+    result = run_smoke_test(broken)
+    assert result.returncode == 1
+    assert "smoke test FAILED" in result.stderr and "server log" in result.stderr
