@@ -26,6 +26,7 @@ from engine.flow_estimator import TransformerBlock
 from engine.onednn_layers import use_onednn_convs, use_onednn_linears
 from engine.start_policy import GAPLESS, estimate_speech_seconds, hold_until_gapless
 from engine.streaming import ChunkVocoder, FlowPrompt, GeneratorNoise, stream_audio, whole_audio
+from engine.thread_budget import configure_threads
 from engine.tokens import LmTokens
 from engine.types import (
     AudioChunk,
@@ -135,11 +136,11 @@ class CosyVoiceEngine:
         indexes, which let later loads map their tensors without unpickling
         (engine.checkpoint_index).
         """
+        # Capped before any torch op: past the ceiling the first multi-threaded op would crash.
+        threads = cpu.capped_threads(threads, cpu.thread_ceiling())
+        configure_threads(threads)
         choices = cpu.detect()
         _LOGGER.info("CPU %s", choices.describe())
-        threads = cpu.capped_threads(threads, choices.thread_ceiling)
-        if threads:
-            torch.set_num_threads(threads)
         if choices.int8_kernels is not None:
             torch.backends.quantized.engine = choices.int8_kernels
         elif lm_int8 or flow_int8:

@@ -101,8 +101,9 @@ class ChunkVocoder:
         n_frames = prompt_frames + int(tokens.shape[1] / 50 * 22050 / HOP)
         z = self.noise.flow_noise((1, N_MELS, n_frames))
         apply_thread_budget(self.threads)
-        after_step = (None if self.threads is None
-                      else lambda *_: apply_thread_budget(self.threads))
+        def after_step(*_: object) -> None:
+            apply_thread_budget(self.threads)
+
         mel, self.flow_cache = self.flow.inference(
             tokens, self.prompt.tokens, self.prompt.feat, self.prompt.embedding, self.flow_cache,
             noise=z, n_timesteps=self.n_timesteps, cfg_rate=self.cfg_rate,

@@ -13,9 +13,10 @@ machine an int8 LM step took 26–28 ms with one team and 33–40 ms with two). 
 same generator over only when the consumer asks for the next token, i.e. after the first chunk
 has been vocoded.
 
-Before each token the producing thread takes the caller's thread budget (engine.thread_budget);
-without one, the background thread follows the consumer's thread count. torch's thread count
-belongs to each thread, and a new thread starts from the last count set anywhere in the process.
+Before each token the producing thread applies the caller's thread budget (engine.thread_budget:
+the configured count without one, never more than the cores other processes leave free). torch's
+thread count belongs to each thread, and a new thread starts from the last count set anywhere in
+the process.
 """
 
 from __future__ import annotations
@@ -70,7 +71,6 @@ class LmTokens:
         self._source: Iterator[int] | None = None
         self._queue: queue.SimpleQueue[object] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
-        self._threads = 1  # the consumer's torch thread count (followed without a budget)
 
     def __iter__(self) -> Iterator[int]:
         self._source = source = self._make_tokens()
@@ -84,12 +84,10 @@ class LmTokens:
             count += 1
             yield token
         # The consumer wants more: the first chunk is out, so overlapping now pays.
-        self._threads = torch.get_num_threads()
         self._thread = threading.Thread(target=self._produce, args=(source,),
                                         name="cosyvoice-lm", daemon=True)
         self._thread.start()
         while True:
-            self._threads = torch.get_num_threads()  # read in the consumer's thread
             item = self._queue.get()
             self._check_cancel()
             if item is _END:
@@ -106,9 +104,8 @@ class LmTokens:
         _lower_priority()
         try:
             with torch.inference_mode():
-                budget = self._budget or (lambda: self._threads)
                 while True:
-                    apply_thread_budget(budget)
+                    apply_thread_budget(self._budget)
                     token = next(source, None)
                     if token is None or self._stop.is_set() or self._cancel.is_set():
                         break

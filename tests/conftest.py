@@ -301,3 +301,13 @@ def _user_cache_in_tmp(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Non
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("xdg-cache")))
         yield
+
+
+@pytest.fixture(autouse=True)
+def _threads_ignore_the_machines_load(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Thread counts in tests must not depend on what else the machine runs: the engine's
+    shrinking to the cores other processes leave free is tested with a scripted monitor."""
+    from engine import thread_budget
+
+    monkeypatch.setattr(thread_budget, "_follow_free_cores", False)
+    monkeypatch.setattr(thread_budget, "_configured", None)

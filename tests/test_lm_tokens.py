@@ -6,8 +6,10 @@ import itertools
 import threading
 from collections.abc import Callable, Iterator
 
+import pytest
 import torch
 
+from engine import thread_budget
 from engine.tokens import LmTokens
 
 
@@ -46,33 +48,62 @@ def test_tokens_come_in_order_inline_then_from_the_lm_thread() -> None:
     assert set(producers[3:]) == {"cosyvoice-lm"}
 
 
-def test_the_lm_thread_follows_the_consumers_thread_count() -> None:
-    """A server that starts a second sentence gives the first one thread from its next chunk
-    on: the first sentence's LM thread must follow, not keep both cores."""
-    n_tokens, switch_after = 12, 4
-    consumed = threading.Semaphore(0)
+@pytest.fixture
+def three_threads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The process configured for three threads (conftest: whatever the machine's load)."""
+    monkeypatch.setattr(thread_budget, "_configured", 3)
+
+
+@pytest.mark.usefixtures("three_threads")
+def test_without_a_budget_both_threads_use_the_configured_count() -> None:
     counts: list[int] = []
 
     def make_tokens() -> Iterator[int]:
-        for token in range(n_tokens):
-            if token > 0:
-                consumed.acquire()  # one token ahead at most: the switch becomes visible
+        for token in range(8):
             counts.append(torch.get_num_threads())
             yield token
 
     def run() -> None:
-        torch.set_num_threads(3)
-        for token in LmTokens(make_tokens, inline=2):
-            if token == switch_after:
-                torch.set_num_threads(1)
-            consumed.release()
+        torch.set_num_threads(1)  # whatever the consumer had: the configured count wins
+        list(LmTokens(make_tokens, inline=2))
 
     _consume(run)
-    assert len(counts) == n_tokens
-    assert counts[:switch_after + 1] == [3] * (switch_after + 1)  # inline, then the LM thread
-    assert counts[-4:] == [1] * 4
+    assert counts == [3] * 8
 
 
+class _FreeCores:
+    """A CPU share monitor whose free cores follow a script, one answer per question."""
+
+    def __init__(self, answers: list[int]) -> None:
+        self.answers = iter(answers)
+        self.last = answers[-1]
+
+    def free_cores(self) -> int:
+        self.last = next(self.answers, self.last)
+        return self.last
+
+
+def test_both_threads_shrink_to_the_free_cores_and_grow_back(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A neighbour takes a core after two tokens and leaves after six: the LM never runs more
+    threads than the cores left, and takes them back."""
+    monkeypatch.setattr(thread_budget, "_configured", 3)
+    monkeypatch.setattr(thread_budget, "_follow_free_cores", True)
+    monitor = _FreeCores([3, 3, 1, 1, 1, 1, 2, 3])
+    monkeypatch.setattr(thread_budget, "process_monitor", lambda: monitor)
+    counts: list[tuple[str, int]] = []
+
+    def make_tokens() -> Iterator[int]:
+        for token in range(8):
+            counts.append((threading.current_thread().name, torch.get_num_threads()))
+            yield token
+
+    _consume(lambda: list(LmTokens(make_tokens, inline=4)))
+    assert [n for _, n in counts] == [3, 3, 1, 1, 1, 1, 2, 3]
+    assert {name for name, _ in counts[4:]} == {"cosyvoice-lm"}
+
+
+@pytest.mark.usefixtures("three_threads")
 def test_a_thread_budget_is_applied_before_every_token_in_both_threads() -> None:
     counts: list[tuple[str, int]] = []
     pattern = [2, 1, 3]

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from engine import thread_budget
 from wyoming_cosyvoice.server import _Slots
 
 
@@ -103,7 +104,8 @@ def test_sentences_side_by_side_share_the_cores_and_one_alone_gets_them_all(
 
     cores = torch.get_num_threads()
     try:
-        torch.set_num_threads(3)  # the "every core" the engine loads with, whatever CI has
+        # The "every core" the engine loads with, whatever CI has.
+        thread_budget.configure_threads(3, follow_free_cores=False)
         replies, engine = run(main())
     finally:
         torch.set_num_threads(cores)
