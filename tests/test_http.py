@@ -36,13 +36,14 @@ class BackgroundServer:
 
     def __init__(self, overrides: dict[str, Any] | None = None, *,
                  engine_factory: Callable[[Path, int | None], Any] | None = None,
-                 wyoming: bool = True, wait_ready: bool = True,
-                 simple_splitter: bool = True) -> None:  # fmt: skip
+                 wyoming: bool = True, wait_ready: bool = True, simple_splitter: bool = True,
+                 allow_origins: tuple[str, ...] = ()) -> None:  # fmt: skip
         self.settings = {"server.uri": "tcp://127.0.0.1:0", "server.warmup": False}
         self.settings.update(overrides or {})
         self.engines: list[Any] = []
         self._factory = engine_factory or (lambda path, threads: FakeEngine(path, threads))
         self.wyoming, self.wait_ready, self.simple = wyoming, wait_ready, simple_splitter
+        self.allow_origins = allow_origins
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="test server")
 
@@ -67,7 +68,8 @@ class BackgroundServer:
             self.running = await start_model_only(self.config, TINY_MODEL,
                                                   engine_factory=self._make_engine)  # fmt: skip
         self.http = await start_http(self.config, self.running.host, "127.0.0.1", 0,
-                                     splitter_factory=splitter)  # fmt: skip
+                                     splitter_factory=splitter,
+                                     allow_origins=self.allow_origins)  # fmt: skip
         if self.wait_ready:
             await asyncio.wait_for(asyncio.shield(self.running.load_task), 120)
 
@@ -187,29 +189,94 @@ def test_voices_and_health(client: httpx.Client) -> None:
     assert page.status_code == 200 and "<select" in page.text
 
 
+def test_the_page_has_an_icon(client: httpx.Client) -> None:
+    # browsers ask for it on every load: a 404 each time fills logs and consoles
+    icon = client.get("/favicon.ico")
+    assert icon.status_code == 200 and icon.headers["content-type"] == "image/svg+xml"
+    assert icon.text.startswith("<svg") and 'rel="icon" href="favicon.ico"' in client.get("/").text
+
+
 # --- OpenAI-compatible route ----------------------------------------------------------------
+
+
+def test_openai_speech_without_stream_format_is_a_whole_wav_file(client: httpx.Client) -> None:
+    # What the OpenAI SDK's write_to_file() and a plain curl save: it must carry its real sizes.
+    body = {"model": "tts-1", "input": "Hello there. Bye now.", "voice": "en-male"}
+    r = client.post("/v1/audio/speech", json=body)
+    assert r.status_code == 200 and r.headers["content-type"] == "audio/wav"
+    assert "transfer-encoding" not in r.headers
+    assert int(r.headers["content-length"]) == len(r.content)
+    with wave.open(io.BytesIO(r.content)) as wav:
+        assert wav.getnframes() * 2 == len(r.content) - 44 == expected_bytes(
+            "Hello there.", "Bye now.")  # fmt: skip
+    parse_wav(r.content)  # RIFF and data sizes exact
 
 
 def test_openai_speech_wav_pcm_and_sse(client: httpx.Client) -> None:
     body = {"model": "tts-1", "input": "Hello there.", "voice": "en-male", "seed": 1}
-    wav = client.post("/v1/audio/speech", json=body)
-    assert wav.status_code == 200 and wav.headers["transfer-encoding"] == "chunked"
-    assert wav.content[:4] == b"RIFF" and len(wav.content) - 44 == expected_bytes("Hello there.")
-    pcm = client.post("/v1/audio/speech", json={**body, "response_format": "pcm"}).content
-    assert pcm == wav.content[44:]
+    whole = client.post("/v1/audio/speech", json=body)
+    _, whole_pcm = parse_wav(whole.content)
+    streamed = {**body, "stream_format": "audio"}
+    with client.stream("POST", "/v1/audio/speech", json=streamed) as wav:
+        assert wav.status_code == 200 and wav.headers["transfer-encoding"] == "chunked"
+        data = b"".join(wav.iter_raw())
+    # only a streamed body has the open-ended header: its length is not known when it starts
+    assert struct.unpack_from("<I", data, 4)[0] == struct.unpack_from("<I", data, 40)[0] == (
+        0xFFFFFFFF)  # fmt: skip
+    assert data[44:] == whole_pcm and len(whole_pcm) == expected_bytes("Hello there.")
+    pcm = client.post("/v1/audio/speech", json={**body, "response_format": "pcm"})
+    assert pcm.content == whole_pcm and int(pcm.headers["content-length"]) == len(whole_pcm)
+    with client.stream("POST", "/v1/audio/speech",
+                       json={**streamed, "response_format": "pcm"}) as r:  # fmt: skip
+        assert r.headers["transfer-encoding"] == "chunked"
+        assert b"".join(r.iter_raw()) == whole_pcm
     sse = client.post("/v1/audio/speech",
                       json={**body, "response_format": "pcm", "stream_format": "sse"})  # fmt: skip
     assert sse.headers["content-type"].startswith("text/event-stream")
     events = [json.loads(line[6:]) for line in sse.text.splitlines() if line.startswith("data: ")]
     assert events[-1]["type"] == "speech.audio.done"
     audio = b"".join(base64.b64decode(e["audio"]) for e in events[:-1])
-    assert {e["type"] for e in events[:-1]} == {"speech.audio.delta"} and audio == pcm
+    assert {e["type"] for e in events[:-1]} == {"speech.audio.delta"} and audio == whole_pcm
 
 
 def test_openai_voice_names_fall_back_to_the_texts_language(client: httpx.Client) -> None:
     body = {"model": "tts-1", "input": "你好。", "voice": "alloy"}
     r = client.post("/v1/audio/speech", json=body)
     assert r.status_code == 200 and r.headers["x-voice"].startswith("zh-")
+
+
+def test_openai_refusals_name_the_field(client: httpx.Client) -> None:
+    body = {"model": "tts-1", "input": "Hi.", "voice": "alloy"}
+    unknown = client.post("/v1/audio/speech", json={**body, "temperature": 0.5})
+    assert unknown.status_code == 400 and unknown.json()["error"]["param"] == "temperature"
+    instructions = client.post("/v1/audio/speech", json={**body, "instructions": "Whisper."})
+    assert instructions.json()["error"]["param"] == "instructions"
+    assert instructions.json()["error"]["code"] == "instructions_unsupported"
+    # clients that always send the field send it empty: nothing is asked, nothing is lost
+    assert client.post("/v1/audio/speech", json={**body, "instructions": ""}).status_code == 200
+
+
+class InstructEngine(FakeEngine):
+    """The fake engine as an -Instruct model, keeping each request's options."""
+
+    def __init__(self, model_dir: Path, threads: int | None = None) -> None:
+        super().__init__(model_dir, threads)
+        self.kind = "instruct"
+        self.options: list[Any] = []
+
+    def synthesize(self, text: str, options: Any, cancel: Any = None) -> Iterator[Any]:
+        self.options.append(options)
+        return super().synthesize(text, options, cancel)
+
+
+def test_openai_instructions_reach_an_instruct_model() -> None:
+    with BackgroundServer(engine_factory=InstructEngine, wyoming=False) as srv:
+        with srv.client() as http:
+            r = http.post("/v1/audio/speech", json={"model": "tts-1", "input": "Hi there.",
+                                                    "voice": "en-male",
+                                                    "instructions": "Speak slowly."})  # fmt: skip
+            assert r.status_code == 200, r.text
+    assert [o.instruct for o in srv.engines[0].options] == ["Speak slowly."]
 
 
 # --- errors ---------------------------------------------------------------------------------
@@ -240,6 +307,11 @@ def test_openai_voice_names_fall_back_to_the_texts_language(client: httpx.Client
         ("/v1/audio/speech", {"input": "Hi.", "stream_format": "ws"}, 400, "stream_format"),
         ("/v1/audio/speech", {"input": "Hi.", "speed": 2.0}, 400, "speed"),
         ("/v1/audio/speech", {"input": "Hi.", "voice": "nobody"}, 404, "unknown voice"),
+        ("/v1/audio/speech", {"input": "Hi.", "colour": "red"}, 400, "unknown field(s) colour"),
+        ("/v1/audio/speech", {"input": "Hi.", "stream": True}, 400, "unknown field(s) stream"),
+        ("/v1/audio/speech", {"input": "Hi.", "instructions": "Whisper."}, 400,
+         "'instructions' needs the CosyVoice-300M-Instruct model"),
+        ("/v1/audio/speech", {"input": "Hi.", "instructions": 3}, 400, "must be a string"),
     ],
 )
 def test_error_codes(client: httpx.Client, path: str, body: Any, status: int, needle: str) -> None:

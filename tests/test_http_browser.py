@@ -1,5 +1,6 @@
-"""The web page at ``/`` in headless Chromium (issue 8): it loads, fills the voice list, and
-pressing Speak streams audio into an AudioContext.
+"""The web page at ``/`` in headless Chromium: it loads, fills the voice list, pressing Speak
+streams audio into an AudioContext, Stop works until the audio has played, and the status line
+follows the model's loading and explains errors in words for people.
 
 Chromium is Debian's (``/usr/bin/chromium``, or ``$CHROMIUM``), driven over the DevTools
 protocol with a small stdlib websocket client: no browser download, no extra test package.
@@ -15,6 +16,7 @@ import shutil
 import socket
 import struct
 import subprocess
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -196,11 +198,12 @@ def test_page_lists_voices_and_speaks_as_it_streams(browser: DevTools, tmp_path:
         browser.wait_for("tts.firstAudioMs !== null || tts.error")
         # audio is being scheduled while the response is still arriving
         assert browser.js("tts.error") is None
-        assert browser.js("tts.done") is False and browser.js("tts.scheduled") > 0
-        browser.wait_for("tts.done || tts.error")
-        stats = browser.js("({...tts, state: audio && audio.state, rate: audio.sampleRate})")
+        assert browser.js("tts.received") is False and browser.js("tts.scheduled") > 0
+        browser.wait_for("tts.error || (audio && audio.state === 'running')")
+        assert browser.js("audio.sampleRate") == 22050
+        browser.wait_for("tts.done || tts.error")  # played to the end
+        stats = browser.js("({...tts})")
         assert stats["error"] is None and stats["bytes"] > 0 and stats["chunks"] >= 2
-        assert stats["state"] == "running" and stats["rate"] == 22050
         calls = srv.engines[0].calls
         assert calls and {c.speaker for c in calls} == {"中文女"}
         expected = sum(FakeEngine.expected_samples(c.text) for c in calls)
@@ -208,3 +211,124 @@ def test_page_lists_voices_and_speaks_as_it_streams(browser: DevTools, tmp_path:
         assert abs(stats["scheduled"] - expected / 22050) < 1e-3
         shot = browser.call("Page.captureScreenshot", format="png")
         (tmp_path / "page.png").write_bytes(base64.b64decode(shot["data"]))
+
+
+def page_state(browser: DevTools) -> dict[str, Any]:
+    return dict(browser.js(
+        "({stop: document.getElementById('stop').disabled,"
+        " speak: document.getElementById('speak').disabled,"
+        " status: document.getElementById('status').textContent,"
+        " statusClass: document.getElementById('status').className,"
+        " left: audio ? tts.playEnd - audio.currentTime : null,"
+        " received: Boolean(tts.received), done: tts.done, error: tts.error})"
+    ))  # fmt: skip
+
+
+def test_stop_stays_enabled_until_the_audio_has_played(browser: DevTools) -> None:
+    # The fake engine makes 100 ms of audio in 5 ms: the whole stream (~5 s of audio) arrives
+    # long before it has played, as on a machine faster than real time.
+    text = "The page keeps its Stop button while this is still playing. " * 4
+    with BackgroundServer(wyoming=False) as srv:
+        browser.call("Page.navigate", url=srv.url + "/")
+        browser.wait_for("window.tts && tts.voicesLoaded")
+        browser.js(f"document.getElementById('text').value = {json.dumps(text)}")
+        browser.click("#speak")
+        # received (this page) or done (a page that stops at the end of the stream)
+        browser.wait_for("tts.error || (tts.bytes > 0 && (tts.received || tts.done))")
+        streamed = page_state(browser)
+        assert streamed["error"] is None and streamed["left"] > 0.5, streamed
+        assert streamed["stop"] is False and streamed["done"] is False, streamed
+        assert streamed["status"].startswith("Playing"), streamed
+        samples = sum(FakeEngine.expected_samples(c.text) for c in srv.engines[0].calls)
+        assert browser.js("tts.bytes") == 2 * samples
+
+        browser.wait_for("tts.done || tts.error", timeout=60)
+        played = page_state(browser)
+        assert played["stop"] is True and played["speak"] is False, played
+        assert played["status"] == f"Done: {browser.js('tts.scheduled.toFixed(1)')} s of audio."
+
+        # Stop after the stream has ended, while the audio still plays: silence, and it says so
+        browser.click("#speak")
+        browser.wait_for("tts.error || tts.received")
+        assert page_state(browser)["stop"] is False
+        browser.click("#stop")
+        browser.wait_for("document.getElementById('stop').disabled")
+        stopped = page_state(browser)
+        assert stopped["status"] == "Stopped." and stopped["done"] is False, stopped
+        assert browser.js("audio") is None
+
+
+def test_loading_message_clears_once_the_model_is_ready(browser: DevTools) -> None:
+    release = threading.Event()
+
+    def slow(path: Path, threads: int | None) -> FakeEngine:
+        release.wait(60)
+        return FakeEngine(path, threads)
+
+    with BackgroundServer(engine_factory=slow, wait_ready=False, wyoming=False) as srv:
+        try:
+            browser.call("Page.navigate", url=srv.url + "/")
+            browser.wait_for("window.tts && tts.voicesLoaded")
+            assert "still loading" in page_state(browser)["status"]
+            assert browser.js("document.getElementById('status').getAttribute('aria-live')") == (
+                "polite")  # fmt: skip
+            # Speak while loading: the 503 is explained, and it too goes once the model is ready
+            browser.click("#speak")
+            browser.wait_for("tts.error")
+            loading = page_state(browser)
+            assert "still loading" in loading["status"] and loading["speak"] is False, loading
+            release.set()
+            browser.wait_for("tts.ready", timeout=60)
+            browser.wait_for("!document.getElementById('status').textContent.includes('loading')")
+            ready = page_state(browser)
+            assert ready["status"] == "Ready: the model has loaded.", ready
+            assert ready["statusClass"] == "", ready
+        finally:
+            release.set()
+
+
+def test_errors_are_shown_in_words_for_people(browser: DevTools) -> None:
+    with BackgroundServer(wyoming=False) as srv:
+        browser.call("Page.navigate", url=srv.url + "/")
+        browser.wait_for("window.tts && tts.voicesLoaded")
+        for text, shown in (("   ", "Type some text to speak."),
+                            ("?!…", "There is nothing to speak in this text. Type some words."),
+                            ("x" * 6000, "The text is too long. Shorten it to at most 5000 "
+                                         "characters.")):  # fmt: skip
+            browser.js(f"document.getElementById('text').value = {json.dumps(text)}")
+            browser.click("#speak")
+            browser.wait_for("tts.error")
+            state = page_state(browser)
+            assert state["status"] == shown and state["statusClass"] == "error", state
+            assert state["speak"] is False and state["stop"] is True, state
+        # the page is labelled: a visible label names the text box
+        assert browser.js("document.querySelector('label[for=text]').textContent") == (
+            "Text to speak")  # fmt: skip
+        assert browser.js("document.querySelector('link[rel=icon]').getAttribute('href')") == (
+            "favicon.ico")  # fmt: skip
+
+
+def test_stop_stays_beside_speak_with_long_voice_names(browser: DevTools, tmp_path: Path) -> None:
+    # Custom-voice style names: CJK with Latin words, wide whatever CJK font is installed.
+    long_names = ["粤语女 Cantonese storyteller, warm and slow (广州话)",
+                  "四川话男 Sichuan news anchor with a deep, calm voice"]  # fmt: skip
+
+    def engine(path: Path, threads: int | None) -> FakeEngine:
+        return FakeEngine(path, threads, speakers=["中文女", "英文男", *long_names])
+
+    with BackgroundServer(engine_factory=engine, wyoming=False) as srv:
+        browser.call("Emulation.setDeviceMetricsOverride", width=1280, height=800,
+                     deviceScaleFactor=1, mobile=False)  # fmt: skip
+        browser.call("Page.navigate", url=srv.url + "/")
+        browser.wait_for("window.tts && tts.voicesLoaded")
+        boxes = browser.js(
+            "Object.fromEntries(['voice', 'profile', 'speak', 'stop'].map(id => {"
+            " const r = document.getElementById(id).getBoundingClientRect();"
+            " return [id, [r.top, r.bottom]] }))"
+        )
+        shot = browser.call("Page.captureScreenshot", format="png")
+        (tmp_path / "wide.png").write_bytes(base64.b64decode(shot["data"]))
+        # every control on the one line of the voice list: nothing wrapped below it
+        top, bottom = boxes["voice"]
+        for name, (t, b) in boxes.items():
+            assert t < bottom and b > top, (name, boxes)

@@ -53,6 +53,7 @@ def stop(process: subprocess.Popen[str]) -> str:
 def test_cli_serves_http(only: bool) -> None:
     port, wyoming = free_port(), free_port()
     args = ["--http-port", str(port), "--http-host", "127.0.0.1"]
+    args += ["--http-allow-origin", "http://a.example, http://b.example"]
     args += ["--http-only"] if only else ["--uri", f"tcp://127.0.0.1:{wyoming}"]
     process = start(*args)
     try:
@@ -64,6 +65,18 @@ def test_cli_serves_http(only: bool) -> None:
         assert r.status_code == 200
         _, pcm = parse_wav(r.content)
         assert len(pcm) > 0
+        for origin, status in (("http://b.example", 200), ("http://evil.example", 403)):
+            r = httpx.post(url + "/tts", json={"text": "Hi."}, headers={"origin": origin},
+                           timeout=60)  # fmt: skip
+            assert r.status_code == status, r.text
     finally:
         log = stop(process)
     assert ("Listening on" in log) is not only and "HTTP API on" in log
+
+
+def test_cli_refuses_an_allowed_origin_that_is_not_one(caplog: pytest.LogCaptureFixture) -> None:
+    from wyoming_cosyvoice.__main__ import main
+
+    code = main(["--model-dir", str(TINY), "--http-port", "0", "--http-only",
+                 "--http-allow-origin", "dashboard.lan"])  # fmt: skip
+    assert code == 2 and "--http-allow-origin: 'dashboard.lan' is not an origin" in caplog.text
