@@ -4,7 +4,8 @@ Docker cannot run here, so the image build and the workflow are checked on paper
 every file follows pyproject.toml, the Dockerfile installs the checkout (not a download) with
 torch's CPU build, the build context admits what the Dockerfile copies, the workflow passes
 GitHub's schema and shellcheck and publishes where the Supervisor pulls. The smoke test the
-workflow runs inside each image (script/smoke-test) runs here against this install.
+workflow runs inside each image (script/smoke-test) runs here against this install. Last, what
+a newcomer reads first: the README's commands and the way into Home Assistant.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import sys
 from pathlib import Path
 from types import ModuleType
 from typing import Any
+from urllib.parse import quote
 
 import pytest
 import yaml
@@ -321,3 +323,55 @@ def test_smoke_test_fails_on_a_model_that_cannot_load(tmp_path: Path) -> None:
     result = run_smoke_test(broken)
     assert result.returncode == 1
     assert "smoke test FAILED" in result.stderr and "server log" in result.stderr
+
+
+# --- what a newcomer reads: the README's commands, the Home Assistant navigation ---------------
+
+REPOSITORY_URL = load_yaml(ROOT / "repository.yaml")["url"]
+NAVIGATION_DOCS = ["README.md", "addon/DOCS.md", "addon/README.md", "docs/addon-repository.md"]
+
+
+def readme_command_blocks() -> list[str]:
+    return re.findall(r"^```sh\n(.*?)^```", (ROOT / "README.md").read_text(), re.M | re.S)
+
+
+def test_readme_has_one_server_block_and_the_test_command_ci_runs() -> None:
+    ci_command = (ROOT / ".ci/run").read_text().strip().splitlines()[-1]
+    blocks = readme_command_blocks()
+    assert len(blocks) == 2
+    assert blocks[1].strip() == ci_command
+
+
+def test_readme_says_how_to_try_the_tiny_model_on_this_machine_only() -> None:
+    """The row's command parses with the server's own parser, names the tiny model and binds
+    127.0.0.1 only, for Wyoming and HTTP."""
+    from wyoming_cosyvoice.__main__ import build_parser
+
+    readme = (ROOT / "README.md").read_text()
+    row = next(line for line in readme.splitlines() if "tests/data/tiny_model" in line)
+    command = re.search(r"`\.venv/bin/wyoming-cosyvoice ([^`]+)`", row)
+    assert command, row
+    args = build_parser().parse_args(command.group(1).split())
+    assert (ROOT / str(args.model_dir)).resolve() == TINY_MODEL
+    assert args.uri.startswith("tcp://127.0.0.1:") and args.http_host == "127.0.0.1"
+    assert f"127.0.0.1:{args.http_port}/tts" in row and "noise" in row
+    assert "0.0.0.0" in readme and "tcp://127.0.0.1:10200" in readme.split("## Home")[0]
+
+
+def test_readme_says_setup_installs_chromium_as_root() -> None:
+    readme = (ROOT / "README.md").read_text()
+    setup = (ROOT / "script/setup").read_text()
+    assert "apt-get install" in setup and "chromium" in setup  # what the README describes
+    assert re.search(r"root.*Chromium|Chromium.*root", readme.replace("\n", " "))
+
+
+@pytest.mark.parametrize("doc", NAVIGATION_DOCS)
+def test_docs_give_both_navigations_and_the_add_repository_link(doc: str) -> None:
+    text = (ROOT / doc).read_text().replace("\n", " ")
+    link = (
+        "https://my.home-assistant.io/redirect/supervisor_add_addon_repository/"
+        f"?repository_url={quote(REPOSITORY_URL, safe='')}"
+    )
+    assert link in text
+    assert "Settings → Apps → Install app" in text
+    assert "Settings → Add-ons → Add-on store" in text
