@@ -117,17 +117,19 @@ def test_disconnect_at_every_stage_leaves_nothing_behind(
 # --- real processes ---------------------------------------------------------------------------
 
 
-def _start(args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+SERVER = [sys.executable, "-m", "wyoming_cosyvoice"]
+STAND_IN_SERVER = [sys.executable, str(ROOT / "tests" / "stand_in_server.py")]
+
+
+def _start(args: list[str], command: list[str] = SERVER) -> subprocess.Popen[str]:
     return subprocess.Popen(
-        [sys.executable, "-m", "wyoming_cosyvoice", *args],
+        [*command, *args],
         cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", **(env or {})},
+        env={**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"},
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
     )
-
-
 
 
 async def _first_audio(port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
@@ -199,15 +201,8 @@ def test_sigterm_does_not_wait_for_an_engine_computation(wy: SimpleNamespace) ->
     from stand_in_server import CANCEL_SEEN
 
     port = wy.free_port()
-    process = subprocess.Popen(
-        [sys.executable, str(ROOT / "tests" / "stand_in_server.py"),
-         "--uri", f"tcp://127.0.0.1:{port}", "--model-dir", str(wy.TINY_MODEL), "--no-warmup"],
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"},
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )  # fmt: skip
+    args = ["--uri", f"tcp://127.0.0.1:{port}", "--model-dir", str(wy.TINY_MODEL), "--no-warmup"]
+    process = _start(args, STAND_IN_SERVER)
     closed, log = _sigterm_mid_sentence(process, port)
     assert process.returncode == 0, log[-2000:]
     assert closed
