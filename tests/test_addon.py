@@ -116,12 +116,12 @@ def test_the_schema_check_catches_mistakes() -> None:
     assert keys_set_to_default("config.schema.json", {"boot": "auto"}) == ["boot"]
 
 
-def test_manifest_has_what_issue_6_asks_for(config: dict[str, Any]) -> None:
+def test_manifest_names_the_prebuilt_image_and_its_options(config: dict[str, Any]) -> None:
     assert config["arch"] == ["amd64", "aarch64"]
     assert config["init"] is False
     assert config["discovery"] == ["wyoming"]
     assert config["ports"] == {"10200/tcp": None}
-    assert "image" not in config  # built locally from the Dockerfile
+    assert config["image"] == "ghcr.io/wyoming-cosyvoice/{arch}-addon-cosyvoice"  # pulled, prebuilt
     assert [m["type"] for m in config["map"]] == ["share"]
     assert config["backup_exclude"]
     # streaming TTS in Home Assistant since 2025.7
@@ -407,7 +407,7 @@ def test_dockerfile_essentials() -> None:
     assert "debian" in dockerfile_arg_default("BUILD_FROM")
     assert re.search(r"^FROM \$\{BUILD_FROM\}$", text, re.M)
     assert "https://download.pytorch.org/whl/cpu" in text
-    assert "COPY rootfs /" in text
+    assert "COPY addon/rootfs /" in text
     healthcheck = re.search(r"^HEALTHCHECK .*?CMD (.+)$", text, re.M | re.S)
     assert healthcheck and "/usr/local/bin/cosyvoice-healthcheck" in healthcheck.group(1)
 
