@@ -23,7 +23,6 @@ import platform
 import signal
 import subprocess
 import sys
-import warnings
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -109,20 +108,23 @@ def _quantized_engine(name: str) -> Iterator[None]:
 
 @functools.cache
 def int8_engine_works(name: str) -> bool:
-    """Whether the engine's int8 layer packs here and computes the layer (and its fused ReLU)."""
-    from engine.quantize import int8_linear
-
+    """Whether the engine packs a per-channel int8 layer here and computes it (and its fused
+    ReLU): the recipe of engine.quantize, on a small layer."""
     gen = torch.Generator().manual_seed(0)
     weight, x = torch.randn(16, 32, generator=gen), torch.randn(4, 32, generator=gen)
-    exact = x @ weight.T
+    scales = weight.abs().amax(1).double() / 127.5  # symmetric, as the per-channel observer
+    qweight = torch.quantize_per_channel(
+        weight, scales, torch.zeros(16, dtype=torch.int64), axis=0, dtype=torch.qint8
+    )
     try:
-        with _quantized_engine(name), warnings.catch_warnings(), torch.inference_mode():
-            warnings.simplefilter("ignore")  # torch.ao's deprecation notices
-            layer = int8_linear(weight)
-            out, relu = layer(x), layer.forward_relu(x)
-    except (RuntimeError, ValueError) as err:
+        with _quantized_engine(name), torch.inference_mode():
+            packed = torch.ops.quantized.linear_prepack(qweight, None)
+            out = torch.ops.quantized.linear_dynamic(x, packed, name != "qnnpack")
+            relu = torch.ops.quantized.linear_relu_dynamic(x, packed, name != "qnnpack")
+    except RuntimeError as err:
         _LOGGER.debug("int8 engine %s does not work here: %s", name, err)
         return False
+    exact = x @ weight.T
     close = float((out - exact).norm() / exact.norm()) < 0.05  # int8 rounding: ~1 %
     return close and torch.allclose(relu, out.clamp(min=0), atol=1e-5)
 
@@ -136,6 +138,14 @@ def choose_int8_engine() -> str | None:
         if name in INT8_ENGINES and name in available and int8_engine_works(name):
             return name
     return None
+
+
+def ensure_int8_engine() -> str | None:
+    """Make torch's quantized engine one that works here (kept if it does); returns it."""
+    name = choose_int8_engine()
+    if name is not None and name != torch.backends.quantized.engine:
+        torch.backends.quantized.engine = name
+    return name
 
 
 # --- bfloat16 ------------------------------------------------------------------------------

@@ -37,6 +37,7 @@ from torch import nn
 from torch.ao.nn.quantized.dynamic import Linear as DynamicLinear
 
 from engine.checkpoint_index import cache_file
+from engine.cpu import ensure_int8_engine
 from engine.pages import file_mapped_ranges, release_if_mapped
 
 _LOGGER = logging.getLogger(__name__)
@@ -177,25 +178,31 @@ class Int8Linear(DynamicLinear):
 
     The module's forward goes through the op packet's torchbind checks, keyword parsing and a
     no-op ``.to``: ~30 us a call on top of the kernel, and a generated token makes 57 calls.
-    This forward makes the same kernel call (``reduce_range=True``, as torch's does).
+    This forward makes the same kernel call (``reduce_range=True``, as torch's does, except
+    under QNNPACK, which ignores it and warns each process that it does).
     """
 
+    reduce_range = True
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _LINEAR_DYNAMIC(x, self._packed_params._packed_params, True)
+        return _LINEAR_DYNAMIC(x, self._packed_params._packed_params, self.reduce_range)
 
     def forward_relu(self, x: torch.Tensor) -> torch.Tensor:
         """relu(forward(x)) in one kernel call: the ReLU runs in the kernel's epilogue."""
-        return _LINEAR_RELU_DYNAMIC(x, self._packed_params._packed_params, True)
+        return _LINEAR_RELU_DYNAMIC(x, self._packed_params._packed_params, self.reduce_range)
 
 
 def _pack(qweight: torch.Tensor, bias: torch.Tensor | None) -> Int8Linear:
     """A dynamic int8 Linear around a per-channel qint8 weight, packed as ``from_float`` does."""
+    # torch's default engine is not chosen for the CPU (on aarch64 it cannot pack).
+    ensure_int8_engine()
     # A 1x1 shell resized: the full-size constructor packs a zero weight first (~15 ms a layer).
     module = Int8Linear(1, 1, dtype=torch.qint8)
     module.in_features, module.out_features = qweight.shape[1], qweight.shape[0]
     # fbgemm keeps the bias tensor it is given: a copy, so that no packed layer holds on to
     # (or reads) a mapped checkpoint or cache file, whose unused pages are fenced off.
     module.set_weight_bias(qweight, None if bias is None else bias.detach().clone())
+    module.reduce_range = torch.backends.quantized.engine != "qnnpack"
     return module
 
 

@@ -303,6 +303,17 @@ def _user_cache_in_tmp(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Non
         yield
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _torch_within_the_thread_ceiling() -> None:
+    """Tests that run torch without the engine's load stay within the CPU's thread ceiling, as
+    the load does (engine.cpu: one thread where the torch build dies on more)."""
+    from engine.cpu import capped_threads, thread_ceiling
+
+    threads = capped_threads(None, thread_ceiling())
+    if threads:
+        torch.set_num_threads(threads)
+
+
 @pytest.fixture(autouse=True)
 def _threads_ignore_the_machines_load(monkeypatch: pytest.MonkeyPatch) -> None:
     """Thread counts in tests must not depend on what else the machine runs: the engine's

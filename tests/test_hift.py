@@ -20,7 +20,9 @@ from engine.weight_norm import normalize_hift_state_dict
 DATA = Path(__file__).parent / "data"
 CASES = ("mel100", "cached_mel70")
 AUDIO_ATOL = 1e-4  # README §0 suggested tolerance for HiFT audio
-F0_RTOL = 1e-5
+# float32 F0 from another CPU's kernels: relative difference from the fixtures 5.6e-7 on x86,
+# 2.1e-5 on Arm (script/test-aarch64); twice that holds on both, a wrong predictor is far off.
+F0_RTOL = 5e-5
 
 
 def expand(codes: Tensor, shape: tuple[int, ...], scale: float) -> Tensor:
