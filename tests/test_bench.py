@@ -41,6 +41,7 @@ REQUIRED_FIELDS = (
     "lm_kernel_bound_ms_per_token", "lm_vs_kernel_bound", "flow_bound_ms_per_audio_s",
     "hift_bound_ms_per_audio_s", "lm_vs_bound", "flow_vs_bound", "hift_vs_bound",
     "threads", "profile", "tokens", "text", "audio_s",
+    "stream_cpu_s_per_audio_s", "cpu_s_per_audio_s",
 )  # fmt: skip
 
 
@@ -221,10 +222,13 @@ def run_bench_json(*args: str, timeout: float, env: dict[str, str] | None = None
     return json.loads(done.stdout)
 
 
-def test_benchmark_runs_on_the_tiny_model() -> None:
-    result = run_bench_json("--tokens", "60", "--repeats", "1", timeout=280)
+def test_benchmark_runs_on_the_tiny_model_beside_a_neighbour() -> None:
+    result = run_bench_json("--tokens", "60", "--repeats", "1", "--neighbours", "1",
+                            "--neighbour-kind", "memory", timeout=900)
     missing = [key for key in REQUIRED_FIELDS if result.get(key) is None]
     assert not missing, f"fields missing or null: {missing}"
+    assert result["neighbours"] == {"count": 1, "kind": "memory"}
+    assert result["cpu_s_per_audio_s"] > 0
     assert result["tokens"] == 60
     assert result["profile"] == "realtime"
     assert result["audio_s"] > 0
@@ -238,6 +242,7 @@ def test_benchmark_runs_on_the_tiny_model() -> None:
     assert sum(parts) == pytest.approx(run["first_audio_ms"])
 
 
+@pytest.mark.slow
 def test_benchmark_loads_the_profiles_int8_flow_and_reports_its_deviation(
     tmp_path: Path,
 ) -> None:
@@ -250,7 +255,7 @@ def test_benchmark_loads_the_profiles_int8_flow_and_reports_its_deviation(
     config_path.write_text(yaml.safe_dump(config))
     env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path)}  # the int8 caches land here
     result = run_bench_json("--profile", "exact_int8", "--config", str(config_path), "--lm-int8",
-                            "--tokens", "30", "--repeats", "2", timeout=280, env=env)
+                            "--tokens", "30", "--repeats", "2", timeout=1800, env=env)
     assert (result["flow_weights"], result["lm_weights"]) == ("int8", "int8")
     assert result["cpu"] == detect().as_dict()  # the kernels and threads the engine chose
     assert [run["flow_int8_cache_hit"] for run in result["runs"]] == [False, True]
@@ -275,6 +280,16 @@ def test_concurrency_through_the_server() -> None:
         assert len(level["requests"]) == level["concurrency"]
         assert all(r["audio_s"] > 0 and r["first_audio_ms"] for r in level["requests"])
         assert level["aggregate_audio_s_per_s"] > 0
+
+
+def test_neighbours_run_for_the_block_and_are_gone_after_it() -> None:
+    from engine.bench.neighbours import running
+
+    with running(2, "spin") as processes:
+        assert len(processes) == 2 and all(p.poll() is None for p in processes)
+    assert all(p.poll() is not None for p in processes)
+    with pytest.raises(ValueError, match="unknown neighbour kind"), running(1, "disk"):
+        pass
 
 
 def test_flop_count_is_the_same_for_the_int8_flow() -> None:
