@@ -33,9 +33,21 @@ _LOGGER = logging.getLogger(__name__)
 
 INDEX_FORMAT = 1
 # The dtypes an index may name (a checkpoint with others is simply not indexed).
-_DTYPES = {str(t).removeprefix("torch."): t for t in (
-    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
-    torch.int16, torch.int8, torch.uint8, torch.bool)}
+_DTYPES = {
+    str(t).removeprefix("torch."): t
+    for t in (
+        torch.float32,
+        torch.float64,
+        torch.float16,
+        torch.bfloat16,
+        torch.int64,
+        torch.int32,
+        torch.int16,
+        torch.int8,
+        torch.uint8,
+        torch.bool,
+    )
+}
 
 
 def cache_file(cache_dir: Path, checkpoint: Path, suffix: str) -> Path:
@@ -54,8 +66,10 @@ def zip_key(checkpoint: Path) -> str | None:
     """A digest of the checkpoint's zip directory and size (None: not a readable zip)."""
     try:
         with zipfile.ZipFile(checkpoint) as archive:
-            members = [(i.filename, i.header_offset, i.compress_type, i.CRC, i.file_size)
-                       for i in archive.infolist()]
+            members = [
+                (i.filename, i.header_offset, i.compress_type, i.CRC, i.file_size)
+                for i in archive.infolist()
+            ]
         size = Path(checkpoint).stat().st_size
     except (OSError, zipfile.BadZipFile, ValueError):
         return None
@@ -77,13 +91,15 @@ def read_indexed(checkpoint: Path, index_dir: Path) -> dict[str, torch.Tensor] |
     except (OSError, ValueError):
         return None
     try:
-        if index["format"] != INDEX_FORMAT or index["torch"] != torch.__version__ \
-                or index["zip"] != zip_key(checkpoint):
+        if (
+            index["format"] != INDEX_FORMAT
+            or index["torch"] != torch.__version__
+            or index["zip"] != zip_key(checkpoint)
+        ):
             return None
         return _map_tensors(checkpoint, index["tensors"])
     except (KeyError, TypeError, ValueError, OSError, RuntimeError) as err:
-        _LOGGER.warning("Index %s not used (%s: %s); rebuilding it", path, type(err).__name__,
-                        err)
+        _LOGGER.warning("Index %s not used (%s: %s); rebuilding it", path, type(err).__name__, err)
         return None
 
 
@@ -92,8 +108,9 @@ def _map_tensors(checkpoint: Path, entries: Mapping[str, list]) -> dict[str, tor
         size = os.fstat(stream.fileno()).st_size
         # Private and writable, as torch.load(mmap=True) maps it: a write would copy the page,
         # never reach the file.
-        mapped = mmap.mmap(stream.fileno(), 0, flags=mmap.MAP_PRIVATE,
-                           prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        mapped = mmap.mmap(
+            stream.fileno(), 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE
+        )
     tensors = {}
     for name, (dtype_name, shape, stride, offset) in entries.items():
         dtype = _DTYPES[dtype_name]

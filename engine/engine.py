@@ -97,8 +97,14 @@ def detect_model_kind(model_dir: Path) -> str:
 class CosyVoiceEngine:
     """A loaded CosyVoice v1 model directory plus the text frontend."""
 
-    def __init__(self, models: LoadedModels, *, kind: str | None = None,
-                 threads: int | None = None, frontend: TextFrontend | None = None) -> None:
+    def __init__(
+        self,
+        models: LoadedModels,
+        *,
+        kind: str | None = None,
+        threads: int | None = None,
+        frontend: TextFrontend | None = None,
+    ) -> None:
         from engine.text.frontend import TextFrontend
 
         self.models = models
@@ -116,10 +122,17 @@ class CosyVoiceEngine:
         self.cpu_choices: cpu.CpuChoices | None = None
 
     @classmethod
-    def load(cls, model_dir: Path | str, *, threads: int | None = None,
-             kind: str | None = None, lm_int8: bool = False, flow_int8: bool = False,
-             hift_bf16: bool = False,
-             int8_cache_dir: Path | str | None = None) -> CosyVoiceEngine:
+    def load(
+        cls,
+        model_dir: Path | str,
+        *,
+        threads: int | None = None,
+        kind: str | None = None,
+        lm_int8: bool = False,
+        flow_int8: bool = False,
+        hift_bf16: bool = False,
+        int8_cache_dir: Path | str | None = None,
+    ) -> CosyVoiceEngine:
         """Load a model directory in the official layout (raises ModelLoadError).
 
         ``lm_int8`` swaps the LM decoder's weights for int8 (faster, slightly different
@@ -182,17 +195,22 @@ class CosyVoiceEngine:
                     if choices.bfloat16:
                         models.hift.use_bfloat16()
                     else:
-                        _LOGGER.warning("This CPU has no fast bfloat16 convolutions: HiFT "
-                                        "stays float32")
+                        _LOGGER.warning(
+                            "This CPU has no fast bfloat16 convolutions: HiFT stays float32"
+                        )
             hits = {part: loader.apply(getattr(models, part)) for part, loader in loaders.items()}
         except BaseException:
             for loader in loaders.values():  # those still packing in the background stop
                 loader.cancel()
             raise
         swapped, fenced = models.release_checkpoint_pages()
-        _LOGGER.debug("Embedding tables read from their files: %s; fenced off %.0f MB of unused "
-                      "checkpoint pages; %d estimator layers on oneDNN",
-                      ", ".join(swapped) or "none", fenced / 1e6, packed)
+        _LOGGER.debug(
+            "Embedding tables read from their files: %s; fenced off %.0f MB of unused "
+            "checkpoint pages; %d estimator layers on oneDNN",
+            ", ".join(swapped) or "none",
+            fenced / 1e6,
+            packed,
+        )
         _LOGGER.info("Loaded %s in %.2f s", model_dir, time.perf_counter() - start)
         engine = cls(models, kind=kind, threads=threads, frontend=frontend)
         engine.lm_int8_cache_hit = hits.get("llm")
@@ -222,13 +240,20 @@ class CosyVoiceEngine:
             return None
         return self.custom_voices.get(name)
 
-    def _segment_input(self, custom: CustomVoice, segment: Segment,
-                       options: SynthesisOptions) -> tuple[list[int], Voice]:
+    def _segment_input(
+        self, custom: CustomVoice, segment: Segment, options: SynthesisOptions
+    ) -> tuple[list[int], Voice]:
         """Zero-shot or cross-lingual conditioning, chosen per segment by its language."""
         from engine.prompt.voices import to_engine_voice
 
-        plan = to_engine_voice(custom, self.frontend, segment.text, kind=self.kind,
-                               instruct=options.instruct, text_ids=segment.token_ids)
+        plan = to_engine_voice(
+            custom,
+            self.frontend,
+            segment.text,
+            kind=self.kind,
+            instruct=options.instruct,
+            text_ids=segment.token_ids,
+        )
         return plan.text_ids or segment.token_ids, plan.voice
 
     def voice(self, speaker: str | None, instruct: str | None = None) -> Voice:
@@ -243,14 +268,22 @@ class CosyVoiceEngine:
         embedding = self.models.speakers[name].reshape(1, -1)
         if instruct and self.kind == "instruct":
             # Official instruct mode: the LM sees the instruction instead of the speaker.
-            return Voice(name, torch.zeros(0, embedding.shape[1]), embedding,
-                         prompt_text_ids=self.frontend.instruct_ids(instruct))
+            return Voice(
+                name,
+                torch.zeros(0, embedding.shape[1]),
+                embedding,
+                prompt_text_ids=self.frontend.instruct_ids(instruct),
+            )
         return Voice(name, embedding, embedding)
 
     # --- synthesis ------------------------------------------------------------------------
 
-    def synthesize(self, text: str, options: SynthesisOptions | None = None,
-                   cancel: threading.Event | None = None) -> Iterator[AudioChunk]:
+    def synthesize(
+        self,
+        text: str,
+        options: SynthesisOptions | None = None,
+        cancel: threading.Event | None = None,
+    ) -> Iterator[AudioChunk]:
         """Yield audio for ``text``: per streamed chunk, or one chunk per segment."""
         options = options or SynthesisOptions()
         custom = self._custom_voice(options.speaker)
@@ -268,34 +301,53 @@ class CosyVoiceEngine:
                 yield from self._segment(ids, voice, options, seed + index, cancel)
 
         if options.stream and options.start_policy == GAPLESS:
-            expected = sum(estimate_speech_seconds(s.text, options.force_tokens)
-                           for s in segments)
+            expected = sum(estimate_speech_seconds(s.text, options.force_tokens) for s in segments)
             yield from hold_until_gapless(chunks(), expected)
         else:
             yield from chunks()
 
-    def _segment(self, text_ids: list[int], voice: Voice, options: SynthesisOptions,
-                 seed: int, cancel: threading.Event | None) -> Iterator[AudioChunk]:
+    def _segment(
+        self,
+        text_ids: list[int],
+        voice: Voice,
+        options: SynthesisOptions,
+        seed: int,
+        cancel: threading.Event | None,
+    ) -> Iterator[AudioChunk]:
         # Separate generators: the LM thread and the vocoder never share an RNG stream, so a
         # seed reproduces the same audio whatever the thread timing.
         lm_generator = torch.Generator().manual_seed(seed)
         noise_generator = torch.Generator().manual_seed(seed + 1_000_003)
         flow_prompt = voice.flow_prompt or FlowPrompt(voice.flow_embedding)
-        vocoder = ChunkVocoder(self.models.flow, self.models.hift, flow_prompt,
-                               GeneratorNoise(noise_generator), n_timesteps=options.n_timesteps,
-                               cfg_rate=options.cfg_rate, threads=options.threads)
+        vocoder = ChunkVocoder(
+            self.models.flow,
+            self.models.hift,
+            flow_prompt,
+            GeneratorNoise(noise_generator),
+            n_timesteps=options.n_timesteps,
+            cfg_rate=options.cfg_rate,
+            threads=options.threads,
+        )
 
         def make_tokens() -> Iterator[int]:
             return self.models.llm.generate(
-                text_ids, voice.prompt_text_ids, voice.llm_prompt_tokens, voice.llm_embedding,
-                generator=lm_generator, max_tokens=options.force_tokens,
+                text_ids,
+                voice.prompt_text_ids,
+                voice.llm_prompt_tokens,
+                voice.llm_embedding,
+                generator=lm_generator,
+                max_tokens=options.force_tokens,
             )
 
         # The first chunk's tokens (all tokens when not streaming) come from this thread; an LM
         # thread takes over once that chunk is out (engine.tokens says why).
         first_chunk = options.schedule.first_hop + options.schedule.overlap
-        tokens = LmTokens(make_tokens, cancel, inline=first_chunk if options.stream else None,
-                          threads=options.threads)
+        tokens = LmTokens(
+            make_tokens,
+            cancel,
+            inline=first_chunk if options.stream else None,
+            threads=options.threads,
+        )
 
         def waves() -> Iterator[torch.Tensor]:
             if options.stream:

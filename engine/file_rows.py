@@ -25,8 +25,14 @@ _LOGGER = logging.getLogger(__name__)
 class FileEmbedding(nn.Module):
     """``nn.Embedding`` lookups (same values, same shapes) served from a file with ``pread``."""
 
-    def __init__(self, file: io.FileIO, offset: int, num_embeddings: int, embedding_dim: int,
-                 dtype: torch.dtype = torch.float32) -> None:
+    def __init__(
+        self,
+        file: io.FileIO,
+        offset: int,
+        num_embeddings: int,
+        embedding_dim: int,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
         super().__init__()
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self._dtype = dtype
@@ -41,8 +47,12 @@ class FileEmbedding(nn.Module):
     def replacing(cls, embedding: nn.Embedding) -> FileEmbedding | None:
         """A reader of ``embedding``'s mapped weight, or None if it is not read from a file."""
         weight = embedding.weight
-        if (not weight.is_contiguous() or weight.dtype != torch.float32
-                or embedding.padding_idx is not None or embedding.max_norm is not None):
+        if (
+            not weight.is_contiguous()
+            or weight.dtype != torch.float32
+            or embedding.padding_idx is not None
+            or embedding.max_norm is not None
+        ):
             return None
         spot = file_location(weight)
         if spot is None:
@@ -66,9 +76,10 @@ class FileEmbedding(nn.Module):
         view = memoryview(data)
         for n, i in enumerate(ids):
             if not 0 <= i < self.num_embeddings:
-                raise IndexError(f"index {i} out of range for an embedding of "
-                                 f"{self.num_embeddings} rows")
-            row = view[n * size:(n + 1) * size]
+                raise IndexError(
+                    f"index {i} out of range for an embedding of {self.num_embeddings} rows"
+                )
+            row = view[n * size : (n + 1) * size]
             if os.preadv(self._file.fileno(), [row], self._offset + i * size) != size:
                 raise OSError(f"short read of embedding row {i} (file truncated?)")
         if not data:

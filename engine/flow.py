@@ -45,8 +45,9 @@ def tokens_to_frames(n_tokens: int, token_rate: int) -> int:
     return int(n_tokens / token_rate * _SAMPLE_RATE / _HOP)
 
 
-def empty_flow_cache(dtype: torch.dtype = torch.float32,
-                     device: torch.device | None = None) -> Tensor:
+def empty_flow_cache(
+    dtype: torch.dtype = torch.float32, device: torch.device | None = None
+) -> Tensor:
     """The flow cache of a request's first chunk: (1, 80, 0, 2)."""
     return torch.zeros(1, 80, 0, 2, dtype=dtype, device=device)
 
@@ -62,8 +63,11 @@ class InterpolateRegulator(nn.Module):
         super().__init__()
         layers: list[nn.Module] = []
         for _ in sampling_ratios:
-            layers += [nn.Conv1d(channels, channels, 3, padding=1), nn.GroupNorm(1, channels),
-                       nn.Mish()]
+            layers += [
+                nn.Conv1d(channels, channels, 3, padding=1),
+                nn.GroupNorm(1, channels),
+                nn.Mish(),
+            ]
         layers.append(nn.Conv1d(channels, channels, 1))
         self.model = nn.Sequential(*layers)
         self.token_rate = token_rate
@@ -74,15 +78,21 @@ class InterpolateRegulator(nn.Module):
         With more than 40 new tokens the first and last 20 tokens are stretched to exactly 34
         frames each, so that a streaming chunk's 20-token overlap lands on a clean frame boundary.
         """
+
         def stretch(x: Tensor, size: int) -> Tensor:  # (1, N, C) → (1, C, size)
             return F.interpolate(x.transpose(1, 2).contiguous(), size=size, mode="linear")
 
         n2 = x2.shape[1]
         if n2 > 2 * _OVERLAP_TOKENS:
             edge = tokens_to_frames(_OVERLAP_TOKENS, self.token_rate)
-            new = torch.cat([stretch(x2[:, :_OVERLAP_TOKENS], edge),
-                             stretch(x2[:, _OVERLAP_TOKENS:-_OVERLAP_TOKENS], mel_len2 - 2 * edge),
-                             stretch(x2[:, -_OVERLAP_TOKENS:], edge)], dim=2)
+            new = torch.cat(
+                [
+                    stretch(x2[:, :_OVERLAP_TOKENS], edge),
+                    stretch(x2[:, _OVERLAP_TOKENS:-_OVERLAP_TOKENS], mel_len2 - 2 * edge),
+                    stretch(x2[:, -_OVERLAP_TOKENS:], edge),
+                ],
+                dim=2,
+            )
         else:
             new = stretch(x2, mel_len2)
         if x1.shape[1] == 0:
@@ -112,8 +122,17 @@ class ConditionalCFM(nn.Module):
             t_span = 1 - torch.cos(t_span * 0.5 * torch.pi)
         return t_span
 
-    def solve(self, z: Tensor, mu: Tensor, spks: Tensor, cond: Tensor, *, n_timesteps: int,
-              cfg_rate: float, step_callback: StepCallback | None = None) -> Tensor:
+    def solve(
+        self,
+        z: Tensor,
+        mu: Tensor,
+        spks: Tensor,
+        cond: Tensor,
+        *,
+        n_timesteps: int,
+        cfg_rate: float,
+        step_callback: StepCallback | None = None,
+    ) -> Tensor:
         """Integrate from noise z (1, 80, T) at t=0 to t=1; returns the mel (1, 80, T) float32."""
         if n_timesteps < 1:
             raise ValueError(f"n_timesteps must be at least 1, got {n_timesteps}")
@@ -139,9 +158,10 @@ class ConditionalCFM(nn.Module):
         x = z
         for step, (t, dt) in enumerate(zip(times, steps, strict=True)):
             x_in = torch.cat([x, x]) if rows == 2 else x  # (rows, 80, T)
-            biases = [b[step:step + 1] for b in step_biases]
-            dphi = self.estimator(x_in, mask, mu_in, t.expand(rows), spks_in, cond_in,
-                                  time_biases=biases)
+            biases = [b[step : step + 1] for b in step_biases]
+            dphi = self.estimator(
+                x_in, mask, mu_in, t.expand(rows), spks_in, cond_in, time_biases=biases
+            )
             if step_callback is not None:
                 step_callback(step, x, t, dphi)
             v = (1.0 + cfg_rate) * dphi[:1] - cfg_rate * dphi[1:] if rows == 2 else dphi
@@ -174,25 +194,33 @@ class FlowModel(nn.Module):
         self.encoder = RelPosEncoder(args.encoder)
         self.encoder_proj = nn.Linear(args.encoder.output_size, args.output_size)
         self.length_regulator = InterpolateRegulator(
-            args.regulator_channels, args.regulator_sampling_ratios, args.input_frame_rate)
+            args.regulator_channels, args.regulator_sampling_ratios, args.input_frame_rate
+        )
         self.decoder = ConditionalCFM(args.estimator, args.t_scheduler)
 
     @torch.no_grad()
-    def encode(self, tokens: Tensor, prompt_tokens: Tensor, prompt_feat: Tensor,
-               embedding: Tensor) -> FlowConditioning:
+    def encode(
+        self, tokens: Tensor, prompt_tokens: Tensor, prompt_feat: Tensor, embedding: Tensor
+    ) -> FlowConditioning:
         """Speaker projection, encoder, length regulator and cond for one utterance (batch 1)."""
         if tokens.dim() != 2 or tokens.shape[0] != 1 or tokens.shape[1] == 0:
             raise ValueError(f"tokens must have shape (1, N>0), got {tuple(tokens.shape)}")
         if prompt_tokens.dim() != 2 or prompt_tokens.shape[0] != 1:
             raise ValueError(
-                f"prompt_tokens must have shape (1, N), got {tuple(prompt_tokens.shape)}")
-        if prompt_feat.dim() != 3 or prompt_feat.shape[0] != 1 \
-                or prompt_feat.shape[2] != self.args.output_size:
+                f"prompt_tokens must have shape (1, N), got {tuple(prompt_tokens.shape)}"
+            )
+        if (
+            prompt_feat.dim() != 3
+            or prompt_feat.shape[0] != 1
+            or prompt_feat.shape[2] != self.args.output_size
+        ):
             raise ValueError(
-                f"prompt_feat must have shape (1, T, 80), got {tuple(prompt_feat.shape)}")
+                f"prompt_feat must have shape (1, T, 80), got {tuple(prompt_feat.shape)}"
+            )
         weight = self.spk_embed_affine_layer.weight
         spks = self.spk_embed_affine_layer(
-            F.normalize(embedding.reshape(1, -1).to(weight), dim=1))  # (1, 80)
+            F.normalize(embedding.reshape(1, -1).to(weight), dim=1)
+        )  # (1, 80)
 
         n1, n2 = prompt_tokens.shape[1], tokens.shape[1]
         ids = torch.cat([prompt_tokens, tokens], dim=1).long().clamp(min=0)  # (1, N1+N2)
@@ -210,11 +238,20 @@ class FlowModel(nn.Module):
         return FlowConditioning(spks, encoder_out, h, interp, mu, cond, mel_len1, mel_len2)
 
     @torch.no_grad()
-    def inference(self, tokens: Tensor, prompt_tokens: Tensor, prompt_feat: Tensor,
-                  embedding: Tensor, flow_cache: Tensor | None, *, noise: Tensor | None = None,
-                  generator: torch.Generator | None = None, n_timesteps: int = 10,
-                  cfg_rate: float | None = None,
-                  step_callback: StepCallback | None = None) -> tuple[Tensor, Tensor]:
+    def inference(
+        self,
+        tokens: Tensor,
+        prompt_tokens: Tensor,
+        prompt_feat: Tensor,
+        embedding: Tensor,
+        flow_cache: Tensor | None,
+        *,
+        noise: Tensor | None = None,
+        generator: torch.Generator | None = None,
+        n_timesteps: int = 10,
+        cfg_rate: float | None = None,
+        step_callback: StepCallback | None = None,
+    ) -> tuple[Tensor, Tensor]:
         """Mel for new tokens (1, N2) → ((1, 80, mel_len2), new flow cache (1, 80, C', 2)).
 
         prompt_tokens (1, N1) and prompt_feat (1, T1, 80) may be empty (N1 = T1 = 0); embedding
@@ -226,8 +263,9 @@ class FlowModel(nn.Module):
         total = c.mel_len1 + c.mel_len2
         if noise is not None:
             if tuple(noise.shape) != (1, mu.shape[1], total):
-                raise ValueError(f"noise must have shape (1, {mu.shape[1]}, {total}), "
-                                 f"got {tuple(noise.shape)}")
+                raise ValueError(
+                    f"noise must have shape (1, {mu.shape[1]}, {total}), got {tuple(noise.shape)}"
+                )
             z = noise.to(mu).clone()
         else:
             z = torch.randn(mu.shape, generator=generator, dtype=mu.dtype, device=mu.device)
@@ -240,15 +278,30 @@ class FlowModel(nn.Module):
             z[:, :, :cached] = flow_cache[:, :, :, 0]
             mu[:, :, :cached] = flow_cache[:, :, :, 1]
         # Slicing with -34 keeps everything when total < 34, as upstream.
-        new_cache = torch.stack([
-            torch.cat([z[:, :, :c.mel_len1], z[:, :, -_CACHE_TAIL_FRAMES:]], dim=2),
-            torch.cat([mu[:, :, :c.mel_len1], mu[:, :, -_CACHE_TAIL_FRAMES:]], dim=2),
-        ], dim=-1)  # (1, 80, mel_len1 + 34, 2)
+        new_cache = torch.stack(
+            [
+                torch.cat([z[:, :, : c.mel_len1], z[:, :, -_CACHE_TAIL_FRAMES:]], dim=2),
+                torch.cat([mu[:, :, : c.mel_len1], mu[:, :, -_CACHE_TAIL_FRAMES:]], dim=2),
+            ],
+            dim=-1,
+        )  # (1, 80, mel_len1 + 34, 2)
 
         rate = self.args.inference_cfg_rate if cfg_rate is None else cfg_rate
-        _LOGGER.debug("flow: %d prompt + %d new tokens → %d frames (%d pinned), %d steps",
-                      prompt_tokens.shape[1], tokens.shape[1], total, cached, n_timesteps)
-        mel = self.decoder.solve(z, mu, c.spks, c.cond, n_timesteps=n_timesteps,
-                                 cfg_rate=rate, step_callback=step_callback)
-        return mel[:, :, c.mel_len1:], new_cache
-
+        _LOGGER.debug(
+            "flow: %d prompt + %d new tokens → %d frames (%d pinned), %d steps",
+            prompt_tokens.shape[1],
+            tokens.shape[1],
+            total,
+            cached,
+            n_timesteps,
+        )
+        mel = self.decoder.solve(
+            z,
+            mu,
+            c.spks,
+            c.cond,
+            n_timesteps=n_timesteps,
+            cfg_rate=rate,
+            step_callback=step_callback,
+        )
+        return mel[:, :, c.mel_len1 :], new_cache

@@ -68,8 +68,9 @@ class Block1D(nn.Module):
 
     def __init__(self, dim: int, dim_out: int) -> None:
         super().__init__()
-        self.block = nn.ModuleList([nn.Conv1d(dim, dim_out, 3, padding=1),
-                                    nn.GroupNorm(_GROUPS, dim_out)])
+        self.block = nn.ModuleList(
+            [nn.Conv1d(dim, dim_out, 3, padding=1), nn.GroupNorm(_GROUPS, dim_out)]
+        )
 
     def forward(self, x: Tensor, mask: Tensor | None) -> Tensor:
         conv, norm = self.block[0], self.block[1]
@@ -196,8 +197,9 @@ class Upsample1D(nn.Module):
 
 
 def _transformer_stack(dim: int, args: EstimatorArgs) -> nn.ModuleList:
-    return nn.ModuleList(TransformerBlock(dim, args.num_heads, args.attention_head_dim)
-                         for _ in range(args.n_blocks))
+    return nn.ModuleList(
+        TransformerBlock(dim, args.num_heads, args.attention_head_dim) for _ in range(args.n_blocks)
+    )
 
 
 def _run_transformers(blocks: nn.ModuleList, x: Tensor, mask: Tensor | None) -> Tensor:
@@ -233,15 +235,28 @@ class ConditionalDecoder(nn.Module):
         for i, dim_out in enumerate(channels):
             dim_in = args.in_channels if i == 0 else channels[i - 1]
             last = i == len(channels) - 1
-            sample: nn.Module = nn.Conv1d(dim_out, dim_out, 3, padding=1) if last \
-                else Downsample1D(dim_out)
-            self.down_blocks.append(nn.ModuleList([ResnetBlock1D(dim_in, dim_out, time_dim),
-                                                   _transformer_stack(dim_out, args), sample]))
+            sample: nn.Module = (
+                nn.Conv1d(dim_out, dim_out, 3, padding=1) if last else Downsample1D(dim_out)
+            )
+            self.down_blocks.append(
+                nn.ModuleList(
+                    [
+                        ResnetBlock1D(dim_in, dim_out, time_dim),
+                        _transformer_stack(dim_out, args),
+                        sample,
+                    ]
+                )
+            )
 
         self.mid_blocks = nn.ModuleList(
-            nn.ModuleList([ResnetBlock1D(channels[-1], channels[-1], time_dim),
-                           _transformer_stack(channels[-1], args)])
-            for _ in range(args.num_mid_blocks))
+            nn.ModuleList(
+                [
+                    ResnetBlock1D(channels[-1], channels[-1], time_dim),
+                    _transformer_stack(channels[-1], args),
+                ]
+            )
+            for _ in range(args.num_mid_blocks)
+        )
 
         # Up levels mirror the down levels; each input is [previous output, skip] (2× channels).
         rev = channels[::-1] + (channels[0],)
@@ -250,8 +265,15 @@ class ConditionalDecoder(nn.Module):
             dim_in, dim_out = rev[i] * 2, rev[i + 1]
             last = i == len(rev) - 2
             sample = nn.Conv1d(dim_out, dim_out, 3, padding=1) if last else Upsample1D(dim_out)
-            self.up_blocks.append(nn.ModuleList([ResnetBlock1D(dim_in, dim_out, time_dim),
-                                                 _transformer_stack(dim_out, args), sample]))
+            self.up_blocks.append(
+                nn.ModuleList(
+                    [
+                        ResnetBlock1D(dim_in, dim_out, time_dim),
+                        _transformer_stack(dim_out, args),
+                        sample,
+                    ]
+                )
+            )
 
         self.final_block = Block1D(rev[-1], rev[-1])
         self.final_proj = nn.Conv1d(rev[-1], args.out_channels, 1)
@@ -274,9 +296,16 @@ class ConditionalDecoder(nn.Module):
         temb_mish = F.mish(temb)  # every ResNet's time MLP starts with the same Mish
         return [resnet.time_bias(temb_mish) for resnet in self._resnets()]
 
-    def forward(self, x: Tensor, mask: Tensor, mu: Tensor, t: Tensor,
-                spks: Tensor | None = None, cond: Tensor | None = None,
-                time_biases: Sequence[Tensor] | None = None) -> Tensor:
+    def forward(
+        self,
+        x: Tensor,
+        mask: Tensor,
+        mu: Tensor,
+        t: Tensor,
+        spks: Tensor | None = None,
+        cond: Tensor | None = None,
+        time_biases: Sequence[Tensor] | None = None,
+    ) -> Tensor:
         """Vector field for x (B, 80, T) given mask (B, 1, T), mu (B, 80, T), t (B,),
         spks (B, 80) and cond (B, 80, T). ``time_biases``: :meth:`time_biases` of t, when the
         caller computed them ahead (t is then not read). Returns (B, 80, T), zero at masked
@@ -284,8 +313,7 @@ class ConditionalDecoder(nn.Module):
         if time_biases is None:
             time_biases = self.time_biases(t)
         elif len(time_biases) != self._n_resnets:
-            raise ValueError(f"{len(time_biases)} time biases for {self._n_resnets} ResNet "
-                             "blocks")
+            raise ValueError(f"{len(time_biases)} time biases for {self._n_resnets} ResNet blocks")
         rows = x.shape[0]
         biases = iter([b.expand(rows, -1) if b.shape[0] == 1 else b for b in time_biases])
 
@@ -321,7 +349,7 @@ class ConditionalDecoder(nn.Module):
             m = masks.pop()
             skip = skips.pop()
             # The transposed conv yields 2·ceil(T/2) frames; crop to the skip length.
-            h = torch.cat([h[:, :, :skip.shape[-1]], skip], dim=1)
+            h = torch.cat([h[:, :, : skip.shape[-1]], skip], dim=1)
             h = resnet(h, m, next(biases))
             h = _run_transformers(blocks, h, m)
             h = sample(_masked(h, m))

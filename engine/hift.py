@@ -42,11 +42,11 @@ def _cumulative_phase(incr: Tensor) -> Tensor:
     out = torch.empty_like(incr, dtype=torch.float32)
     carry = None
     for lo in range(0, incr.shape[-1], _PHASE_TILE):
-        sums = incr[..., lo:lo + _PHASE_TILE].to(torch.float64, copy=True)  # summed in place
+        sums = incr[..., lo : lo + _PHASE_TILE].to(torch.float64, copy=True)  # summed in place
         if carry is not None:
             sums[..., :1] += carry  # carry + x: the sum the one-pass cumsum reaches here
         sums.cumsum_(-1)
-        out[..., lo:lo + _PHASE_TILE] = sums
+        out[..., lo : lo + _PHASE_TILE] = sums
         carry = sums[..., -1:].clone()  # not a view: the tile's buffer can go
     return out.remainder_(1)
 
@@ -247,16 +247,21 @@ class HiFTGenerator(nn.Module):
         self.conv_post = CLConv1d(ch >> n_up, 2 * n_bins, 7, padding=3)
         window = torch.empty(self.n_fft)
         # On the meta device (fast loading) the window is rebuilt by materialize_derived().
-        self.register_buffer("window", window if window.is_meta else self._hann(),
-                             persistent=False)
+        self.register_buffer("window", window if window.is_meta else self._hann(), persistent=False)
         # The filter's convolutions (everything between the source spectrum and the iSTFT) run
         # in this dtype; bfloat16 is an opt-in approximation (use_bfloat16).
         self.filter_dtype = torch.float32
         self.eval()
 
     def _filter_modules(self) -> list[nn.Module]:
-        return [self.conv_pre, self.ups, self.source_downs, self.source_resblocks,
-                self.resblocks, self.conv_post]
+        return [
+            self.conv_pre,
+            self.ups,
+            self.source_downs,
+            self.source_resblocks,
+            self.resblocks,
+            self.conv_post,
+        ]
 
     def use_bfloat16(self) -> None:
         """Run the filter's convolutions in bfloat16 (an approximation; irreversible).

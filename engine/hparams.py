@@ -288,15 +288,18 @@ def _encoder_args(sec: _Section, *, conformer: bool) -> EncoderArgs:
         raise ModelConfigError(
             f"{sec.source}: unsupported '{sec.path}.input_layer' {input_layer!r}"
         )
-    for key, expected in (("pos_enc_layer_type", "rel_pos_espnet"),
-                          ("selfattention_layer_type", "rel_selfattn")):
+    for key, expected in (
+        ("pos_enc_layer_type", "rel_pos_espnet"),
+        ("selfattention_layer_type", "rel_selfattn"),
+    ):
         if sec.str(key, expected) != expected:
             raise ModelConfigError(f"{sec.source}: '{sec.path}.{key}' must be {expected!r}")
     if sec.data.get("use_cnn_module") or sec.data.get("macaron_style"):
         raise ModelConfigError(f"{sec.source}: '{sec.path}': conv module / macaron not supported")
     default_act = "swish" if conformer else "relu"
     activation = {"swish": "silu", "silu": "silu", "relu": "relu"}.get(
-        sec.str("activation_type", default_act))
+        sec.str("activation_type", default_act)
+    )
     if activation is None:
         raise ModelConfigError(f"{sec.source}: unsupported '{sec.path}.activation_type'")
     return EncoderArgs(

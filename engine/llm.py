@@ -72,13 +72,18 @@ class TransformerLM(nn.Module):
         w = self.spk_embed_affine_layer.weight
         if embedding is None or embedding.numel() == 0:
             return w.new_zeros(1, 0, d)
-        e = F.normalize(embedding.reshape(1, -1).to(dtype=w.dtype, device=w.device), dim=1,
-                        eps=1e-12)
+        e = F.normalize(
+            embedding.reshape(1, -1).to(dtype=w.dtype, device=w.device), dim=1, eps=1e-12
+        )
         return self.spk_embed_affine_layer(e).unsqueeze(1)
 
-    def build_input(self, text_ids: TokenIds, prompt_text_ids: TokenIds | None = None,
-                    prompt_speech_ids: TokenIds | None = None,
-                    embedding: Tensor | None = None) -> Tensor:
+    def build_input(
+        self,
+        text_ids: TokenIds,
+        prompt_text_ids: TokenIds | None = None,
+        prompt_speech_ids: TokenIds | None = None,
+        embedding: Tensor | None = None,
+    ) -> Tensor:
         """(1, L0, D) = [SOS | spk? | encoded(prompt_text ++ text) | TASK | prompt speech]."""
         dev = self._device
         text = torch.cat([_ids(prompt_text_ids, dev), _ids(text_ids, dev)], dim=1)
@@ -95,8 +100,7 @@ class TransformerLM(nn.Module):
     def new_cache(self, max_len: int, batch: int = 1) -> KVCache:
         return self.llm.new_cache(batch, max_len)
 
-    def prefill(self, lm_input: Tensor, cache: KVCache,
-                lengths: Tensor | None = None) -> StepOut:
+    def prefill(self, lm_input: Tensor, cache: KVCache, lengths: Tensor | None = None) -> StepOut:
         """Run the assembled input (B, L0, D) through the LM; outputs of its last position."""
         hidden = self.llm.forward_cached(lm_input, cache, lengths)[:, -1]
         return StepOut(hidden, self.llm_decoder(hidden))
@@ -114,11 +118,18 @@ class TransformerLM(nn.Module):
         """(min_len, max_len) = (2, 20) × tts-text tokens (prompt text excluded)."""
         return int(2 * n_tts_text), int(20 * n_tts_text)
 
-    def generate(self, text_ids: TokenIds, prompt_text_ids: TokenIds | None = None,
-                 prompt_speech_ids: TokenIds | None = None, embedding: Tensor | None = None, *,
-                 generator: torch.Generator | None = None, max_tokens: int | None = None,
-                 forced_tokens: Sequence[int] | None = None,
-                 sampler: Sampler | None = None) -> Iterator[int]:
+    def generate(
+        self,
+        text_ids: TokenIds,
+        prompt_text_ids: TokenIds | None = None,
+        prompt_speech_ids: TokenIds | None = None,
+        embedding: Tensor | None = None,
+        *,
+        generator: torch.Generator | None = None,
+        max_tokens: int | None = None,
+        forced_tokens: Sequence[int] | None = None,
+        sampler: Sampler | None = None,
+    ) -> Iterator[int]:
         """Yield speech tokens until EOS or the length cap (EOS itself is not yielded).
 
         ``max_tokens`` fixes the token count (benchmarks, ``SynthesisOptions.force_tokens``):

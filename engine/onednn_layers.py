@@ -59,22 +59,25 @@ class OneDnnLinear(nn.Module):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
-        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach(),
-                                                                    _EXPECTED_ROWS)
+        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(
+            weight.detach(), _EXPECTED_ROWS
+        )
         # A copy: the layer must not keep a view into the mapped checkpoint (fenced off later).
         self.bias = None if bias is None else bias.detach().clone()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias,
-                                                  "none", [], "")
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, " \
-               f"bias={self.bias is not None}"
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"bias={self.bias is not None}"
+        )
 
 
-def _swap_children(owners: Iterable[nn.Module], replace: Callable[[nn.Module], nn.Module | None]
-                   ) -> int:
+def _swap_children(
+    owners: Iterable[nn.Module], replace: Callable[[nn.Module], nn.Module | None]
+) -> int:
     """Set every child of ``owners`` for which ``replace`` returns a module to that module."""
     swapped = 0
     with torch.no_grad():
@@ -99,8 +102,12 @@ def use_onednn_linears(root: nn.Module, block_type: type[nn.Module]) -> int:
             return OneDnnLinear(child.weight, child.bias)
         return None
 
-    owners = (owner for block in root.modules() if isinstance(block, block_type)
-              for owner in block.modules())
+    owners = (
+        owner
+        for block in root.modules()
+        if isinstance(block, block_type)
+        for owner in block.modules()
+    )
     return _swap_children(owners, replace)
 
 
@@ -115,14 +122,19 @@ class OneDnnConv1d(nn.Module):
 
     @staticmethod
     def supports(conv: nn.Conv1d) -> bool:
-        return conv.groups == 1 and conv.padding_mode == "zeros" \
-            and not isinstance(conv.padding, str) and conv.weight.dtype == torch.float32
+        return (
+            conv.groups == 1
+            and conv.padding_mode == "zeros"
+            and not isinstance(conv.padding, str)
+            and conv.weight.dtype == torch.float32
+        )
 
     def __init__(self, conv: nn.Conv1d, expected_frames: int = _EXPECTED_FRAMES) -> None:
         super().__init__()
         if not self.supports(conv):
-            raise ValueError(f"only zero-padded, ungrouped float32 convolutions are supported: "
-                             f"{conv}")
+            raise ValueError(
+                f"only zero-padded, ungrouped float32 convolutions are supported: {conv}"
+            )
         self.in_channels, self.out_channels = conv.in_channels, conv.out_channels
         self.kernel_size = conv.kernel_size[0]
         self.padding = [conv.padding[0], 0]
@@ -130,19 +142,35 @@ class OneDnnConv1d(nn.Module):
         self.dilation = [conv.dilation[0], 1]
         # The input size only guides oneDNN's choice of layout; any batch and length work.
         self.packed_weight = torch.ops.mkldnn._reorder_convolution_weight(
-            conv.weight.detach().unsqueeze(-1), self.padding, self.stride, self.dilation, 1,
-            [2, conv.in_channels, expected_frames, 1])
+            conv.weight.detach().unsqueeze(-1),
+            self.padding,
+            self.stride,
+            self.dilation,
+            1,
+            [2, conv.in_channels, expected_frames, 1],
+        )
         self.bias = None if conv.bias is None else conv.bias.detach().clone()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = torch.ops.mkldnn._convolution_pointwise(
-            x.unsqueeze(-1), self.packed_weight, self.bias, self.padding, self.stride,
-            self.dilation, 1, "none", [], "")
+            x.unsqueeze(-1),
+            self.packed_weight,
+            self.bias,
+            self.padding,
+            self.stride,
+            self.dilation,
+            1,
+            "none",
+            [],
+            "",
+        )
         return y.squeeze(-1)
 
     def extra_repr(self) -> str:
-        return f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, " \
-               f"stride={self.stride[0]}, padding={self.padding[0]}, dilation={self.dilation[0]}"
+        return (
+            f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, "
+            f"stride={self.stride[0]}, padding={self.padding[0]}, dilation={self.dilation[0]}"
+        )
 
 
 def use_onednn_convs(root: nn.Module) -> int:

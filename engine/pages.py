@@ -51,8 +51,14 @@ def _libc() -> ctypes.CDLL | None:
         return None
     libc = ctypes.CDLL(None, use_errno=True)
     libc.mmap.restype = ctypes.c_void_p
-    libc.mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
-                          ctypes.c_int, ctypes.c_long)
+    libc.mmap.argtypes = (
+        ctypes.c_void_p,
+        ctypes.c_size_t,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_long,
+    )
     return libc
 
 
@@ -88,8 +94,9 @@ def _has_written_pages(first: int, last: int) -> bool:
     except OSError:
         return True  # unknown: keep the pages
     present, file_page = 1 << 63, 1 << 61
-    return any(entry & present and not entry & file_page
-               for (entry,) in struct.iter_unpack("<Q", entries))
+    return any(
+        entry & present and not entry & file_page for (entry,) in struct.iter_unpack("<Q", entries)
+    )
 
 
 def release_if_mapped(tensor: torch.Tensor, file_ranges: list[tuple[int, int]]) -> None:
@@ -152,8 +159,9 @@ def read_copies(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
                 file.close()
 
 
-def _pread_copy(tensor: torch.Tensor, areas: list[_Area],
-                files: dict[tuple[int, str, str], io.FileIO | None]) -> torch.Tensor:
+def _pread_copy(
+    tensor: torch.Tensor, areas: list[_Area], files: dict[tuple[int, str, str], io.FileIO | None]
+) -> torch.Tensor:
     area = _area_holding(tensor, areas) if tensor.numel() else None
     if area is None or not tensor.is_contiguous() or _written_since_mapped(tensor):
         return tensor.clone(memory_format=torch.contiguous_format)
@@ -220,8 +228,10 @@ def fence_off_unused(mapping: tuple[int, int], in_use: list[torch.Tensor]) -> in
         first, last = -(-start // page) * page, end // page * page  # whole pages only
         if last > first:
             if libc.mmap(first, last - first, _PROT_NONE, _MAP_FENCE, -1, 0) != first:
-                _LOGGER.warning("Could not fence off unused checkpoint pages: %s",
-                                os.strerror(ctypes.get_errno()))
+                _LOGGER.warning(
+                    "Could not fence off unused checkpoint pages: %s",
+                    os.strerror(ctypes.get_errno()),
+                )
                 break
             fenced += last - first
     return fenced
@@ -229,8 +239,9 @@ def fence_off_unused(mapping: tuple[int, int], in_use: list[torch.Tensor]) -> in
 
 def _extent(tensor: torch.Tensor) -> tuple[int, int]:
     """[first, last) byte address a (possibly strided) tensor reads."""
-    span = sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride(),
-                                                            strict=True))
+    span = sum(
+        (size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride(), strict=True)
+    )
     return tensor.data_ptr(), tensor.data_ptr() + (span + 1) * tensor.element_size()
 
 
@@ -254,8 +265,9 @@ def _area_holding(tensor: torch.Tensor, areas: Iterable[_Area]) -> _Area | None:
 def _file_areas() -> Iterator[_Area]:
     """The file-backed areas of /proc/self/maps (none where it cannot be read)."""
     try:
-        with open("/proc/self/maps", encoding=sys.getfilesystemencoding(),
-                  errors="surrogateescape") as maps:
+        with open(
+            "/proc/self/maps", encoding=sys.getfilesystemencoding(), errors="surrogateescape"
+        ) as maps:
             lines = maps.readlines()
     except OSError:
         return
@@ -263,5 +275,6 @@ def _file_areas() -> Iterator[_Area]:
         fields = line.split(maxsplit=5)
         if len(fields) == 6 and fields[5].startswith("/"):
             lo, hi = (int(x, 16) for x in fields[0].split("-"))
-            yield _Area(lo, hi, (lo - int(fields[2], 16), fields[3], fields[4]),
-                        fields[5].rstrip("\n"))
+            yield _Area(
+                lo, hi, (lo - int(fields[2], 16), fields[3], fields[4]), fields[5].rstrip("\n")
+            )

@@ -89,8 +89,10 @@ def _block_names(stack: str, blocks: nn.ModuleList) -> list[str]:
 
 def int8_layer_names(llm: nn.Module) -> list[str]:
     """Dotted names (in ``llm``) of every layer :func:`quantize_lm_int8` swaps; call it before."""
-    names = [*_block_names("text_encoder.encoders", llm.text_encoder.encoders),
-             *_block_names("llm.encoders", llm.llm.encoders)]
+    names = [
+        *_block_names("text_encoder.encoders", llm.text_encoder.encoders),
+        *_block_names("llm.encoders", llm.llm.encoders),
+    ]
     return [*names, "llm_decoder"]
 
 
@@ -100,8 +102,11 @@ def flow_int8_layer_names(flow: nn.Module) -> list[str]:
     The estimator is where the time goes (10 passes per chunk, 400 Linear layers at 77-250
     rows); its attention keeps three q/k/v layers, whose calls cost little at those rows.
     """
-    estimator = [f"decoder.estimator.{n}"
-                 for n, m in flow.decoder.estimator.named_modules() if isinstance(m, nn.Linear)]
+    estimator = [
+        f"decoder.estimator.{n}"
+        for n, m in flow.decoder.estimator.named_modules()
+        if isinstance(m, nn.Linear)
+    ]
     return [*_block_names("encoder.encoders", flow.encoder.encoders), *estimator]
 
 
@@ -115,8 +120,9 @@ def quantize_flow_int8(flow: nn.Module, keep: FlatInt8Layers | None = None) -> n
     return quantize_int8(flow, flow_int8_layer_names(flow), keep)
 
 
-def quantize_int8(model: nn.Module, names: list[str],
-                  keep: FlatInt8Layers | None = None) -> nn.Module:
+def quantize_int8(
+    model: nn.Module, names: list[str], keep: FlatInt8Layers | None = None
+) -> nn.Module:
     """Swap the Linear layers ``names`` of ``model`` for dynamic int8 ones, in place.
 
     The recipe of ``quantize_dynamic`` with ``per_channel_dynamic_qconfig`` (per-channel
@@ -210,8 +216,11 @@ def _plain_parts(qweight: torch.Tensor, bias: torch.Tensor | None) -> dict[str, 
     """int8 weight, float64 scales, int64 zero points and float32 bias (absent if none)."""
     if qweight.qscheme() != torch.per_channel_affine or qweight.q_per_channel_axis() != 0:
         raise ValueError(f"unexpected quantisation scheme {qweight.qscheme()}")
-    parts = {"weight": qweight.int_repr(), "scales": qweight.q_per_channel_scales(),
-             "zero_points": qweight.q_per_channel_zero_points()}
+    parts = {
+        "weight": qweight.int_repr(),
+        "scales": qweight.q_per_channel_scales(),
+        "zero_points": qweight.q_per_channel_zero_points(),
+    }
     if bias is not None:
         parts["bias"] = bias.detach().clone()  # a view would save its whole (mapped) storage
     return parts
@@ -220,15 +229,18 @@ def _plain_parts(qweight: torch.Tensor, bias: torch.Tensor | None) -> dict[str, 
 # --- the on-disk cache of the int8 layers -----------------------------------------------------
 
 CACHE_FORMAT = 4  # bump when the file layout or the quantisation recipe changes
-_DTYPES = {"weight": torch.int8, "scales": torch.float64, "zero_points": torch.int64,
-           "bias": torch.float32}
+_DTYPES = {
+    "weight": torch.int8,
+    "scales": torch.float64,
+    "zero_points": torch.int64,
+    "bias": torch.float32,
+}
 _PARTS = tuple(_DTYPES)
 
 
 def _part_sizes(out: int, n_in: int, has_bias: bool) -> dict[str, int]:
     """Elements of each part of one ``out`` x ``n_in`` int8 layer."""
-    return {"weight": out * n_in, "scales": out, "zero_points": out,
-            "bias": out if has_bias else 0}
+    return {"weight": out * n_in, "scales": out, "zero_points": out, "bias": out if has_bias else 0}
 
 
 class CacheError(Exception):
@@ -257,8 +269,13 @@ def source_key(source: Path) -> dict[str, object]:
     """What a cache must match to be used: format, torch version and the checkpoint's identity."""
     source = Path(source).resolve()
     st = source.stat()
-    return {"format": CACHE_FORMAT, "torch": str(torch.__version__), "source": str(source),
-            "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+    return {
+        "format": CACHE_FORMAT,
+        "torch": str(torch.__version__),
+        "source": str(source),
+        "size": st.st_size,
+        "mtime_ns": st.st_mtime_ns,
+    }
 
 
 def _crc(tensor: torch.Tensor) -> int:
@@ -286,8 +303,11 @@ class FlatInt8Layers:
         totals = dict.fromkeys(_PARTS, 0)
         for name in names:
             sources = _float_sources(model, name)
-            sizes = _part_sizes(sum(s.out_features for s in sources), sources[0].in_features,
-                                all(s.bias is not None for s in sources))
+            sizes = _part_sizes(
+                sum(s.out_features for s in sources),
+                sources[0].in_features,
+                all(s.bias is not None for s in sources),
+            )
             for part, size in sizes.items():
                 totals[part] += size
         return cls({part: torch.empty(n, dtype=_DTYPES[part]) for part, n in totals.items()}, [])
@@ -301,11 +321,17 @@ class FlatInt8Layers:
             start = self._offsets[part]
             if start + t.numel() > self.tensors[part].numel():
                 raise ValueError(f"{name}.{part} does not fit the space set aside for it")
-            self.tensors[part][start:start + t.numel()] = t.reshape(-1)
+            self.tensors[part][start : start + t.numel()] = t.reshape(-1)
             self._offsets[part] = start + t.numel()
-        self.index.append({"name": name, "out": int(parts["weight"].shape[0]),
-                           "in": int(parts["weight"].shape[1]), "bias": "bias" in parts,
-                           "crc32": {part: _crc(t) for part, t in parts.items()}})
+        self.index.append(
+            {
+                "name": name,
+                "out": int(parts["weight"].shape[0]),
+                "in": int(parts["weight"].shape[1]),
+                "bias": "bias" in parts,
+                "crc32": {part: _crc(t) for part, t in parts.items()},
+            }
+        )
 
     def abandon(self) -> None:
         """Give the memory back: these layers will not be cached."""
@@ -314,7 +340,8 @@ class FlatInt8Layers:
     @property
     def complete(self) -> bool:
         return bool(self.tensors) and all(
-            self._offsets[part] == t.numel() for part, t in self.tensors.items())
+            self._offsets[part] == t.numel() for part, t in self.tensors.items()
+        )
 
     @classmethod
     def from_saved(cls, index: object, tensors: object) -> FlatInt8Layers:
@@ -332,8 +359,11 @@ class FlatInt8Layers:
                 has_bias = entry["bias"] is True
             except (KeyError, TypeError) as err:
                 raise CacheError("corrupt index") from err
-            if not isinstance(name, str) or not isinstance(crcs, dict) or not all(
-                    isinstance(n, int) and n > 0 for n in (out, n_in)):
+            if (
+                not isinstance(name, str)
+                or not isinstance(crcs, dict)
+                or not all(isinstance(n, int) and n > 0 for n in (out, n_in))
+            ):
                 raise CacheError("corrupt index")
             sizes = _part_sizes(out, n_in, has_bias)
             if set(crcs) != {part for part, size in sizes.items() if size}:
@@ -355,7 +385,7 @@ class FlatInt8Layers:
             parts = {}
             for part, size in _part_sizes(out, n_in, entry["bias"]).items():
                 if size:
-                    parts[part] = self.tensors[part][offsets[part]:offsets[part] + size]
+                    parts[part] = self.tensors[part][offsets[part] : offsets[part] + size]
                 offsets[part] += size
             parts["weight"] = parts["weight"].view(out, n_in)
             layers[entry["name"]] = (parts, entry["crc32"])
@@ -383,8 +413,9 @@ def write_cache(path: Path, key: dict[str, object], flat: FlatInt8Layers) -> boo
     return True
 
 
-def _per_channel_view(weight: torch.Tensor, scales: torch.Tensor,
-                      zero_points: torch.Tensor) -> torch.Tensor:
+def _per_channel_view(
+    weight: torch.Tensor, scales: torch.Tensor, zero_points: torch.Tensor
+) -> torch.Tensor:
     """A per-channel qint8 tensor over ``weight``'s own bytes (axis 0), without a copy.
 
     ``torch._make_per_channel_quantized_tensor`` copies the int8 data: for the full-size LM that
@@ -393,21 +424,23 @@ def _per_channel_view(weight: torch.Tensor, scales: torch.Tensor,
     cache bytes is enough.
     """
     qweight = torch._empty_per_channel_affine_quantized(
-        [0, weight.shape[1]], scales=scales, zero_points=zero_points, axis=0, dtype=torch.qint8)
-    qweight.set_(weight.untyped_storage(), weight.storage_offset(), weight.shape,
-                 weight.stride())
+        [0, weight.shape[1]], scales=scales, zero_points=zero_points, axis=0, dtype=torch.qint8
+    )
+    qweight.set_(weight.untyped_storage(), weight.storage_offset(), weight.shape, weight.stride())
     return qweight
 
 
 def _build_layer(parts: dict[str, torch.Tensor]) -> nn.Module:
     """A dynamic int8 Linear from cached parts, packed exactly as a fresh quantisation."""
     weight = parts["weight"].contiguous()
-    return _pack(_per_channel_view(weight, parts["scales"], parts["zero_points"]),
-                 parts.get("bias"))
+    return _pack(
+        _per_channel_view(weight, parts["scales"], parts["zero_points"]), parts.get("bias")
+    )
 
 
-def read_cache(path: Path, key: dict[str, object],
-               cancel: threading.Event | None = None) -> dict[str, CachedLayer]:
+def read_cache(
+    path: Path, key: dict[str, object], cancel: threading.Event | None = None
+) -> dict[str, CachedLayer]:
     """Validate a cache file and build its int8 layers (raises CacheError).
 
     Each layer's CRC is checked right before it is packed, then its mapped int8 pages are
@@ -458,9 +491,11 @@ def _mismatch(model: nn.Module, names: list[str], layers: dict[str, CachedLayer]
     for name, (module, has_bias) in layers.items():
         sources = _float_sources(model, name)
         shape = (sources[0].in_features, sum(s.out_features for s in sources))
-        if any(s.in_features != shape[0] for s in sources) \
-                or shape != (module.in_features, module.out_features) \
-                or all(s.bias is not None for s in sources) != has_bias:
+        if (
+            any(s.in_features != shape[0] for s in sources)
+            or shape != (module.in_features, module.out_features)
+            or all(s.bias is not None for s in sources) != has_bias
+        ):
             return f"{name} has another shape"
     return None
 
@@ -484,9 +519,13 @@ def _prime_quantized_warnings() -> None:
     """
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        _build_layer({"weight": torch.zeros(1, 1, dtype=torch.int8),
-                      "scales": torch.ones(1, dtype=torch.float64),
-                      "zero_points": torch.zeros(1, dtype=torch.int64)})
+        _build_layer(
+            {
+                "weight": torch.zeros(1, 1, dtype=torch.int8),
+                "scales": torch.ones(1, dtype=torch.float64),
+                "zero_points": torch.zeros(1, dtype=torch.int64),
+            }
+        )
 
 
 class Int8Loader:
@@ -500,8 +539,9 @@ class Int8Loader:
     skipped.
     """
 
-    def __init__(self, source: Path, cache_dir: Path | None,
-                 layer_names: Callable[[nn.Module], list[str]]) -> None:
+    def __init__(
+        self, source: Path, cache_dir: Path | None, layer_names: Callable[[nn.Module], list[str]]
+    ) -> None:
         self.path = cache_path(cache_dir, source) if cache_dir is not None else None
         self._source = Path(source)
         self._layer_names = layer_names
@@ -555,8 +595,7 @@ class Int8Loader:
                 return True
             self._layers = None
         if self._problem is not None:
-            _LOGGER.warning("Int8 cache %s not used (%s); rebuilding it", self.path,
-                            self._problem)
+            _LOGGER.warning("Int8 cache %s not used (%s); rebuilding it", self.path, self._problem)
         if self.path is None or self._key is None:
             quantize_int8(model, names)
             return False

@@ -72,17 +72,27 @@ def nucleus_candidates(logp: Tensor, top_p: float, top_k: int) -> tuple[Tensor, 
     return head[:keep], head_idx[:keep]
 
 
-def nucleus_sampling(logp: Tensor, top_p: float, top_k: int, generator: torch.Generator | None,
-                     draw: Draw = multinomial_draw) -> int:
+def nucleus_sampling(
+    logp: Tensor,
+    top_p: float,
+    top_k: int,
+    generator: torch.Generator | None,
+    draw: Draw = multinomial_draw,
+) -> int:
     probs, indices = nucleus_candidates(logp, top_p, top_k)
     return int(indices[draw(probs, generator)])
 
 
-def ras_sampling(logp: Tensor, history: Sequence[int], args: SamplingArgs,
-                 generator: torch.Generator | None = None, draw: Draw = multinomial_draw) -> int:
+def ras_sampling(
+    logp: Tensor,
+    history: Sequence[int],
+    args: SamplingArgs,
+    generator: torch.Generator | None = None,
+    draw: Draw = multinomial_draw,
+) -> int:
     """Repetition-aware sampling of one token from log-probs ``logp`` (V,); ``logp`` is kept."""
     token = nucleus_sampling(logp, args.top_p, args.top_k, generator, draw)
-    recent = list(history[-args.win_size:]) if args.win_size > 0 else []
+    recent = list(history[-args.win_size :]) if args.win_size > 0 else []
     if recent.count(token) >= args.win_size * args.tau_r:
         scores = logp.float().clone()
         scores[token] = float("-inf")  # HEAD: the repeated token cannot be re-drawn
@@ -90,9 +100,16 @@ def ras_sampling(logp: Tensor, history: Sequence[int], args: SamplingArgs,
     return token
 
 
-def sample_next(logp: Tensor, history: Sequence[int], step: int, min_len: int, eos: int,
-                args: SamplingArgs, generator: torch.Generator | None = None,
-                draw: Draw = multinomial_draw) -> int:
+def sample_next(
+    logp: Tensor,
+    history: Sequence[int],
+    step: int,
+    min_len: int,
+    eos: int,
+    args: SamplingArgs,
+    generator: torch.Generator | None = None,
+    draw: Draw = multinomial_draw,
+) -> int:
     """One LM step: forbid EOS while ``step < min_len``, then :func:`ras_sampling`."""
     if step < min_len:
         logp = logp.clone()

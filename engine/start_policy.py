@@ -35,12 +35,15 @@ def estimate_speech_seconds(text: str, forced_tokens: int | None = None) -> floa
     """Rough spoken length of ``text`` (exact when the token count is forced)."""
     if forced_tokens is not None:
         return forced_tokens / TOKEN_RATE
-    return len(_CJK.findall(text)) * _SECONDS_PER_CJK + \
-        len(_WORD.findall(text)) * _SECONDS_PER_WORD
+    return len(_CJK.findall(text)) * _SECONDS_PER_CJK + len(_WORD.findall(text)) * _SECONDS_PER_WORD
 
 
-def hold_until_gapless(chunks: Iterable[AudioChunk], expected_s: float, *,
-                       clock: Callable[[], float] = time.perf_counter) -> Iterator[AudioChunk]:
+def hold_until_gapless(
+    chunks: Iterable[AudioChunk],
+    expected_s: float,
+    *,
+    clock: Callable[[], float] = time.perf_counter,
+) -> Iterator[AudioChunk]:
     """Yield ``chunks`` unchanged, but only once playback from then on would not starve."""
     start = clock()
     held: list[AudioChunk] = []

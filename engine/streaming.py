@@ -71,8 +71,9 @@ class FlowPrompt:
     feat: torch.Tensor = field(default_factory=lambda: torch.zeros(1, 0, N_MELS))  # (1, T, 80)
 
 
-def fade_in_out(fade_in: torch.Tensor, fade_out: torch.Tensor,
-                window: torch.Tensor) -> torch.Tensor:
+def fade_in_out(
+    fade_in: torch.Tensor, fade_out: torch.Tensor, window: torch.Tensor
+) -> torch.Tensor:
     """Cross-fade the start of ``fade_in`` with the end of ``fade_out`` (float64 maths)."""
     n = window.numel() // 2
     head = fade_in[..., :n].double() * window[:n] + fade_out[..., -n:].double() * window[n:]
@@ -84,9 +85,17 @@ def fade_in_out(fade_in: torch.Tensor, fade_out: torch.Tensor,
 class ChunkVocoder:
     """Turns token chunks of one utterance into audio, carrying the cross-chunk state."""
 
-    def __init__(self, flow: torch.nn.Module, hift: torch.nn.Module, prompt: FlowPrompt,
-                 noise: NoiseSource, *, n_timesteps: int = 10, cfg_rate: float = 0.7,
-                 threads: ThreadBudget | None = None) -> None:
+    def __init__(
+        self,
+        flow: torch.nn.Module,
+        hift: torch.nn.Module,
+        prompt: FlowPrompt,
+        noise: NoiseSource,
+        *,
+        n_timesteps: int = 10,
+        cfg_rate: float = 0.7,
+        threads: ThreadBudget | None = None,
+    ) -> None:
         self.flow, self.hift, self.prompt, self.noise = flow, hift, prompt, noise
         self.n_timesteps, self.cfg_rate = n_timesteps, cfg_rate
         self.threads = threads  # applied before the flow, after each flow step and before HiFT
@@ -101,24 +110,33 @@ class ChunkVocoder:
         n_frames = prompt_frames + int(tokens.shape[1] / 50 * 22050 / HOP)
         z = self.noise.flow_noise((1, N_MELS, n_frames))
         apply_thread_budget(self.threads)
+
         def after_step(*_: object) -> None:
             apply_thread_budget(self.threads)
 
         mel, self.flow_cache = self.flow.inference(
-            tokens, self.prompt.tokens, self.prompt.feat, self.prompt.embedding, self.flow_cache,
-            noise=z, n_timesteps=self.n_timesteps, cfg_rate=self.cfg_rate,
+            tokens,
+            self.prompt.tokens,
+            self.prompt.feat,
+            self.prompt.embedding,
+            self.flow_cache,
+            noise=z,
+            n_timesteps=self.n_timesteps,
+            cfg_rate=self.cfg_rate,
             step_callback=after_step,
         )
         return mel
 
-    def _hift(self, mel: torch.Tensor,
-              cache_source: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _hift(
+        self, mel: torch.Tensor, cache_source: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         from engine.hift import HiftNoise
 
         phase, sine_noise = self.noise.hift_noise(mel.shape[2] * HOP)
         apply_thread_budget(self.threads)
-        return self.hift.inference(mel, cache_source,
-                                   noise=HiftNoise(phase_uniform=phase, sine_noise=sine_noise))
+        return self.hift.inference(
+            mel, cache_source, noise=HiftNoise(phase_uniform=phase, sine_noise=sine_noise)
+        )
 
     def chunk(self, tokens: torch.Tensor, *, finalize: bool) -> torch.Tensor:
         """Audio (1, S) for a window of tokens (1, n); ``finalize`` on the utterance's last."""
@@ -164,8 +182,9 @@ def check_schedule(schedule: StreamSchedule) -> None:
         raise ValueError("max_hop must be >= first_hop and growth >= 1")
 
 
-def stream_audio(tokens: Iterable[int], vocoder: ChunkVocoder,
-                 schedule: StreamSchedule) -> Iterator[torch.Tensor]:
+def stream_audio(
+    tokens: Iterable[int], vocoder: ChunkVocoder, schedule: StreamSchedule
+) -> Iterator[torch.Tensor]:
     """Cut a token stream into overlapping chunks per ``schedule`` and yield their audio."""
     check_schedule(schedule)
     hops = hop_sizes(schedule)

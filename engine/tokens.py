@@ -60,9 +60,14 @@ class LmTokens:
     caller's thread budget, applied before each token.
     """
 
-    def __init__(self, make_tokens: Callable[[], Iterator[int]],
-                 cancel: threading.Event | None = None, *, inline: int | None,
-                 threads: ThreadBudget | None = None) -> None:
+    def __init__(
+        self,
+        make_tokens: Callable[[], Iterator[int]],
+        cancel: threading.Event | None = None,
+        *,
+        inline: int | None,
+        threads: ThreadBudget | None = None,
+    ) -> None:
         self._make_tokens = make_tokens
         self._cancel = cancel or threading.Event()
         self._inline = inline
@@ -84,8 +89,9 @@ class LmTokens:
             count += 1
             yield token
         # The consumer wants more: the first chunk is out, so overlapping now pays.
-        self._thread = threading.Thread(target=self._produce, args=(source,),
-                                        name="cosyvoice-lm", daemon=True)
+        self._thread = threading.Thread(
+            target=self._produce, args=(source,), name="cosyvoice-lm", daemon=True
+        )
         self._thread.start()
         while True:
             item = self._queue.get()

@@ -54,9 +54,7 @@ def _rel_pos_tables(d: int, n: int) -> tuple[Tensor, Tensor]:
             size *= 2
         size = min(size, max(n, _OFFICIAL_TABLE_LEN))  # no larger than the official table
         position = torch.arange(0, size, dtype=torch.float32).unsqueeze(1)
-        div_term = torch.exp(
-            torch.arange(0, d, 2, dtype=torch.float32) * -(math.log(10000.0) / d)
-        )
+        div_term = torch.exp(torch.arange(0, d, 2, dtype=torch.float32) * -(math.log(10000.0) / d))
         pos = torch.zeros(size, d)
         neg = torch.zeros(size, d)
         pos[:, 0::2] = torch.sin(position * div_term)
@@ -179,8 +177,11 @@ class RelPosAttention(nn.Module):
         """q, k, v (B, h, T, d_k) from the three projections or the fused int8 one."""
         if self.linear_qkv is not None:
             return tuple(self._heads(p) for p in self.linear_qkv(x).chunk(3, dim=-1))
-        return (self._heads(self.linear_q(x)), self._heads(self.linear_k(x)),
-                self._heads(self.linear_v(x)))
+        return (
+            self._heads(self.linear_q(x)),
+            self._heads(self.linear_k(x)),
+            self._heads(self.linear_v(x)),
+        )
 
     def forward(self, x: Tensor, mask: Tensor | None, *, causal: bool = False) -> Tensor:
         """Full pass. x (B, T, d); mask bool broadcastable to (B, 1, T, T), True = attend.
@@ -200,8 +201,7 @@ class RelPosAttention(nn.Module):
             bias = _skew(torch.matmul(qv, p), t, t) * (1.0 / math.sqrt(self.d_k))
         if mask is not None:
             bias = bias.masked_fill(~mask, float("-inf"))
-        out = F.scaled_dot_product_attention(q + self.pos_bias_u.unsqueeze(1), k, v,
-                                             attn_mask=bias)
+        out = F.scaled_dot_product_attention(q + self.pos_bias_u.unsqueeze(1), k, v, attn_mask=bias)
         return self.linear_out(out.transpose(1, 2).flatten(2))
 
     def _pos_rows(self, length: int) -> Tensor:
@@ -231,10 +231,11 @@ class RelPosAttention(nn.Module):
         if cached is not self._pos_cache:
             self._pos_cache = cached  # one assignment: concurrent readers see old or new
         rows = cached[1]
-        return rows[:, rows.shape[1] - length:]
+        return rows[:, rows.shape[1] - length :]
 
-    def forward_cached(self, x: Tensor, cache: KVCache, layer: int, start: int,
-                       mask: Tensor | None) -> Tensor:
+    def forward_cached(
+        self, x: Tensor, cache: KVCache, layer: int, start: int, mask: Tensor | None
+    ) -> Tensor:
         """x (B, T, d) at positions start…start+T-1; appends its K/V to the cache."""
         t = x.shape[1]
         length = start + t
@@ -254,7 +255,8 @@ class RelPosAttention(nn.Module):
         if mask is not None:
             bias = bias.masked_fill(~mask, float("-inf"))
         out = F.scaled_dot_product_attention(
-            q + self.pos_bias_u.unsqueeze(1), kc[:, :, :length], vc[:, :, :length], attn_mask=bias)
+            q + self.pos_bias_u.unsqueeze(1), kc[:, :, :length], vc[:, :, :length], attn_mask=bias
+        )
         return self.linear_out(out.transpose(1, 2).flatten(2))
 
     def _causal_pos_bias(self, qv: Tensor, t: int, length: int) -> Tensor:
@@ -276,8 +278,9 @@ class RelPosAttention(nn.Module):
             self._uv_cache = cached
         return cached[1]
 
-    def decode_position(self, x: Tensor, new_kv: Tensor, keys: Tensor, values: Tensor,
-                        length: int) -> Tensor:
+    def decode_position(
+        self, x: Tensor, new_kv: Tensor, keys: Tensor, values: Tensor, length: int
+    ) -> Tensor:
         """Attention of one new position of one sequence (no mask), in as few ops as possible.
 
         x (1, 1, d) at position ``length - 1``; its K and V are written to ``new_kv`` (2, h,
@@ -298,8 +301,9 @@ class RelPosAttention(nn.Module):
         qu, qv = (q + self._uv_biases()).view(2, h, 1, d_k).unbind(0)  # (h, 1, d_k) each
         # (h, L, d_k) @ (h, d_k, 1): the rows are pre-scaled by 1/sqrt(d_k)
         pos_scores = torch.bmm(self._pos_rows(length), qv.transpose(1, 2))
-        scores = torch.baddbmm(pos_scores.view(h, 1, length), qu, keys.transpose(1, 2),
-                               alpha=1.0 / math.sqrt(d_k))  # (h, 1, L)
+        scores = torch.baddbmm(
+            pos_scores.view(h, 1, length), qu, keys.transpose(1, 2), alpha=1.0 / math.sqrt(d_k)
+        )  # (h, 1, L)
         out = torch.bmm(scores.softmax(dim=-1), values)  # (h, 1, d_k)
         return self.linear_out(out.view(1, 1, h * d_k))
 
@@ -325,14 +329,16 @@ class _Layer(nn.Module):
         x = x + self.self_attn(ln_a(x), mask, causal=self.causal)
         return x + self.feed_forward(ln_b(x))
 
-    def forward_cached(self, x: Tensor, cache: KVCache, layer: int, start: int,
-                       mask: Tensor | None) -> Tensor:
+    def forward_cached(
+        self, x: Tensor, cache: KVCache, layer: int, start: int, mask: Tensor | None
+    ) -> Tensor:
         ln_a, ln_b = self._norms
         x = x + self.self_attn.forward_cached(ln_a(x), cache, layer, start, mask)
         return x + self.feed_forward(ln_b(x))
 
-    def decode_position(self, x: Tensor, new_kv: Tensor, keys: Tensor, values: Tensor,
-                        length: int) -> Tensor:
+    def decode_position(
+        self, x: Tensor, new_kv: Tensor, keys: Tensor, values: Tensor, length: int
+    ) -> Tensor:
         """One new position of one sequence: see RelPosAttention.decode_position."""
         ln_a, ln_b = self._norms
         x = x + self.self_attn.decode_position(ln_a(x), new_kv, keys, values, length)
@@ -379,8 +385,14 @@ class RelPosEncoder(nn.Module):
         for layer in self.encoders:
             layer.self_attn._pos_rows(max_len)
 
-    def new_cache(self, batch: int, max_len: int, *, dtype: torch.dtype | None = None,
-                  device: torch.device | None = None) -> KVCache:
+    def new_cache(
+        self,
+        batch: int,
+        max_len: int,
+        *,
+        dtype: torch.dtype | None = None,
+        device: torch.device | None = None,
+    ) -> KVCache:
         """An empty KV cache with room for ``max_len`` positions.
 
         Left uninitialised: only positions already written are ever read. A request reserves
@@ -390,9 +402,16 @@ class RelPosEncoder(nn.Module):
         """
         w = self.after_norm.weight  # a LayerNorm: stays float even when Linears are int8
         a = self.args
-        kv = torch.empty(a.num_blocks, 2, batch, a.attention_heads, max_len,
-                         a.output_size // a.attention_heads,
-                         dtype=dtype or w.dtype, device=device or w.device)
+        kv = torch.empty(
+            a.num_blocks,
+            2,
+            batch,
+            a.attention_heads,
+            max_len,
+            a.output_size // a.attention_heads,
+            dtype=dtype or w.dtype,
+            device=device or w.device,
+        )
         return KVCache(kv=kv)
 
     def forward_cached(self, x: Tensor, cache: KVCache, lengths: Tensor | None = None) -> Tensor:

@@ -136,8 +136,9 @@ def assign_state_dict(module: nn.Module, state: Mapping[str, torch.Tensor], path
     check_state_dict(module, state, path)
     small = [k for k, v in state.items() if v.dtype == torch.float32 and _is_small(v)]
     copies = dict(zip(small, read_copies([state[k] for k in small]), strict=True))
-    floats = {k: copies.get(k, v.float() if v.dtype != torch.float32 else v)
-              for k, v in state.items()}
+    floats = {
+        k: copies.get(k, v.float() if v.dtype != torch.float32 else v) for k, v in state.items()
+    }
     module.load_state_dict(floats, strict=True, assign=True)
     module.eval()
     module.requires_grad_(False)
@@ -161,8 +162,11 @@ def load_speakers(path: Path) -> dict[str, torch.Tensor]:
     bad: list[str] = []
     for name, info in obj.items():
         embedding = info.get("embedding") if isinstance(info, Mapping) else None
-        if not isinstance(name, str) or not torch.is_tensor(embedding) \
-                or embedding.numel() != SPEAKER_EMBED_DIM:
+        if (
+            not isinstance(name, str)
+            or not torch.is_tensor(embedding)
+            or embedding.numel() != SPEAKER_EMBED_DIM
+        ):
             bad.append(str(name))
             continue
         speakers[name] = embedding.detach().reshape(SPEAKER_EMBED_DIM).float().clone()
@@ -218,8 +222,11 @@ class LoadedModels:
         from engine.file_rows import FileEmbedding
 
         swapped = []
-        for owner, name in ((self.llm, "text_embedding"), (self.llm, "speech_embedding"),
-                            (self.flow, "input_embedding")):
+        for owner, name in (
+            (self.llm, "text_embedding"),
+            (self.llm, "speech_embedding"),
+            (self.flow, "input_embedding"),
+        ):
             reader = FileEmbedding.replacing(getattr(owner, name))
             if reader is not None:
                 setattr(owner, name, reader)
@@ -235,8 +242,7 @@ class LoadedModels:
             mapping = mapping_of(anchor)
             # A checkpoint no model reads (e.g. every tensor converted to float32) is unmapped
             # whole when its anchor goes below: nothing to fence.
-            if mapping is not None and any(mapping[0] <= t.data_ptr() < mapping[1]
-                                           for t in in_use):
+            if mapping is not None and any(mapping[0] <= t.data_ptr() < mapping[1] for t in in_use):
                 fenced += fence_off_unused(mapping, in_use)
         self.checkpoint_anchors = ()
         return fenced
@@ -300,8 +306,10 @@ def load_model_dir(model_dir: Path, index_dir: Path | None = None) -> LoadedMode
     llm_sd = read_state_dict(model_dir / "llm.pt", index_dir)
     flow_sd = read_state_dict(model_dir / "flow.pt", index_dir)
     hift_raw = read_state_dict(model_dir / "hift.pt", index_dir)
-    anchors = tuple(next((t for t in sd.values() if t.numel()), torch.empty(0))
-                    for sd in (llm_sd, flow_sd, hift_raw))
+    anchors = tuple(
+        next((t for t in sd.values() if t.numel()), torch.empty(0))
+        for sd in (llm_sd, flow_sd, hift_raw)
+    )
     try:
         hift_sd = normalize_hift_state_dict(hift_raw)
     except ValueError as err:
@@ -312,8 +320,11 @@ def load_model_dir(model_dir: Path, index_dir: Path | None = None) -> LoadedMode
         llm = TransformerLM(args.llm)
         flow = FlowModel(args.flow)
         hift = HiFTGenerator(args.hift)
-    for module, state, name in ((llm, llm_sd, "llm.pt"), (flow, flow_sd, "flow.pt"),
-                                (hift, hift_sd, "hift.pt")):
+    for module, state, name in (
+        (llm, llm_sd, "llm.pt"),
+        (flow, flow_sd, "flow.pt"),
+        (hift, hift_sd, "hift.pt"),
+    ):
         assign_state_dict(module, state, model_dir / name)
     speakers = load_speakers(model_dir / SPEAKER_FILE)
     _LOGGER.debug("Loaded %s with %d speakers", model_dir, len(speakers))

@@ -627,8 +627,6 @@ def server_missing_reason() -> str | None:
     return None
 
 
-
-
 async def describe_and_synthesize(port: int) -> tuple[Any, bytes, int]:
     from wyoming.audio import AudioChunk, AudioStart, AudioStop
     from wyoming.client import AsyncTcpClient

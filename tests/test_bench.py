@@ -62,12 +62,20 @@ def test_first_audio_parts_follow_the_first_chunk() -> None:
         StageEvent("lm", 12.5, 13.0, token_times=[12.7, 12.8]),
         StageEvent("lm", 10.0, 10.05),
         StageEvent("lm", 10.1, 12.0, token_times=[10.3, 10.4, 10.5, 11.5, 12.0]),
-        StageEvent("flow", 11.3, 11.6), StageEvent("flow", 10.5, 10.9),
-        StageEvent("hift", 10.9, 11.2), StageEvent("hift", 11.6, 11.8),
+        StageEvent("flow", 11.3, 11.6),
+        StageEvent("flow", 10.5, 10.9),
+        StageEvent("hift", 10.9, 11.2),
+        StageEvent("hift", 11.6, 11.8),
     ]
     parts = timer.first_audio_parts(10.0, 11.25)
-    expected = {"frontend": 100, "prefill": 200, "tokens": 200, "flow": 400, "hift": 300,
-                "other": 50}
+    expected = {
+        "frontend": 100,
+        "prefill": 200,
+        "tokens": 200,
+        "flow": 400,
+        "hift": 300,
+        "other": 50,
+    }
     assert {k: parts[f"first_audio_{k}_ms"] for k in expected} == pytest.approx(expected)
     assert parts["first_chunk_tokens"] == 3
     assert StageTimer().first_audio_parts(0.0, 1.0) == {}  # nothing recorded: no parts
@@ -78,13 +86,18 @@ def test_the_limits_are_the_best_of_a_probe_before_the_runs_and_after_each(
 ) -> None:
     import engine.bench.__main__ as bench
 
-    probes = iter([{"mem_bw_gbps": 30.0, "gemv_gbps": 20.0, "gemm_gflops": 75.0},
-                   {"mem_bw_gbps": 40.0, "gemv_gbps": 18.0, "gemm_gflops": 130.0},
-                   {"mem_bw_gbps": 35.0, "gemv_gbps": 22.0, "gemm_gflops": 100.0}])
+    probes = iter(
+        [
+            {"mem_bw_gbps": 30.0, "gemv_gbps": 20.0, "gemm_gflops": 75.0},
+            {"mem_bw_gbps": 40.0, "gemv_gbps": 18.0, "gemm_gflops": 130.0},
+            {"mem_bw_gbps": 35.0, "gemv_gbps": 22.0, "gemm_gflops": 100.0},
+        ]
+    )
     monkeypatch.setattr(bench, "measure_limits", lambda threads, lm_int8: next(probes))
     monkeypatch.setattr(bench, "warm_page_cache", lambda files: 0)
-    monkeypatch.setattr(bench, "run_worker",
-                        lambda config: {"first_audio_ms": 1.0, "total_ms": 2.0, "rtf": 1.0})
+    monkeypatch.setattr(
+        bench, "run_worker", lambda config: {"first_audio_ms": 1.0, "total_ms": 2.0, "rtf": 1.0}
+    )
     args = bench.build_parser().parse_args(["--model-dir", str(tmp_path), "--repeats", "2"])
     result = bench.run_benchmark(args, tmp_path)
     assert (result["mem_bw_gbps"], result["gemv_gbps"], result["gemm_gflops"]) == (40, 22, 130)
@@ -164,18 +177,39 @@ def test_synthetic_lm_runs_to_the_forced_token_count(tmp_path: Path) -> None:
     llm.load_state_dict(state)
     llm.eval()
     embedding = torch.load(model_dir / "spk2info.pt", weights_only=True)[SFT_SPEAKERS[0]]
-    tokens = list(llm.generate([1, 2, 3], embedding=embedding["embedding"], max_tokens=200,
-                               generator=torch.Generator().manual_seed(0)))
+    tokens = list(
+        llm.generate(
+            [1, 2, 3],
+            embedding=embedding["embedding"],
+            max_tokens=200,
+            generator=torch.Generator().manual_seed(0),
+        )
+    )
     assert len(tokens) == 200
 
 
 def test_summary_medians_bounds_and_ratios() -> None:
-    runs = [{"load_s": s, "lm_ms_per_token": 40.0 * s, "flow_ms_per_audio_s": 3000.0,
-             "hift_ms_per_audio_s": 1000.0, "tokens": 400, "audio_s": 8.0,
-             "lm_weight_bytes_per_token": 720e6, "flow_gflop_per_audio_s": 150.0,
-             "hift_gflop_per_audio_s": 50.0} for s in (1.0, 3.0, 2.0)]
-    result = summarize(runs, {"mem_bw_gbps": 20.0, "gemv_gbps": 8.0, "gemm_gflops": 60.0},
-                       text="t", profile={"name": "realtime"}, model_dir="m")
+    runs = [
+        {
+            "load_s": s,
+            "lm_ms_per_token": 40.0 * s,
+            "flow_ms_per_audio_s": 3000.0,
+            "hift_ms_per_audio_s": 1000.0,
+            "tokens": 400,
+            "audio_s": 8.0,
+            "lm_weight_bytes_per_token": 720e6,
+            "flow_gflop_per_audio_s": 150.0,
+            "hift_gflop_per_audio_s": 50.0,
+        }
+        for s in (1.0, 3.0, 2.0)
+    ]
+    result = summarize(
+        runs,
+        {"mem_bw_gbps": 20.0, "gemv_gbps": 8.0, "gemm_gflops": 60.0},
+        text="t",
+        profile={"name": "realtime"},
+        model_dir="m",
+    )
     assert result["load_s"] == 2.0
     assert result["spread"]["load_s"] == {"median": 2.0, "min": 1.0, "max": 3.0}
     assert result["lm_bound_ms_per_token"] == pytest.approx(36.0)
@@ -214,17 +248,34 @@ def test_gemv_probe_runs_the_lm_kernel(int8: bool, monkeypatch: pytest.MonkeyPat
 
 def run_bench_json(*args: str, timeout: float, env: dict[str, str] | None = None) -> dict:
     """``python -m engine.bench --model-dir <tiny> ARGS --json`` in a subprocess; its JSON."""
-    command = [sys.executable, "-m", "engine.bench", "--model-dir", str(TINY_MODEL), *args,
-               "--json"]
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-                          check=False, env=env)
+    command = [
+        sys.executable,
+        "-m",
+        "engine.bench",
+        "--model-dir",
+        str(TINY_MODEL),
+        *args,
+        "--json",
+    ]
+    done = subprocess.run(
+        command, cwd=ROOT, capture_output=True, text=True, timeout=timeout, check=False, env=env
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout)
 
 
 def test_benchmark_runs_on_the_tiny_model_beside_a_neighbour() -> None:
-    result = run_bench_json("--tokens", "60", "--repeats", "1", "--neighbours", "1",
-                            "--neighbour-kind", "memory", timeout=900)
+    result = run_bench_json(
+        "--tokens",
+        "60",
+        "--repeats",
+        "1",
+        "--neighbours",
+        "1",
+        "--neighbour-kind",
+        "memory",
+        timeout=900,
+    )
     missing = [key for key in REQUIRED_FIELDS if result.get(key) is None]
     assert not missing, f"fields missing or null: {missing}"
     assert result["neighbours"] == {"count": 1, "kind": "memory"}
@@ -249,13 +300,27 @@ def test_benchmark_loads_the_profiles_int8_flow_and_reports_its_deviation(
     # A profile with the exact steps and guidance but an int8 flow: only a comparison with the
     # float32 flow can show a deviation.
     config = yaml.safe_load((ROOT / "config.yaml").read_text())
-    config["profiles"]["exact_int8"] = {**config["profiles"]["realtime"], "flow_weights": "int8",
-                                        "hift_weights": "bf16"}
+    config["profiles"]["exact_int8"] = {
+        **config["profiles"]["realtime"],
+        "flow_weights": "int8",
+        "hift_weights": "bf16",
+    }
     config_path = tmp_path / "config.yaml"
     config_path.write_text(yaml.safe_dump(config))
     env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path)}  # the int8 caches land here
-    result = run_bench_json("--profile", "exact_int8", "--config", str(config_path), "--lm-int8",
-                            "--tokens", "30", "--repeats", "2", timeout=1800, env=env)
+    result = run_bench_json(
+        "--profile",
+        "exact_int8",
+        "--config",
+        str(config_path),
+        "--lm-int8",
+        "--tokens",
+        "30",
+        "--repeats",
+        "2",
+        timeout=1800,
+        env=env,
+    )
     assert (result["flow_weights"], result["lm_weights"]) == ("int8", "int8")
     assert result["cpu"] == detect().as_dict()  # the kernels and threads the engine chose
     assert [run["flow_int8_cache_hit"] for run in result["runs"]] == [False, True]
@@ -269,7 +334,10 @@ def test_benchmark_loads_the_profiles_int8_flow_and_reports_its_deviation(
     assert sorted(n.split("-")[0] for n in caches if n.endswith(".int8.pt")) == ["flow", "llm"]
     # and an index per checkpoint, so later loads skip unpickling (engine.checkpoint_index)
     assert sorted(n.split("-")[0] for n in caches if n.endswith(".index.json")) == [
-        "flow", "hift", "llm"]
+        "flow",
+        "hift",
+        "llm",
+    ]
 
 
 @pytest.mark.slow
@@ -311,9 +379,14 @@ def test_flop_count_is_the_same_for_the_int8_flow() -> None:
         tokens = torch.randint(0, SPEECH_VOCAB, (1, 20), generator=torch.Generator().manual_seed(0))
 
         def run_chunk(steps: int) -> None:
-            vocoder = ChunkVocoder(models.flow, models.hift, FlowPrompt(embedding),
-                                   GeneratorNoise(torch.Generator().manual_seed(0)),
-                                   n_timesteps=steps, cfg_rate=0.7)
+            vocoder = ChunkVocoder(
+                models.flow,
+                models.hift,
+                FlowPrompt(embedding),
+                GeneratorNoise(torch.Generator().manual_seed(0)),
+                n_timesteps=steps,
+                cfg_rate=0.7,
+            )
             with torch.inference_mode():
                 vocoder.chunk(tokens, finalize=True)
 

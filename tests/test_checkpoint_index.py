@@ -42,7 +42,8 @@ def _no_unpickling(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_indexed_tensors_are_the_unpickled_ones_as_views_of_the_file(
-        checkpoint: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    checkpoint: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     index_dir = tmp_path / "cache"
     expect = read_state_dict(checkpoint)
     first = read_state_dict(checkpoint, index_dir)  # unpickles, then writes the index
@@ -59,7 +60,8 @@ def test_indexed_tensors_are_the_unpickled_ones_as_views_of_the_file(
 
 
 def test_a_rewritten_checkpoint_is_read_afresh_and_reindexed(
-        checkpoint: Path, tmp_path: Path) -> None:
+    checkpoint: Path, tmp_path: Path
+) -> None:
     index_dir = tmp_path / "cache"
     read_state_dict(checkpoint, index_dir)
     state = {k: v.clone() for k, v in torch.load(checkpoint, weights_only=True).items()}
@@ -72,10 +74,12 @@ def test_a_rewritten_checkpoint_is_read_afresh_and_reindexed(
     _same(again, state)
 
 
-@pytest.mark.parametrize("damage", ["not-json", "offset-past-the-end", "unknown-dtype",
-                                    "bad-entry", "other-torch"])
-def test_a_damaged_index_is_rebuilt(checkpoint: Path, tmp_path: Path, damage: str,
-                                    caplog: pytest.LogCaptureFixture) -> None:
+@pytest.mark.parametrize(
+    "damage", ["not-json", "offset-past-the-end", "unknown-dtype", "bad-entry", "other-torch"]
+)
+def test_a_damaged_index_is_rebuilt(
+    checkpoint: Path, tmp_path: Path, damage: str, caplog: pytest.LogCaptureFixture
+) -> None:
     index_dir = tmp_path / "cache"
     expect = read_state_dict(checkpoint, index_dir)
     path = index_path(index_dir, checkpoint)
@@ -109,8 +113,7 @@ def test_an_unwritable_cache_dir_only_costs_the_index(checkpoint: Path, tmp_path
     _same(got, read_state_dict(checkpoint))
 
 
-def test_a_bad_checkpoint_still_fails_with_its_own_error(checkpoint: Path,
-                                                         tmp_path: Path) -> None:
+def test_a_bad_checkpoint_still_fails_with_its_own_error(checkpoint: Path, tmp_path: Path) -> None:
     index_dir = tmp_path / "cache"
     read_state_dict(checkpoint, index_dir)
     checkpoint.write_bytes(checkpoint.read_bytes()[:1000])  # truncated after indexing

@@ -175,25 +175,42 @@ def test_profile_options_carry_every_setting() -> None:
 def test_exact_profiles_keep_the_float_flow_and_fast_ones_use_int8() -> None:
     profiles = load_config(None).profiles
     weights = {name: profile.flow_weights for name, profile in profiles.items()}
-    assert weights == {"realtime": "fp32", "fast": "int8", "fastest": "int8",
-                       "quality": "fp32", "batch": "fp32"}
+    assert weights == {
+        "realtime": "fp32",
+        "fast": "int8",
+        "fastest": "int8",
+        "quality": "fp32",
+        "batch": "fp32",
+    }
 
 
 def test_only_the_fast_profiles_run_hift_in_bfloat16() -> None:
     profiles = load_config(None).profiles
     weights = {name: profile.hift_weights for name, profile in profiles.items()}
-    assert weights == {"realtime": "fp32", "fast": "bf16", "fastest": "bf16",
-                       "quality": "fp32", "batch": "fp32"}
+    assert weights == {
+        "realtime": "fp32",
+        "fast": "bf16",
+        "fastest": "bf16",
+        "quality": "fp32",
+        "batch": "fp32",
+    }
     with pytest.raises(ConfigError) as err:
         load_config(None, [("profiles.fastest.hift_weights", "fp16")])
     assert err.value.key == "profiles.fastest.hift_weights"
 
 
-@pytest.mark.parametrize(("profile", "flow_int8", "hift_bf16"),
-                         [("realtime", False, False), ("fast", True, True),
-                          ("fastest", True, True), ("batch", False, False)])
+@pytest.mark.parametrize(
+    ("profile", "flow_int8", "hift_bf16"),
+    [
+        ("realtime", False, False),
+        ("fast", True, True),
+        ("fastest", True, True),
+        ("batch", False, False),
+    ],
+)
 def test_the_server_loads_the_weight_formats_its_profile_names(
-        profile: str, flow_int8: bool, hift_bf16: bool) -> None:
+    profile: str, flow_int8: bool, hift_bf16: bool
+) -> None:
     from wyoming_cosyvoice.server import engine_loader
 
     loader = engine_loader(load_config(None, [("server.profile", profile)]))

@@ -17,12 +17,26 @@ DATA = Path(__file__).parent / "data"
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_synthesize_writes_a_wav(tmp_path: Path, stream: bool,
-                                 caplog: pytest.LogCaptureFixture) -> None:
+def test_synthesize_writes_a_wav(
+    tmp_path: Path, stream: bool, caplog: pytest.LogCaptureFixture
+) -> None:
     caplog.set_level(logging.INFO)
     out = tmp_path / "out.wav"
-    argv = ["synthesize", "--model-dir", str(DATA / "tiny_model"), "--speaker", "英文男",
-            "--text", "Hello world.", "--out", str(out), "--seed", "1", "--tokens", "60"]
+    argv = [
+        "synthesize",
+        "--model-dir",
+        str(DATA / "tiny_model"),
+        "--speaker",
+        "英文男",
+        "--text",
+        "Hello world.",
+        "--out",
+        str(out),
+        "--seed",
+        "1",
+        "--tokens",
+        "60",
+    ]
     assert main(argv + (["--stream"] if stream else [])) == 0
     with wave.open(str(out)) as wav:
         assert (wav.getnchannels(), wav.getsampwidth(), wav.getframerate()) == (1, 2, 22050)
@@ -32,10 +46,16 @@ def test_synthesize_writes_a_wav(tmp_path: Path, stream: bool,
         assert "chunk 0 ready after" in caplog.text
 
 
-def test_bad_model_dir_is_a_clear_error(tmp_path: Path,
-                                        caplog: pytest.LogCaptureFixture) -> None:
-    argv = ["synthesize", "--model-dir", str(tmp_path), "--text", "hi",
-            "--out", str(tmp_path / "x.wav")]
+def test_bad_model_dir_is_a_clear_error(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    argv = [
+        "synthesize",
+        "--model-dir",
+        str(tmp_path),
+        "--text",
+        "hi",
+        "--out",
+        str(tmp_path / "x.wav"),
+    ]
     assert main(argv) == 2
     assert "incomplete: missing cosyvoice.yaml" in caplog.text
     assert not (tmp_path / "x.wav").exists()
@@ -44,7 +64,11 @@ def test_bad_model_dir_is_a_clear_error(tmp_path: Path,
 def test_frontend_json() -> None:
     result = subprocess.run(
         [sys.executable, "-m", "engine", "frontend", "明天早上7:30提醒我", "--json"],
-        capture_output=True, text=True, check=True, timeout=120)
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    )
     segments = json.loads(result.stdout)["segments"]
     assert segments and all(seg["token_ids"] for seg in segments)
     assert "7" not in "".join(seg["text"] for seg in segments)  # the time is spoken in words

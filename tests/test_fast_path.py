@@ -27,11 +27,27 @@ def test_guidance_off_equals_the_conditional_row(models) -> None:
     empty_tokens, empty_feat = torch.zeros(1, 0, dtype=torch.int64), torch.zeros(1, 0, 80)
     with torch.inference_mode():
         fast, _ = models.flow.inference(
-            tokens, empty_tokens, empty_feat, emb, None, noise=z.clone(), n_timesteps=3,
-            cfg_rate=0.0, step_callback=lambda step, x, t, dphi: seen_rows.append(dphi.shape[0]))
+            tokens,
+            empty_tokens,
+            empty_feat,
+            emb,
+            None,
+            noise=z.clone(),
+            n_timesteps=3,
+            cfg_rate=0.0,
+            step_callback=lambda step, x, t, dphi: seen_rows.append(dphi.shape[0]),
+        )
         # The same maths through the batch-2 path: a tiny rate keeps the second row alive.
-        slow, _ = models.flow.inference(tokens, empty_tokens, empty_feat, emb, None,
-                                        noise=z.clone(), n_timesteps=3, cfg_rate=1e-12)
+        slow, _ = models.flow.inference(
+            tokens,
+            empty_tokens,
+            empty_feat,
+            emb,
+            None,
+            noise=z.clone(),
+            n_timesteps=3,
+            cfg_rate=1e-12,
+        )
     assert seen_rows == [1, 1, 1]
     torch.testing.assert_close(fast, slow, atol=1e-5, rtol=1e-5)
 
@@ -52,7 +68,8 @@ def test_int8_kl_is_reported(models) -> None:
 
 
 def test_the_engine_runs_hift_in_bfloat16_only_where_the_cpu_supports_it(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     import logging
 
     from engine import cpu
@@ -66,8 +83,9 @@ def test_the_engine_runs_hift_in_bfloat16_only_where_the_cpu_supports_it(
         approx = CosyVoiceEngine.load(model, hift_bf16=True, int8_cache_dir=cache)
         assert approx.hift_dtype == "bfloat16"
         embedding = exact.models.speakers[exact.speakers[0]].reshape(1, -1)
-        mel = random_tokens_mel(exact.models.flow, embedding, n_timesteps=2, cfg_rate=0.7,
-                                n_tokens=30)
+        mel = random_tokens_mel(
+            exact.models.flow, embedding, n_timesteps=2, cfg_rate=0.7, n_tokens=30
+        )
         assert 0 < hift_relative_l2(approx.models.hift, exact.models.hift, mel) < 0.05
     monkeypatch.setattr(cpu, "bf16_native", lambda: False)
     with caplog.at_level(logging.WARNING):

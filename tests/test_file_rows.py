@@ -20,8 +20,7 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/p
 
 def mapped_table(tmp_path: Path, rows: int = 300, dim: int = 24) -> torch.nn.Embedding:
     path = tmp_path / "table.pt"
-    torch.save({"weight": torch.randn(rows, dim, generator=torch.Generator().manual_seed(0))},
-               path)
+    torch.save({"weight": torch.randn(rows, dim, generator=torch.Generator().manual_seed(0))}, path)
     table = torch.nn.Embedding(rows, dim)
     state = torch.load(path, mmap=True, weights_only=True)
     table.load_state_dict(state, assign=True)
@@ -70,9 +69,11 @@ def test_the_engine_reads_its_embedding_tables_from_the_files() -> None:
     expected = load_model_dir(TINY)
     engine = CosyVoiceEngine.load(TINY)
     models = engine.models
-    tables = {"text": (models.llm.text_embedding, expected.llm.text_embedding),
-              "speech": (models.llm.speech_embedding, expected.llm.speech_embedding),
-              "flow": (models.flow.input_embedding, expected.flow.input_embedding)}
+    tables = {
+        "text": (models.llm.text_embedding, expected.llm.text_embedding),
+        "speech": (models.llm.speech_embedding, expected.llm.speech_embedding),
+        "flow": (models.flow.input_embedding, expected.flow.input_embedding),
+    }
     for name, (served, reference) in tables.items():
         assert isinstance(served, FileEmbedding), name
         ids = torch.arange(reference.num_embeddings).view(1, -1)

@@ -111,8 +111,9 @@ def test_meta_build_and_assign_load(flow: FlowModel, fx: dict[str, torch.Tensor]
     assert not on_meta
     g = {k.split("/", 1)[1]: v for k, v in fx.items() if k.startswith("estimator_direct/")}
     with torch.no_grad():
-        out = model.eval().decoder.estimator(g["x"], g["mask"], g["mu"], g["t"], g["spks"],
-                                             g["cond"])
+        out = model.eval().decoder.estimator(
+            g["x"], g["mask"], g["mu"], g["t"], g["spks"], g["cond"]
+        )
     _close(out, g["out"], MEL_TOL, "estimator after assign-load")
 
 
@@ -154,20 +155,27 @@ def test_inference(any_flow: FlowModel, fx: dict[str, torch.Tensor], case: str) 
         assert step == len(steps)
         steps.append((x.clone(), t.clone(), dphi.clone()))
 
-    mel, cache = any_flow.inference(g("in_token"), g("in_prompt_token"), g("in_prompt_feat"),
-                                    g("in_embedding"), g("in_flow_cache"), noise=z,
-                                    step_callback=capture)
+    mel, cache = any_flow.inference(
+        g("in_token"),
+        g("in_prompt_token"),
+        g("in_prompt_feat"),
+        g("in_embedding"),
+        g("in_flow_cache"),
+        noise=z,
+        step_callback=capture,
+    )
     _close(mel, g("out_feat"), MEL_TOL, "out_feat")
     _close(cache, g("out_flow_cache"), ENC_TOL, "out_flow_cache")
     assert len(steps) == 10
     if case == "tok40_noprompt":
         _close(torch.cat([s[0] for s in steps]), g("step_x_in"), MEL_TOL, "step_x_in")
-        _close(torch.stack([s[1] for s in steps]), g("step_t"), {"atol": 0.0, "rtol": 0.0},
-               "step_t")
-        _close(torch.cat([s[2][:1] for s in steps]), g("step_dphi_cond"), MEL_TOL,
-               "step_dphi_cond")
-        _close(torch.cat([s[2][1:] for s in steps]), g("step_dphi_uncond"), MEL_TOL,
-               "step_dphi_uncond")
+        _close(
+            torch.stack([s[1] for s in steps]), g("step_t"), {"atol": 0.0, "rtol": 0.0}, "step_t"
+        )
+        _close(torch.cat([s[2][:1] for s in steps]), g("step_dphi_cond"), MEL_TOL, "step_dphi_cond")
+        _close(
+            torch.cat([s[2][1:] for s in steps]), g("step_dphi_uncond"), MEL_TOL, "step_dphi_uncond"
+        )
 
 
 def _flow_prompt(kwargs: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -177,10 +185,12 @@ def _flow_prompt(kwargs: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor
     return embedding, tokens, feat
 
 
-@pytest.mark.parametrize("run", ["vc250/stream", "vc221_prompt/stream", "e2e_sft_llm/stream",
-                                 "vc221_prompt/nonstream"])
-def test_stream_chunks_with_flow_cache(any_flow: FlowModel, stream_fx: tuple[dict, dict],
-                                       run: str) -> None:
+@pytest.mark.parametrize(
+    "run", ["vc250/stream", "vc221_prompt/stream", "e2e_sft_llm/stream", "vc221_prompt/nonstream"]
+)
+def test_stream_chunks_with_flow_cache(
+    any_flow: FlowModel, stream_fx: tuple[dict, dict], run: str
+) -> None:
     """Each chunk's flow mel given its tokens, its injected z and the previous chunk's cache."""
     tensors, meta = stream_fx
     scenario = run.split("/")[0]
@@ -194,30 +204,53 @@ def test_stream_chunks_with_flow_cache(any_flow: FlowModel, stream_fx: tuple[dic
         assert list(cache.shape) == chunk["flow_cache_in_shape"]
         codes = tensors[f"{run}/rng/{call['idx']:02d}_{call['fn']}"]
         z = expand(codes, tuple(call["shape"]), call["scale"])
-        mel, cache = any_flow.inference(tensors[f"{run}/chunk{i}/tokens"], prompt_tokens,
-                                        prompt_feat, embedding, cache, noise=z)
+        mel, cache = any_flow.inference(
+            tensors[f"{run}/chunk{i}/tokens"], prompt_tokens, prompt_feat, embedding, cache, noise=z
+        )
         _close(mel, tensors[f"{run}/chunk{i}/flow_mel_out"], MEL_TOL, f"{run} chunk{i}")
         assert list(cache.shape) == chunk["flow_cache_out_shape"]
 
 
 def test_cache_pins_z_and_mu(flow: FlowModel, fx: dict[str, torch.Tensor]) -> None:
     """A non-empty cache overwrites the first C frames of z and mu; the new cache reflects it."""
+
     def g(name: str) -> torch.Tensor:
         return fx[f"tok60_noprompt/{name}"]
 
     z = g("noise_z")
     pinned = torch.randn(1, 80, 34, 2, generator=torch.Generator().manual_seed(0))
-    _, cache = flow.inference(g("in_token"), g("in_prompt_token"), g("in_prompt_feat"),
-                              g("in_embedding"), pinned, noise=z, n_timesteps=1)
+    _, cache = flow.inference(
+        g("in_token"),
+        g("in_prompt_token"),
+        g("in_prompt_feat"),
+        g("in_embedding"),
+        pinned,
+        noise=z,
+        n_timesteps=1,
+    )
     assert cache.shape == (1, 80, 34, 2)  # T = 103 > 68: the tail does not reach the pinned part
     tiny = g("in_token")[:, :15]  # 25 frames < 34: the "tail" is the whole (pinned) call
-    _, cache = flow.inference(tiny, g("in_prompt_token"), g("in_prompt_feat"), g("in_embedding"),
-                              pinned[:, :, :20], noise=z[:, :, :25], n_timesteps=1)
+    _, cache = flow.inference(
+        tiny,
+        g("in_prompt_token"),
+        g("in_prompt_feat"),
+        g("in_embedding"),
+        pinned[:, :, :20],
+        noise=z[:, :, :25],
+        n_timesteps=1,
+    )
     assert cache.shape == (1, 80, 25, 2)
     assert torch.equal(cache[:, :, :20], pinned[:, :, :20])
     with pytest.raises(ValueError):
-        flow.inference(tiny, g("in_prompt_token"), g("in_prompt_feat"), g("in_embedding"),
-                       pinned, noise=z[:, :, :25], n_timesteps=1)
+        flow.inference(
+            tiny,
+            g("in_prompt_token"),
+            g("in_prompt_feat"),
+            g("in_embedding"),
+            pinned,
+            noise=z[:, :, :25],
+            n_timesteps=1,
+        )
 
 
 def test_generator_noise_is_reproducible(flow: FlowModel, fx: dict[str, torch.Tensor]) -> None:
@@ -226,8 +259,15 @@ def test_generator_noise_is_reproducible(flow: FlowModel, fx: dict[str, torch.Te
 
     def run(seed: int) -> torch.Tensor:
         gen = torch.Generator().manual_seed(seed)
-        mel, _ = flow.inference(g("in_token"), g("in_prompt_token"), g("in_prompt_feat"),
-                                g("in_embedding"), None, generator=gen, n_timesteps=2)
+        mel, _ = flow.inference(
+            g("in_token"),
+            g("in_prompt_token"),
+            g("in_prompt_feat"),
+            g("in_embedding"),
+            None,
+            generator=gen,
+            n_timesteps=2,
+        )
         return mel
 
     a, b, c = run(1), run(1), run(2)
@@ -235,8 +275,14 @@ def test_generator_noise_is_reproducible(flow: FlowModel, fx: dict[str, torch.Te
     assert torch.equal(a, b)
     assert not torch.equal(a, c)
     with pytest.raises(ValueError):
-        flow.inference(g("in_token"), g("in_prompt_token"), g("in_prompt_feat"),
-                       g("in_embedding"), None, noise=torch.zeros(1, 80, 67))
+        flow.inference(
+            g("in_token"),
+            g("in_prompt_token"),
+            g("in_prompt_feat"),
+            g("in_embedding"),
+            None,
+            noise=torch.zeros(1, 80, 67),
+        )
 
 
 def test_time_biases_computed_ahead_give_the_same_pass(flow: FlowModel) -> None:
@@ -252,8 +298,15 @@ def test_time_biases_computed_ahead_give_the_same_pass(flow: FlowModel) -> None:
         ahead = estimator.time_biases(times)
         for step, t in enumerate(times):
             alone = estimator(x, mask, mu, t.expand(2), spks, cond)
-            given = estimator(x, mask, mu, t.expand(2), spks, cond,
-                              time_biases=[b[step:step + 1] for b in ahead])
+            given = estimator(
+                x,
+                mask,
+                mu,
+                t.expand(2),
+                spks,
+                cond,
+                time_biases=[b[step : step + 1] for b in ahead],
+            )
             torch.testing.assert_close(given, alone, atol=1e-6, rtol=1e-5)
         with pytest.raises(ValueError, match="time biases"):
             estimator(x, mask, mu, times[0].expand(2), spks, cond, time_biases=ahead[:-1])

@@ -40,9 +40,16 @@ def mel(flow: nn.Module, n_tokens: int = 30) -> torch.Tensor:
     noise = torch.randn(1, N_MELS, tokens_to_frames(n_tokens), generator=gen)
     embedding = torch.randn(1, 192, generator=gen)
     with torch.inference_mode():
-        out, _ = flow.inference(tokens, torch.zeros(1, 0, dtype=torch.int64),
-                                torch.zeros(1, 0, N_MELS), embedding, None, noise=noise,
-                                n_timesteps=10, cfg_rate=0.7)
+        out, _ = flow.inference(
+            tokens,
+            torch.zeros(1, 0, dtype=torch.int64),
+            torch.zeros(1, 0, N_MELS),
+            embedding,
+            None,
+            noise=noise,
+            n_timesteps=10,
+            cfg_rate=0.7,
+        )
     return out
 
 
@@ -50,8 +57,9 @@ def test_the_encoder_blocks_and_every_estimator_linear_are_quantised(fp32_flow: 
     names = flow_int8_layer_names(fp32_flow)
     flow = quantize_flow_int8(copy.deepcopy(fp32_flow))
     assert all(isinstance(flow.get_submodule(name), Int8Linear) for name in names)
-    estimator_floats = [n for n, m in flow.decoder.estimator.named_modules()
-                        if isinstance(m, nn.Linear)]
+    estimator_floats = [
+        n for n, m in flow.decoder.estimator.named_modules() if isinstance(m, nn.Linear)
+    ]
     assert estimator_floats == []
     for block in flow.encoder.encoders:
         attention = block.self_attn
@@ -85,8 +93,7 @@ def int8_files(cache_dir: Path) -> list[Path]:
     return sorted(p for p in cache_dir.iterdir() if not p.name.endswith(".index.json"))
 
 
-def test_the_int8_flow_is_cached_and_a_hit_gives_the_same_mel(model: Path,
-                                                             tmp_path: Path) -> None:
+def test_the_int8_flow_is_cached_and_a_hit_gives_the_same_mel(model: Path, tmp_path: Path) -> None:
     cache_dir = tmp_path / "cache"
     fresh = load(model, cache_dir)
     assert (fresh.flow_int8_cache_hit, fresh.lm_int8_cache_hit) == (False, None)
@@ -98,11 +105,11 @@ def test_the_int8_flow_is_cached_and_a_hit_gives_the_same_mel(model: Path,
     both = CosyVoiceEngine.load(model, lm_int8=True, flow_int8=True, int8_cache_dir=cache_dir)
     assert (both.flow_int8_cache_hit, both.lm_int8_cache_hit) == (True, False)
     assert sorted(p.name for p in int8_files(cache_dir)) == sorted(
-        cache_path(cache_dir, model / name).name for name in ("flow.pt", "llm.pt"))
+        cache_path(cache_dir, model / name).name for name in ("flow.pt", "llm.pt")
+    )
 
 
-def test_a_hit_never_uses_the_float_weights_of_the_int8_layers(model: Path,
-                                                               tmp_path: Path) -> None:
+def test_a_hit_never_uses_the_float_weights_of_the_int8_layers(model: Path, tmp_path: Path) -> None:
     cache_dir = tmp_path / "cache"
     expected = mel(load(model, cache_dir).models.flow)
     # Same size and mtime, but the float32 estimator weights are NaN: a hit must not notice.

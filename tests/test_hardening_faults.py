@@ -40,8 +40,6 @@ def run(coro: Any) -> Any:
     return asyncio.run(coro)
 
 
-
-
 async def _read_until(reader: asyncio.StreamReader, kind: str, timeout: float = 10) -> None:
     while (event := await asyncio.wait_for(async_read_event(reader), timeout)) is not None:
         if event.type == kind:
@@ -253,8 +251,9 @@ def test_a_describe_flood_without_reading_is_bounded(wy: SimpleNamespace) -> Non
 
             # type(), not isinstance(): the latter reads __class__ of every object in the process,
             # and torch's deprecated aliases warn when touched.
-            queued = max(h._out.qsize() for h in gc.get_objects()
-                         if issubclass(type(h), EventHandler))
+            queued = max(
+                h._out.qsize() for h in gc.get_objects() if issubclass(type(h), EventHandler)
+            )
             other = await wy.synthesize(srv.port, "Someone else.")
             await asyncio.sleep(1.0)  # past stall_timeout_s: the flooder is refused
             # Now read: a bounded number of answers, then the refusal, then the close.

@@ -33,8 +33,6 @@ def run(coro: Any) -> Any:
     return asyncio.run(coro)
 
 
-
-
 async def raw_exchange(port: int, payload: bytes, timeout: float = 15.0) -> list[Event]:
     """Send raw bytes and half-close, then read events until the server closes."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port)

@@ -247,7 +247,11 @@ def test_real_server_binds_only_the_uri_and_writes_only_its_int8_cache(
     cache = Path("data", ".cache", "int8")
     cached = [k for k in set(after) - set(before) if Path(k).parent == cache]
     assert sorted(Path(k).name.split("-")[0] + Path(k).suffix for k in cached) == [
-        "flow.json", "hift.json", "llm.json", "llm.pt"], cached
+        "flow.json",
+        "hift.json",
+        "llm.json",
+        "llm.pt",
+    ], cached
     added = sorted(set(after) - set(before) - {*cached, str(cache), str(cache.parent)})
     # Directory mtimes count too: a file made and removed again is still a write.
     changed = sorted(k for k in set(after) & set(before) if after[k] != before[k] and k != "data")

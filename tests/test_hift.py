@@ -212,15 +212,20 @@ def test_time_tiles_equal_one_pass(
 
 
 @pytest.mark.parametrize("rates, kernels", [((8, 5, 3), (16, 11, 7)), ((4, 4, 4), (8, 8, 8))])
-def test_time_tiles_with_other_upsample_rates(rates: tuple[int, ...],
-                                              kernels: tuple[int, ...]) -> None:
+def test_time_tiles_with_other_upsample_rates(
+    rates: tuple[int, ...], kernels: tuple[int, ...]
+) -> None:
     """Odd rates (odd source strides) and three stages tile like the shipped [8, 8]."""
     import dataclasses
 
     base = load_model_args(DATA / "tiny_model" / "cosyvoice.yaml").hift
-    args = dataclasses.replace(base, upsample_rates=rates, upsample_kernel_sizes=kernels,
-                               source_resblock_kernel_sizes=(7, 7, 11),
-                               source_resblock_dilation_sizes=((1, 3, 5),) * 3)
+    args = dataclasses.replace(
+        base,
+        upsample_rates=rates,
+        upsample_kernel_sizes=kernels,
+        source_resblock_kernel_sizes=(7, 7, 11),
+        source_resblock_dilation_sizes=((1, 3, 5),) * 3,
+    )
     torch.manual_seed(0)
     model = HiFTGenerator(args)
     upp = math.prod(rates) * args.istft_hop_len
@@ -232,8 +237,7 @@ def test_time_tiles_with_other_upsample_rates(rates: tuple[int, ...],
             whole = model.decode_spec(mel, source)
             for tile_frames in (4, 16, 64):
                 model.tile_frames = tile_frames
-                torch.testing.assert_close(model.decode_spec(mel, source), whole,
-                                           atol=1e-5, rtol=0)
+                torch.testing.assert_close(model.decode_spec(mel, source), whole, atol=1e-5, rtol=0)
 
 
 def test_cumsum_semantics(fixtures: dict[str, Tensor]) -> None:
@@ -321,8 +325,10 @@ def test_swapped_weight_still_used(model: HiFTGenerator) -> None:
 # --- bfloat16 filter (an opt-in approximation of the fast profiles) --------------------------
 
 
-@pytest.mark.skipif(not torch.ops.mkldnn._is_mkldnn_bf16_supported(),
-                    reason="this CPU has no oneDNN bfloat16 convolutions")
+@pytest.mark.skipif(
+    not torch.ops.mkldnn._is_mkldnn_bf16_supported(),
+    reason="this CPU has no oneDNN bfloat16 convolutions",
+)
 def test_the_bfloat16_filter_stays_close_and_keeps_its_weights_channels_last(
     fixtures: dict[str, Tensor], legacy_sd: dict[str, Tensor]
 ) -> None:

@@ -309,8 +309,12 @@ def test_openai_instructions_reach_an_instruct_model() -> None:
         ("/v1/audio/speech", {"input": "Hi.", "voice": "nobody"}, 404, "unknown voice"),
         ("/v1/audio/speech", {"input": "Hi.", "colour": "red"}, 400, "unknown field(s) colour"),
         ("/v1/audio/speech", {"input": "Hi.", "stream": True}, 400, "unknown field(s) stream"),
-        ("/v1/audio/speech", {"input": "Hi.", "instructions": "Whisper."}, 400,
-         "'instructions' needs the CosyVoice-300M-Instruct model"),
+        (
+            "/v1/audio/speech",
+            {"input": "Hi.", "instructions": "Whisper."},
+            400,
+            "'instructions' needs the CosyVoice-300M-Instruct model",
+        ),
         ("/v1/audio/speech", {"input": "Hi.", "instructions": 3}, 400, "must be a string"),
     ],
 )

@@ -65,11 +65,21 @@ def reference(single_torch_thread: None) -> torch.Tensor:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for parent in [*llm.text_encoder.encoders, *llm.llm.encoders, llm]:
-            names = ["llm_decoder"] if parent is llm else [
-                n for n, m in parent.named_modules()
-                if isinstance(m, torch.nn.Linear) and not n.endswith("linear_pos")]
-            quantize_dynamic(parent, dict.fromkeys(names, per_channel_dynamic_qconfig),
-                             dtype=torch.qint8, inplace=True)
+            names = (
+                ["llm_decoder"]
+                if parent is llm
+                else [
+                    n
+                    for n, m in parent.named_modules()
+                    if isinstance(m, torch.nn.Linear) and not n.endswith("linear_pos")
+                ]
+            )
+            quantize_dynamic(
+                parent,
+                dict.fromkeys(names, per_channel_dynamic_qconfig),
+                dtype=torch.qint8,
+                inplace=True,
+            )
     return logits(engine)
 
 
@@ -99,8 +109,9 @@ def test_miss_writes_the_cache_and_a_hit_gives_identical_logits(
     # No temp file left behind; beside the int8 layers, the checkpoints' indexes.
     files = sorted(p for p in cache_dir.iterdir() if not p.name.endswith(".index.json"))
     assert files == [cache_path(cache_dir, model / "llm.pt")]
-    assert sorted(index_path(cache_dir, model / name).name for name in CHECKPOINT_FILES) == \
-        sorted(p.name for p in cache_dir.iterdir() if p.name.endswith(".index.json"))
+    assert sorted(index_path(cache_dir, model / name).name for name in CHECKPOINT_FILES) == sorted(
+        p.name for p in cache_dir.iterdir() if p.name.endswith(".index.json")
+    )
     assert torch.equal(logits(fresh), reference)  # the fresh path is quantize_dynamic's recipe
 
     hit = load(model, cache_dir)
@@ -119,8 +130,12 @@ def test_a_hit_never_uses_the_float_weights_of_the_int8_layers(
     st = llm_pt.stat()
     state = torch.load(llm_pt, weights_only=True)
     for key, value in state.items():
-        if key.startswith(("llm.encoders.", "llm_decoder.")) and "linear_pos" not in key \
-                and key.endswith(".weight") and value.dim() == 2:
+        if (
+            key.startswith(("llm.encoders.", "llm_decoder."))
+            and "linear_pos" not in key
+            and key.endswith(".weight")
+            and value.dim() == 2
+        ):
             value.fill_(float("nan"))
     torch.save(state, llm_pt)
     if llm_pt.stat().st_size != st.st_size:
@@ -131,8 +146,9 @@ def test_a_hit_never_uses_the_float_weights_of_the_int8_layers(
     assert torch.equal(logits(engine), reference)
 
 
-def test_loads_restore_the_torch_thread_count(cached: tuple[Path, Path], model: Path,
-                                              tmp_path: Path) -> None:
+def test_loads_restore_the_torch_thread_count(
+    cached: tuple[Path, Path], model: Path, tmp_path: Path
+) -> None:
     # The load runs on one torch thread while the int8 layers are packed; a server left on one
     # thread afterwards would vocode at half speed. Also when the load fails. (Within the
     # CPU's thread ceiling: where more threads crash, the load caps them.)
@@ -150,7 +166,9 @@ def test_loads_restore_the_torch_thread_count(cached: tuple[Path, Path], model: 
 
 
 def test_a_stale_cache_is_rebuilt(
-    cached: tuple[Path, Path], model: Path, reference: torch.Tensor,
+    cached: tuple[Path, Path],
+    model: Path,
+    reference: torch.Tensor,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     cache_dir, cache_file = cached
@@ -194,10 +212,16 @@ def _foreign(path: Path) -> None:
     torch.save({"weight": torch.zeros(3)}, path)  # a valid torch file, but not our cache
 
 
-@pytest.mark.parametrize("damage", [_flip_a_weight_byte, _truncate, _garbage, _foreign],
-                         ids=["flipped-byte", "truncated", "garbage", "foreign"])
+@pytest.mark.parametrize(
+    "damage",
+    [_flip_a_weight_byte, _truncate, _garbage, _foreign],
+    ids=["flipped-byte", "truncated", "garbage", "foreign"],
+)
 def test_a_damaged_cache_is_rebuilt_with_a_warning(
-    damage, cached: tuple[Path, Path], model: Path, reference: torch.Tensor,
+    damage,
+    cached: tuple[Path, Path],
+    model: Path,
+    reference: torch.Tensor,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     cache_dir, cache_file = cached
@@ -225,11 +249,11 @@ def test_fp32_loads_write_only_the_checkpoint_indexes(model: Path, tmp_path: Pat
     engine = CosyVoiceEngine.load(model, int8_cache_dir=tmp_path / "cache")
     assert engine.lm_int8_cache_hit is None
     assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == sorted(
-        index_path(tmp_path / "cache", model / name).name for name in CHECKPOINT_FILES)
+        index_path(tmp_path / "cache", model / name).name for name in CHECKPOINT_FILES
+    )
 
 
-def test_the_default_cache_dir_follows_xdg(monkeypatch: pytest.MonkeyPatch,
-                                           tmp_path: Path) -> None:
+def test_the_default_cache_dir_follows_xdg(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     assert default_int8_cache_dir() == tmp_path / "wyoming-cosyvoice" / "int8"
     monkeypatch.setenv("XDG_CACHE_HOME", "relative/dir")  # the XDG spec says: ignore it
@@ -296,8 +320,7 @@ def test_the_int8_lm_and_flow_work_on_the_arm_engine(
 
     cache_dir = tmp_path / "cache"
     for expect_hit in (False, True):  # packed from fresh weights, then from the cache
-        engine = CosyVoiceEngine.load(model, lm_int8=True, flow_int8=True,
-                                      int8_cache_dir=cache_dir)
+        engine = CosyVoiceEngine.load(model, lm_int8=True, flow_int8=True, int8_cache_dir=cache_dir)
         assert engine.lm_int8_cache_hit is expect_hit
         assert engine.flow_int8_cache_hit is expect_hit
         # Same int8 weights as fbgemm's path, other activation rounding: close, not equal

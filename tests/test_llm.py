@@ -36,8 +36,12 @@ def meta() -> dict:
 
 
 def _inputs(fx: dict[str, torch.Tensor], case: str) -> tuple:
-    return (fx[f"{case}/in_text"], fx[f"{case}/in_prompt_text"],
-            fx[f"{case}/in_prompt_speech_token"], fx[f"{case}/in_embedding"])
+    return (
+        fx[f"{case}/in_text"],
+        fx[f"{case}/in_prompt_text"],
+        fx[f"{case}/in_prompt_speech_token"],
+        fx[f"{case}/in_embedding"],
+    )
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -52,13 +56,13 @@ def test_input_assembly(model, fx, case):
         lm_input = model.build_input(*_inputs(fx, case))
     torch.testing.assert_close(emb_out[0], fx[f"{case}/text_embedding_out"], atol=0, rtol=0)
     torch.testing.assert_close(enc[0], fx[f"{case}/text_encoder_out"], atol=ATOL_ENC, rtol=0)
-    torch.testing.assert_close(aff[0], fx[f"{case}/text_encoder_affine_out"], atol=ATOL_ENC,
-                               rtol=0)
+    torch.testing.assert_close(aff[0], fx[f"{case}/text_encoder_affine_out"], atol=ATOL_ENC, rtol=0)
     if case == "instruct":
         assert spk.shape == (1, 0, 64)
     else:
-        torch.testing.assert_close(spk[0, 0], fx[f"{case}/spk_embed_affine_out"], atol=ATOL_ENC,
-                                   rtol=0)
+        torch.testing.assert_close(
+            spk[0, 0], fx[f"{case}/spk_embed_affine_out"], atol=ATOL_ENC, rtol=0
+        )
     torch.testing.assert_close(lm_input[0], fx[f"{case}/lm_input"], atol=ATOL_ENC, rtol=0)
 
 
@@ -80,8 +84,9 @@ def test_teacher_forced_steps(model, fx, meta, case):
     logits = torch.cat([o.logits for o in outs])
     torch.testing.assert_close(hidden, fx[f"{case}/llm_last_hidden"], atol=ATOL_ENC, rtol=0)
     torch.testing.assert_close(logits, fx[f"{case}/logits"], atol=ATOL_LOGITS, rtol=0)
-    torch.testing.assert_close(cache.att_cache(), fx[f"{case}/final_att_cache"], atol=ATOL_ENC,
-                               rtol=0)
+    torch.testing.assert_close(
+        cache.att_cache(), fx[f"{case}/final_att_cache"], atol=ATOL_ENC, rtol=0
+    )
     info = meta["cases"][case]
     assert [list(s) for s in info["att_cache_out_shapes"]][-1] == list(cache.att_cache().shape)
 
@@ -118,11 +123,12 @@ def test_forced_tokens_and_cap(model, fx):
     text = fx["sft/in_text"][0].tolist()  # plain lists are accepted too
     emb = fx["sft/in_embedding"]
     forced = fx["sft/forced_tokens"].tolist()
-    assert list(model.generate(text, [], [], emb, forced_tokens=forced[:5] + [model.eos])) == \
-        forced[:5]
+    assert (
+        list(model.generate(text, [], [], emb, forced_tokens=forced[:5] + [model.eos]))
+        == forced[:5]
+    )
     # The cap ends the stream without EOS; max_tokens overrides the 20x cap.
-    assert list(model.generate(text, [], [], emb, forced_tokens=forced, max_tokens=7)) == \
-        forced[:7]
+    assert list(model.generate(text, [], [], emb, forced_tokens=forced, max_tokens=7)) == forced[:7]
     assert list(model.generate(text, None, None, emb, max_tokens=0)) == []
     # max_tokens fixes the count: EOS stays masked even past the usual min_len (14 here).
     seen: list[bool] = []
@@ -140,8 +146,7 @@ def test_generate_is_lazy_and_seeded(model, fx):
     gen = model.generate(*args, generator=torch.Generator().manual_seed(3), max_tokens=12)
     first = next(gen)  # a streaming consumer gets a token before the rest is computed
     rest = list(gen)
-    again = list(model.generate(*args, generator=torch.Generator().manual_seed(3),
-                                max_tokens=12))
+    again = list(model.generate(*args, generator=torch.Generator().manual_seed(3), max_tokens=12))
     assert [first, *rest] == again and len(again) == 12
     assert all(0 <= t < model.eos for t in again)
     assert not torch.is_inference_mode_enabled()
@@ -154,7 +159,7 @@ def test_batched_decode_matches_single(model, fx):
         b = model.build_input(*_inputs(fx, "instruct"))
         width = max(a.shape[1], b.shape[1])
         batch = torch.zeros(2, width, a.shape[2])
-        batch[0, width - a.shape[1]:], batch[1, width - b.shape[1]:] = a[0], b[0]
+        batch[0, width - a.shape[1] :], batch[1, width - b.shape[1] :] = a[0], b[0]
         cache = model.new_cache(width + 4, batch=2)
         lengths = torch.tensor([a.shape[1], b.shape[1]])
         logits = [model.prefill(batch, cache, lengths).logits]

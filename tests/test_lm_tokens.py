@@ -84,7 +84,8 @@ class _FreeCores:
 
 
 def test_both_threads_shrink_to_the_free_cores_and_grow_back(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """A neighbour takes a core after two tokens and leaves after six: the LM never runs more
     threads than the cores left, and takes them back."""
     monkeypatch.setattr(thread_budget, "_configured", 3)

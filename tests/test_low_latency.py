@@ -46,7 +46,7 @@ class SlicedNoise:
 
     def flow_noise(self, shape: tuple[int, ...]) -> torch.Tensor:
         frames = shape[2]
-        out = self.z[:, :, self.offset:self.offset + frames].clone()
+        out = self.z[:, :, self.offset : self.offset + frames].clone()
         # The next chunk starts with the 34 frames this one ends with (the token overlap).
         self.offset += frames - MEL_OVERLAP
         return out
@@ -65,12 +65,16 @@ def _run(models, schedule: StreamSchedule) -> tuple[np.ndarray, list[np.ndarray]
     prompt = FlowPrompt(torch.randn(1, 192, generator=torch.Generator().manual_seed(4)))
     frames = tokens_to_frames(N_TOKENS)
     with torch.inference_mode():
-        whole = whole_audio(tokens.tolist(), ChunkVocoder(models.flow, models.hift, prompt,
-                                                          SlicedNoise(frames)))
-        chunks = list(stream_audio(iter(tokens.tolist()),
-                                   ChunkVocoder(models.flow, models.hift, prompt,
-                                                SlicedNoise(frames)),
-                                   schedule))
+        whole = whole_audio(
+            tokens.tolist(), ChunkVocoder(models.flow, models.hift, prompt, SlicedNoise(frames))
+        )
+        chunks = list(
+            stream_audio(
+                iter(tokens.tolist()),
+                ChunkVocoder(models.flow, models.hift, prompt, SlicedNoise(frames)),
+                schedule,
+            )
+        )
     return whole[0].numpy(), [c[0].numpy() for c in chunks]
 
 
@@ -97,8 +101,9 @@ def expected_stream_length(n_tokens: int, schedule: StreamSchedule) -> int:
 
 
 def _log_spectrogram(x: np.ndarray) -> np.ndarray:
-    spec = torch.stft(torch.from_numpy(x), 1024, 256, window=torch.hann_window(1024),
-                      return_complex=True).abs()
+    spec = torch.stft(
+        torch.from_numpy(x), 1024, 256, window=torch.hann_window(1024), return_complex=True
+    ).abs()
     return np.log(spec.numpy() + 1e-5)
 
 
@@ -148,15 +153,18 @@ def test_no_clicks_at_chunk_boundaries(runs) -> None:
     for b in boundary:
         assert abs(stream[b] - stream[b - 1]) <= ceiling
         # and not an outlier in its neighbourhood either
-        local = steps[max(0, b - 512):b + 512]
+        local = steps[max(0, b - 512) : b + 512]
         assert abs(stream[b] - stream[b - 1]) <= np.percentile(local, 99.9)
 
 
-@pytest.mark.parametrize("bad", [
-    StreamSchedule(first_hop=10),
-    StreamSchedule(overlap=10),
-    StreamSchedule(first_hop=50, max_hop=30),
-])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        StreamSchedule(first_hop=10),
+        StreamSchedule(overlap=10),
+        StreamSchedule(first_hop=50, max_hop=30),
+    ],
+)
 def test_bad_schedules_are_rejected(bad: StreamSchedule) -> None:
     with pytest.raises(ValueError):
         check_schedule(bad)

@@ -23,8 +23,10 @@ from engine.onednn_layers import (
 
 TINY = Path(__file__).parent / "data" / "tiny_model"
 
-pytestmark = pytest.mark.skipif(not (onednn_linear_available() and onednn_conv_available()),
-                                reason="this torch has no oneDNN matmul or convolution")
+pytestmark = pytest.mark.skipif(
+    not (onednn_linear_available() and onednn_conv_available()),
+    reason="this torch has no oneDNN matmul or convolution",
+)
 
 
 @pytest.mark.parametrize("bias", [True, False])
@@ -59,8 +61,13 @@ def test_swaps_only_float_linears_inside_the_given_blocks() -> None:
 
 def test_engine_load_puts_the_float_estimator_on_onednn() -> None:
     estimator = CosyVoiceEngine.load(TINY).models.flow.decoder.estimator
-    in_blocks = [m for b in estimator.modules() if isinstance(b, TransformerBlock)
-                 for m in b.modules() if isinstance(m, OneDnnLinear | nn.Linear)]
+    in_blocks = [
+        m
+        for b in estimator.modules()
+        if isinstance(b, TransformerBlock)
+        for m in b.modules()
+        if isinstance(m, OneDnnLinear | nn.Linear)
+    ]
     assert in_blocks and all(isinstance(m, OneDnnLinear) for m in in_blocks)
     assert not any(type(m) is nn.Conv1d for m in estimator.modules())
     # Outside the transformer blocks (the time MLP, 1-2 rows) the default path is faster.
@@ -76,15 +83,16 @@ def test_engine_load_keeps_an_int8_estimator_int8(tmp_path: Path) -> None:
     assert not any(type(m) is nn.Conv1d for m in estimator.modules())
 
 
-@pytest.mark.parametrize(("kernel", "stride", "padding", "dilation", "bias"),
-                         [(3, 1, 1, 1, True), (1, 1, 0, 1, True), (3, 2, 1, 1, True),
-                          (7, 1, 9, 3, False)])
+@pytest.mark.parametrize(
+    ("kernel", "stride", "padding", "dilation", "bias"),
+    [(3, 1, 1, 1, True), (1, 1, 0, 1, True), (3, 2, 1, 1, True), (7, 1, 9, 3, False)],
+)
 @pytest.mark.parametrize(("batch", "frames"), [(1, 5), (2, 35), (2, 200)])
-def test_conv_matches_nn_conv1d(kernel: int, stride: int, padding: int, dilation: int,
-                                bias: bool, batch: int, frames: int) -> None:
+def test_conv_matches_nn_conv1d(
+    kernel: int, stride: int, padding: int, dilation: int, bias: bool, batch: int, frames: int
+) -> None:
     gen = torch.Generator().manual_seed(1)
-    conv = nn.Conv1d(24, 40, kernel, stride=stride, padding=padding, dilation=dilation,
-                     bias=bias)
+    conv = nn.Conv1d(24, 40, kernel, stride=stride, padding=padding, dilation=dilation, bias=bias)
     with torch.no_grad():
         conv.weight.copy_(torch.randn(conv.weight.shape, generator=gen))
         if bias:
@@ -109,9 +117,12 @@ def test_conv_refuses_what_it_cannot_run() -> None:
 
 
 def test_swaps_the_conv1d_layers_it_can_run() -> None:
-    root = nn.Sequential(nn.Conv1d(4, 8, 3, padding=1), nn.ModuleList([nn.Conv1d(8, 8, 1)]),
-                         nn.ConvTranspose1d(8, 8, 4, stride=2, padding=1),
-                         nn.Conv1d(8, 8, 3, padding=1, groups=2))
+    root = nn.Sequential(
+        nn.Conv1d(4, 8, 3, padding=1),
+        nn.ModuleList([nn.Conv1d(8, 8, 1)]),
+        nn.ConvTranspose1d(8, 8, 4, stride=2, padding=1),
+        nn.Conv1d(8, 8, 3, padding=1, groups=2),
+    )
     assert use_onednn_convs(root) == 2
     assert isinstance(root[0], OneDnnConv1d) and isinstance(root[1][0], OneDnnConv1d)
     assert type(root[2]) is nn.ConvTranspose1d  # transposed convolutions stay as they are

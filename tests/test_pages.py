@@ -55,16 +55,18 @@ def test_a_weight_written_after_loading_is_never_reverted() -> None:
     # file's values. The positional rows must be built from, and the weight keep, the new ones.
     llm = load_model_dir(TINY).llm
     attention = llm.llm.encoders[0].self_attn
-    written = torch.randn(attention.linear_pos.weight.shape,
-                          generator=torch.Generator().manual_seed(1))
+    written = torch.randn(
+        attention.linear_pos.weight.shape, generator=torch.Generator().manual_seed(1)
+    )
     with torch.no_grad():
         attention.linear_pos.weight.copy_(written)
     rows = attention._pos_rows(10)
     assert torch.equal(attention.linear_pos.weight, written)
     assert resident_pages(attention.linear_pos.weight) > 0
     expected = torch.nn.functional.linear(rel_pos_rows(attention, 10), written)
-    assert torch.allclose(rows.transpose(0, 1).reshape(10, -1) * attention.d_k ** 0.5,
-                          expected, atol=1e-5)
+    assert torch.allclose(
+        rows.transpose(0, 1).reshape(10, -1) * attention.d_k**0.5, expected, atol=1e-5
+    )
 
 
 def rel_pos_rows(attention: torch.nn.Module, length: int) -> torch.Tensor:
@@ -96,8 +98,11 @@ def mapped(tensor: torch.Tensor, areas: list[tuple[int, int]]) -> bool:
 
 def save_big_and_small(path: Path) -> dict[str, torch.Tensor]:
     """A checkpoint with an unused 4 MB tensor between two small used ones."""
-    tensors = {"norm_a": torch.randn(256), "replaced": torch.randn(1024, 1024),
-               "norm_b": torch.randn(256)}
+    tensors = {
+        "norm_a": torch.randn(256),
+        "replaced": torch.randn(1024, 1024),
+        "norm_b": torch.randn(256),
+    }
     torch.save(tensors, path)
     return tensors
 
@@ -145,8 +150,14 @@ def test_a_fenced_page_faults_instead_of_reading_zeros(tmp_path: Path) -> None:
     def no_core_file() -> None:
         resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
 
-    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                         cwd=Path(__file__).parent.parent, timeout=120, preexec_fn=no_core_file)
+    run = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).parent.parent,
+        timeout=120,
+        preexec_fn=no_core_file,
+    )
     assert run.returncode == -11, run.stderr  # SIGSEGV
     assert len(run.stdout.splitlines()) == 1  # the used tensor was read first
 
@@ -158,15 +169,19 @@ def test_loaded_engine_maps_no_replaced_float_weights(tmp_path: Path, int8_cache
     from engine.pages import mapping_of
 
     # One int8-replaced weight per file, and a float32 weight the model still reads from it.
-    replaced = {"llm.pt": "llm.encoders.0.feed_forward.w_1.weight",
-                "flow.pt": "decoder.estimator.mid_blocks.0.1.0.ff.net.2.weight"}
+    replaced = {
+        "llm.pt": "llm.encoders.0.feed_forward.w_1.weight",
+        "flow.pt": "decoder.estimator.mid_blocks.0.1.0.ff.net.2.weight",
+    }
     raw = {name: torch.load(TINY / name, mmap=True, weights_only=True) for name in replaced}
     if int8_cache == "hit":
         CosyVoiceEngine.load(TINY, lm_int8=True, flow_int8=True, int8_cache_dir=tmp_path)
     engine = CosyVoiceEngine.load(TINY, lm_int8=True, flow_int8=True, int8_cache_dir=tmp_path)
     assert engine.lm_int8_cache_hit is (int8_cache == "hit")
-    still_read = {"llm.pt": engine.models.llm.llm.embed.out[0].weight,
-                  "flow.pt": engine.models.flow.spk_embed_affine_layer.weight}
+    still_read = {
+        "llm.pt": engine.models.llm.llm.embed.out[0].weight,
+        "flow.pt": engine.models.flow.spk_embed_affine_layer.weight,
+    }
     page = os.sysconf("SC_PAGE_SIZE")
     for name, key in replaced.items():
         areas = file_areas(TINY / name)
@@ -183,8 +198,9 @@ def test_loaded_engine_maps_no_replaced_float_weights(tmp_path: Path, int8_cache
         assert list(engine.synthesize("Hello.", short_options()))
 
 
-def test_a_checkpoint_no_model_reads_is_not_fenced(tmp_path: Path,
-                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_checkpoint_no_model_reads_is_not_fenced(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A half-precision checkpoint is converted to float32 copies: no model reads its mapping,
     which must not be fenced (its addresses may belong to something else by then)."""
     import shutil

@@ -53,11 +53,20 @@ def test_pcm16_and_float_wavs_decode_to_the_fixture_samples(wave_fx) -> None:
         assert torch.equal(to_mono(samples), wave_fx["wav16k"])
 
 
-def _write_riff(path: Path, payload: bytes, *, tag: int, channels: int, rate: int, bits: int,
-                extensible: bool = False) -> None:
+def _write_riff(
+    path: Path,
+    payload: bytes,
+    *,
+    tag: int,
+    channels: int,
+    rate: int,
+    bits: int,
+    extensible: bool = False,
+) -> None:
     block = channels * bits // 8
-    fmt = struct.pack("<HHIIHH", 0xFFFE if extensible else tag, channels, rate, rate * block,
-                      block, bits)
+    fmt = struct.pack(
+        "<HHIIHH", 0xFFFE if extensible else tag, channels, rate, rate * block, block, bits
+    )
     if extensible:  # cbSize, valid bits, channel mask, sub-format GUID (tag + fixed tail)
         fmt += struct.pack("<HHI", 22, bits, 0) + struct.pack("<H", tag) + bytes(14)
     body = b"WAVE" + b"fmt " + struct.pack("<I", len(fmt)) + fmt
@@ -73,10 +82,23 @@ def test_other_encodings_and_stereo(tmp_path: Path, wave_fx) -> None:
     pcm24 = (ints << 8).astype("<i4").view(np.uint8).reshape(-1, 4)[:, :3].tobytes()
     with wave.open(str(tmp_path / "a24.wav"), "wb") as w:
         w.setnchannels(1), w.setsampwidth(3), w.setframerate(16000), w.writeframes(pcm24)
-    _write_riff(tmp_path / "a32.wav", (ints << 16).astype("<i4").tobytes(), tag=1, channels=1,
-                rate=16000, bits=32, extensible=True)
-    _write_riff(tmp_path / "f64.wav", (ints / 32768.0).astype("<f8").tobytes(), tag=3,
-                channels=1, rate=16000, bits=64)
+    _write_riff(
+        tmp_path / "a32.wav",
+        (ints << 16).astype("<i4").tobytes(),
+        tag=1,
+        channels=1,
+        rate=16000,
+        bits=32,
+        extensible=True,
+    )
+    _write_riff(
+        tmp_path / "f64.wav",
+        (ints / 32768.0).astype("<f8").tobytes(),
+        tag=3,
+        channels=1,
+        rate=16000,
+        bits=64,
+    )
     for name in ("a24.wav", "a32.wav", "f64.wav"):
         samples, info = read_wav(tmp_path / name)
         assert info.frames == 40000
@@ -134,8 +156,9 @@ def test_resampler_lengths_and_identity() -> None:
 
 
 def test_filterbanks_are_bit_exact_and_the_window_within_an_ulp(feat_fx) -> None:
-    assert torch.equal(slaney_mel_filters(22050, 1024, 80, 0.0, 8000.0),
-                       feat_fx["mel22050/mel_basis"])
+    assert torch.equal(
+        slaney_mel_filters(22050, 1024, 80, 0.0, 8000.0), feat_fx["mel22050/mel_basis"]
+    )
     assert torch.equal(slaney_mel_filters(16000, 400, 128), feat_fx["whisper/mel_filters"])
     assert torch.equal(kaldi_mel_banks(), feat_fx["fbank/mel_banks"])
     # Same recipe as the official fbank (hann ** 0.85), but torch's vectorised pow rounds

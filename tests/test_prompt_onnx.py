@@ -85,7 +85,7 @@ def _full_model_input(models: PromptModels, kind: str) -> dict[str, torch.Tensor
 def test_model_input_reproduces_the_v1_release_frontend(models, frontend_fx, kind: str) -> None:
     ours = _full_model_input(models, kind)
     prefix = f"pre/{kind}/"
-    expected = {k[len(prefix):]: v for k, v in frontend_fx.items() if k.startswith(prefix)}
+    expected = {k[len(prefix) :]: v for k, v in frontend_fx.items() if k.startswith(prefix)}
     assert sorted(ours) == sorted(expected)
     for key, want in expected.items():
         got = ours[key]
@@ -104,8 +104,9 @@ def test_model_input_reproduces_the_v1_release_frontend(models, frontend_fx, kin
 def test_float_wav_gives_the_same_prompt(models) -> None:
     a = extract_features(load_prompt_16k(DATA / "prompt16k_pcm16.wav")[0], models)
     b = extract_features(load_prompt_16k(DATA / "prompt16k_float32.wav")[0], models)
-    assert all(torch.equal(x, y) for x, y in zip(a.to_state().values(),
-                                                  b.to_state().values(), strict=True))
+    assert all(
+        torch.equal(x, y) for x, y in zip(a.to_state().values(), b.to_state().values(), strict=True)
+    )
 
 
 def test_missing_model_files_are_clear_errors(tmp_path: Path) -> None:

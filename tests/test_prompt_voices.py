@@ -66,8 +66,7 @@ def voices_dir(tmp_path: Path) -> Path:
     return d
 
 
-def test_bad_recordings_are_rejected_with_clear_messages(voices_dir: Path, models,
-                                                         caplog) -> None:
+def test_bad_recordings_are_rejected_with_clear_messages(voices_dir: Path, models, caplog) -> None:
     d = voices_dir
     write_wav(d / "short.wav", speechlike(2.0, 16000), 16000)
     (d / "short.txt").write_text("Too short.")
@@ -140,13 +139,18 @@ def test_cache_is_written_once_reused_and_invalidated(voices_dir: Path, models) 
     second = load_voice(voices_dir, "anna", models)
     cached_s = time.perf_counter() - start
     assert second.source == "cache" and cache.stat().st_mtime_ns == written
-    for a, b in zip(first.prompt.to_state().values(), second.prompt.to_state().values(),
-                    strict=True):
+    for a, b in zip(
+        first.prompt.to_state().values(), second.prompt.to_state().values(), strict=True
+    ):
         assert torch.equal(a, b)
     # Reported in the issue: extraction vs cached load (tiny ONNX models; the real tokenizer
     # is ~500 MB, so the real saving is far bigger).
-    _LOGGER.warning("prompt extraction %.3f s, cached load %.3f s (%.0fx)", extract_s, cached_s,
-                    extract_s / max(cached_s, 1e-9))
+    _LOGGER.warning(
+        "prompt extraction %.3f s, cached load %.3f s (%.0fx)",
+        extract_s,
+        cached_s,
+        extract_s / max(cached_s, 1e-9),
+    )
     assert cached_s < extract_s
 
     # Cached voices load without the ONNX models (and without onnxruntime).
@@ -211,8 +215,9 @@ def test_voice_modes(engine, voices_dir: Path, models) -> None:
     assert cross.voice.llm_embedding.shape == (1, 192)  # the v1 LM keeps the speaker
     assert cross.voice.flow_prompt is not None
 
-    inst = to_engine_voice(voice, engine.frontend, "Hi.", kind="instruct",
-                           instruct="A calm, slow voice.")
+    inst = to_engine_voice(
+        voice, engine.frontend, "Hi.", kind="instruct", instruct="A calm, slow voice."
+    )
     assert inst.mode == "instruct"
     assert inst.voice.llm_embedding.shape == (0, 192) and inst.voice.flow_prompt is None
     assert inst.voice.prompt_text_ids == engine.frontend.instruct_ids("A calm, slow voice.")
@@ -241,8 +246,9 @@ def test_custom_voice_synthesizes_through_the_engine(engine, voices_dir: Path, m
     assert vin.mode == "cross_lingual"
     stream = SynthesisOptions(stream=True, seed=3, force_tokens=80)
     segment = engine.frontend.segments(text)[0]
-    vin = to_engine_voice(voice, engine.frontend, segment.text, kind=engine.kind,
-                          text_ids=segment.token_ids)
+    vin = to_engine_voice(
+        voice, engine.frontend, segment.text, kind=engine.kind, text_ids=segment.token_ids
+    )
     assert vin.text_ids is not None and vin.text_ids[1:] == segment.token_ids
     chunks = list(engine._segment(vin.text_ids, vin.voice, stream, 3, None))
     assert len(chunks) > 1
@@ -269,8 +275,14 @@ def test_proposed_engine_integration(engine, voices_dir: Path, models) -> None:
             for index, segment in enumerate(self.frontend.segments(text)):
                 ids, seg_voice = segment.token_ids, voice
                 if custom is not None:
-                    vin = to_engine_voice(custom, self.frontend, segment.text, kind=self.kind,
-                                          instruct=options.instruct, text_ids=segment.token_ids)
+                    vin = to_engine_voice(
+                        custom,
+                        self.frontend,
+                        segment.text,
+                        kind=self.kind,
+                        instruct=options.instruct,
+                        text_ids=segment.token_ids,
+                    )
                     ids, seg_voice = vin.text_ids, vin.voice
                 yield from self._segment(ids, seg_voice, options, seed + index, cancel)
 
@@ -307,6 +319,12 @@ def test_cached_voices_never_import_onnxruntime(voices_dir: Path, models) -> Non
         "assert 'onnxruntime' not in sys.modules\n"
     )
     root = Path(__file__).resolve().parent.parent
-    done = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True,
-                          text=True, timeout=120, check=False)
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert done.returncode == 0, done.stderr[-2000:]

@@ -111,14 +111,28 @@ def test_the_fused_relu_layer_equals_relu_after_the_layer(rows: int) -> None:
 def test_a_cache_index_that_does_not_fit_its_data_is_rejected(damage: str) -> None:
     from engine.quantize import CacheError, FlatInt8Layers
 
-    flat = {"weight": torch.zeros(2 * 3 + 4 * 3, dtype=torch.int8),
-            "scales": torch.ones(6, dtype=torch.float64),
-            "zero_points": torch.zeros(6, dtype=torch.int64),
-            "bias": torch.zeros(4)}
-    index = [{"name": "a", "out": 2, "in": 3, "bias": False,
-              "crc32": {"weight": 0, "scales": 0, "zero_points": 0}},
-             {"name": "b", "out": 4, "in": 3, "bias": True,
-              "crc32": {"weight": 0, "scales": 0, "zero_points": 0, "bias": 0}}]
+    flat = {
+        "weight": torch.zeros(2 * 3 + 4 * 3, dtype=torch.int8),
+        "scales": torch.ones(6, dtype=torch.float64),
+        "zero_points": torch.zeros(6, dtype=torch.int64),
+        "bias": torch.zeros(4),
+    }
+    index = [
+        {
+            "name": "a",
+            "out": 2,
+            "in": 3,
+            "bias": False,
+            "crc32": {"weight": 0, "scales": 0, "zero_points": 0},
+        },
+        {
+            "name": "b",
+            "out": 4,
+            "in": 3,
+            "bias": True,
+            "crc32": {"weight": 0, "scales": 0, "zero_points": 0, "bias": 0},
+        },
+    ]
     layers = FlatInt8Layers.from_saved(index, flat).layers()
     assert layers["b"][0]["weight"].shape == (4, 3) and "bias" not in layers["a"][0]
     if damage == "missing-layer-data":
@@ -136,13 +150,20 @@ def test_a_cache_index_that_does_not_fit_its_data_is_rejected(damage: str) -> No
 def test_layers_that_do_not_fit_the_flat_cache_abandon_only_the_cache() -> None:
     from engine.quantize import FlatInt8Layers
 
-    flat = FlatInt8Layers({"weight": torch.empty(6, dtype=torch.int8),
-                           "scales": torch.empty(2, dtype=torch.float64),
-                           "zero_points": torch.empty(2, dtype=torch.int64),
-                           "bias": torch.empty(0)}, [])
-    parts = {"weight": torch.ones(2, 3, dtype=torch.int8),
-             "scales": torch.ones(2, dtype=torch.float64),
-             "zero_points": torch.zeros(2, dtype=torch.int64)}
+    flat = FlatInt8Layers(
+        {
+            "weight": torch.empty(6, dtype=torch.int8),
+            "scales": torch.empty(2, dtype=torch.float64),
+            "zero_points": torch.empty(2, dtype=torch.int64),
+            "bias": torch.empty(0),
+        },
+        [],
+    )
+    parts = {
+        "weight": torch.ones(2, 3, dtype=torch.int8),
+        "scales": torch.ones(2, dtype=torch.float64),
+        "zero_points": torch.zeros(2, dtype=torch.int64),
+    }
     flat.add("a", parts)
     assert flat.complete and flat.layers()["a"][0]["weight"].tolist() == [[1] * 3] * 2
     with pytest.raises(ValueError, match="does not fit"):

@@ -36,8 +36,7 @@ def meta() -> dict:
 
 @pytest.mark.parametrize("name", SETS)
 def test_nucleus_candidates(fx, name):
-    probs, idx = nucleus_candidates(fx[f"sampling/{name}/weighted_scores"], ARGS.top_p,
-                                    ARGS.top_k)
+    probs, idx = nucleus_candidates(fx[f"sampling/{name}/weighted_scores"], ARGS.top_p, ARGS.top_k)
     assert idx.tolist() == fx[f"sampling/{name}/nucleus_indices"].tolist()
     # Softmax's vectorised exp rounds differently by CPU: within 1e-7 on the AVX2 host that
     # made the fixtures, 2.7e-7 on an AVX-512 one.
@@ -64,13 +63,16 @@ def test_nucleus_rules():
     assert nucleus_candidates(logp, 0.3, 25)[1].tolist() == [0]  # the first is always kept
 
 
-@pytest.mark.parametrize("values, k", [
-    (torch.rand(4097, generator=torch.Generator().manual_seed(3)), 25),  # no ties
-    (torch.tensor([0.1, 0.3, 0.3, 0.05, 0.3, 0.2, 0.3]), 5),  # ties inside the cut
-    (torch.tensor([0.1, 0.3, 0.2, 0.2, 0.05, 0.2, 0.4]), 3),  # a tie across the cut
-    (torch.tensor([0.2, 0.5, 0.2, 0.1]), 4),  # k = vocabulary
-    (torch.tensor([0.2, 0.5, 0.2]), 25),  # k > vocabulary
-])
+@pytest.mark.parametrize(
+    "values, k",
+    [
+        (torch.rand(4097, generator=torch.Generator().manual_seed(3)), 25),  # no ties
+        (torch.tensor([0.1, 0.3, 0.3, 0.05, 0.3, 0.2, 0.3]), 5),  # ties inside the cut
+        (torch.tensor([0.1, 0.3, 0.2, 0.2, 0.05, 0.2, 0.4]), 3),  # a tie across the cut
+        (torch.tensor([0.2, 0.5, 0.2, 0.1]), 4),  # k = vocabulary
+        (torch.tensor([0.2, 0.5, 0.2]), 25),  # k > vocabulary
+    ],
+)
 def test_top_sorted_is_the_head_of_a_stable_sort(values, k):
     want_values, want_indices = values.sort(descending=True, stable=True)
     got_values, got_indices = top_sorted(values, k)
@@ -85,8 +87,9 @@ def test_seeded_draws_stay_in_nucleus(fx):
     draws = [nucleus_sampling(scores, ARGS.top_p, ARGS.top_k, gen) for _ in range(50)]
     assert set(draws) <= allowed and len(set(draws)) > 1
     gen_a, gen_b = torch.Generator().manual_seed(7), torch.Generator().manual_seed(7)
-    assert [ras_sampling(scores, [1, 2], ARGS, gen_a) for _ in range(10)] == \
-        [ras_sampling(scores, [1, 2], ARGS, gen_b) for _ in range(10)]
+    assert [ras_sampling(scores, [1, 2], ARGS, gen_a) for _ in range(10)] == [
+        ras_sampling(scores, [1, 2], ARGS, gen_b) for _ in range(10)
+    ]
 
 
 def test_repeat_fallback_excludes_token():
@@ -116,6 +119,7 @@ def test_seeded_ras_matches_official_rng_stream(fx, meta, name):
     scores = fx[f"sampling/{name}/weighted_scores"]
     top10 = scores.topk(10).indices.tolist()
     for hist_name, history in (("empty_history", []), ("history_top10", top10)):
-        got = [ras_sampling(scores, history, ARGS, torch.Generator().manual_seed(s))
-               for s in range(8)]
+        got = [
+            ras_sampling(scores, history, ARGS, torch.Generator().manual_seed(s)) for s in range(8)
+        ]
         assert got == meta[name][f"seeded_ras_sampling_{hist_name}"], hist_name

@@ -32,8 +32,6 @@ def run(coro):  # noqa: ANN001, ANN201
     return asyncio.run(coro)
 
 
-
-
 async def timed_describe(port: int) -> tuple[float, Info]:
     from wyoming.client import AsyncTcpClient
 

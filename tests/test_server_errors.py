@@ -22,8 +22,6 @@ def run(coro: Any) -> Any:
     return asyncio.run(coro)
 
 
-
-
 async def raw_exchange(port: int, payload: bytes, timeout: float = 10.0) -> list[Event]:
     """Send raw bytes, then read events until the server closes the connection."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port)

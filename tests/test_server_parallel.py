@@ -81,8 +81,7 @@ class MeetingEngine:
             if text.startswith("Together"):
                 self.meet.wait()  # times out (and the request fails) unless both run at once
             for chunk in self._fake.synthesize(text, options, cancel):
-                self.seen.append((text, threading.current_thread().name,
-                                  torch.get_num_threads()))
+                self.seen.append((text, threading.current_thread().name, torch.get_num_threads()))
                 yield chunk
 
         return chunks()
@@ -94,7 +93,8 @@ def meeting_server(wy: SimpleNamespace, overrides: dict[str, Any]) -> Any:
 
 
 def test_sentences_side_by_side_share_the_cores_and_one_alone_gets_them_all(
-        wy: SimpleNamespace) -> None:
+    wy: SimpleNamespace,
+) -> None:
     async def main() -> tuple[list, MeetingEngine]:
         async with meeting_server(wy, {"server.parallel_sentences": 2}) as srv:
             texts = ["Together one.", "Together two."]
@@ -111,7 +111,9 @@ def test_sentences_side_by_side_share_the_cores_and_one_alone_gets_them_all(
         torch.set_num_threads(cores)
     assert all(r.types[-1] == "audio-stop" and r.samples > 0 for r in replies)
     assert {thread for text, thread, _ in engine.seen if text.startswith("Together")} == {
-        "engine_0", "engine1_0"}
+        "engine_0",
+        "engine1_0",
+    }
     assert engine.threads is None  # loaded (and warmed up) on every core
     # The second slot's sentence always runs on one thread. (How many the first slot's gets
     # depends on whether the other had started or finished before each chunk: the policy's
@@ -119,7 +121,8 @@ def test_sentences_side_by_side_share_the_cores_and_one_alone_gets_them_all(
     assert {n for _, thread, n in engine.seen if thread == "engine1_0"} == {1}
     # A sentence alone (on the first slot) gets every core back.
     assert {(thread, n) for text, thread, n in engine.seen if text == "Alone now."} == {
-        ("engine_0", 3)}
+        ("engine_0", 3)
+    }
     # The engine gets the same policy to ask between LM tokens and flow steps.
     assert len(engine.budgets) == 3 and all(callable(b) for b in engine.budgets)
 
@@ -128,8 +131,9 @@ def test_only_the_first_slot_runs_a_sentence_on_every_core() -> None:
     from wyoming_cosyvoice.server import ModelHost
 
     async def main() -> list[int | None]:
-        host = ModelHost("model", engine_factory=lambda *_: None, warmup=False, parallel=2,
-                         shared_cores=True)
+        host = ModelHost(
+            "model", engine_factory=lambda *_: None, warmup=False, parallel=2, shared_cores=True
+        )
         host._all_threads = 4
         seen = [host._threads_for(0)]  # (nothing taken: not asked in practice)
         first = await host._slots.acquire()
@@ -175,8 +179,13 @@ def test_an_exclusive_job_waits_for_every_running_sentence(wy: SimpleNamespace) 
             async def sink(_: Any) -> None:
                 pass
 
-            await host.synthesize(text, SynthesisOptions(speaker=engine.speakers[0]),
-                                  threading.Event(), sink, load_timeout=5)
+            await host.synthesize(
+                text,
+                SynthesisOptions(speaker=engine.speakers[0]),
+                threading.Event(),
+                sink,
+                load_timeout=5,
+            )
 
         def finished_so_far() -> list[bool]:
             return [call.finished for call in engine.calls]

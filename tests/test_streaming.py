@@ -65,8 +65,11 @@ def _case(scenario: str) -> tuple[list[int], FlowPrompt]:
         tokens = kwargs["source_speech_token"][0].tolist()
     prompt = FlowPrompt(kwargs["flow_embedding"])
     if "flow_prompt_speech_token" in kwargs:
-        prompt = FlowPrompt(kwargs["flow_embedding"], kwargs["flow_prompt_speech_token"],
-                            kwargs["prompt_speech_feat"])
+        prompt = FlowPrompt(
+            kwargs["flow_embedding"],
+            kwargs["flow_prompt_speech_token"],
+            kwargs["prompt_speech_feat"],
+        )
     return tokens, prompt
 
 
@@ -76,8 +79,13 @@ def test_official_stream_chunks(models, scenario: str) -> None:
     vocoder = ChunkVocoder(models.flow, models.hift, prompt, ReplayNoise(f"{scenario}/stream"))
     with torch.inference_mode():
         chunks = list(stream_audio(iter(tokens), vocoder, OFFICIAL_SCHEDULE))
-    n_expected = len([k for k in FIXTURES if k.startswith(f"{scenario}/stream/chunk")
-                      and k.endswith("/speech_out")])
+    n_expected = len(
+        [
+            k
+            for k in FIXTURES
+            if k.startswith(f"{scenario}/stream/chunk") and k.endswith("/speech_out")
+        ]
+    )
     assert len(chunks) == n_expected
     for i, chunk in enumerate(chunks):
         expected = FIXTURES[f"{scenario}/stream/chunk{i}/speech_out"]
@@ -88,8 +96,7 @@ def test_official_stream_chunks(models, scenario: str) -> None:
 @pytest.mark.parametrize("scenario", ["vc250", "vc221_prompt", "e2e_sft_llm"])
 def test_official_nonstream(models, scenario: str) -> None:
     tokens, prompt = _case(scenario)
-    vocoder = ChunkVocoder(models.flow, models.hift, prompt,
-                           ReplayNoise(f"{scenario}/nonstream"))
+    vocoder = ChunkVocoder(models.flow, models.hift, prompt, ReplayNoise(f"{scenario}/nonstream"))
     with torch.inference_mode():
         audio = whole_audio(tokens, vocoder)
     expected = FIXTURES[f"{scenario}/nonstream/chunk0/speech_out"]
@@ -108,8 +115,9 @@ def test_a_thread_budget_is_asked_before_each_flow_step_and_hift(models) -> None
         asked.append(torch.get_num_threads())
         return 1 if len(asked) % 2 else 2  # alternate, to change the count at every step
 
-    vocoder = ChunkVocoder(models.flow, models.hift, prompt, ReplayNoise("vc250/nonstream"),
-                           threads=budget)
+    vocoder = ChunkVocoder(
+        models.flow, models.hift, prompt, ReplayNoise("vc250/nonstream"), threads=budget
+    )
     try:
         with torch.inference_mode():
             audio = whole_audio(tokens, vocoder)

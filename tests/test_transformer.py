@@ -17,7 +17,7 @@ CASES = ("sft", "zero_shot", "instruct")
 
 
 def _sub(sd: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
-    return {k[len(prefix):]: v for k, v in sd.items() if k.startswith(prefix)}
+    return {k[len(prefix) :]: v for k, v in sd.items() if k.startswith(prefix)}
 
 
 @pytest.fixture(scope="module")
@@ -106,8 +106,9 @@ def test_causal_pass_uses_the_cached_rows_and_agrees_with_all_positions(args, ll
     enc.load_state_dict(_sub(llm_sd, "text_encoder."), strict=True)
     attention = enc.encoders[0].self_attn
     t = 23
-    x = torch.randn(1, t, args.llm.text_encoder.output_size,
-                    generator=torch.Generator().manual_seed(4))
+    x = torch.randn(
+        1, t, args.llm.text_encoder.output_size, generator=torch.Generator().manual_seed(4)
+    )
     mask = torch.ones(t, t, dtype=torch.bool).tril().view(1, 1, t, t)
     with torch.inference_mode():
         every_position = attention(x, mask)
@@ -151,7 +152,7 @@ def test_cached_decode_matches_fixture_and_full(lm_encoder, llm_fx, case):
         for s in steps:
             hidden.append(lm_encoder.forward_cached(s.view(1, 1, -1), cache)[:, -1])
         hidden_t = torch.cat(hidden)
-        full = lm_encoder(torch.cat([lm_input[0], steps]).unsqueeze(0))[0, lm_input.shape[1] - 1:]
+        full = lm_encoder(torch.cat([lm_input[0], steps]).unsqueeze(0))[0, lm_input.shape[1] - 1 :]
     torch.testing.assert_close(hidden_t, llm_fx[f"{case}/llm_last_hidden"], atol=1e-5, rtol=0)
     torch.testing.assert_close(hidden_t, full, atol=1e-5, rtol=0)
     att = cache.att_cache()
@@ -187,7 +188,7 @@ def test_decode_steps_after_a_weight_reload_use_the_new_weights(args):
     def decode() -> torch.Tensor:
         cache = enc.new_cache(1, 9)
         outs = [enc.forward_cached(x[:, :5], cache)]
-        outs += [enc.forward_cached(x[:, i:i + 1], cache) for i in range(5, 9)]
+        outs += [enc.forward_cached(x[:, i : i + 1], cache) for i in range(5, 9)]
         return torch.cat(outs, 1)
 
     with torch.inference_mode():
@@ -218,7 +219,7 @@ def test_batched_left_padded_cache(args):
         for row, prompt in enumerate((a, b)):
             solo = enc.new_cache(1, 12)
             ref = [enc.forward_cached(prompt, solo)[:, -1]]
-            ref += [enc.forward_cached(s[row:row + 1], solo)[:, -1] for s in steps]
+            ref += [enc.forward_cached(s[row : row + 1], solo)[:, -1] for s in steps]
             got = torch.stack([o[row] for o in outs])
             assert torch.isfinite(got).all()
             torch.testing.assert_close(got, torch.cat(ref), atol=1e-5, rtol=0)
@@ -232,7 +233,7 @@ def test_positional_cache_grows_across_capacity(args):
     with torch.inference_mode():
         cache = enc.new_cache(1, 262)
         outs = [enc.forward_cached(x[:, :250], cache)]
-        outs += [enc.forward_cached(x[:, i:i + 1], cache) for i in range(250, 262)]
+        outs += [enc.forward_cached(x[:, i : i + 1], cache) for i in range(250, 262)]
         expect = enc(x)
     assert enc.encoders[0].self_attn._pos_cache[1].shape[1] == 512
     torch.testing.assert_close(torch.cat(outs, 1), expect, atol=1e-5, rtol=0)

@@ -73,8 +73,11 @@ def test_full_size_modules_match_manifest() -> None:
     manifest = json.loads((DATA / "manifest_300m.json").read_text())
     args = load_model_args(DATA / "cosyvoice_300m.yaml")
     with torch.device("meta"):  # no 1.7 GB allocation
-        modules = {"llm": TransformerLM(args.llm), "flow": FlowModel(args.flow),
-                   "hift": HiFTGenerator(args.hift)}
+        modules = {
+            "llm": TransformerLM(args.llm),
+            "flow": FlowModel(args.flow),
+            "hift": HiFTGenerator(args.hift),
+        }
     for name, module in modules.items():
         ours = {k: tuple(v.shape) for k, v in module.state_dict().items()}
         expected = _folded_manifest_keys(manifest[name]["state_dict"])
@@ -158,8 +161,10 @@ def test_both_weight_norm_layouts_give_identical_models(model_copy: Path) -> Non
     (model_copy / "hift.pt").unlink()
     shutil.copy(DATA / "hift_parametrized_keys.pt", model_copy / "hift.pt")
     modern = _hift_weights(model_copy)
-    prefixed = {f"generator.{k}": v for k, v in
-                torch.load(DATA / "hift_parametrized_keys.pt", weights_only=True).items()}
+    prefixed = {
+        f"generator.{k}": v
+        for k, v in torch.load(DATA / "hift_parametrized_keys.pt", weights_only=True).items()
+    }
     (model_copy / "hift.pt").unlink()
     torch.save(prefixed, model_copy / "hift.pt")
     with_prefix = _hift_weights(model_copy)

@@ -45,13 +45,22 @@ def build_parser() -> argparse.ArgumentParser:
     add("--download-dir", help="where a missing model is downloaded (default: first data dir)")
     add("--voices-dir", help="custom voices folder: NAME.wav + NAME.txt (docs/custom-voices.md)")
     add("--voice", help="default voice, e.g. zh-female (default: by the text's language)")
-    add("--profile",
-        help="settings profile from config.yaml: realtime, fast, fastest, quality, batch, ...")
-    add("--lm-weights", choices=("int8", "fp32"),
-        help="LM decoder weights: int8 (default, 3x faster) or fp32 (exact official maths)")
+    add(
+        "--profile",
+        help="settings profile from config.yaml: realtime, fast, fastest, quality, batch, ...",
+    )
+    add(
+        "--lm-weights",
+        choices=("int8", "fp32"),
+        help="LM decoder weights: int8 (default, 3x faster) or fp32 (exact official maths)",
+    )
     add("--threads", type=int, help="CPU threads for the engine")
-    add("--parallel-sentences", type=int, metavar="N",
-        help="sentences synthesized at once for simultaneous clients (default 1)")
+    add(
+        "--parallel-sentences",
+        type=int,
+        metavar="N",
+        help="sentences synthesized at once for simultaneous clients (default 1)",
+    )
     add("--samples-per-chunk", type=int, help="audio samples per audio-chunk event")
     add("--no-streaming", action="store_true", help="do not advertise streaming text input")
     add("--zeroconf", nargs="?", const="cosyvoice", metavar="NAME", help="advertise over mDNS")

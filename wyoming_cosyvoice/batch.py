@@ -40,8 +40,11 @@ def build_parser() -> argparse.ArgumentParser:
     add("--batch", action="store_true",
         help="long text: split into segments, batch profile, progress bar")  # fmt: skip
     add("--segments-dir", type=Path, help="with --batch: also write each segment as NNNN.wav")
-    add("--voice", help="voice name (e.g. en-female) or speaker; default: by the language "
-        "of the text (with --batch: of each segment)")
+    add(
+        "--voice",
+        help="voice name (e.g. en-female) or speaker; default: by the language "
+        "of the text (with --batch: of each segment)",
+    )
     add("--profile", help="settings profile (default: batch with --batch, else the server's)")
     add("--seed", type=int, help="fixed sampling seed (reproducible audio)")
     add("--config", type=Path, help="settings file (default: the repository's config.yaml)")

@@ -142,8 +142,14 @@ class ProfileConfig:
     flow_weights: str = "fp32"  # the server loads the flow in this format (int8: approximation)
     hift_weights: str = "fp32"  # HiFT's filter runs in this format (bf16: approximation)
 
-    def options(self, *, speaker: str | None, seed: int | None, instruct: str | None,
-                force_tokens: int | None) -> SynthesisOptions:
+    def options(
+        self,
+        *,
+        speaker: str | None,
+        seed: int | None,
+        instruct: str | None,
+        force_tokens: int | None,
+    ) -> SynthesisOptions:
         """The engine options of one request under this profile."""
         return SynthesisOptions(
             speaker=speaker,

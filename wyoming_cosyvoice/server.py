@@ -139,7 +139,8 @@ class _Slots:
         self.count = count
         self._free = list(range(count))
         self._waiters: collections.deque[tuple[int, asyncio.Future[list[int]]]] = (
-            collections.deque())
+            collections.deque()
+        )
 
     async def acquire(self, n: int = 1) -> list[int]:
         if not self._waiters and len(self._free) >= n:
@@ -242,9 +243,7 @@ class ModelHost:
         try:
             _LOGGER.info("Loading model from %s", self.model_dir)
             start = loop.time()
-            engine = await self._call(
-                self._executor, self._factory, self.model_dir, self._threads
-            )
+            engine = await self._call(self._executor, self._factory, self.model_dir, self._threads)
             if self._warmup:
                 await self._call(self._executor, engine.warmup)
             if self._shared_cores:

@@ -39,38 +39,78 @@ def build_parser() -> argparse.ArgumentParser:
     from engine.bench.profiles import DEFAULT_PROFILE
     from engine.bench.synthetic import DEFAULT_CACHE_DIR
 
-    parser = argparse.ArgumentParser(prog="python -m engine.bench", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m engine.bench",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     model = parser.add_mutually_exclusive_group(required=True)
-    model.add_argument("--synthetic", choices=("300m",),
-                       help="build (once) and benchmark a full-size model with random weights")
+    model.add_argument(
+        "--synthetic",
+        choices=("300m",),
+        help="build (once) and benchmark a full-size model with random weights",
+    )
     model.add_argument("--model-dir", type=Path, help="a model directory in the official layout")
-    parser.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE_DIR,
-                        help="where --synthetic keeps its model files (default: %(default)s)")
-    parser.add_argument("--tokens", type=int, default=DEFAULT_TOKENS,
-                        help="speech tokens per request, forced (random weights never emit EOS); "
-                             "0 = until EOS (default: %(default)s = 8 s of audio)")
+    parser.add_argument(
+        "--cache-dir",
+        type=Path,
+        default=DEFAULT_CACHE_DIR,
+        help="where --synthetic keeps its model files (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--tokens",
+        type=int,
+        default=DEFAULT_TOKENS,
+        help="speech tokens per request, forced (random weights never emit EOS); "
+        "0 = until EOS (default: %(default)s = 8 s of audio)",
+    )
     parser.add_argument("--text", default=REFERENCE_TEXT, help="text to synthesize")
-    parser.add_argument("--profile", default=DEFAULT_PROFILE,
-                        help="profile of config.yaml (default: %(default)s)")
+    parser.add_argument(
+        "--profile", default=DEFAULT_PROFILE, help="profile of config.yaml (default: %(default)s)"
+    )
     parser.add_argument("--config", type=Path, help="server config.yaml with the profiles")
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
-    parser.add_argument("--repeats", type=int, default=3,
-                        help="runs, each in a fresh process; medians reported (default: 3)")
-    parser.add_argument("--lm-int8", action="store_true",
-                        help="load the LM decoder with the engine's int8 weights (fast path)")
-    parser.add_argument("--no-warmup", action="store_true",
-                        help="measure without the engine's warm-up pass")
-    parser.add_argument("--concurrency", type=_levels, metavar="K[,K...]",
-                        help="instead: K simultaneous requests through the Wyoming server")
-    parser.add_argument("--server-arg", action="append", default=[], metavar="ARG",
-                        help="extra server argument for --concurrency (repeatable)")
-    parser.add_argument("--neighbours", type=int, default=0, metavar="N",
-                        help="run N CPU-hungry neighbour processes for the whole benchmark, "
-                             "as on a busy Home Assistant box (default: none)")
-    parser.add_argument("--neighbour-kind", choices=KINDS, default="spin",
-                        help="spin: a busy loop; memory: a loop copying 64 MB buffers "
-                             "(default: %(default)s)")
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="runs, each in a fresh process; medians reported (default: 3)",
+    )
+    parser.add_argument(
+        "--lm-int8",
+        action="store_true",
+        help="load the LM decoder with the engine's int8 weights (fast path)",
+    )
+    parser.add_argument(
+        "--no-warmup", action="store_true", help="measure without the engine's warm-up pass"
+    )
+    parser.add_argument(
+        "--concurrency",
+        type=_levels,
+        metavar="K[,K...]",
+        help="instead: K simultaneous requests through the Wyoming server",
+    )
+    parser.add_argument(
+        "--server-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="extra server argument for --concurrency (repeatable)",
+    )
+    parser.add_argument(
+        "--neighbours",
+        type=int,
+        default=0,
+        metavar="N",
+        help="run N CPU-hungry neighbour processes for the whole benchmark, "
+        "as on a busy Home Assistant box (default: none)",
+    )
+    parser.add_argument(
+        "--neighbour-kind",
+        choices=KINDS,
+        default="spin",
+        help="spin: a busy loop; memory: a loop copying 64 MB buffers (default: %(default)s)",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--debug", action="store_true", help="verbose progress on stderr")
     return parser
@@ -85,8 +125,11 @@ def measure_limits(threads: int | None, lm_int8: bool) -> dict[str, float]:
     if threads:
         torch.set_num_threads(threads)
     _LOGGER.info("Measuring memory bandwidth, GEMV and GEMM throughput")
-    return {"mem_bw_gbps": measure_mem_bw_gbps(), "gemv_gbps": measure_gemv_gbps(int8=lm_int8),
-            "gemm_gflops": measure_gemm_gflops()}
+    return {
+        "mem_bw_gbps": measure_mem_bw_gbps(),
+        "gemv_gbps": measure_gemv_gbps(int8=lm_int8),
+        "gemm_gflops": measure_gemm_gflops(),
+    }
 
 
 def model_files(model_dir: Path, lm_int8: bool, flow_int8: bool = False) -> list[Path]:
@@ -138,18 +181,29 @@ def run_benchmark(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
     limits = measure_limits(args.threads, args.lm_int8)
     runs = []
     for index in range(args.repeats):
-        config = RunConfig(model_dir=str(model_dir), text=args.text, tokens=args.tokens or None,
-                           profile=args.profile, threads=args.threads,
-                           config=str(args.config) if args.config else None,
-                           count_flops=index == 0, warmup=not args.no_warmup,
-                           lm_int8=args.lm_int8)
+        config = RunConfig(
+            model_dir=str(model_dir),
+            text=args.text,
+            tokens=args.tokens or None,
+            profile=args.profile,
+            threads=args.threads,
+            config=str(args.config) if args.config else None,
+            count_flops=index == 0,
+            warmup=not args.no_warmup,
+            lm_int8=args.lm_int8,
+        )
         _LOGGER.info("Run %d/%d", index + 1, args.repeats)
-        warmed = warm_page_cache(model_files(model_dir, args.lm_int8,
-                                             profile.flow_weights == "int8"))
+        warmed = warm_page_cache(
+            model_files(model_dir, args.lm_int8, profile.flow_weights == "int8")
+        )
         _LOGGER.debug("Read %.0f MB of model files into the page cache", warmed / 1e6)
         runs.append(run_worker(config))
-        _LOGGER.info("  first audio %.0f ms, total %.0f ms (RTF %.2f)",
-                     runs[-1]["first_audio_ms"], runs[-1]["total_ms"], runs[-1]["rtf"])
+        _LOGGER.info(
+            "  first audio %.0f ms, total %.0f ms (RTF %.2f)",
+            runs[-1]["first_audio_ms"],
+            runs[-1]["total_ms"],
+            runs[-1]["rtf"],
+        )
         # Again after every run, keeping each limit's best: a probe is a fraction of a second,
         # and on a shared VM one window can be a slow one (measured: a GEMM probe at 75 GFLOP/s
         # before and after the runs while the flow itself ran at 94); a probe that understates
@@ -157,14 +211,18 @@ def run_benchmark(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
         again = measure_limits(args.threads, args.lm_int8)
         limits = {key: max(value, again[key]) for key, value in limits.items()}
     limits["other_load_cores"] = other_load.cores()
-    return summarize(runs, limits, text=args.text, profile=profile.describe(),
-                     model_dir=str(model_dir))
+    return summarize(
+        runs, limits, text=args.text, profile=profile.describe(), model_dir=str(model_dir)
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.debug else logging.INFO, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.DEBUG if args.debug else logging.INFO,
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
     if args.repeats < 1 or args.tokens < 0 or args.neighbours < 0:
         _LOGGER.error("--repeats must be >= 1, --tokens and --neighbours >= 0")
         return 2
@@ -198,14 +256,21 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
         model_dir = args.model_dir
     with running(args.neighbours, args.neighbour_kind):
         if args.neighbours:
-            _LOGGER.info("Running %d %s neighbour process(es)", args.neighbours,
-                         args.neighbour_kind)
+            _LOGGER.info(
+                "Running %d %s neighbour process(es)", args.neighbours, args.neighbour_kind
+            )
         if args.concurrency:
             from engine.bench import concurrency
 
-            result = concurrency.run(model_dir, text=args.text, levels=args.concurrency,
-                                     profile=args.profile, threads=args.threads,
-                                     tokens=args.tokens or None, extra_args=args.server_arg)
+            result = concurrency.run(
+                model_dir,
+                text=args.text,
+                levels=args.concurrency,
+                profile=args.profile,
+                threads=args.threads,
+                tokens=args.tokens or None,
+                extra_args=args.server_arg,
+            )
         else:
             result = run_benchmark(args, model_dir)
     result["neighbours"] = {"count": args.neighbours, "kind": args.neighbour_kind}

@@ -79,17 +79,32 @@ def free_port() -> int:
 
 def server_supports(flag: str) -> bool:
     """Whether ``python -m wyoming_cosyvoice --help`` lists ``flag``."""
-    help_text = subprocess.run([sys.executable, "-m", "wyoming_cosyvoice", "--help"],
-                               capture_output=True, text=True, timeout=120, check=False).stdout
+    help_text = subprocess.run(
+        [sys.executable, "-m", "wyoming_cosyvoice", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    ).stdout
     return flag in help_text
 
 
-def start_server(model_dir: Path, *, profile: str, threads: int | None, tokens: int | None,
-                 extra_args: list[str]) -> ServerProcess:
+def start_server(
+    model_dir: Path, *, profile: str, threads: int | None, tokens: int | None, extra_args: list[str]
+) -> ServerProcess:
     """Start the server; ``tokens`` is passed as ``--force-tokens`` when the server has it."""
     port = free_port()
-    command = [sys.executable, "-m", "wyoming_cosyvoice", "--uri", f"tcp://127.0.0.1:{port}",
-               "--model-dir", str(model_dir), "--profile", profile]
+    command = [
+        sys.executable,
+        "-m",
+        "wyoming_cosyvoice",
+        "--uri",
+        f"tcp://127.0.0.1:{port}",
+        "--model-dir",
+        str(model_dir),
+        "--profile",
+        profile,
+    ]
     if threads:
         command += ["--threads", str(threads)]
     if tokens is not None:
@@ -97,8 +112,10 @@ def start_server(model_dir: Path, *, profile: str, threads: int | None, tokens: 
             command += ["--force-tokens", str(tokens)]
         else:
             # Random weights never emit EOS: the LM then runs to its length cap (20 × text tokens).
-            _LOGGER.warning("the server has no --force-tokens option: the number of speech "
-                            "tokens per request is not fixed")
+            _LOGGER.warning(
+                "the server has no --force-tokens option: the number of speech "
+                "tokens per request is not fixed"
+            )
     command += extra_args
     log_path = Path(tempfile.mkstemp(prefix="bench-server-", suffix=".log")[1])
     _LOGGER.info("Starting %s (log: %s)", " ".join(command), log_path)
@@ -136,9 +153,13 @@ async def request(port: int, text: str, *, timeout: float = REQUEST_TIMEOUT_S) -
             elif Error.is_type(event.type):
                 raise RuntimeError(f"server error: {Error.from_event(event).text}")
     end = time.perf_counter()
-    return {"first_audio_ms": (first - start) * 1000 if first else None,
-            "total_ms": (end - start) * 1000, "audio_s": n_bytes / bytes_per_s,
-            "start": start, "end": end}
+    return {
+        "first_audio_ms": (first - start) * 1000 if first else None,
+        "total_ms": (end - start) * 1000,
+        "audio_s": n_bytes / bytes_per_s,
+        "start": start,
+        "end": end,
+    }
 
 
 async def wait_ready(server: ServerProcess, timeout: float = READY_TIMEOUT_S) -> float:
@@ -146,8 +167,9 @@ async def wait_ready(server: ServerProcess, timeout: float = READY_TIMEOUT_S) ->
     start = time.perf_counter()
     while True:
         if server.process.poll() is not None:
-            raise RuntimeError(f"the server exited with code {server.process.returncode}:\n"
-                               f"{server.log_tail()}")
+            raise RuntimeError(
+                f"the server exited with code {server.process.returncode}:\n{server.log_tail()}"
+            )
         if time.perf_counter() - start > timeout:
             raise TimeoutError(f"the server was not ready after {timeout:.0f} s")
         try:
@@ -168,14 +190,17 @@ async def run_level(server: ServerProcess, text: str, k: int) -> dict[str, Any]:
     firsts = [r["first_audio_ms"] for r in results if r["first_audio_ms"] is not None]
     return {
         "concurrency": k,
-        "requests": [{key: r[key] for key in ("first_audio_ms", "total_ms", "audio_s")}
-                     for r in results],
+        "requests": [
+            {key: r[key] for key in ("first_audio_ms", "total_ms", "audio_s")} for r in results
+        ],
         "first_audio_ms_median": statistics.median(firsts) if firsts else None,
         "total_ms_median": statistics.median(r["total_ms"] for r in results),
-        "audio_s": audio, "wall_s": wall,
+        "audio_s": audio,
+        "wall_s": wall,
         "aggregate_audio_s_per_s": audio / wall if wall > 0 else None,
         "server_cpu_s_per_audio_s": (cpu_after - cpu_before) / audio
-        if cpu_before is not None and cpu_after is not None and audio > 0 else None,
+        if cpu_before is not None and cpu_after is not None and audio > 0
+        else None,
     }
 
 
@@ -188,16 +213,28 @@ async def _run(server: ServerProcess, text: str, levels: list[int]) -> dict[str,
         results.append(await run_level(server, text, k))
     single = next((r["aggregate_audio_s_per_s"] for r in results if r["concurrency"] == 1), None)
     for r in results:
-        r["throughput_vs_single"] = (r["aggregate_audio_s_per_s"] / single
-                                     if single and r["aggregate_audio_s_per_s"] else None)
+        r["throughput_vs_single"] = (
+            r["aggregate_audio_s_per_s"] / single
+            if single and r["aggregate_audio_s_per_s"]
+            else None
+        )
     return {"server_ready_s": ready_s, "levels": results}
 
 
-def run(model_dir: Path, *, text: str, levels: list[int], profile: str, threads: int | None,
-        tokens: int | None, extra_args: list[str] | None = None) -> dict[str, Any]:
+def run(
+    model_dir: Path,
+    *,
+    text: str,
+    levels: list[int],
+    profile: str,
+    threads: int | None,
+    tokens: int | None,
+    extra_args: list[str] | None = None,
+) -> dict[str, Any]:
     """Start the server, measure every concurrency level, stop the server."""
-    server = start_server(model_dir, profile=profile, threads=threads, tokens=tokens,
-                          extra_args=extra_args or [])
+    server = start_server(
+        model_dir, profile=profile, threads=threads, tokens=tokens, extra_args=extra_args or []
+    )
     try:
         result = asyncio.run(_run(server, text, levels))
         result["server_peak_rss_mb"] = server.peak_rss_mb()
@@ -206,34 +243,51 @@ def run(model_dir: Path, *, text: str, levels: list[int], profile: str, threads:
         raise
     finally:
         server.stop()
-    result.update({"mode": "concurrency", "model_dir": str(model_dir), "profile": profile,
-                   "threads": threads, "text": text, "tokens": tokens,
-                   "server_log": str(server.log_path)})
+    result.update(
+        {
+            "mode": "concurrency",
+            "model_dir": str(model_dir),
+            "profile": profile,
+            "threads": threads,
+            "text": text,
+            "tokens": tokens,
+            "server_log": str(server.log_path),
+        }
+    )
     return result
 
 
 def print_table(result: dict[str, Any], out: TextIO) -> None:
     w = out.write
-    w(f"server    {result['model_dir']} profile {result['profile']}, threads "
-      f"{result['threads'] or 'default'}; ready after {result['server_ready_s']:.1f} s, "
-      f"peak RSS {result['server_peak_rss_mb'] or 0:,.0f} MB\n")
+    w(
+        f"server    {result['model_dir']} profile {result['profile']}, threads "
+        f"{result['threads'] or 'default'}; ready after {result['server_ready_s']:.1f} s, "
+        f"peak RSS {result['server_peak_rss_mb'] or 0:,.0f} MB\n"
+    )
     w(f"text      {result['text']}\n")
     neighbours = result.get("neighbours") or {}
     if neighbours.get("count"):
-        w(f"busy      {neighbours['count']} {neighbours['kind']} neighbour process(es) ran "
-          "throughout\n")
+        w(
+            f"busy      {neighbours['count']} {neighbours['kind']} neighbour process(es) ran "
+            "throughout\n"
+        )
     w("\n")
-    w(f"{'K':>3}{'first audio ms (each)':>34}{'total ms (each)':>34}"
-      f"{'audio s':>9}{'wall s':>9}{'audio-s/s':>11}{'×single':>9}{'CPU-s/audio-s':>15}\n")
+    w(
+        f"{'K':>3}{'first audio ms (each)':>34}{'total ms (each)':>34}"
+        f"{'audio s':>9}{'wall s':>9}{'audio-s/s':>11}{'×single':>9}{'CPU-s/audio-s':>15}\n"
+    )
     for level in result["levels"]:
-        firsts = " ".join(f"{r['first_audio_ms']:.0f}" if r["first_audio_ms"] else "–"
-                          for r in level["requests"])
+        firsts = " ".join(
+            f"{r['first_audio_ms']:.0f}" if r["first_audio_ms"] else "–" for r in level["requests"]
+        )
         totals = " ".join(f"{r['total_ms']:.0f}" for r in level["requests"])
         ratio = level["throughput_vs_single"]
-        w(f"{level['concurrency']:>3}{firsts:>34}{totals:>34}{level['audio_s']:>9.2f}"
-          f"{level['wall_s']:>9.2f}{level['aggregate_audio_s_per_s'] or 0:>11.3f}"
-          f"{(f'{ratio:.2f}' if ratio else '–'):>9}"
-          f"{_fmt(level.get('server_cpu_s_per_audio_s')):>15}\n")
+        w(
+            f"{level['concurrency']:>3}{firsts:>34}{totals:>34}{level['audio_s']:>9.2f}"
+            f"{level['wall_s']:>9.2f}{level['aggregate_audio_s_per_s'] or 0:>11.3f}"
+            f"{(f'{ratio:.2f}' if ratio else '–'):>9}"
+            f"{_fmt(level.get('server_cpu_s_per_audio_s')):>15}\n"
+        )
 
 
 def _fmt(value: float | None) -> str:

@@ -22,38 +22,67 @@ EXACT_STEPS = 10
 EXACT_CFG = 0.7
 
 
-def mel_relative_l2(flow: torch.nn.Module, embedding: torch.Tensor, *, n_timesteps: int,
-                    cfg_rate: float, n_tokens: int = 100, seed: int = 0,
-                    exact_flow: torch.nn.Module | None = None) -> float:
+def mel_relative_l2(
+    flow: torch.nn.Module,
+    embedding: torch.Tensor,
+    *,
+    n_timesteps: int,
+    cfg_rate: float,
+    n_tokens: int = 100,
+    seed: int = 0,
+    exact_flow: torch.nn.Module | None = None,
+) -> float:
     """||mel(n_timesteps, cfg_rate) − mel(exact)|| / ||mel(exact)|| for random tokens.
 
     The exact mel comes from ``exact_flow`` (the float32 flow when ``flow`` is int8), else from
     ``flow`` itself at the exact settings.
     """
-    exact = random_tokens_mel(exact_flow if exact_flow is not None else flow, embedding,
-                              n_timesteps=EXACT_STEPS, cfg_rate=EXACT_CFG, n_tokens=n_tokens,
-                              seed=seed)
-    mel = random_tokens_mel(flow, embedding, n_timesteps=n_timesteps, cfg_rate=cfg_rate,
-                            n_tokens=n_tokens, seed=seed)
+    exact = random_tokens_mel(
+        exact_flow if exact_flow is not None else flow,
+        embedding,
+        n_timesteps=EXACT_STEPS,
+        cfg_rate=EXACT_CFG,
+        n_tokens=n_tokens,
+        seed=seed,
+    )
+    mel = random_tokens_mel(
+        flow, embedding, n_timesteps=n_timesteps, cfg_rate=cfg_rate, n_tokens=n_tokens, seed=seed
+    )
     return float((mel - exact).norm() / exact.norm())
 
 
-def random_tokens_mel(flow: torch.nn.Module, embedding: torch.Tensor, *, n_timesteps: int,
-                      cfg_rate: float, n_tokens: int = 100, seed: int = 0) -> torch.Tensor:
+def random_tokens_mel(
+    flow: torch.nn.Module,
+    embedding: torch.Tensor,
+    *,
+    n_timesteps: int,
+    cfg_rate: float,
+    n_tokens: int = 100,
+    seed: int = 0,
+) -> torch.Tensor:
     """The flow's mel (1, 80, T) of ``n_tokens`` random speech tokens, seeded noise."""
     gen = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, SPEECH_VOCAB, (1, n_tokens), generator=gen)
     z = torch.randn(1, N_MELS, tokens_to_frames(n_tokens), generator=gen)
     with torch.inference_mode():
-        out, _ = flow.inference(tokens, torch.zeros(1, 0, dtype=torch.int64),
-                                torch.zeros(1, 0, N_MELS), embedding, None, noise=z,
-                                n_timesteps=n_timesteps, cfg_rate=cfg_rate)
+        out, _ = flow.inference(
+            tokens,
+            torch.zeros(1, 0, dtype=torch.int64),
+            torch.zeros(1, 0, N_MELS),
+            embedding,
+            None,
+            noise=z,
+            n_timesteps=n_timesteps,
+            cfg_rate=cfg_rate,
+        )
     return out
 
 
-def hift_relative_l2(hift: torch.nn.Module, exact_hift: torch.nn.Module, mel: torch.Tensor, *,
-                     seed: int = 0) -> float:
+def hift_relative_l2(
+    hift: torch.nn.Module, exact_hift: torch.nn.Module, mel: torch.Tensor, *, seed: int = 0
+) -> float:
     """||wave(hift) − wave(exact_hift)|| / ||wave(exact_hift)||, same mel and source noise."""
+
     def wave(model: torch.nn.Module) -> torch.Tensor:
         out, _ = model.inference(mel, generator=torch.Generator().manual_seed(seed))
         return out
@@ -62,8 +91,14 @@ def hift_relative_l2(hift: torch.nn.Module, exact_hift: torch.nn.Module, mel: to
     return float((wave(hift) - exact).norm() / exact.norm())
 
 
-def lm_int8_kl(llm: torch.nn.Module, text_ids: list[int], embedding: torch.Tensor, *,
-               n_steps: int = 50, seed: int = 0) -> dict[str, float]:
+def lm_int8_kl(
+    llm: torch.nn.Module,
+    text_ids: list[int],
+    embedding: torch.Tensor,
+    *,
+    n_steps: int = 50,
+    seed: int = 0,
+) -> dict[str, float]:
     """Mean and max next-token KL(fp32 || int8) over a teacher-forced token sequence."""
     gen = torch.Generator().manual_seed(seed)
     forced = torch.randint(0, SPEECH_VOCAB, (n_steps,), generator=gen).tolist()

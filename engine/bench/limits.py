@@ -41,8 +41,10 @@ _LOGGER = logging.getLogger(__name__)
 MEM_BW_BYTES = 720 * 10**6  # ≈ the fp32 LM weights read per token; far beyond any cache
 # One LM decoder block's matrix products as (out, in): q/k/v (one fused layer in the int8 LM,
 # three in the fp32 one), out, FFN in and out. 12.6 M weights either way.
-GEMV_BLOCK_SHAPES = {"int8": ((3072, 1024), (1024, 1024), (4096, 1024), (1024, 4096)),
-                     "fp32": ((1024, 1024),) * 4 + ((4096, 1024), (1024, 4096))}
+GEMV_BLOCK_SHAPES = {
+    "int8": ((3072, 1024), (1024, 1024), (4096, 1024), (1024, 4096)),
+    "fp32": ((1024, 1024),) * 4 + ((4096, 1024), (1024, 4096)),
+}
 GEMV_BLOCKS = 8  # 100 MB of int8 (400 MB fp32): three times the 32 MB L3 of the project's VM
 GEMM_ROWS = 344  # CFG batch 2 × 172 mel frames (2 s of audio)
 GEMM_SHAPES = ((256, 512), (256, 512), (256, 512), (512, 256), (256, 1024), (1024, 256))
@@ -80,8 +82,9 @@ def measure_gemv_gbps(*, int8: bool, blocks: int = GEMV_BLOCKS, repeats: int = 5
         for out, n_in in GEMV_BLOCK_SHAPES["int8" if int8 else "fp32"]:
             # Constant values: these kernels' speed does not depend on them.
             weight = torch.full((out, n_in), 0.01)
-            layer = int8_linear(weight) if int8 else partial(torch.nn.functional.linear,
-                                                             weight=weight)
+            layer = (
+                int8_linear(weight) if int8 else partial(torch.nn.functional.linear, weight=weight)
+            )
             products.append((layer, torch.full((1, 1, n_in), 0.5)))
             n_bytes += weight.numel() * (1 if int8 else weight.element_size())
 
@@ -97,8 +100,10 @@ def measure_gemm_gflops(rows: int = GEMM_ROWS, repeats: int = 5, inner: int = 10
     """GFLOP/s of fp32 products over the flow estimator's shapes, summed like one block: the
     faster of torch's default ``linear`` and oneDNN on reordered weights (the engine's)."""
     generator = torch.Generator().manual_seed(0)
-    operands = [(torch.randn(rows, k, generator=generator), torch.randn(n, k, generator=generator))
-                for k, n in GEMM_SHAPES]
+    operands = [
+        (torch.randn(rows, k, generator=generator), torch.randn(n, k, generator=generator))
+        for k, n in GEMM_SHAPES
+    ]
     flops = inner * sum(2 * rows * k * n for k, n in GEMM_SHAPES)
     kernels = [[(x, functools.partial(torch.nn.functional.linear, weight=w)) for x, w in operands]]
     if onednn_linear_available():
@@ -135,8 +140,10 @@ class OtherLoad:
         # user nice system idle iowait irq softirq steal: busy = all but idle and iowait
         ticks = [int(v) for v in fields[:8]]
         busy = (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
-        usages = (resource.getrusage(resource.RUSAGE_SELF),
-                  resource.getrusage(resource.RUSAGE_CHILDREN))
+        usages = (
+            resource.getrusage(resource.RUSAGE_SELF),
+            resource.getrusage(resource.RUSAGE_CHILDREN),
+        )
         own = sum(u.ru_utime + u.ru_stime for u in usages)
         return busy, own, time.perf_counter()
 
@@ -161,8 +168,11 @@ def _module_bytes(module: nn.Module) -> int:
         size = weight.numel() * weight.element_size()
         return size + (bias.numel() * bias.element_size() if bias is not None else 0)
     tensors = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
-    return sum(t.numel() * t.element_size() for t in tensors if t.is_floating_point()
-               or t.dtype in (torch.int8, torch.uint8, torch.qint8, torch.quint8))
+    return sum(
+        t.numel() * t.element_size()
+        for t in tensors
+        if t.is_floating_point() or t.dtype in (torch.int8, torch.uint8, torch.qint8, torch.quint8)
+    )
 
 
 def lm_weight_bytes_per_token(llm: nn.Module) -> int:
@@ -200,8 +210,13 @@ class StageFlops:
     estimator_mflop_per_frame_step: float  # per ODE step, both CFG branches (SPEC: 172.4)
 
 
-def _cpu_attention_flops(query_shape: tuple[int, ...], key_shape: tuple[int, ...],
-                         value_shape: tuple[int, ...], *args: object, **kwargs: object) -> int:
+def _cpu_attention_flops(
+    query_shape: tuple[int, ...],
+    key_shape: tuple[int, ...],
+    value_shape: tuple[int, ...],
+    *args: object,
+    **kwargs: object,
+) -> int:
     """Q·Kᵀ and P·V of torch's CPU attention kernel, which the FLOP counter does not know.
 
     Without it the flow's attention, quadratic in the chunk length, would be missing from its
@@ -215,8 +230,9 @@ def _cpu_attention_flops(query_shape: tuple[int, ...], key_shape: tuple[int, ...
     return 2 * rows * t_q * t_k * (d + d_v)
 
 
-def _packed_linear_flops(input_shape: tuple[int, ...], *args: object,
-                         out_shape: tuple[int, ...], **kwargs: object) -> int:
+def _packed_linear_flops(
+    input_shape: tuple[int, ...], *args: object, out_shape: tuple[int, ...], **kwargs: object
+) -> int:
     """The engine's Linear layers on packed weights (the int8 flow's, the float flow's oneDNN
     ones), which the FLOP counter does not know.
 
@@ -226,14 +242,17 @@ def _packed_linear_flops(input_shape: tuple[int, ...], *args: object,
     return 2 * math.prod(input_shape) * out_shape[-1]
 
 
-_EXTRA_FLOPS = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _cpu_attention_flops,
-                torch.ops.quantized.linear_dynamic: _packed_linear_flops}
+_EXTRA_FLOPS = {
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _cpu_attention_flops,
+    torch.ops.quantized.linear_dynamic: _packed_linear_flops,
+}
 if onednn_linear_available():
     _EXTRA_FLOPS[torch.ops.mkldnn._linear_pointwise] = _packed_linear_flops
 
 
-def count_stage_flops(run_chunk: Callable[[int], object], timer: StageTimer,
-                      n_timesteps: int) -> StageFlops:
+def count_stage_flops(
+    run_chunk: Callable[[int], object], timer: StageTimer, n_timesteps: int
+) -> StageFlops:
     """Count FLOPs by running one vocoder chunk with 1 and with 2 ODE steps.
 
     ``run_chunk(steps)`` runs flow + HiFT once on a fixed token window through the timed model

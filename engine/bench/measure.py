@@ -89,8 +89,9 @@ def playback_stall_s(arrivals: list[float], durations: list[float]) -> float:
     return stall
 
 
-def _stream_request(engine: Any, text: str, options: Any,
-                    timer: StageTimer) -> dict[str, float | int]:
+def _stream_request(
+    engine: Any, text: str, options: Any, timer: StageTimer
+) -> dict[str, float | int]:
     arrivals: list[float] = []
     durations: list[float] = []
     cpu_start = time.process_time()
@@ -104,17 +105,21 @@ def _stream_request(engine: Any, text: str, options: Any,
         raise RuntimeError("the streaming request produced no audio")
     held = replay_gapless(arrivals, durations, options.force_tokens, text)
     first_audio = start + arrivals[0]  # a perf_counter time, like the stage timers'
-    return {**timer.first_audio_parts(start, first_audio),
-            "first_audio_ms": arrivals[0] * 1000,
-            "stall_ms": playback_stall_s(arrivals, durations) * 1000,
-            "gapless_first_audio_ms": held[0] * 1000,
-            "gapless_stall_ms": playback_stall_s(held, durations) * 1000,
-            "stream_total_ms": arrivals[-1] * 1000, "chunks": len(arrivals),
-            "stream_cpu_s_per_audio_s": cpu_s / sum(durations)}
+    return {
+        **timer.first_audio_parts(start, first_audio),
+        "first_audio_ms": arrivals[0] * 1000,
+        "stall_ms": playback_stall_s(arrivals, durations) * 1000,
+        "gapless_first_audio_ms": held[0] * 1000,
+        "gapless_stall_ms": playback_stall_s(held, durations) * 1000,
+        "stream_total_ms": arrivals[-1] * 1000,
+        "chunks": len(arrivals),
+        "stream_cpu_s_per_audio_s": cpu_s / sum(durations),
+    }
 
 
-def replay_gapless(arrivals: list[float], durations: list[float], forced_tokens: int | None,
-                   text: str) -> list[float]:
+def replay_gapless(
+    arrivals: list[float], durations: list[float], forced_tokens: int | None, text: str
+) -> list[float]:
     """When each chunk would reach the listener under the engine's gapless start policy.
 
     The policy only delays delivery (compute is unchanged), so replaying the eager run's
@@ -142,12 +147,17 @@ def _whole_request(engine: Any, text: str, options: Any) -> dict[str, float]:
     cpu_s = time.process_time() - cpu_start
     if audio_s <= 0:
         raise RuntimeError("the non-streaming request produced no audio")
-    return {"total_ms": total * 1000, "audio_s": audio_s, "rtf": total / audio_s,
-            "cpu_s_per_audio_s": cpu_s / audio_s}
+    return {
+        "total_ms": total * 1000,
+        "audio_s": audio_s,
+        "rtf": total / audio_s,
+        "cpu_s_per_audio_s": cpu_s / audio_s,
+    }
 
 
-def _stage_flops(engine: Any, timer: StageTimer, n_timesteps: int, cfg_rate: float,
-                 n_tokens: int) -> dict[str, float]:
+def _stage_flops(
+    engine: Any, timer: StageTimer, n_timesteps: int, cfg_rate: float, n_tokens: int
+) -> dict[str, float]:
     """FLOPs of flow and HiFT per audio second, counted on one vocoder call of ``n_tokens``.
 
     The same window as each flow call of the timed non-streaming request: the estimator's
@@ -157,13 +167,23 @@ def _stage_flops(engine: Any, timer: StageTimer, n_timesteps: int, cfg_rate: flo
 
     models = engine.models
     embedding = models.speakers[engine.speakers[0]].reshape(1, -1)
-    tokens = torch.randint(0, SPEECH_VOCAB, (1, n_tokens or FLOP_COUNT_TOKENS),
-                           generator=torch.Generator().manual_seed(SEED))
+    tokens = torch.randint(
+        0,
+        SPEECH_VOCAB,
+        (1, n_tokens or FLOP_COUNT_TOKENS),
+        generator=torch.Generator().manual_seed(SEED),
+    )
 
     def run_chunk(steps: int) -> None:
         noise = GeneratorNoise(torch.Generator().manual_seed(SEED))
-        vocoder = ChunkVocoder(models.flow, models.hift, FlowPrompt(embedding), noise,
-                               n_timesteps=steps, cfg_rate=cfg_rate)
+        vocoder = ChunkVocoder(
+            models.flow,
+            models.hift,
+            FlowPrompt(embedding),
+            noise,
+            n_timesteps=steps,
+            cfg_rate=cfg_rate,
+        )
         with torch.inference_mode():
             vocoder.chunk(tokens, finalize=True)
 
@@ -178,17 +198,23 @@ def run(config: RunConfig) -> dict[str, Any]:
     profile = get_profile(config.profile, Path(config.config) if config.config else None)
     start = time.perf_counter()
     flow_int8 = profile.flow_weights == "int8"
-    engine = CosyVoiceEngine.load(config.model_dir, threads=config.threads,
-                                  lm_int8=config.lm_int8, flow_int8=flow_int8,
-                                  hift_bf16=profile.hift_weights == "bf16")
-    result: dict[str, Any] = {"load_s": time.perf_counter() - start,
-                              "threads": torch.get_num_threads(),
-                              "lm_weights": "int8" if config.lm_int8 else "fp32",
-                              "flow_weights": profile.flow_weights,
-                              # what HiFT ran in: bf16 is asked for, float32 without CPU support
-                              "hift_weights": engine.hift_dtype,
-                              # int8 kernels, native bfloat16 and thread ceiling (engine.cpu)
-                              "cpu": engine.cpu_choices.as_dict()}
+    engine = CosyVoiceEngine.load(
+        config.model_dir,
+        threads=config.threads,
+        lm_int8=config.lm_int8,
+        flow_int8=flow_int8,
+        hift_bf16=profile.hift_weights == "bf16",
+    )
+    result: dict[str, Any] = {
+        "load_s": time.perf_counter() - start,
+        "threads": torch.get_num_threads(),
+        "lm_weights": "int8" if config.lm_int8 else "fp32",
+        "flow_weights": profile.flow_weights,
+        # what HiFT ran in: bf16 is asked for, float32 without CPU support
+        "hift_weights": engine.hift_dtype,
+        # int8 kernels, native bfloat16 and thread ceiling (engine.cpu)
+        "cpu": engine.cpu_choices.as_dict(),
+    }
     # A miss quantises (seconds); a hit reads the engine's int8 cache.
     if config.lm_int8:
         result["lm_int8_cache_hit"] = bool(engine.lm_int8_cache_hit)
@@ -202,9 +228,14 @@ def run(config: RunConfig) -> dict[str, Any]:
         engine.warmup()  # as the server does: first-call kernel setup is not the request's cost
         result["warmup_s"] = time.perf_counter() - start
 
-    options = SynthesisOptions(stream=True, schedule=profile.schedule, seed=SEED,
-                               n_timesteps=profile.n_timesteps, cfg_rate=profile.cfg_rate,
-                               force_tokens=config.tokens)
+    options = SynthesisOptions(
+        stream=True,
+        schedule=profile.schedule,
+        seed=SEED,
+        n_timesteps=profile.n_timesteps,
+        cfg_rate=profile.cfg_rate,
+        force_tokens=config.tokens,
+    )
     timer.reset()
     result.update(_stream_request(engine, config.text, options, timer))
     # What a streaming server holds: load, warm-up and streamed chunks. The whole request below
@@ -212,16 +243,24 @@ def run(config: RunConfig) -> dict[str, Any]:
     result["stream_peak_rss_mb"] = peak_rss_mb()
 
     timer.reset()
-    whole = SynthesisOptions(stream=False, schedule=profile.schedule, seed=SEED,
-                             n_timesteps=profile.n_timesteps, cfg_rate=profile.cfg_rate,
-                             force_tokens=config.tokens)
+    whole = SynthesisOptions(
+        stream=False,
+        schedule=profile.schedule,
+        seed=SEED,
+        n_timesteps=profile.n_timesteps,
+        cfg_rate=profile.cfg_rate,
+        force_tokens=config.tokens,
+    )
     result.update(_whole_request(engine, config.text, whole))
     result.update(timer.lm_summary())
     if config.tokens and result["tokens"] % config.tokens:
         # The engine treats force_tokens as a cap once min_len is reached: a model that
         # samples EOS earlier produces fewer tokens (then "tokens" says how many).
-        _LOGGER.warning("asked for %d speech tokens per sentence, the LM produced %d (EOS)",
-                        config.tokens, result["tokens"])
+        _LOGGER.warning(
+            "asked for %d speech tokens per sentence, the LM produced %d (EOS)",
+            config.tokens,
+            result["tokens"],
+        )
     # Tokens per flow call of the whole request (one call per text segment): the FLOP window.
     flow_window = result["tokens"] // max(1, len(timer.of("flow")))
     result["flow_ms_per_audio_s"] = timer.ms_per_audio_s("flow")
@@ -231,15 +270,16 @@ def run(config: RunConfig) -> dict[str, Any]:
 
     result["lm_weight_bytes_per_token"] = lm_weight_bytes_per_token(engine.models.llm)
     if config.count_flops:
-        result.update(_stage_flops(engine, timer, profile.n_timesteps, profile.cfg_rate,
-                                   flow_window))
-        result.update(_deviations(engine, config, profile.n_timesteps, profile.cfg_rate,
-                                  flow_int8))
+        result.update(
+            _stage_flops(engine, timer, profile.n_timesteps, profile.cfg_rate, flow_window)
+        )
+        result.update(_deviations(engine, config, profile.n_timesteps, profile.cfg_rate, flow_int8))
     return result
 
 
-def _deviations(engine: Any, config: RunConfig, n_timesteps: int, cfg_rate: float,
-                flow_int8: bool) -> dict[str, float]:
+def _deviations(
+    engine: Any, config: RunConfig, n_timesteps: int, cfg_rate: float, flow_int8: bool
+) -> dict[str, float]:
     """How far this run's fast-path options are from the exact path (0 when exact)."""
     from engine.bench.deviation import (
         EXACT_CFG,
@@ -254,27 +294,34 @@ def _deviations(engine: Any, config: RunConfig, n_timesteps: int, cfg_rate: floa
     embedding = engine.models.speakers[engine.speakers[0]].reshape(1, -1)
     hift_bf16 = engine.hift_dtype != "float32"
     # The exact references are float32 models loaded afresh: the engine's may be int8 / bf16.
-    fp32 = load_model_dir(Path(config.model_dir)) \
-        if config.lm_int8 or flow_int8 or hift_bf16 else None
+    fp32 = (
+        load_model_dir(Path(config.model_dir)) if config.lm_int8 or flow_int8 or hift_bf16 else None
+    )
     out = {"mel_rel_l2_vs_exact": 0.0, "wave_rel_l2_vs_exact_hift": 0.0}
     if flow_int8 or (n_timesteps, cfg_rate) != (EXACT_STEPS, EXACT_CFG):
         out["mel_rel_l2_vs_exact"] = mel_relative_l2(
-            engine.models.flow, embedding, n_timesteps=n_timesteps, cfg_rate=cfg_rate,
-            exact_flow=fp32.flow if flow_int8 else None)
+            engine.models.flow,
+            embedding,
+            n_timesteps=n_timesteps,
+            cfg_rate=cfg_rate,
+            exact_flow=fp32.flow if flow_int8 else None,
+        )
     if config.lm_int8:
         text_ids = engine.frontend.segments(config.text)[0].token_ids
         out.update(lm_int8_kl(fp32.llm, text_ids, embedding))
     if hift_bf16:  # both vocoders on the same mel (the exact flow's)
-        mel = random_tokens_mel(fp32.flow, embedding, n_timesteps=EXACT_STEPS,
-                                cfg_rate=EXACT_CFG)
+        mel = random_tokens_mel(fp32.flow, embedding, n_timesteps=EXACT_STEPS, cfg_rate=EXACT_CFG)
         out["wave_rel_l2_vs_exact_hift"] = hift_relative_l2(engine.models.hift, fp32.hift, mel)
     return out
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.WARNING,
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
     config = RunConfig(**json.loads(argv[0]))
     result = run(config)
     sys.stdout.write(json.dumps(result) + "\n")

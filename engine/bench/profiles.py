@@ -31,10 +31,18 @@ class BenchProfile:
 
     def describe(self) -> dict[str, object]:
         s = self.schedule
-        return {"name": self.name, "source": self.source, "schedule": s.name,
-                "first_hop": s.first_hop, "growth": s.growth, "max_hop": s.max_hop,
-                "n_timesteps": self.n_timesteps, "cfg_rate": self.cfg_rate,
-                "flow_weights": self.flow_weights, "hift_weights": self.hift_weights}
+        return {
+            "name": self.name,
+            "source": self.source,
+            "schedule": s.name,
+            "first_hop": s.first_hop,
+            "growth": s.growth,
+            "max_hop": s.max_hop,
+            "n_timesteps": self.n_timesteps,
+            "cfg_rate": self.cfg_rate,
+            "flow_weights": self.flow_weights,
+            "hift_weights": self.hift_weights,
+        }
 
 
 BUILTIN_PROFILES = {
@@ -53,9 +61,12 @@ def available_profiles(config: Path | None = None) -> dict[str, BenchProfile]:
         return dict(BUILTIN_PROFILES)
     server = load_config(config)
     source = str(config) if config else "config.yaml"
-    return {name: BenchProfile(name, p.schedule, p.n_timesteps, p.cfg_rate, source,
-                               p.flow_weights, p.hift_weights)
-            for name, p in server.profiles.items()}
+    return {
+        name: BenchProfile(
+            name, p.schedule, p.n_timesteps, p.cfg_rate, source, p.flow_weights, p.hift_weights
+        )
+        for name, p in server.profiles.items()
+    }
 
 
 def get_profile(name: str, config: Path | None = None) -> BenchProfile:

@@ -19,19 +19,49 @@ from typing import Any, TextIO
 from engine.bench.timers import FIRST_AUDIO_PARTS
 
 # Figures that are measured per repeat and summarised as median/min/max.
-MEASURED = ("load_s", "warmup_s", "peak_rss_mb", "stream_peak_rss_mb", "first_audio_ms",
-            "stall_ms", "gapless_first_audio_ms", "gapless_stall_ms", "stream_total_ms",
-            "total_ms", "rtf", "lm_prefill_ms", "lm_ms_per_token", "flow_ms_per_audio_s",
-            "hift_ms_per_audio_s", "audio_s", "stream_cpu_s_per_audio_s", "cpu_s_per_audio_s",
-            *FIRST_AUDIO_PARTS)
+MEASURED = (
+    "load_s",
+    "warmup_s",
+    "peak_rss_mb",
+    "stream_peak_rss_mb",
+    "first_audio_ms",
+    "stall_ms",
+    "gapless_first_audio_ms",
+    "gapless_stall_ms",
+    "stream_total_ms",
+    "total_ms",
+    "rtf",
+    "lm_prefill_ms",
+    "lm_ms_per_token",
+    "flow_ms_per_audio_s",
+    "hift_ms_per_audio_s",
+    "audio_s",
+    "stream_cpu_s_per_audio_s",
+    "cpu_s_per_audio_s",
+    *FIRST_AUDIO_PARTS,
+)
 # Per-run facts that do not vary between repeats (taken from the first run that has them).
 # The cache hits are the first run's (a cold cache misses once); the table lists every run's.
-FACTS = ("threads", "lm_weights", "flow_weights", "hift_weights", "tokens", "chunks",
-         "first_chunk_tokens",
-         "lm_weight_bytes_per_token", "flow_gflop_per_audio_s", "hift_gflop_per_audio_s",
-         "estimator_mflop_per_frame_step", "mel_rel_l2_vs_exact", "wave_rel_l2_vs_exact_hift",
-         "lm_int8_kl_mean",
-         "lm_int8_kl_max", "lm_int8_cache_hit", "flow_int8_cache_hit", "cpu")
+FACTS = (
+    "threads",
+    "lm_weights",
+    "flow_weights",
+    "hift_weights",
+    "tokens",
+    "chunks",
+    "first_chunk_tokens",
+    "lm_weight_bytes_per_token",
+    "flow_gflop_per_audio_s",
+    "hift_gflop_per_audio_s",
+    "estimator_mflop_per_frame_step",
+    "mel_rel_l2_vs_exact",
+    "wave_rel_l2_vs_exact_hift",
+    "lm_int8_kl_mean",
+    "lm_int8_kl_max",
+    "lm_int8_cache_hit",
+    "flow_int8_cache_hit",
+    "cpu",
+)
 
 
 BUSY_CORES = 0.2  # other processes' average load above which the figures are flagged
@@ -48,11 +78,22 @@ def _ratio(value: float | None, bound: float | None) -> float | None:
     return value / bound if value is not None and bound else None
 
 
-def summarize(runs: list[dict[str, Any]], limits: dict[str, float], *, text: str,
-              profile: dict[str, Any], model_dir: str) -> dict[str, Any]:
+def summarize(
+    runs: list[dict[str, Any]],
+    limits: dict[str, float],
+    *,
+    text: str,
+    profile: dict[str, Any],
+    model_dir: str,
+) -> dict[str, Any]:
     """One JSON-able object: medians at the top level, spread, limits, bounds and ratios."""
-    result: dict[str, Any] = {"model_dir": model_dir, "text": text, "profile": profile["name"],
-                              "profile_settings": profile, "repeats": len(runs)}
+    result: dict[str, Any] = {
+        "model_dir": model_dir,
+        "text": text,
+        "profile": profile["name"],
+        "profile_settings": profile,
+        "repeats": len(runs),
+    }
     spread = {key: _median(run.get(key) for run in runs) for key in MEASURED}
     for key, stats in spread.items():
         result[key] = stats["median"] if stats else None
@@ -62,23 +103,33 @@ def summarize(runs: list[dict[str, Any]], limits: dict[str, float], *, text: str
 
     bw, gemm = limits.get("mem_bw_gbps"), limits.get("gemm_gflops")
     weight_bytes = result["lm_weight_bytes_per_token"]
-    result["lm_bound_ms_per_token"] = (weight_bytes / (bw * 1e9) * 1e3
-                                       if weight_bytes and bw else None)
+    result["lm_bound_ms_per_token"] = (
+        weight_bytes / (bw * 1e9) * 1e3 if weight_bytes and bw else None
+    )
     gemv = limits.get("gemv_gbps")
-    result["lm_kernel_bound_ms_per_token"] = (weight_bytes / (gemv * 1e9) * 1e3
-                                              if weight_bytes and gemv else None)
-    result["lm_vs_kernel_bound"] = _ratio(result["lm_ms_per_token"],
-                                          result["lm_kernel_bound_ms_per_token"])
+    result["lm_kernel_bound_ms_per_token"] = (
+        weight_bytes / (gemv * 1e9) * 1e3 if weight_bytes and gemv else None
+    )
+    result["lm_vs_kernel_bound"] = _ratio(
+        result["lm_ms_per_token"], result["lm_kernel_bound_ms_per_token"]
+    )
     for stage in ("flow", "hift"):
         gflop = result[f"{stage}_gflop_per_audio_s"]
         result[f"{stage}_bound_ms_per_audio_s"] = gflop / gemm * 1e3 if gflop and gemm else None
-    for stage, unit in (("lm", "ms_per_token"), ("flow", "ms_per_audio_s"),
-                        ("hift", "ms_per_audio_s")):
-        result[f"{stage}_vs_bound"] = _ratio(result[f"{stage}_{unit}"],
-                                             result[f"{stage}_bound_{unit}"])
+    for stage, unit in (
+        ("lm", "ms_per_token"),
+        ("flow", "ms_per_audio_s"),
+        ("hift", "ms_per_audio_s"),
+    ):
+        result[f"{stage}_vs_bound"] = _ratio(
+            result[f"{stage}_{unit}"], result[f"{stage}_bound_{unit}"]
+        )
     # Bound-limited RTF: every stage at its bound, run back to back (no overlap credited).
-    bounds = (result["lm_bound_ms_per_token"], result["flow_bound_ms_per_audio_s"],
-              result["hift_bound_ms_per_audio_s"])
+    bounds = (
+        result["lm_bound_ms_per_token"],
+        result["flow_bound_ms_per_audio_s"],
+        result["hift_bound_ms_per_audio_s"],
+    )
     if all(bounds) and result["tokens"] and result["audio_s"]:
         tokens_per_s = result["tokens"] / result["audio_s"]
         result["rtf_bound"] = (bounds[0] * tokens_per_s + bounds[1] + bounds[2]) / 1000
@@ -112,12 +163,16 @@ _TABLE = (
     ("RTF (whole)", "rtf", "", "rtf_bound", None, 2),
     ("LM prefill", "lm_prefill_ms", "ms", None, None, 0),
     ("LM decode", "lm_ms_per_token", "ms/token", "lm_bound_ms_per_token", "lm_vs_bound", 1),
-    ("LM decode, vs its kernel", "lm_ms_per_token", "ms/token", "lm_kernel_bound_ms_per_token",
-     "lm_vs_kernel_bound", 1),
-    ("flow", "flow_ms_per_audio_s", "ms/audio-s", "flow_bound_ms_per_audio_s",
-     "flow_vs_bound", 0),
-    ("HiFT", "hift_ms_per_audio_s", "ms/audio-s", "hift_bound_ms_per_audio_s",
-     "hift_vs_bound", 0),
+    (
+        "LM decode, vs its kernel",
+        "lm_ms_per_token",
+        "ms/token",
+        "lm_kernel_bound_ms_per_token",
+        "lm_vs_kernel_bound",
+        1,
+    ),
+    ("flow", "flow_ms_per_audio_s", "ms/audio-s", "flow_bound_ms_per_audio_s", "flow_vs_bound", 0),
+    ("HiFT", "hift_ms_per_audio_s", "ms/audio-s", "hift_bound_ms_per_audio_s", "hift_vs_bound", 0),
 )
 
 
@@ -128,54 +183,79 @@ def print_table(result: dict[str, Any], out: TextIO) -> None:
     settings = json.dumps(result["profile_settings"], ensure_ascii=False)
     w(f"profile   {result['profile']} {settings}\n")
     w(f"text      {result['text']}\n")
-    w(f"tokens    {result['tokens']} → {_fmt(result['audio_s'], 2)} s of audio, "
-      f"threads {result['threads']}, repeats {result['repeats']}\n")
-    w(f"machine   read bandwidth {_fmt(result.get('mem_bw_gbps'))} GB/s, "
-      f"{result.get('lm_weights') or 'LM'} GEMV {_fmt(result.get('gemv_gbps'))} GB/s, "
-      f"fp32 GEMM {_fmt(result.get('gemm_gflops'))} GFLOP/s; other processes used "
-      f"{_fmt(result.get('other_load_cores'), 2)} cores on average during the run\n")
+    w(
+        f"tokens    {result['tokens']} → {_fmt(result['audio_s'], 2)} s of audio, "
+        f"threads {result['threads']}, repeats {result['repeats']}\n"
+    )
+    w(
+        f"machine   read bandwidth {_fmt(result.get('mem_bw_gbps'))} GB/s, "
+        f"{result.get('lm_weights') or 'LM'} GEMV {_fmt(result.get('gemv_gbps'))} GB/s, "
+        f"fp32 GEMM {_fmt(result.get('gemm_gflops'))} GFLOP/s; other processes used "
+        f"{_fmt(result.get('other_load_cores'), 2)} cores on average during the run\n"
+    )
     if result.get("cpu"):
         w(f"cpu       {', '.join(f'{k} {v}' for k, v in result['cpu'].items())}\n")
     neighbours = result.get("neighbours") or {}
     if neighbours.get("count"):
-        w(f"busy      {neighbours['count']} {neighbours['kind']} neighbour process(es) ran "
-          "throughout, as on a shared Home Assistant box\n")
+        w(
+            f"busy      {neighbours['count']} {neighbours['kind']} neighbour process(es) ran "
+            "throughout, as on a shared Home Assistant box\n"
+        )
     elif (result.get("other_load_cores") or 0) > BUSY_CORES:
         w("WARNING   the machine was busy with other work: these figures are pessimistic\n")
     w("\n")
-    w(f"{'metric':<26}{'median':>12}{'min':>11}{'max':>11}  {'unit':<11}"
-      f"{'bound':>10}{'×bound':>8}\n")
+    w(
+        f"{'metric':<26}{'median':>12}{'min':>11}{'max':>11}  {'unit':<11}"
+        f"{'bound':>10}{'×bound':>8}\n"
+    )
     w("-" * 89 + "\n")
     for label, key, unit, bound_key, ratio_key, digits in _TABLE:
         stats = result["spread"].get(key) or {}
-        w(f"{label:<26}{_fmt(result.get(key), digits):>12}{_fmt(stats.get('min'), digits):>11}"
-          f"{_fmt(stats.get('max'), digits):>11}  {unit:<11}"
-          f"{_fmt(result.get(bound_key), digits) if bound_key else '':>10}"
-          f"{_fmt(result.get(ratio_key), 2) if ratio_key else '':>8}\n")
+        w(
+            f"{label:<26}{_fmt(result.get(key), digits):>12}{_fmt(stats.get('min'), digits):>11}"
+            f"{_fmt(stats.get('max'), digits):>11}  {unit:<11}"
+            f"{_fmt(result.get(bound_key), digits) if bound_key else '':>10}"
+            f"{_fmt(result.get(ratio_key), 2) if ratio_key else '':>8}\n"
+        )
     _print_first_audio_parts(result, out)
     for part, label in (("lm", "LM"), ("flow", "flow")):  # a miss quantises: load_s differs
-        loads = [(run.get(f"{part}_int8_cache_hit"), run.get("load_s"))
-                 for run in result.get("runs", [])]
+        loads = [
+            (run.get(f"{part}_int8_cache_hit"), run.get("load_s")) for run in result.get("runs", [])
+        ]
         if any(hit is not None for hit, _ in loads):
-            w(f"\nint8 {label} cache per run: " + ", ".join(
-                f"{'hit' if hit else 'miss'} (load {_fmt(load, 2)} s)" for hit, load in loads)
-              + "\n")
+            w(
+                f"\nint8 {label} cache per run: "
+                + ", ".join(
+                    f"{'hit' if hit else 'miss'} (load {_fmt(load, 2)} s)" for hit, load in loads
+                )
+                + "\n"
+            )
     weight_mb = (result.get("lm_weight_bytes_per_token") or 0) / 1e6
-    w(f"\nLM weights ({result.get('lm_weights')}) read per token {weight_mb:,.1f} MB; flow "
-      f"{_fmt(result.get('flow_gflop_per_audio_s'))} GFLOP and HiFT "
-      f"{_fmt(result.get('hift_gflop_per_audio_s'))} GFLOP per audio second "
-      f"(estimator {_fmt(result.get('estimator_mflop_per_frame_step'))} MFLOP per frame·step).\n")
+    w(
+        f"\nLM weights ({result.get('lm_weights')}) read per token {weight_mb:,.1f} MB; flow "
+        f"{_fmt(result.get('flow_gflop_per_audio_s'))} GFLOP and HiFT "
+        f"{_fmt(result.get('hift_gflop_per_audio_s'))} GFLOP per audio second "
+        f"(estimator {_fmt(result.get('estimator_mflop_per_frame_step'))} MFLOP per frame·step).\n"
+    )
     if result.get("flow_weights") == "int8":
-        w("The flow runs int8 weights: its bound is the float32 GEMM rate's, so its ratio can "
-          "fall below 1.\n")
+        w(
+            "The flow runs int8 weights: its bound is the float32 GEMM rate's, so its ratio can "
+            "fall below 1.\n"
+        )
     if result.get("hift_weights") == "bfloat16":
-        w("HiFT's filter runs in bfloat16: its bound is the float32 GEMM rate's, so its ratio "
-          "can fall below 1.\n")
-    w(f"Deviation from the exact path: mel relative L2 "
-      f"{_fmt(result.get('mel_rel_l2_vs_exact'), 4)}")
+        w(
+            "HiFT's filter runs in bfloat16: its bound is the float32 GEMM rate's, so its ratio "
+            "can fall below 1.\n"
+        )
+    w(
+        f"Deviation from the exact path: mel relative L2 "
+        f"{_fmt(result.get('mel_rel_l2_vs_exact'), 4)}"
+    )
     if result.get("lm_int8_kl_mean") is not None:
-        w(f", int8 LM next-token KL mean {_fmt(result['lm_int8_kl_mean'], 5)} "
-          f"max {_fmt(result.get('lm_int8_kl_max'), 5)} nats")
+        w(
+            f", int8 LM next-token KL mean {_fmt(result['lm_int8_kl_mean'], 5)} "
+            f"max {_fmt(result.get('lm_int8_kl_max'), 5)} nats"
+        )
     if result.get("wave_rel_l2_vs_exact_hift"):
         w(f", bfloat16 HiFT waveform relative L2 {_fmt(result['wave_rel_l2_vs_exact_hift'], 4)}")
     w(".\n")
@@ -188,10 +268,12 @@ def _print_first_audio_parts(result: dict[str, Any], out: TextIO) -> None:
     tokens = result.get("first_chunk_tokens")
     more = f"{tokens - 1} more tokens" if tokens else "more tokens"
     labels = ("frontend", "LM prefill", more, "flow", "HiFT", "other")
-    parts = " + ".join(f"{label} {result[key]:,.0f}"
-                       for label, key in zip(labels, FIRST_AUDIO_PARTS, strict=True))
-    out.write(f"\nfirst audio (medians of its parts; first chunk {tokens or '?'} tokens): "
-              f"{parts} ms\n")
+    parts = " + ".join(
+        f"{label} {result[key]:,.0f}" for label, key in zip(labels, FIRST_AUDIO_PARTS, strict=True)
+    )
+    out.write(
+        f"\nfirst audio (medians of its parts; first chunk {tokens or '?'} tokens): {parts} ms\n"
+    )
 
 
 def print_json(result: dict[str, Any], out: TextIO) -> None:

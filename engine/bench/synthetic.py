@@ -71,8 +71,11 @@ def state_dict_specs(config: Path) -> dict[str, dict[str, torch.Size]]:
     specs: dict[str, dict[str, torch.Size]] = {}
     # meta: shapes only, no memory — the full LM alone would be 1.24 GB.
     with torch.device("meta"):
-        for name, module in (("llm.pt", TransformerLM(args.llm)), ("flow.pt", FlowModel(args.flow)),
-                             ("hift.pt", HiFTGenerator(args.hift))):
+        for name, module in (
+            ("llm.pt", TransformerLM(args.llm)),
+            ("flow.pt", FlowModel(args.flow)),
+            ("hift.pt", HiFTGenerator(args.hift)),
+        ):
             specs[name] = {k: v.shape for k, v in module.state_dict(keep_vars=True).items()}
     return specs
 
@@ -111,8 +114,10 @@ def random_tensor(key: str, shape: torch.Size, generator: torch.Generator) -> to
     return torch.empty(shape).uniform_(-bound, bound, generator=generator)
 
 
-def _random_state(specs: dict[str, torch.Size], generator: torch.Generator,
-                  ) -> Iterator[tuple[str, torch.Tensor]]:
+def _random_state(
+    specs: dict[str, torch.Size],
+    generator: torch.Generator,
+) -> Iterator[tuple[str, torch.Tensor]]:
     values: dict[str, torch.Tensor] = {}
     for key, shape in specs.items():
         if key.endswith(".weight_g"):
@@ -135,9 +140,12 @@ def _save(path: Path, state: dict[str, torch.Tensor]) -> None:
 
 
 def _marker(config_text: str) -> dict[str, object]:
-    return {"format_version": FORMAT_VERSION, "seed": SEED,
-            "config_sha256": hashlib.sha256(config_text.encode()).hexdigest(),
-            "speakers": list(SFT_SPEAKERS)}
+    return {
+        "format_version": FORMAT_VERSION,
+        "seed": SEED,
+        "config_sha256": hashlib.sha256(config_text.encode()).hexdigest(),
+        "speakers": list(SFT_SPEAKERS),
+    }
 
 
 def ensure_synthetic_model(cache_dir: Path = DEFAULT_CACHE_DIR, config: Path | None = None) -> Path:
@@ -170,8 +178,10 @@ def ensure_synthetic_model(cache_dir: Path = DEFAULT_CACHE_DIR, config: Path | N
         _save(model_dir / name, state)
         del state
         _LOGGER.info("  wrote %s (%.0f MB)", name, (model_dir / name).stat().st_size / 1e6)
-    speakers = {name: {"embedding": torch.randn(1, SPEAKER_EMBED_DIM, generator=generator)}
-                for name in SFT_SPEAKERS}
+    speakers = {
+        name: {"embedding": torch.randn(1, SPEAKER_EMBED_DIM, generator=generator)}
+        for name in SFT_SPEAKERS
+    }
     _save(model_dir / "spk2info.pt", speakers)
     # Written last: its presence means every file above is complete.
     marker.write_text(json.dumps(_marker(config_text)), encoding="utf-8")

@@ -22,8 +22,14 @@ import torch
 from engine.constants import HOP, SAMPLE_RATE
 
 # The parts of a streamed request's first audio, in the order it waits for them.
-FIRST_AUDIO_PARTS = ("first_audio_frontend_ms", "first_audio_prefill_ms", "first_audio_tokens_ms",
-                     "first_audio_flow_ms", "first_audio_hift_ms", "first_audio_other_ms")
+FIRST_AUDIO_PARTS = (
+    "first_audio_frontend_ms",
+    "first_audio_prefill_ms",
+    "first_audio_tokens_ms",
+    "first_audio_flow_ms",
+    "first_audio_hift_ms",
+    "first_audio_other_ms",
+)
 
 
 @dataclass
@@ -66,20 +72,30 @@ class StageTimer:
         models.llm.generate = self._wrap_generator(models.llm.generate)
         # mel (1, 80, frames) → HOP samples per frame; audio (1, samples) → samples.
         models.flow.inference = self._wrap_call(
-            "flow", models.flow.inference, lambda out: out.shape[-1] * HOP / SAMPLE_RATE)
+            "flow", models.flow.inference, lambda out: out.shape[-1] * HOP / SAMPLE_RATE
+        )
         models.hift.inference = self._wrap_call(
-            "hift", models.hift.inference, lambda out: out.shape[-1] / SAMPLE_RATE)
+            "hift", models.hift.inference, lambda out: out.shape[-1] / SAMPLE_RATE
+        )
 
-    def _wrap_call(self, stage: str, method: Callable[..., Any],
-                   seconds_of: Callable[[torch.Tensor], float]) -> Callable[..., Any]:
+    def _wrap_call(
+        self, stage: str, method: Callable[..., Any], seconds_of: Callable[[torch.Tensor], float]
+    ) -> Callable[..., Any]:
         @functools.wraps(method)
         def timed(*args: Any, **kwargs: Any) -> Any:
             flops = self._flops()
             start = time.perf_counter()
             result = method(*args, **kwargs)
             end = time.perf_counter()
-            self._record(StageEvent(stage, start, end, audio_s=seconds_of(_first_tensor(result)),
-                                    flops=self._flops() - flops))
+            self._record(
+                StageEvent(
+                    stage,
+                    start,
+                    end,
+                    audio_s=seconds_of(_first_tensor(result)),
+                    flops=self._flops() - flops,
+                )
+            )
             return result
 
         return timed
@@ -127,8 +143,7 @@ class StageTimer:
         audio = sum(e.audio_s for e in events)
         return sum(e.seconds for e in events) / audio * 1000 if audio else None
 
-    def first_audio_parts(self, request_start: float,
-                          first_audio: float) -> dict[str, float | int]:
+    def first_audio_parts(self, request_start: float, first_audio: float) -> dict[str, float | int]:
         """Where a streamed request's time to first audio went, in ms (empty if unknown).
 
         ``request_start`` and ``first_audio`` are ``perf_counter`` times, like the events'. Call
@@ -148,14 +163,17 @@ class StageTimer:
         first_lm = min(lm, key=lambda e: e.start)
         first_flow = min(flow, key=lambda e: e.start)
         first_hift = min(hift, key=lambda e: e.start)
-        seconds = (first_lm.start - request_start,
-                   first_lm.token_times[0] - first_lm.start,
-                   first_flow.start - first_lm.token_times[0],
-                   first_flow.seconds,
-                   first_hift.seconds)
+        seconds = (
+            first_lm.start - request_start,
+            first_lm.token_times[0] - first_lm.start,
+            first_flow.start - first_lm.token_times[0],
+            first_flow.seconds,
+            first_hift.seconds,
+        )
         other = first_audio - request_start - sum(seconds)
         parts: dict[str, float | int] = {
-            key: value * 1000 for key, value in zip(FIRST_AUDIO_PARTS, (*seconds, other),
-                                                    strict=True)}
+            key: value * 1000
+            for key, value in zip(FIRST_AUDIO_PARTS, (*seconds, other), strict=True)
+        }
         parts["first_chunk_tokens"] = sum(t <= first_flow.start for t in first_lm.token_times)
         return parts

@@ -51,7 +51,7 @@ def _chunks(data: bytes) -> dict[bytes, tuple[int, int]]:
     found: dict[bytes, tuple[int, int]] = {}
     pos = 12
     while pos + 8 <= len(data):
-        cid, size = data[pos:pos + 4], struct.unpack_from("<I", data, pos + 4)[0]
+        cid, size = data[pos : pos + 4], struct.unpack_from("<I", data, pos + 4)[0]
         # Writers that stream audio leave the data size at 0 or 0xFFFFFFFF: take the rest.
         if cid == b"data" and (size == 0 or pos + 8 + size > len(data)):
             size = len(data) - pos - 8
@@ -80,8 +80,9 @@ def _decode(raw: bytes, tag: int, bits: int, channels: int) -> np.ndarray:
         samples = ints.astype(np.float64) / float(2**23)
     else:
         kind = "float" if tag == _FLOAT else "PCM" if tag == _PCM else f"format 0x{tag:04x}"
-        raise VoiceError(f"unsupported WAV encoding ({kind}, {bits} bit); "
-                         "use 16/24/32-bit PCM or 32-bit float")
+        raise VoiceError(
+            f"unsupported WAV encoding ({kind}, {bits} bit); use 16/24/32-bit PCM or 32-bit float"
+        )
     return samples.reshape(-1, channels).T.astype(np.float32)
 
 
@@ -103,14 +104,16 @@ def _read_riff(data: bytes, max_seconds: float | None) -> tuple[np.ndarray, WavI
     frames = dsize // (channels * bits // 8)
     info = WavInfo(rate, channels, frames, f"{'float' if tag == _FLOAT else 'pcm'}{bits}")
     _check_length(info, max_seconds)
-    return _decode(data[doff:doff + dsize], tag, bits, channels), info
+    return _decode(data[doff : doff + dsize], tag, bits, channels), info
 
 
 def _check_length(info: WavInfo, max_seconds: float | None) -> None:
     # Checked on the header so a long file is refused before it is decoded.
     if max_seconds is not None and info.duration_s > max_seconds:
-        raise VoiceError(f"recording is {info.duration_s:.1f} s long; the limit is "
-                         f"{max_seconds:g} s (3-10 s of clear speech works best)")
+        raise VoiceError(
+            f"recording is {info.duration_s:.1f} s long; the limit is "
+            f"{max_seconds:g} s (3-10 s of clear speech works best)"
+        )
 
 
 def read_wav(path: Path | str, max_seconds: float | None = None) -> tuple[np.ndarray, WavInfo]:
@@ -122,8 +125,12 @@ def read_wav(path: Path | str, max_seconds: float | None = None) -> tuple[np.nda
         raise VoiceError(f"cannot read {path.name}: {err.strerror or err}") from err
     try:
         with wave.open(str(path), "rb") as wav:
-            info = WavInfo(wav.getframerate(), wav.getnchannels(), wav.getnframes(),
-                           f"pcm{8 * wav.getsampwidth()}")
+            info = WavInfo(
+                wav.getframerate(),
+                wav.getnchannels(),
+                wav.getnframes(),
+                f"pcm{8 * wav.getsampwidth()}",
+            )
             _check_length(info, max_seconds)
             raw = wav.readframes(info.frames)
             samples = _decode(raw, _PCM, 8 * wav.getsampwidth(), info.channels)
@@ -182,13 +189,16 @@ def resample(wave_: torch.Tensor, orig_freq: int, new_freq: int) -> torch.Tensor
     return y[:, :target].reshape(*shape[:-1], -1)
 
 
-def load_prompt_16k(path: Path | str, max_seconds: float | None = None,
-                    min_rate: int = 16000) -> tuple[torch.Tensor, WavInfo]:
+def load_prompt_16k(
+    path: Path | str, max_seconds: float | None = None, min_rate: int = 16000
+) -> tuple[torch.Tensor, WavInfo]:
     """A prompt WAV as float32 (1, N) mono at 16 kHz (what CAM++ and the tokenizer read)."""
     samples, info = read_wav(path, max_seconds)
     if info.sample_rate < min_rate:
-        raise VoiceError(f"sample rate {info.sample_rate} Hz is too low; record at "
-                         f"{min_rate} Hz or more (44100 or 48000 is fine)")
+        raise VoiceError(
+            f"sample rate {info.sample_rate} Hz is too low; record at "
+            f"{min_rate} Hz or more (44100 or 48000 is fine)"
+        )
     mono = to_mono(samples)
     if info.sample_rate != 16000:
         _LOGGER.debug("Resampling %s from %d Hz to 16000 Hz", Path(path).name, info.sample_rate)

@@ -34,14 +34,20 @@ class PromptFeatures:
     speech_feat: torch.Tensor  # float32 (1, T, 80)
 
     def to_state(self) -> dict[str, torch.Tensor]:
-        return {"embedding": self.embedding, "speech_tokens": self.speech_tokens,
-                "speech_feat": self.speech_feat}
+        return {
+            "embedding": self.embedding,
+            "speech_tokens": self.speech_tokens,
+            "speech_feat": self.speech_feat,
+        }
 
     @classmethod
     def from_state(cls, state: dict[str, object]) -> PromptFeatures:
         emb, tok, feat = (state.get(k) for k in ("embedding", "speech_tokens", "speech_feat"))
-        if not (isinstance(emb, torch.Tensor) and isinstance(tok, torch.Tensor)
-                and isinstance(feat, torch.Tensor)):
+        if not (
+            isinstance(emb, torch.Tensor)
+            and isinstance(tok, torch.Tensor)
+            and isinstance(feat, torch.Tensor)
+        ):
             raise ValueError("prompt state lacks the feature tensors")
         if emb.shape != (1, 192) or tok.dim() != 2 or feat.dim() != 3 or feat.shape[2] != 80:
             raise ValueError("prompt state has unexpected shapes")
@@ -56,19 +62,26 @@ def extract_features(wave_16k: torch.Tensor, models: PromptModels) -> PromptFeat
         tokens = models.speech_tokens(whisper_log_mel(wave_16k))
         embedding = models.embedding(campplus_input(wave_16k))
         feat = prompt_mel(resample(wave_16k, PROMPT_RATE, SAMPLE_RATE))
-    _LOGGER.debug("Prompt of %.2f s: %d tokens, %d mel frames in %.2f s",
-                  wave_16k.shape[1] / PROMPT_RATE, tokens.shape[1], feat.shape[1],
-                  time.perf_counter() - start)
+    _LOGGER.debug(
+        "Prompt of %.2f s: %d tokens, %d mel frames in %.2f s",
+        wave_16k.shape[1] / PROMPT_RATE,
+        tokens.shape[1],
+        feat.shape[1],
+        time.perf_counter() - start,
+    )
     return PromptFeatures(embedding.clone(), tokens.clone(), feat.clone())
 
 
 def _ids(ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    return (torch.tensor([ids], dtype=torch.int32).reshape(1, -1),
-            torch.tensor([len(ids)], dtype=torch.int32))
+    return (
+        torch.tensor([ids], dtype=torch.int32).reshape(1, -1),
+        torch.tensor([len(ids)], dtype=torch.int32),
+    )
 
 
-def model_input_zero_shot(text_ids: list[int], prompt_text_ids: list[int],
-                          prompt: PromptFeatures) -> dict[str, torch.Tensor]:
+def model_input_zero_shot(
+    text_ids: list[int], prompt_text_ids: list[int], prompt: PromptFeatures
+) -> dict[str, torch.Tensor]:
     """The official v1 ``frontend_zero_shot`` ``model_input`` (for parity checks and tools)."""
     text, text_len = _ids(text_ids)
     prompt_text, prompt_text_len = _ids(prompt_text_ids)
@@ -76,20 +89,31 @@ def model_input_zero_shot(text_ids: list[int], prompt_text_ids: list[int],
     n_feat = torch.tensor([prompt.speech_feat.shape[1]], dtype=torch.int32)
     # Upstream stores the same tensors under llm_* and flow_*.
     return {
-        "text": text, "text_len": text_len,
-        "prompt_text": prompt_text, "prompt_text_len": prompt_text_len,
-        "llm_prompt_speech_token": prompt.speech_tokens, "llm_prompt_speech_token_len": n_tok,
-        "flow_prompt_speech_token": prompt.speech_tokens, "flow_prompt_speech_token_len": n_tok,
-        "prompt_speech_feat": prompt.speech_feat, "prompt_speech_feat_len": n_feat,
-        "llm_embedding": prompt.embedding, "flow_embedding": prompt.embedding,
+        "text": text,
+        "text_len": text_len,
+        "prompt_text": prompt_text,
+        "prompt_text_len": prompt_text_len,
+        "llm_prompt_speech_token": prompt.speech_tokens,
+        "llm_prompt_speech_token_len": n_tok,
+        "flow_prompt_speech_token": prompt.speech_tokens,
+        "flow_prompt_speech_token_len": n_tok,
+        "prompt_speech_feat": prompt.speech_feat,
+        "prompt_speech_feat_len": n_feat,
+        "llm_embedding": prompt.embedding,
+        "flow_embedding": prompt.embedding,
     }
 
 
-def model_input_cross_lingual(text_ids: list[int],
-                              prompt: PromptFeatures) -> dict[str, torch.Tensor]:
+def model_input_cross_lingual(
+    text_ids: list[int], prompt: PromptFeatures
+) -> dict[str, torch.Tensor]:
     """The official v1 ``frontend_cross_lingual``: zero-shot minus prompt text and LM tokens."""
     out = model_input_zero_shot(text_ids, [], prompt)
-    for key in ("prompt_text", "prompt_text_len", "llm_prompt_speech_token",
-                "llm_prompt_speech_token_len"):
+    for key in (
+        "prompt_text",
+        "prompt_text_len",
+        "llm_prompt_speech_token",
+        "llm_prompt_speech_token_len",
+    ):
         del out[key]
     return out

@@ -50,8 +50,9 @@ def _mel_to_hz(mel: np.ndarray) -> np.ndarray:
 
 
 @functools.lru_cache(maxsize=4)
-def slaney_mel_filters(sr: int, n_fft: int, n_mels: int, fmin: float = 0.0,
-                       fmax: float | None = None) -> torch.Tensor:
+def slaney_mel_filters(
+    sr: int, n_fft: int, n_mels: int, fmin: float = 0.0, fmax: float | None = None
+) -> torch.Tensor:
     """(n_mels, n_fft//2 + 1) float32 triangular filters, each with unit area in Hz.
 
     Computed in float64, stored to float32, then scaled by the area norm in float64 and
@@ -69,7 +70,7 @@ def slaney_mel_filters(sr: int, n_fft: int, n_mels: int, fmin: float = 0.0,
         lower = -ramps[i] / fdiff[i]
         upper = ramps[i + 2] / fdiff[i + 1]
         weights[i] = np.maximum(0.0, np.minimum(lower, upper))
-    enorm = 2.0 / (mel_hz[2:n_mels + 2] - mel_hz[:n_mels])
+    enorm = 2.0 / (mel_hz[2 : n_mels + 2] - mel_hz[:n_mels])
     weights = (weights.astype(np.float64) * enorm[:, None]).astype(np.float32)
     return torch.from_numpy(weights)
 
@@ -84,9 +85,17 @@ def prompt_mel(wave_22k: torch.Tensor) -> torch.Tensor:
     if y.shape[1] <= pad:
         raise ValueError(f"prompt too short for the mel extractor ({y.shape[1]} samples)")
     y = F.pad(y.unsqueeze(1), (pad, pad), mode="reflect").squeeze(1)
-    spec = torch.stft(y, MEL_N_FFT, hop_length=MEL_HOP, win_length=MEL_N_FFT,
-                      window=torch.hann_window(MEL_N_FFT), center=False, normalized=False,
-                      onesided=True, return_complex=True)
+    spec = torch.stft(
+        y,
+        MEL_N_FFT,
+        hop_length=MEL_HOP,
+        win_length=MEL_N_FFT,
+        window=torch.hann_window(MEL_N_FFT),
+        center=False,
+        normalized=False,
+        onesided=True,
+        return_complex=True,
+    )
     spec = torch.view_as_real(spec)
     mag = torch.sqrt(spec.pow(2).sum(-1) + 1e-9)
     basis = slaney_mel_filters(MEL_SR, MEL_N_FFT, MEL_BINS, 0.0, MEL_FMAX)
@@ -104,8 +113,12 @@ def _kaldi_mel(hz: torch.Tensor | float) -> torch.Tensor | float:
 
 
 @functools.lru_cache(maxsize=2)
-def kaldi_mel_banks(num_bins: int = FBANK_BINS, n_fft: int = FBANK_FFT,
-                    sample_rate: int = 16000, low_hz: float = FBANK_LOW_HZ) -> torch.Tensor:
+def kaldi_mel_banks(
+    num_bins: int = FBANK_BINS,
+    n_fft: int = FBANK_FFT,
+    sample_rate: int = 16000,
+    low_hz: float = FBANK_LOW_HZ,
+) -> torch.Tensor:
     """(num_bins, n_fft//2 + 1) float32 triangles on the Kaldi mel scale; last column zero."""
     n_bins = n_fft // 2
     high_hz = sample_rate / 2.0
@@ -133,15 +146,15 @@ def kaldi_fbank(wave_16k: torch.Tensor) -> torch.Tensor:
     x = wave_16k.reshape(-1).to(torch.float32)
     if x.numel() < FBANK_WIN:
         raise ValueError(f"prompt too short for the fbank ({x.numel()} samples, need 400)")
-    frames = x.as_strided((1 + (x.numel() - FBANK_WIN) // FBANK_SHIFT, FBANK_WIN),
-                          (FBANK_SHIFT, 1))
+    frames = x.as_strided((1 + (x.numel() - FBANK_WIN) // FBANK_SHIFT, FBANK_WIN), (FBANK_SHIFT, 1))
     frames = frames - frames.mean(dim=1, keepdim=True)  # remove DC offset
     # Pre-emphasis with the first sample repeated as its own predecessor.
     previous = F.pad(frames.unsqueeze(0), (1, 0), mode="replicate").squeeze(0)[:, :-1]
     frames = frames - PREEMPH * previous
     frames = frames * povey_window().unsqueeze(0)
-    frames = F.pad(frames.unsqueeze(0), (0, FBANK_FFT - FBANK_WIN), mode="constant",
-                   value=0.0).squeeze(0)
+    frames = F.pad(
+        frames.unsqueeze(0), (0, FBANK_FFT - FBANK_WIN), mode="constant", value=0.0
+    ).squeeze(0)
     power = torch.fft.rfft(frames).abs().pow(2.0)
     mel = torch.mm(power, kaldi_mel_banks().T)
     eps = torch.tensor(torch.finfo(torch.float32).eps)
@@ -162,8 +175,13 @@ def whisper_log_mel(wave_16k: torch.Tensor, n_mels: int = WHISPER_BINS) -> torch
     audio = wave_16k.reshape(1, -1).to(torch.float32)
     if audio.shape[1] <= WHISPER_N_FFT // 2:
         raise ValueError(f"prompt too short for the whisper mel ({audio.shape[1]} samples)")
-    stft = torch.stft(audio, WHISPER_N_FFT, WHISPER_HOP, window=torch.hann_window(WHISPER_N_FFT),
-                      return_complex=True)  # center=True, reflect padding
+    stft = torch.stft(
+        audio,
+        WHISPER_N_FFT,
+        WHISPER_HOP,
+        window=torch.hann_window(WHISPER_N_FFT),
+        return_complex=True,
+    )  # center=True, reflect padding
     power = stft[..., :-1].abs() ** 2  # the last (half-padded) frame is dropped
     filters = slaney_mel_filters(16000, WHISPER_N_FFT, n_mels)
     log_spec = torch.clamp(filters @ power, min=1e-10).log10()

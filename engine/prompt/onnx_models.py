@@ -73,7 +73,8 @@ class PromptModels:
         missing = [p for p in (self.campplus_path, self.tokenizer_path) if not p.is_file()]
         if missing:
             raise PromptModelError(
-                "custom voices need " + " and ".join(str(p) for p in missing)
+                "custom voices need "
+                + " and ".join(str(p) for p in missing)
                 + " (they ship with the FunAudioLLM/CosyVoice-300M model repositories)"
             )
 
@@ -91,8 +92,9 @@ class PromptModels:
             options.inter_op_num_threads = 1
             start = time.perf_counter()
             try:
-                session = ort.InferenceSession(str(path), sess_options=options,
-                                               providers=["CPUExecutionProvider"])
+                session = ort.InferenceSession(
+                    str(path), sess_options=options, providers=["CPUExecutionProvider"]
+                )
             except Exception as err:  # onnxruntime raises its own exception types
                 raise PromptModelError(f"cannot load {path}: {err}") from err
             _LOGGER.info("Loaded %s in %.2f s", path.name, time.perf_counter() - start)
@@ -111,8 +113,10 @@ class PromptModels:
         feed = {inputs[0].name: campplus_feed.reshape(1, -1, 80).to(torch.float32).numpy()}
         out = np.asarray(session.run(None, feed)[0]).reshape(-1)
         if out.size != EMBEDDING_DIM:
-            raise PromptModelError(f"{self.campplus_path.name} returned {out.size} values, "
-                                   f"expected a {EMBEDDING_DIM}-d embedding")
+            raise PromptModelError(
+                f"{self.campplus_path.name} returned {out.size} values, "
+                f"expected a {EMBEDDING_DIM}-d embedding"
+            )
         return torch.from_numpy(out.astype(np.float32)).reshape(1, EMBEDDING_DIM)
 
     def speech_tokens(self, log_mel: torch.Tensor) -> torch.Tensor:
@@ -120,7 +124,8 @@ class PromptModels:
         frames = log_mel.shape[-1]
         if frames / 100.0 > MAX_TOKENIZER_SECONDS:
             raise PromptModelError(
-                f"the speech tokenizer takes at most {MAX_TOKENIZER_SECONDS:g} s of audio")
+                f"the speech tokenizer takes at most {MAX_TOKENIZER_SECONDS:g} s of audio"
+            )
         session = self._session(self.tokenizer_path)
         inputs = session.get_inputs()
         feed = {

@@ -83,28 +83,39 @@ def _sha256(path: Path) -> str:
 
 def file_record(path: Path) -> dict[str, object]:
     st = path.stat()
-    return {"name": path.name, "size": st.st_size, "mtime_ns": st.st_mtime_ns,
-            "sha256": _sha256(path)}
+    return {
+        "name": path.name,
+        "size": st.st_size,
+        "mtime_ns": st.st_mtime_ns,
+        "sha256": _sha256(path),
+    }
 
 
 def _same_file(old: object, new: object) -> bool:
-    return (isinstance(old, dict) and isinstance(new, dict) and old.get("size") == new["size"]
-            and old.get("sha256") == new["sha256"])
+    return (
+        isinstance(old, dict)
+        and isinstance(new, dict)
+        and old.get("size") == new["size"]
+        and old.get("sha256") == new["sha256"]
+    )
 
 
 def _key(wav: Path, txt: Path, models: PromptModels | None) -> dict[str, object]:
     # Models that are not there (deleted after extraction to save space) cannot have changed:
     # any cache that matches the files is then good.
     present = models is not None and models.files_present()
-    return {"format": CACHE_FORMAT, "wav": file_record(wav), "txt": file_record(txt),
-            "models": models.identity() if present and models is not None else None}
+    return {
+        "format": CACHE_FORMAT,
+        "wav": file_record(wav),
+        "txt": file_record(txt),
+        "models": models.identity() if present and models is not None else None,
+    }
 
 
 def _cache_matches(state: dict[str, object], key: dict[str, object]) -> bool:
     if state.get("format") != CACHE_FORMAT:
         return False
-    if not (_same_file(state.get("wav"), key["wav"])
-            and _same_file(state.get("txt"), key["txt"])):
+    if not (_same_file(state.get("wav"), key["wav"]) and _same_file(state.get("txt"), key["txt"])):
         return False
     # Without the models at hand (no onnxruntime / files) any matching cache is good.
     return key["models"] is None or state.get("models") == key["models"]
@@ -117,8 +128,12 @@ def _write_cache(path: Path, state: dict[str, object]) -> None:
         os.replace(tmp, path)  # atomic: a reader never sees half a cache
     except OSError as err:
         tmp.unlink(missing_ok=True)
-        _LOGGER.warning("Cannot write the prompt cache %s (%s); the voice works but its "
-                        "prompt will be extracted again next time", path, err)
+        _LOGGER.warning(
+            "Cannot write the prompt cache %s (%s); the voice works but its "
+            "prompt will be extracted again next time",
+            path,
+            err,
+        )
 
 
 def _read_cache(path: Path) -> dict[str, object] | None:
@@ -142,8 +157,10 @@ def load_voice(voices_dir: Path, name: str, models: PromptModels | None) -> Cust
     wav, txt = files.get("wav"), files.get("txt", voices_dir / f"{name}.txt")
     if wav is None:
         if "other" in files:
-            raise VoiceError(f"{files['other'].name} is not a WAV file; convert it to "
-                             f"{name}.wav (e.g. ffmpeg -i {files['other'].name} {name}.wav)")
+            raise VoiceError(
+                f"{files['other'].name} is not a WAV file; convert it to "
+                f"{name}.wav (e.g. ffmpeg -i {files['other'].name} {name}.wav)"
+            )
         raise VoiceError(f"recording {name}.wav is missing")
     transcript = read_transcript(txt)
     instruct = None
@@ -162,11 +179,21 @@ def load_voice(voices_dir: Path, name: str, models: PromptModels | None) -> Cust
         except (KeyError, TypeError, ValueError) as err:
             _LOGGER.warning("Ignoring malformed prompt cache %s: %s", cache.name, err)
         else:
-            return CustomVoice(name, transcript, detect_language(transcript), prompt, duration,
-                               instruct, "cache", time.perf_counter() - start)
+            return CustomVoice(
+                name,
+                transcript,
+                detect_language(transcript),
+                prompt,
+                duration,
+                instruct,
+                "cache",
+                time.perf_counter() - start,
+            )
     if models is None:
-        raise VoiceError("its prompt is not extracted yet and the prompt models "
-                         "(campplus.onnx, speech_tokenizer_v1.onnx) are not available")
+        raise VoiceError(
+            "its prompt is not extracted yet and the prompt models "
+            "(campplus.onnx, speech_tokenizer_v1.onnx) are not available"
+        )
     wave_16k, info = load_prompt_16k(wav, max_seconds=MAX_SECONDS)
     duration = check_audio(wave_16k, name)
     check_transcript_length(transcript, duration, name)
@@ -174,13 +201,34 @@ def load_voice(voices_dir: Path, name: str, models: PromptModels | None) -> Cust
         prompt = extract_features(wave_16k, models)
     except PromptModelError as err:
         raise VoiceError(str(err)) from err
-    _write_cache(cache, {**key, "duration_s": duration, "transcript": transcript,
-                         "source_rate": info.sample_rate, **prompt.to_state()})
+    _write_cache(
+        cache,
+        {
+            **key,
+            "duration_s": duration,
+            "transcript": transcript,
+            "source_rate": info.sample_rate,
+            **prompt.to_state(),
+        },
+    )
     seconds = time.perf_counter() - start
-    _LOGGER.info("Custom voice %r: prompt extracted in %.2f s (%.1f s of audio, %d tokens)",
-                 name, seconds, duration, prompt.speech_tokens.shape[1])
-    return CustomVoice(name, transcript, detect_language(transcript), prompt, duration,
-                       instruct, "extracted", seconds)
+    _LOGGER.info(
+        "Custom voice %r: prompt extracted in %.2f s (%.1f s of audio, %d tokens)",
+        name,
+        seconds,
+        duration,
+        prompt.speech_tokens.shape[1],
+    )
+    return CustomVoice(
+        name,
+        transcript,
+        detect_language(transcript),
+        prompt,
+        duration,
+        instruct,
+        "extracted",
+        seconds,
+    )
 
 
 def _split(fname: str) -> tuple[str, str] | None:
@@ -211,8 +259,9 @@ def voice_names(voices_dir: Path) -> list[str]:
     return sorted(_voice_files(voices_dir))
 
 
-def scan_voices(voices_dir: Path | str, models: PromptModels | None, *,
-                reserved: Collection[str] = ()) -> ScanResult:
+def scan_voices(
+    voices_dir: Path | str, models: PromptModels | None, *, reserved: Collection[str] = ()
+) -> ScanResult:
     """Load every voice of ``voices_dir``; bad ones are logged and listed, never raised."""
     voices_dir = Path(voices_dir)
     result = ScanResult()
@@ -230,17 +279,26 @@ def scan_voices(voices_dir: Path | str, models: PromptModels | None, *,
         except Exception as err:  # a bad file must never take the server down
             result.rejected[name] = f"unexpected error: {err}"
             _LOGGER.exception("Custom voice %r skipped after an unexpected error", name)
-    _LOGGER.info("Custom voices in %s: %s%s", voices_dir,
-                 ", ".join(result.voices) or "none",
-                 f" ({len(result.rejected)} rejected)" if result.rejected else "")
+    _LOGGER.info(
+        "Custom voices in %s: %s%s",
+        voices_dir,
+        ", ".join(result.voices) or "none",
+        f" ({len(result.rejected)} rejected)" if result.rejected else "",
+    )
     return result
 
 
 class VoiceLibrary:
     """Thread-safe registry of custom voices, re-scanned on demand."""
 
-    def __init__(self, voices_dir: Path | str, models: PromptModels | None, *,
-                 reserved: Collection[str] = (), release_models: bool = True) -> None:
+    def __init__(
+        self,
+        voices_dir: Path | str,
+        models: PromptModels | None,
+        *,
+        reserved: Collection[str] = (),
+        release_models: bool = True,
+    ) -> None:
         self.voices_dir = Path(voices_dir)
         self.models = models
         self.reserved = frozenset(reserved)
@@ -305,9 +363,15 @@ def _tagged(frontend: TextFrontend, text: str, text_ids: list[int] | None) -> li
     return [frontend.tokenizer.language_id(detect_language(text)), *text_ids]
 
 
-def to_engine_voice(voice: CustomVoice, frontend: TextFrontend, text: str, *,
-                    kind: str = "base", instruct: str | None = None,
-                    text_ids: list[int] | None = None) -> VoiceInput:
+def to_engine_voice(
+    voice: CustomVoice,
+    frontend: TextFrontend,
+    text: str,
+    *,
+    kind: str = "base",
+    instruct: str | None = None,
+    text_ids: list[int] | None = None,
+) -> VoiceInput:
     """The engine ``Voice`` for speaking ``text`` (one segment) with a custom voice (SPEC §4.4).
 
     * zero-shot (text in the transcript's language): LM gets transcript ids + CAM++ embedding +
@@ -325,19 +389,36 @@ def to_engine_voice(voice: CustomVoice, frontend: TextFrontend, text: str, *,
     emb = voice.prompt.embedding
     instruction = instruct or voice.instruct
     if instruction and kind == "instruct":
-        return VoiceInput(Voice(voice.name, torch.zeros(0, emb.shape[1]), emb,
-                                prompt_text_ids=frontend.instruct_ids(instruction)),
-                          "instruct", text_ids)
+        return VoiceInput(
+            Voice(
+                voice.name,
+                torch.zeros(0, emb.shape[1]),
+                emb,
+                prompt_text_ids=frontend.instruct_ids(instruction),
+            ),
+            "instruct",
+            text_ids,
+        )
     if instruction:
-        _LOGGER.debug("Voice %r: instruction ignored (the %s model has no instruct mode)",
-                      voice.name, kind)
+        _LOGGER.debug(
+            "Voice %r: instruction ignored (the %s model has no instruct mode)", voice.name, kind
+        )
     flow_prompt = FlowPrompt(emb, voice.prompt.speech_tokens, voice.prompt.speech_feat)
     if is_cross_lingual(voice, text):
-        return VoiceInput(Voice(voice.name, emb, emb, flow_prompt=flow_prompt), "cross_lingual",
-                          _tagged(frontend, text, text_ids))
+        return VoiceInput(
+            Voice(voice.name, emb, emb, flow_prompt=flow_prompt),
+            "cross_lingual",
+            _tagged(frontend, text, text_ids),
+        )
     return VoiceInput(
-        Voice(voice.name, emb, emb, prompt_text_ids=list(_prompt_ids(frontend, voice.transcript)),
-              llm_prompt_tokens=voice.prompt.speech_tokens.reshape(-1).tolist(),
-              flow_prompt=flow_prompt),
-        "zero_shot", text_ids,
+        Voice(
+            voice.name,
+            emb,
+            emb,
+            prompt_text_ids=list(_prompt_ids(frontend, voice.transcript)),
+            llm_prompt_tokens=voice.prompt.speech_tokens.reshape(-1).tolist(),
+            flow_prompt=flow_prompt,
+        ),
+        "zero_shot",
+        text_ids,
     )

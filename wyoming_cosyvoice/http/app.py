@@ -134,8 +134,9 @@ class TtsRoutes:
         if error:
             body["error"] = error
         # What the engine chose for this CPU: int8 kernels, native bfloat16, thread ceiling.
-        choices = getattr(self.host.ready.result(), "cpu_choices", None) \
-            if state == "ready" else None
+        choices = (
+            getattr(self.host.ready.result(), "cpu_choices", None) if state == "ready" else None
+        )
         if choices is not None:
             body["cpu"] = choices.as_dict()
         return JSONResponse(body, status_code=200 if state == "ready" else 503)

@@ -58,8 +58,7 @@ def synthesis_options(
     force_tokens: int | None = None,
 ) -> SynthesisOptions:
     """The engine options for a profile: the same mapping the Wyoming handler uses."""
-    return profile.options(speaker=speaker, seed=seed, instruct=instruct,
-                           force_tokens=force_tokens)
+    return profile.options(speaker=speaker, seed=seed, instruct=instruct, force_tokens=force_tokens)
 
 
 def max_body_bytes(config: ServerConfig) -> int:
