@@ -103,7 +103,7 @@ def read_model_yaml(path: Path) -> dict[str, Any]:
     except OSError as err:
         raise ModelConfigError(f"cannot read {path}: {err.strerror or err}") from err
     try:
-        doc = yaml.load(text, Loader=_DataLoader)  # noqa: S506 - a SafeLoader subclass
+        doc = yaml.load(text, Loader=_DataLoader)  # a SafeLoader subclass
     except yaml.YAMLError as err:
         raise ModelConfigError(f"{path} is not valid YAML: {err}") from err
     if not isinstance(doc, dict):

@@ -191,7 +191,7 @@ def open_mapped_file(path: str, inode: int) -> io.FileIO | None:
     The inode only: btrfs subvolumes report another device number to stat than to maps.
     """
     try:
-        file = open(path, "rb", buffering=0)  # noqa: SIM115 (the caller closes it)
+        file = open(path, "rb", buffering=0)  # the caller closes it
     except OSError as err:  # e.g. deleted since it was mapped
         _LOGGER.debug("Cannot reopen mapped file %s: %s", path, err)
         return None

@@ -28,7 +28,7 @@ from typing import Any
 import jsonschema
 import pytest
 import yaml
-from conftest import wait_for_port  # noqa: E402
+from conftest import wait_for_port
 
 from wyoming_cosyvoice import addon
 
@@ -514,7 +514,7 @@ class _OneLineServer(socketserver.ThreadingTCPServer):
         self.reply = reply
 
         class Handler(socketserver.StreamRequestHandler):
-            def handle(inner) -> None:  # noqa: N805 - closure over the server's reply
+            def handle(inner) -> None:  # closure over the server's reply
                 if inner.rfile.readline():
                     inner.wfile.write(reply)
 

@@ -18,8 +18,8 @@ import pytest
 
 pytest.importorskip("engine.engine", reason="the engine has not landed")
 
-from wyoming_cosyvoice import batch  # noqa: E402
-from wyoming_cosyvoice.sentences import has_speech, make_splitter, split_all  # noqa: E402
+from wyoming_cosyvoice import batch
+from wyoming_cosyvoice.sentences import has_speech, make_splitter, split_all
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "tests" / "data" / "tiny_model"

@@ -22,7 +22,7 @@ from wyoming_cosyvoice.config import (
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def cli(*argv: str):  # noqa: ANN201
+def cli(*argv: str):
     return config_from_args(build_parser().parse_args(list(argv)))
 
 

@@ -128,7 +128,7 @@ class ServerThread:
                 self.port = srv.port
                 self._ready.set()
                 await self._stop.wait()
-        except BaseException as err:  # noqa: BLE001 - reported to the test thread
+        except BaseException as err:  # reported to the test thread
             self.failure = err
             self._ready.set()
 

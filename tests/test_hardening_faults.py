@@ -27,8 +27,8 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from conftest import event_bytes as header  # noqa: E402
-from conftest import wait_for_port  # noqa: E402
+from conftest import event_bytes as header
+from conftest import wait_for_port
 from wyoming.event import async_read_event
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -25,7 +25,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from conftest import event_bytes as header  # noqa: E402
+from conftest import event_bytes as header
 from wyoming.event import Event, async_read_event
 
 

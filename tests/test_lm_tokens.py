@@ -21,7 +21,7 @@ def _consume(run: Callable[[], object]) -> None:
     def target() -> None:
         try:
             run()
-        except BaseException as err:  # noqa: BLE001 - re-raised in the test's thread
+        except BaseException as err:  # re-raised in the test's thread
             errors.append(err)
 
     thread = threading.Thread(target=target, name="consumer")

@@ -18,7 +18,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from conftest import wait_for_port  # noqa: E402
+from conftest import wait_for_port
 from wyoming.event import Event
 from wyoming.info import Describe, Info
 
@@ -28,7 +28,7 @@ TINY = ROOT / "tests" / "data" / "tiny_model"
 pytest.importorskip("engine.engine", reason="the engine (issue 3) has not landed")
 
 
-def run(coro):  # noqa: ANN001, ANN201
+def run(coro):
     return asyncio.run(coro)
 
 

@@ -13,7 +13,7 @@ from engine import thread_budget
 from wyoming_cosyvoice.server import _Slots
 
 
-def run(coro):  # noqa: ANN001, ANN201
+def run(coro):
     return asyncio.run(coro)
 
 

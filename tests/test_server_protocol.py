@@ -12,7 +12,7 @@ TWO_SENTENCES = "This is the first sentence. And here comes the second one!"
 FIRST, SECOND = "This is the first sentence.", "And here comes the second one!"
 
 
-def run(coro):  # noqa: ANN001, ANN201
+def run(coro):
     return asyncio.run(coro)
 
 
@@ -190,7 +190,7 @@ def test_describe_is_fast_while_another_client_synthesizes(wy: SimpleNamespace) 
 
 
 def test_describe_during_model_load_lists_the_models_voices(wy: SimpleNamespace) -> None:
-    def slow_engine(path, threads):  # noqa: ANN001, ANN202
+    def slow_engine(path, threads):
         import time
 
         time.sleep(1.5)
@@ -280,7 +280,7 @@ def test_engine_failure_is_an_error_event_and_the_server_keeps_serving(wy: Simpl
     assert ok.types[-1] == "audio-stop"
 
 
-def test_unix_socket_uri(wy: SimpleNamespace, tmp_path) -> None:  # noqa: ANN001
+def test_unix_socket_uri(wy: SimpleNamespace, tmp_path) -> None:
     from wyoming.client import AsyncUnixClient
 
     path = tmp_path / "cosyvoice.sock"

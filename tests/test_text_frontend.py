@@ -111,7 +111,7 @@ def test_threads_get_identical_results(frontend: TextFrontend) -> None:
             for _ in range(10):
                 for t in texts:
                     assert frontend.segments(t) == expected[t]
-        except BaseException as err:  # noqa: BLE001
+        except BaseException as err:
             errors.append(err)
 
     threads = [threading.Thread(target=work) for _ in range(4)]

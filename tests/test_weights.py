@@ -125,7 +125,7 @@ def test_wrong_shape_names_the_key(model_copy: Path) -> None:
 class _Payload:
     """Unpickling this would run code; weights_only loading must refuse it."""
 
-    def __reduce__(self):  # noqa: ANN204
+    def __reduce__(self):
         return (os.system, ("touch /tmp/cosyvoice-pwned",))
 
 

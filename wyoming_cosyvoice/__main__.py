@@ -285,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
         return synthesize(argv[1:])
     args = build_parser().parse_args(argv)
     if args.version:
-        print(__version__)  # noqa: T201 - the CLI's only print
+        print(__version__)  # the CLI's only print
         return 0
     try:
         config = config_from_args(args)

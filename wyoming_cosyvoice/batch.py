@@ -101,7 +101,7 @@ def segments_of(text: str, batch: bool) -> list[str]:
 
 
 def _open_wav(target: BinaryIO | str | Path, rate: int) -> wave.Wave_write:
-    wav = wave.open(target if not isinstance(target, Path) else str(target), "wb")  # noqa: SIM115
+    wav = wave.open(target if not isinstance(target, Path) else str(target), "wb")
     wav.setnchannels(1)
     wav.setsampwidth(WIDTH)
     wav.setframerate(rate)

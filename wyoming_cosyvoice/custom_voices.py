@@ -109,7 +109,7 @@ async def _in_daemon_thread(fn: Callable[[], Any]) -> Any:
     def target() -> None:
         try:
             result, error = fn(), None
-        except BaseException as err:  # noqa: BLE001 - handed to the awaiting task
+        except BaseException as err:  # handed to the awaiting task
             result, error = None, err
         try:
             loop.call_soon_threadsafe(settle, result, error)
@@ -145,7 +145,7 @@ class CustomVoices:
     async def run(self) -> None:
         try:
             engine = await asyncio.shield(self.host.ready)
-        except Exception:  # noqa: BLE001 - a failed load is reported (and ends the server) elsewhere
+        except Exception:  # a failed load is reported (and ends the server) elsewhere
             return
         if not hasattr(engine, "enable_custom_voices"):
             _LOGGER.warning("This engine has no custom voices; ignoring %s", self.voices_dir)
@@ -163,7 +163,7 @@ class CustomVoices:
                     await self.scan(engine)
             except asyncio.CancelledError:
                 raise
-            except Exception:  # noqa: BLE001 - a bad folder must never stop the server
+            except Exception:  # a bad folder must never stop the server
                 _LOGGER.exception("Scanning the custom voices in %s failed", self.voices_dir)
             await asyncio.sleep(self.config.voices_rescan_s)
 

@@ -220,7 +220,7 @@ def _download_file(
         meta = get_hf_file_metadata(url, endpoint=endpoint)
     except HfHubHTTPError as err:
         raise DownloadError(f"cannot get {filename} from {url}: {err}") from err
-    except Exception as err:  # noqa: BLE001 - network errors come in many types
+    except Exception as err:  # network errors come in many types
         raise DownloadError(f"cannot reach {url} ({type(err).__name__}: {err})") from err
     etag = meta.etag or ""
     final = folder / filename
@@ -239,7 +239,7 @@ def _download_file(
             break
         except DownloadError:
             raise
-        except Exception as err:  # noqa: BLE001 - retried; the partial file is kept
+        except Exception as err:  # retried; the partial file is kept
             status = getattr(getattr(err, "response", None), "status_code", None)
             if status is not None and 400 <= status < 500 and status not in (408, 429):
                 raise DownloadError(f"cannot download {filename}: HTTP {status}") from err

@@ -135,7 +135,7 @@ class EventHandler:
             await self._read_loop()
         except (ConnectionError, asyncio.IncompleteReadError, OSError):
             _LOGGER.debug("Client %s disconnected", self._peer)
-        except Exception:  # noqa: BLE001 - one client never takes the server down
+        except Exception:  # one client never takes the server down
             _LOGGER.exception("Unexpected error on connection %s", self._peer)
         finally:
             self._cancel.set()
@@ -144,7 +144,7 @@ class EventHandler:
             self._out.put_nowait(None)
             try:  # already-queued events (an error, an info) still go out
                 await asyncio.wait_for(asyncio.shield(sender), timeout=2.0)
-            except (asyncio.TimeoutError, Exception):  # noqa: BLE001
+            except (asyncio.TimeoutError, Exception):
                 self._writer.transport.abort()
                 sender.cancel()
             await asyncio.gather(sender, self._worker_task, watchdog, return_exceptions=True)
@@ -342,7 +342,7 @@ class EventHandler:
             except EngineError as err:
                 self._fail(SynthesisError(str(err) or type(err).__name__))
                 return
-            except Exception as err:  # noqa: BLE001 - report it, keep the server alive
+            except Exception as err:  # report it, keep the server alive
                 _LOGGER.exception("Synthesis failed for %s", self._peer)
                 self._fail(SynthesisError(f"internal error: {type(err).__name__}: {err}"))
                 return

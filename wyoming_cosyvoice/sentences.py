@@ -101,7 +101,7 @@ def detect_language(text: str) -> str:
     if _frontend_detect is not None:
         try:
             return str(_frontend_detect(text))
-        except Exception:  # noqa: BLE001 - a guess only
+        except Exception:  # a guess only
             _LOGGER.debug("detect_language failed", exc_info=True)
     if re.search(r"[\u3040-\u30ff]", text):
         return "ja"

@@ -117,7 +117,7 @@ def peek_speakers(model_dir: Path) -> list[str] | None:
             pkl = next(n for n in archive.namelist() if n.endswith("data.pkl"))
             with archive.open(pkl) as f:
                 table = _NamesOnlyUnpickler(f).load()
-    except Exception as err:  # noqa: BLE001 - a hint only; never fatal
+    except Exception as err:  # a hint only; never fatal
         _LOGGER.debug("Could not read speaker names from %s: %s", path, err)
         return None
     if not isinstance(table, dict) or not all(isinstance(k, str) for k in table):
@@ -432,7 +432,7 @@ def _close_quietly(chunks: Iterator[AudioChunk]) -> None:
     if close is not None:
         try:
             close()
-        except Exception:  # noqa: BLE001 - a failing cleanup must not kill the engine thread
+        except Exception:  # a failing cleanup must not kill the engine thread
             _LOGGER.exception("Closing a synthesis generator failed")
 
 

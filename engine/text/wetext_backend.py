@@ -63,7 +63,7 @@ def _safe(text: str, lang: str) -> str:
         return text
     try:
         return _call(text, lang)
-    except Exception as err:  # noqa: BLE001 - a library failure must never reach the user
+    except Exception as err:  # a library failure must never reach the user
         _LOGGER.warning(
             "wetext failed on %r (%s: %s); retrying word by word",
             text[:80],
@@ -74,7 +74,7 @@ def _safe(text: str, lang: str) -> str:
     for word in text.split(" "):
         try:
             out.append(_call(word, lang) if word else word)
-        except Exception:  # noqa: BLE001
+        except Exception:
             out.append(word)
     return " ".join(out)
 

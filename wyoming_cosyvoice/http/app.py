@@ -175,13 +175,13 @@ class TtsRoutes:
             first = await first_piece(job)
         except SynthesisCancelled:
             first = None
-        except Exception as err:  # noqa: BLE001 - each becomes a JSON error
+        except Exception as err:  # each becomes a JSON error
             raise engine_error(err) from err
         if speech.stream:
             return SpeechResponse(job, first)
         try:
             rest = await job.read_all() if first is not None else b""
-        except Exception as err:  # noqa: BLE001
+        except Exception as err:
             raise engine_error(err) from err
         finally:
             job.stop()

@@ -52,7 +52,7 @@ class HttpServer:
         self.server.should_exit = True
         try:
             await asyncio.wait_for(asyncio.shield(self.task), _GRACE_S + 2)
-        except (asyncio.TimeoutError, Exception):  # noqa: BLE001 - stopping regardless
+        except (asyncio.TimeoutError, Exception):  # stopping regardless
             self.task.cancel()
             await asyncio.gather(self.task, return_exceptions=True)
 

@@ -153,7 +153,7 @@ class SpeechJob:
             self._queue.put_nowait(err)
             if self.on_stall is not None:
                 self.on_stall()  # the response is stuck in send(): only cancelling frees it
-        except Exception as err:  # noqa: BLE001 - handed to the response, which reports it
+        except Exception as err:  # handed to the response, which reports it
             self._queue.put_nowait(err)
 
     async def _on_chunk(self, chunk: AudioChunk) -> None:
@@ -230,7 +230,7 @@ class SpeechResponse(StreamingResponse):
             task.uncancel()
             _LOGGER.warning("HTTP client stopped reading for %.0f s; dropping it",
                             self.job.limits.stall_timeout_s)  # fmt: skip
-        except Exception as err:  # noqa: BLE001 - the status line is gone: log, cut the body
+        except Exception as err:  # the status line is gone: log, cut the body
             _LOGGER.error("Synthesis failed mid-stream: %s: %s", type(err).__name__, err)
         finally:
             self.job.stop()
