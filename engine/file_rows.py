@@ -60,7 +60,8 @@ class FileEmbedding(nn.Module):
         file = open_mapped_file(spot.path, spot.inode)  # the module owns it
         if file is None:
             return None
-        reader = cls(file, spot.offset, *weight.shape, dtype=weight.dtype)
+        num_rows, dim = weight.shape
+        reader = cls(file, spot.offset, num_rows, dim, dtype=weight.dtype)
         # The bytes must be the mapped ones: checked on the first and the last row.
         for row in (0, weight.shape[0] - 1):
             if reader.rows([row])[0].numpy().tobytes() != weight[row].detach().numpy().tobytes():

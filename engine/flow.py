@@ -271,7 +271,7 @@ class FlowModel(nn.Module):
             z = torch.randn(mu.shape, generator=generator, dtype=mu.dtype, device=mu.device)
 
         cached = 0 if flow_cache is None else flow_cache.shape[2]
-        if cached:
+        if flow_cache is not None and cached:
             if cached > total:
                 raise ValueError(f"flow cache has {cached} frames but the call has only {total}")
             # Pin the overlap: same noise AND same mu as the previous chunk for these frames.

@@ -21,7 +21,8 @@ result is unchanged).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -73,7 +74,7 @@ class Block1D(nn.Module):
         )
 
     def forward(self, x: Tensor, mask: Tensor | None) -> Tensor:
-        conv, norm = self.block[0], self.block[1]
+        conv, norm = self.block[0], cast(nn.GroupNorm, self.block[1])
         h = conv(_masked(x, mask))
         # As (B, C, T, 1): a channels-last h (a oneDNN conv's output) then meets torch's
         # channels-last GroupNorm kernel instead of being copied to (B, C, T) first.
@@ -217,6 +218,12 @@ def _run_transformers(blocks: nn.ModuleList, x: Tensor, mask: Tensor | None) -> 
     return h.transpose(1, 2)
 
 
+# What each entry of the decoder's ModuleLists holds (ModuleList itself is untyped): a down or
+# up level is a ResNet block, its transformer blocks and a resampling conv; a mid level has no conv.
+_Level = tuple[ResnetBlock1D, nn.ModuleList, nn.Module]
+_MidLevel = tuple[ResnetBlock1D, nn.ModuleList]
+
+
 class ConditionalDecoder(nn.Module):
     """The flow-matching vector-field estimator (``decoder.estimator``)."""
 
@@ -329,7 +336,7 @@ class ConditionalDecoder(nn.Module):
         level_mask: Tensor | None = None if full else mask
         masks: list[Tensor | None] = [level_mask]
         skips: list[Tensor] = []
-        for resnet, blocks, sample in self.down_blocks:
+        for resnet, blocks, sample in cast(Iterable[_Level], self.down_blocks):
             m = masks[-1]
             h = resnet(h, m, next(biases))
             h = _run_transformers(blocks, h, m)
@@ -341,11 +348,11 @@ class ConditionalDecoder(nn.Module):
         masks.pop()
 
         m = masks[-1]
-        for resnet, blocks in self.mid_blocks:
+        for resnet, blocks in cast(Iterable[_MidLevel], self.mid_blocks):
             h = resnet(h, m, next(biases))
             h = _run_transformers(blocks, h, m)
 
-        for resnet, blocks, sample in self.up_blocks:
+        for resnet, blocks, sample in cast(Iterable[_Level], self.up_blocks):
             m = masks.pop()
             skip = skips.pop()
             # The transposed conv yields 2·ceil(T/2) frames; crop to the skip length.

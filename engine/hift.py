@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -72,10 +73,11 @@ class _ChannelsLast:
     (≈ 70 MB for CosyVoice's HiFT).
     """
 
-    weight: nn.Parameter
+    weight: Tensor
+    padding: str | tuple[int, ...]
 
     def __init__(self, *args: object, **kwargs: object) -> None:
-        super().__init__(*args, **kwargs)  # type: ignore[call-arg]
+        super().__init__(*args, **kwargs)
         self.materialize_derived()  # load_state_dict (copy) keeps the layout made here
 
     def materialize_derived(self) -> None:
@@ -91,6 +93,10 @@ class _ChannelsLast:
         # after load: then a correct copy per call).
         return self.weight.unsqueeze(2).contiguous(memory_format=torch.channels_last)
 
+    def time_padding(self) -> int:
+        """The padding along time (these convs are always built with a number, not 'same')."""
+        return cast(int, self.padding[0])
+
 
 class CLConv1d(_ChannelsLast, nn.Conv1d):
     """Conv1d whose forward takes and returns (1, C, 1, L) channels-last tensors."""
@@ -101,7 +107,7 @@ class CLConv1d(_ChannelsLast, nn.Conv1d):
             self.weight4d(),
             self.bias,
             stride=(1, self.stride[0]),
-            padding=(0, self.padding[0]),  # type: ignore[index]
+            padding=(0, self.time_padding()),
             dilation=(1, self.dilation[0]),
         )
 
@@ -115,7 +121,7 @@ class CLConvTranspose1d(_ChannelsLast, nn.ConvTranspose1d):
             self.weight4d(),
             self.bias,
             stride=(1, self.stride[0]),
-            padding=(0, self.padding[0]),  # type: ignore[index]
+            padding=(0, self.time_padding()),
         )
 
 
@@ -193,6 +199,8 @@ class SourceModule(nn.Module):
 
 class HiFTGenerator(nn.Module):
     """CosyVoice v1 HiFT vocoder for inference on CPU (float32, batch 1)."""
+
+    window: Tensor  # the STFT window, a non-persistent buffer
 
     def __init__(self, args: HiFTArgs) -> None:
         super().__init__()
@@ -411,14 +419,15 @@ class HiFTGenerator(nn.Module):
 
     def _halo_in(self, i: int) -> int:
         """Input frames a tile of stage ``i`` reads beyond its ends so that its middle is exact."""
-        up = self.ups[i]
+        up = cast(CLConvTranspose1d, self.ups[i])
+        source_block = cast(ResBlock, self.source_resblocks[i])
         # Outputs a slice edge corrupts: the transposed conv's overlap, or the strided source
         # conv's one padded output plus the source resblock's reach; then the stage's resblocks
         # and, after the last stage, conv_post and the one-frame pad.
-        edge = max(up.kernel_size[0] - up.padding[0], 1 + self.source_resblocks[i].reach)
-        reach = edge + max(block.reach for block in self._stage_blocks(i))
+        edge = max(up.kernel_size[0] - up.time_padding(), 1 + source_block.reach)
+        reach = edge + max(cast(ResBlock, block).reach for block in self._stage_blocks(i))
         if i == len(self.ups) - 1:
-            reach += self.conv_post.padding[0] + 1
+            reach += self.conv_post.time_padding() + 1
         return -(-reach // up.stride[0]) + 1
 
     def _stage_blocks(self, i: int) -> nn.ModuleList:

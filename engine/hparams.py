@@ -8,10 +8,11 @@ imported or called) and then copy the numbers we need into frozen dataclasses.
 
 from __future__ import annotations
 
+import builtins
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
@@ -39,7 +40,13 @@ class RefNode:
     expr: str
 
 
-class _DataLoader(getattr(yaml, "CSafeLoader", yaml.SafeLoader)):  # libyaml: 26-31 -> 4-5 ms
+if TYPE_CHECKING:
+    _SafeLoader = yaml.SafeLoader
+else:  # libyaml's loader when PyYAML has it: parses the file several times faster
+    _SafeLoader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+
+class _DataLoader(_SafeLoader):
     """Safe loader that reads HyperPyYAML tags as inert data."""
 
 
@@ -50,12 +57,21 @@ def _construct_tagged(loader: _DataLoader, suffix: str, node: yaml.Node) -> Tagg
     elif isinstance(node, yaml.SequenceNode):
         args = loader.construct_sequence(node, deep=True)
     else:
-        args = loader.construct_scalar(node) or None
+        args = _scalar(loader, node) or None
     return TaggedNode(kind=kind, target=target, args=args)
 
 
 def _construct_ref(loader: _DataLoader, node: yaml.Node) -> RefNode:
-    return RefNode(str(loader.construct_scalar(node)))
+    return RefNode(str(_scalar(loader, node)))
+
+
+def _scalar(loader: _DataLoader, node: yaml.Node) -> Any:
+    """A scalar node's value; any other node is PyYAML's own "expected a scalar" error."""
+    if not isinstance(node, yaml.ScalarNode):
+        raise yaml.constructor.ConstructorError(
+            None, None, f"expected a scalar node, but found {type(node).__name__}", node.start_mark
+        )
+    return loader.construct_scalar(node)
 
 
 for _kind in ("new", "name", "apply"):
@@ -243,13 +259,14 @@ class _Section:
             raise ModelConfigError(f"{self.source}: unresolved !ref at '{self.path}.{key}'")
         return value
 
-    def int(self, key: str, default: Any = ...) -> int:
+    # From here on int, float and str name these methods: annotations say builtins.*.
+    def int(self, key: builtins.str, default: Any = ...) -> builtins.int:
         value = self._get(key, default)
         if isinstance(value, bool) or not isinstance(value, int):
             raise ModelConfigError(f"{self.source}: '{self.path}.{key}' must be an integer")
         return value
 
-    def float(self, key: str, default: Any = ...) -> float:
+    def float(self, key: builtins.str, default: Any = ...) -> builtins.float:
         value = self._get(key, default)
         if isinstance(value, str):
             try:
@@ -260,25 +277,25 @@ class _Section:
             raise ModelConfigError(f"{self.source}: '{self.path}.{key}' must be a number")
         return float(value)
 
-    def str(self, key: str, default: Any = ...) -> str:
+    def str(self, key: builtins.str, default: Any = ...) -> builtins.str:
         value = self._get(key, default)
         if not isinstance(value, str):
             raise ModelConfigError(f"{self.source}: '{self.path}.{key}' must be a string")
         return value
 
-    def ints(self, key: str, default: Any = ...) -> tuple[int, ...]:
+    def ints(self, key: builtins.str, default: Any = ...) -> tuple[builtins.int, ...]:
         value = self._get(key, default)
         if not isinstance(value, list) or not all(isinstance(v, int) for v in value):
             raise ModelConfigError(f"{self.source}: '{self.path}.{key}' must be a list of integers")
         return tuple(value)
 
-    def int_lists(self, key: str) -> tuple[tuple[int, ...], ...]:
+    def int_lists(self, key: builtins.str) -> tuple[tuple[builtins.int, ...], ...]:
         value = self._get(key)
         if not isinstance(value, list) or not all(isinstance(v, list) for v in value):
             raise ModelConfigError(f"{self.source}: '{self.path}.{key}' must be a list of lists")
         return tuple(tuple(int(x) for x in v) for v in value)
 
-    def sub(self, key: str) -> _Section:
+    def sub(self, key: builtins.str) -> _Section:
         return _Section(self._get(key), f"{self.path}.{key}", self.source)
 
 

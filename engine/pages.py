@@ -35,9 +35,9 @@ _MAP_FENCE = 0x02 | 0x20 | 0x10 | 0x4000
 def give_back_free_heap() -> None:
     """Return the memory malloc holds free to the kernel (glibc's ``malloc_trim``; else no-op).
 
-    glibc keeps what a vocoder pass frees: measured 2026-12-03 (`fastest`, 8 s streamed), the
-    free heap grew from 40 to 115 MB over six chunks, all of it still resident. A trim after a
-    chunk costs 4–15 ms against the 0.4–3 s a chunk takes.
+    glibc keeps what a vocoder pass frees: over a streamed `fastest` request of six chunks the
+    free heap grew from 40 to 115 MB, all of it still resident. A trim after a chunk costs a few
+    milliseconds against the 0.4–3 s a chunk takes.
     """
     trim = getattr(_libc(), "malloc_trim", None)  # glibc only (musl has none)
     if trim is not None:
@@ -70,14 +70,15 @@ def release_pages(tensor: torch.Tensor) -> None:
     in the page cache and fault back in from the file if touched again. Only whole pages inside
     the tensor are released; a no-op off Linux.
     """
-    if not sys.platform.startswith("linux") or tensor.numel() == 0:
+    libc = _libc()
+    if libc is None or tensor.numel() == 0:
         return
     page = os.sysconf("SC_PAGE_SIZE")
     start = tensor.data_ptr()
     end = start + tensor.numel() * tensor.element_size()
     first, last = -(-start // page) * page, end // page * page
     if last > first and not _has_written_pages(first // page, last // page):
-        _libc().madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), _MADV_DONTNEED)
+        libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), _MADV_DONTNEED)
 
 
 def _has_written_pages(first: int, last: int) -> bool:
@@ -211,7 +212,8 @@ def fence_off_unused(mapping: tuple[int, int], in_use: list[torch.Tensor]) -> in
     exactly its own pages. Returns the bytes fenced off (0 off Linux or if the kernel refuses;
     the pages then merely stay mappable, as before).
     """
-    if not sys.platform.startswith("linux"):
+    libc = _libc()
+    if libc is None:
         return 0
     lo, hi = mapping
     page = os.sysconf("SC_PAGE_SIZE")
@@ -222,7 +224,6 @@ def fence_off_unused(mapping: tuple[int, int], in_use: list[torch.Tensor]) -> in
             holes.append((cursor, start))
         cursor = max(cursor, end + page)
     holes.append((cursor, hi))
-    libc = _libc()
     fenced = 0
     for start, end in holes:
         first, last = -(-start // page) * page, end // page * page  # whole pages only

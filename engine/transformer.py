@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import math
 import threading
+from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -176,7 +178,8 @@ class RelPosAttention(nn.Module):
     def _project_qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """q, k, v (B, h, T, d_k) from the three projections or the fused int8 one."""
         if self.linear_qkv is not None:
-            return tuple(self._heads(p) for p in self.linear_qkv(x).chunk(3, dim=-1))
+            q, k, v = self.linear_qkv(x).chunk(3, dim=-1)
+            return self._heads(q), self._heads(k), self._heads(v)
         return (
             self._heads(self.linear_q(x)),
             self._heads(self.linear_k(x)),
@@ -356,6 +359,10 @@ class RelPosEncoder(nn.Module):
         self.after_norm = nn.LayerNorm(args.output_size, eps=1e-5)
         self.xscale = math.sqrt(args.output_size)
 
+    def _layers(self) -> Iterable[_Layer]:
+        """The layers of ``encoders``, typed (a ModuleList yields plain modules)."""
+        return cast(Iterable[_Layer], self.encoders)
+
     def _input(self, x: Tensor) -> Tensor:
         """The input layer, scaled by sqrt(d) as upstream."""
         return self.embed(x) * self.xscale
@@ -382,7 +389,7 @@ class RelPosEncoder(nn.Module):
 
     def reserve_positions(self, max_len: int) -> None:
         """Precompute the positional projections for sequences up to ``max_len`` (warm-up)."""
-        for layer in self.encoders:
+        for layer in self._layers():
             layer.self_attn._pos_rows(max_len)
 
     def new_cache(
@@ -443,7 +450,7 @@ class RelPosEncoder(nn.Module):
                 keys = keys | (pos.view(1, -1) == (pos[start:].view(-1, 1)))
             mask = keys if mask is None else mask & keys
         x = self._input(x)
-        for i, layer in enumerate(self.encoders):
+        for i, layer in enumerate(self._layers()):
             x = layer.forward_cached(x, cache, i, start, mask)
         cache.length = length
         return self.after_norm(x)
@@ -457,7 +464,7 @@ class RelPosEncoder(nn.Module):
         keys = kv[:, 0, :, :length].unbind(0)  # per layer (h, L, d_k)
         values = kv[:, 1, :, :length].unbind(0)
         x = self._input(x)
-        for layer, slot, k, v in zip(self.encoders, slots, keys, values, strict=True):
+        for layer, slot, k, v in zip(self._layers(), slots, keys, values, strict=True):
             x = layer.decode_position(x, slot, k, v, length)
         cache.length = length
         return self.after_norm(x)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Callable
 from typing import Protocol
 
 _LOGGER = logging.getLogger(__name__)
@@ -90,10 +91,15 @@ def split_all(text: str, splitter: Splitter | None = None) -> list[str]:
     return [*splitter.feed(text), *splitter.flush()]
 
 
-try:
-    from engine.text.normalize import detect_language as _frontend_detect
-except ImportError:  # the server also runs without the text frontend
-    _frontend_detect = None
+def _load_frontend_detect() -> Callable[[str], str] | None:
+    try:
+        from engine.text.normalize import detect_language
+    except ImportError:  # the server also runs without the text frontend
+        return None
+    return detect_language
+
+
+_frontend_detect = _load_frontend_detect()
 
 
 def detect_language(text: str) -> str:

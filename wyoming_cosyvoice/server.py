@@ -312,7 +312,7 @@ class ModelHost:
         executor = self._executors[slot]
         # One policy, applied on the slot's thread before each call and by the engine before
         # each LM token and flow step.
-        budget = partial(self._threads_for, slot) if self._shared_cores else None
+        budget = partial(self._shared_threads, slot) if self._shared_cores else None
         if budget is not None:
             options = replace(options, threads=budget)
         try:
@@ -340,8 +340,10 @@ class ModelHost:
         """Torch threads for the sentence on ``slot`` from now on (None without
         ``shared_cores``: leave them). Asked on the loop before each chunk and by the engine,
         from its threads, before each LM token and flow step (reads of two ints: no lock)."""
-        if not self._shared_cores:
-            return None
+        return self._shared_threads(slot) if self._shared_cores else None
+
+    def _shared_threads(self, slot: int) -> int:
+        """With ``shared_cores``: every core for a sentence alone on the first slot, else one."""
         return self._all_threads if slot == 0 and self._slots.busy == 1 else 1
 
     async def run_on_engine(self, fn: Callable[..., Any], *args: Any) -> Any:
@@ -443,7 +445,7 @@ def _close_quietly(chunks: Iterator[AudioChunk]) -> None:
 class RunningServer:
     """A started server: its socket address, the model host and a way to stop it."""
 
-    server: asyncio.AbstractServer
+    server: asyncio.Server
     host: ModelHost
     config: ServerConfig
     load_task: asyncio.Task[Engine]

@@ -10,6 +10,10 @@ from __future__ import annotations
 import ipaddress
 import logging
 import socket
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from zeroconf.asyncio import AsyncServiceInfo, AsyncZeroconf
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -45,8 +49,8 @@ class WyomingZeroconf:
     def __init__(self, name: str, port: int, bind_host: str | None) -> None:
         self.name, self.port = name, port
         self.address = advertised_address(bind_host)
-        self._aiozc = None
-        self._info = None
+        self._aiozc: AsyncZeroconf | None = None
+        self._info: AsyncServiceInfo | None = None
 
     async def register(self) -> None:
         from zeroconf import IPVersion

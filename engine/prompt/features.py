@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import overload
 
 import numpy as np
 import torch
@@ -61,7 +62,8 @@ def slaney_mel_filters(
     fmax = sr / 2.0 if fmax is None else fmax
     fft_hz = np.arange(n_fft // 2 + 1) * (1.0 / (n_fft * (1.0 / sr)))
     edges = np.array([fmin, fmax], dtype=np.float64)
-    mels = np.linspace(*_hz_to_mel(edges), n_mels + 2)
+    mel_min, mel_max = _hz_to_mel(edges)
+    mels = np.linspace(mel_min, mel_max, n_mels + 2)
     mel_hz = _mel_to_hz(mels)
     fdiff = np.diff(mel_hz)
     ramps = mel_hz[:, None] - fft_hz[None, :]
@@ -106,6 +108,10 @@ def prompt_mel(wave_22k: torch.Tensor) -> torch.Tensor:
 # --- Kaldi fbank for CAM++ ---------------------------------------------------------------------
 
 
+@overload
+def _kaldi_mel(hz: torch.Tensor) -> torch.Tensor: ...
+@overload
+def _kaldi_mel(hz: float) -> float: ...
 def _kaldi_mel(hz: torch.Tensor | float) -> torch.Tensor | float:
     if isinstance(hz, torch.Tensor):
         return 1127.0 * (1.0 + hz / 700.0).log()

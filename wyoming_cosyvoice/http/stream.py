@@ -16,6 +16,7 @@ import contextlib
 import json
 import logging
 import struct
+import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -227,7 +228,8 @@ class SpeechResponse(StreamingResponse):
         except asyncio.CancelledError:
             if not self.job.stalled or task is None:
                 raise
-            task.uncancel()
+            if sys.version_info >= (3, 11):  # before 3.11 a caught cancellation leaves no count
+                task.uncancel()
             _LOGGER.warning("HTTP client stopped reading for %.0f s; dropping it",
                             self.job.limits.stall_timeout_s)  # fmt: skip
         except Exception as err:  # the status line is gone: log, cut the body
