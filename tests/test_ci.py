@@ -1,0 +1,131 @@
+"""CI's entry point and the lint script: what they run, in which order, and that a failure fails.
+
+The real tools are replaced by stubs that record their call, so these tests run in milliseconds;
+the checks themselves run in CI through script/lint.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+CI_RUN = ROOT / ".ci/run"
+LINT = ROOT / "script/lint"
+
+
+def readme_test_command() -> str:
+    readme = (ROOT / "README.md").read_text()
+    match = re.search(r"Run the tests:\s*```sh\n(.+?)\n```", readme)
+    assert match, "README.md has no 'Run the tests:' block"
+    return match.group(1).strip()
+
+
+def stub(path: Path, name: str, exit_code: int = 0) -> None:
+    """An executable that appends its name and arguments to calls.log and exits with exit_code."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(
+        f'#!/usr/bin/env bash\necho "{name} $*" >> "$CALLS"\nexit {exit_code}\n', encoding="utf-8"
+    )
+    path.chmod(0o755)
+
+
+def run_script(
+    tree: Path, script: str, stubs: dict[str, tuple[str, int]]
+) -> tuple[int, list[str], str]:
+    """Copy ``script`` into ``tree``, stub the programs it calls, run it as CI does (no stdin,
+    CI=true); returns (exit code, the stubs called in order, stderr)."""
+    target = tree / script
+    target.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copy2(ROOT / script, target)
+    for rel, (name, code) in stubs.items():
+        stub(tree / rel, name, code)
+    calls = tree / "calls.log"
+    calls.touch()
+    env = {**os.environ, "CI": "true", "CALLS": str(calls)}
+    result = subprocess.run(
+        [str(target)], stdin=subprocess.DEVNULL, capture_output=True, text=True, env=env, timeout=60
+    )
+    return result.returncode, calls.read_text().splitlines(), result.stderr
+
+
+CI_STUBS = {"script/setup": ("setup", 0), "script/lint": ("lint", 0), ".venv/bin/python": ("py", 0)}
+
+
+def test_ci_runs_setup_then_lint_then_exactly_the_readme_test_command() -> None:
+    lines = [
+        line
+        for line in CI_RUN.read_text().splitlines()
+        if line.strip() and not line.startswith("#") and not line.startswith(("set ", "cd "))
+    ]
+    assert lines == ["./script/setup --test", "./script/lint", readme_test_command()]
+
+
+def test_ci_passes_when_lint_and_tests_pass(tmp_path: Path) -> None:
+    code, calls, _ = run_script(tmp_path, ".ci/run", CI_STUBS)
+    assert code == 0
+    assert calls == ["setup --test", "lint ", "setup --test", "py -m pytest"]
+
+
+def test_a_lint_failure_fails_ci_before_the_tests(tmp_path: Path) -> None:
+    code, calls, _ = run_script(tmp_path, ".ci/run", {**CI_STUBS, "script/lint": ("lint", 1)})
+    assert code != 0
+    assert "py -m pytest" not in calls
+
+
+@pytest.mark.parametrize("pytest_exit", [1, 5])  # 5: no test collected
+def test_a_pytest_failure_or_empty_run_fails_ci(tmp_path: Path, pytest_exit: int) -> None:
+    stubs = {**CI_STUBS, ".venv/bin/python": ("py", pytest_exit)}
+    code, calls, _ = run_script(tmp_path, ".ci/run", stubs)
+    assert code == pytest_exit
+    assert calls[-1] == "py -m pytest"
+
+
+LINT_STUBS = {".venv/bin/ruff": ("ruff", 0), ".venv/bin/mypy": ("mypy", 0)}
+
+
+def test_lint_runs_ruff_check_ruff_format_and_mypy(tmp_path: Path) -> None:
+    code, calls, _ = run_script(tmp_path, "script/lint", LINT_STUBS)
+    assert code == 0
+    assert calls == ["ruff check .", "ruff format --check .", "mypy "]
+
+
+def test_lint_runs_every_check_and_fails_naming_the_failed_one(tmp_path: Path) -> None:
+    code, calls, stderr = run_script(
+        tmp_path, "script/lint", {**LINT_STUBS, ".venv/bin/ruff": ("ruff", 1)}
+    )
+    assert code == 1
+    assert calls[-1] == "mypy "  # still ran after ruff failed
+    assert "ruff check ." in stderr and "ruff format --check ." in stderr and "mypy" not in stderr
+
+
+def test_lint_without_the_test_tools_says_how_to_install_them(tmp_path: Path) -> None:
+    code, _, stderr = run_script(tmp_path, "script/lint", {".venv/bin/ruff": ("ruff", 0)})
+    assert code != 0
+    assert "script/setup --test" in stderr
+
+
+def test_mypy_checks_both_packages() -> None:
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:
+        import tomli as tomllib
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["mypy"]
+    assert config["packages"] == ["engine", "wyoming_cosyvoice"]
+
+
+def test_ci_scripts_are_shellcheck_clean() -> None:
+    shellcheck = Path(sys.executable).parent / "shellcheck"
+    if not shellcheck.exists():
+        pytest.fail("shellcheck not installed; run script/setup --test")
+    scripts = [CI_RUN, LINT, ROOT / "script/setup"]
+    result = subprocess.run(
+        [str(shellcheck), "--severity=style", *map(str, scripts)], capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
