@@ -23,6 +23,7 @@ import platform
 import signal
 import subprocess
 import sys
+import warnings
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -113,11 +114,11 @@ def int8_engine_works(name: str) -> bool:
     gen = torch.Generator().manual_seed(0)
     weight, x = torch.randn(16, 32, generator=gen), torch.randn(4, 32, generator=gen)
     scales = weight.abs().amax(1).double() / 127.5  # symmetric, as the per-channel observer
-    qweight = torch.quantize_per_channel(
-        weight, scales, torch.zeros(16, dtype=torch.int64), axis=0, dtype=torch.qint8
-    )
+    zero_points = torch.zeros(16, dtype=torch.int64)
     try:
-        with _quantized_engine(name), torch.inference_mode():
+        with _quantized_engine(name), torch.inference_mode(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # quantized tensors are deprecated (for torchao)
+            qweight = torch.quantize_per_channel(weight, scales, zero_points, 0, torch.qint8)
             packed = torch.ops.quantized.linear_prepack(qweight, None)
             out = torch.ops.quantized.linear_dynamic(x, packed, name != "qnnpack")
             relu = torch.ops.quantized.linear_relu_dynamic(x, packed, name != "qnnpack")

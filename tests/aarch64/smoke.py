@@ -275,10 +275,8 @@ def check_server() -> None:
         except subprocess.TimeoutExpired:
             server.kill()
             _, err = server.communicate()
-    print(
-        "server log:\n  "
-        + "\n  ".join(line for line in err.splitlines() if " INFO " in line or " WARNING " in line)
-    )
+    logged = [line for line in err.splitlines() if " INFO " in line or " WARNING " in line]
+    print("server log:\n  " + "\n  ".join(line for line in logged if "uvicorn.access" not in line))
     if server.returncode not in (0, -signal.SIGTERM) or "Traceback" in err:
         fail(f"the server ended badly ({exit_text(server.returncode)}):\n{err[-3000:]}")
 
