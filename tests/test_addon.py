@@ -10,7 +10,6 @@ scan picks up, and an end-to-end start against the real server with the tiny mod
 from __future__ import annotations
 
 import asyncio
-import importlib
 import json
 import os
 import re
@@ -44,15 +43,6 @@ SCHEMAS = DATA / "schemas"
 S6 = ADDON / "rootfs/etc/s6-overlay/s6-rc.d"
 HEALTHCHECK = ADDON / "rootfs/usr/local/bin/cosyvoice-healthcheck"
 LANGUAGES = ("en", "zh-Hans")  # zh-Hans: the code HA's frontend uses for Simplified Chinese
-
-# The server's flags as specified in issue 4 (+ --voices-dir from issue 9), used while
-# wyoming_cosyvoice/__main__.py exposes no parser to check against.
-SERVER_FLAGS = {
-    "--uri", "--model", "--model-dir", "--data-dir", "--download-dir", "--voice", "--profile",
-    "--threads", "--samples-per-chunk", "--no-streaming", "--zeroconf", "--seed", "--debug",
-    "--voices-dir", "--version", "--hub-endpoint", "--parallel-sentences",
-}  # fmt: skip
-FLAGS_WITHOUT_VALUE = {"--no-streaming", "--debug", "--version"}
 
 
 def load_yaml(path: Path) -> Any:
@@ -199,17 +189,15 @@ def test_chinese_translation_is_chinese() -> None:
 # --- options → server command line ---------------------------------------------------------------
 
 
-def server_parser() -> Any:
-    """The server's argparse parser, when wyoming_cosyvoice/__main__.py exposes one."""
-    try:
-        main_module = importlib.import_module("wyoming_cosyvoice.__main__")
-    except ImportError:
-        return None
-    for name in ("build_parser", "get_parser", "make_parser", "create_parser"):
-        factory = getattr(main_module, name, None)
-        if callable(factory):
-            return factory()
-    return None
+def server_flags() -> dict[str, bool]:
+    """The server's flags, each with whether it takes a value."""
+    from wyoming_cosyvoice.__main__ import build_parser
+
+    return {
+        flag: action.nargs != 0
+        for action in build_parser()._actions
+        for flag in action.option_strings
+    }
 
 
 def test_default_options_give_the_documented_command_line(config: dict[str, Any]) -> None:
@@ -223,18 +211,18 @@ def test_default_options_give_the_documented_command_line(config: dict[str, Any]
         "--voices-dir", "/share/cosyvoice/voices",
         "--profile", "realtime",
     ]  # fmt: skip
+    known = server_flags()
     flags = [a for a in args if a.startswith("--")]
-    assert set(flags) <= SERVER_FLAGS
+    assert set(flags) <= set(known)
     for i, arg in enumerate(args):  # every flag that takes a value has one
-        if arg.startswith("--") and arg not in FLAGS_WITHOUT_VALUE:
+        if arg.startswith("--") and known[arg]:
             assert not args[i + 1].startswith("--"), arg
 
 
 def test_default_options_parse_with_the_server_parser(config: dict[str, Any]) -> None:
-    parser = server_parser()
-    if parser is None:
-        pytest.skip("wyoming_cosyvoice.__main__ exposes no build_parser() yet (issue 4)")
-    main_module = importlib.import_module("wyoming_cosyvoice.__main__")
+    from wyoming_cosyvoice.__main__ import build_parser, config_from_args
+
+    parser = build_parser()
     every = {**config["options"], "voice": "x", "threads": 2, "streaming": False, "seed": 1,
              "hub_endpoint": "https://hf-mirror.com", "debug_logging": True,
              "parallel_sentences": 2}  # fmt: skip
@@ -248,13 +236,12 @@ def test_default_options_parse_with_the_server_parser(config: dict[str, Any]) ->
                 assert parsed.voices_dir == "/share/cosyvoice/voices"
                 assert parsed.no_streaming is not options["streaming"]
                 # The server's own validation of every value (profiles exist, ints, paths...).
-                if hasattr(main_module, "config_from_args"):
-                    server_config = main_module.config_from_args(parsed)
-                    assert server_config.profile.name == profile
-                    assert server_config.parallel_sentences == options["parallel_sentences"]
-                    assert server_config.profile.streaming is (
-                        options["streaming"] and profile != "batch"
-                    )
+                server_config = config_from_args(parsed)
+                assert server_config.profile.name == profile
+                assert server_config.parallel_sentences == options["parallel_sentences"]
+                assert server_config.profile.streaming is (
+                    options["streaming"] and profile != "batch"
+                )
 
 
 def test_each_option_maps_to_its_flag() -> None:
@@ -619,14 +606,6 @@ def test_icon_and_logo() -> None:
 # --- end to end: the add-on's start logic → real server → audio over TCP ------------------------
 
 
-def server_missing_reason() -> str | None:
-    try:
-        importlib.import_module("wyoming_cosyvoice.__main__")
-    except ImportError as err:
-        return f"the Wyoming server (issue 4) has not landed: {err}"
-    return None
-
-
 async def describe_and_synthesize(port: int) -> tuple[Any, bytes, int]:
     from wyoming.audio import AudioChunk, AudioStart, AudioStop
     from wyoming.client import AsyncTcpClient
@@ -654,8 +633,6 @@ async def describe_and_synthesize(port: int) -> tuple[Any, bytes, int]:
 
 
 def test_addon_start_logic_serves_audio(tmp_path: Path) -> None:
-    if reason := server_missing_reason():
-        pytest.skip(reason)
     data, share = tmp_path / "data", tmp_path / "share/cosyvoice"
     # The layout the mapping expects: downloads and cached models in /data/models/<Model>/.
     shutil.copytree(DATA / "tiny_model", data / "models/CosyVoice-300M-SFT")
@@ -680,11 +657,6 @@ def test_addon_start_logic_serves_audio(tmp_path: Path) -> None:
             process.terminate()
             process.wait(timeout=30)
             server_log = log_path.read_text(errors="replace")
-            # The add-on side worked (the server found the model where the mapping put it);
-            # an engine that cannot load the tiny model yet is issue 2's, not this test's.
-            failed = [line for line in server_log.splitlines() if "Model failed to load" in line]
-            if failed:
-                pytest.skip(f"engine cannot load tests/data/tiny_model yet: {failed[0]}")
             raise AssertionError(f"server log:\n{server_log[-4000:]}") from None
         assert info.tts and info.tts[0].installed and info.tts[0].voices
         assert rate == 22050 and len(audio) > 0

@@ -1,4 +1,4 @@
-"""``synthesize`` command line (issue 8): argument/file/stdin → WAV, ``--batch`` for long texts.
+"""``synthesize`` command line: argument/file/stdin → WAV, ``--batch`` for long texts.
 
 The 2,000-character run goes through a real subprocess (the command as a user types it) on the
 tiny model, with ``--force-tokens`` so each segment is short; the rest calls ``main`` in-process.
@@ -15,8 +15,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
-pytest.importorskip("engine.engine", reason="the engine has not landed")
 
 from wyoming_cosyvoice import batch
 from wyoming_cosyvoice.sentences import has_speech, make_splitter, split_all

@@ -1,4 +1,4 @@
-"""HTTP API end to end with the real engine on tests/data/tiny_model (issue 8).
+"""HTTP API end to end with the real engine on tests/data/tiny_model.
 
 One server (Wyoming listener + HTTP, one ModelHost) serves the module. The engine is wrapped to
 record, on the engine thread, each chunk it produces; the number of speech tokens is fixed
@@ -20,7 +20,6 @@ from typing import Any
 
 import pytest
 
-pytest.importorskip("engine.engine", reason="the engine has not landed")
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("starlette", reason="the http extra is not installed")
 

@@ -1,4 +1,4 @@
-"""End to end: the real server process with the real engine on tests/data/tiny_model (issue 4).
+"""End to end: the real server process with the real engine on tests/data/tiny_model.
 
 One server process serves the whole module (loading torch and the model takes seconds).
 The tiny model has random weights, so its audio is noise of a length set by the text; these
@@ -24,8 +24,6 @@ from wyoming.info import Describe, Info
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "tests" / "data" / "tiny_model"
-
-pytest.importorskip("engine.engine", reason="the engine (issue 3) has not landed")
 
 
 def run(coro):

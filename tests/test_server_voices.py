@@ -1,4 +1,4 @@
-"""Custom voices through the real server (issue 9): folder → describe → synthesis → cache.
+"""Custom voices through the real server: folder → describe → synthesis → cache.
 
 Two server processes on tests/data/tiny_model with the tiny stand-in ONNX prompt models:
 
@@ -39,7 +39,6 @@ from wyoming_cosyvoice.info import ALL_LANGUAGES, VoiceCatalog
 from wyoming_cosyvoice.protocol import LimitExceededError
 
 pytest.importorskip("onnxruntime")
-pytest.importorskip("engine.engine")
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT / "tests" / "data"
