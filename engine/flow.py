@@ -1,4 +1,4 @@
-"""MaskedDiffWithXvec: speech tokens → 80-bin mel by conditional flow matching (SPEC §5).
+"""MaskedDiffWithXvec: speech tokens → 80-bin mel by conditional flow matching.
 
 Pipeline for one call (batch 1): speaker x-vector → 80-d ``spks``; prompt+new tokens → embedding →
 bidirectional rel-pos Conformer encoder → ``encoder_proj`` (80-d) → interpolating length regulator

@@ -1,4 +1,4 @@
-"""TransformerLM (``llm.pt``): text encoder + autoregressive speech-token LM (SPEC §4).
+"""TransformerLM (``llm.pt``): text encoder + autoregressive speech-token LM.
 
 Attribute names equal the official state-dict keys. Decoding uses the preallocated KV cache of
 :class:`engine.transformer.RelPosEncoder`; :meth:`TransformerLM.generate` yields tokens one by one

@@ -3,8 +3,8 @@
 The flow estimator's transformer blocks multiply 70-400 rows by 256-1024-wide weights, ten
 passes per chunk. At those sizes torch's default CPU path (``F.linear``, MKL's sgemm) measured
 15-27 % slower per estimator pass than oneDNN's matmul on a weight laid out for it in advance
-(2026-12-04, AVX-512 host, interleaved A/B in one process: 202 -> 151 ms at 77 frames, 421 ->
-320 ms at 206). Its convolutions are the same story: ``F.conv1d`` hands oneDNN the plain weight,
+(AVX-512 host, interleaved A/B in one process: 202 -> 151 ms at 77 frames, 421 -> 320 ms at
+206). Its convolutions are the same story: ``F.conv1d`` hands oneDNN the plain weight,
 which it reorders on every call; on a reordered weight a single k3 conv over 35-70 frames took
 23-35 % less (:class:`OneDnnConv1d`), a whole float32 pass 3-5 % less. Same float32 maths;
 only the summation order differs (≈1e-6 relative).

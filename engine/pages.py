@@ -145,7 +145,7 @@ def read_copies(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
 
     Copied through the mapping, each small tensor (a norm, a bias) would map the 2 MiB
     page-cache folio around it, and with it pages of the large weights beside it that the int8
-    layers replace: measured 2026-12-04, 200 MB of ``flow.pt`` and 100 MB of ``llm.pt``
+    layers replace: on the full-size model, 200 MB of ``flow.pt`` and 100 MB of ``llm.pt``
     resident at the load's peak, until the fence. ``pread`` copies from the page cache and maps
     nothing. A tensor that is not file-mapped, was written since (copy-on-write), or whose file
     cannot be read back as mapped, is cloned.

@@ -1,7 +1,8 @@
 """Speech-token sampling of the LM: repetition-aware nucleus sampling (RAS, VALL-E 2 style).
 
-Variant implemented (documented choice, SPEC §4.5 / §12): the **HEAD** behaviour of the official
-code (2026-02 onwards):
+Variant implemented: the official code's current behaviour (upstream commits ``f2ddcbe`` and
+``0e62489``). Older code re-drew until the token was not EOS, and its fallback could draw the
+repeated token again; most published v1 audio was made that way, so outputs differ from it.
 
 1. EOS suppression: while the step index is below ``min_len`` the EOS log-prob is set to -inf
    *before* sampling (not the older "re-draw until not EOS" loop), see :func:`sample_next`.

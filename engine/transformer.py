@@ -1,6 +1,6 @@
 """Relative-position Transformer blocks shared by the LM text encoder, the LM and the flow encoder.
 
-One class, :class:`RelPosEncoder`, covers the three official encoders (SPEC §4.3): an input layer
+One class, :class:`RelPosEncoder`, covers the three official encoders: an input layer
 (Linear → LayerNorm(1e-5) [→ ReLU for ``linear_legacy``]) scaled by sqrt(d), pre-LN layers with
 ESPnet relative-position self-attention and a position-wise FFN, then ``after_norm``. Attribute
 names equal the official state-dict keys so ``load_state_dict(strict=True)`` works.

@@ -1,4 +1,4 @@
-"""config.yaml, its profiles and overrides; every bad value names its key (issue 4)."""
+"""config.yaml, its profiles and overrides; every bad value names its key."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Model lookup and download against a local stand-in for the Hugging Face hub (issue 4).
+"""Model lookup and download against a local stand-in for the Hugging Face hub.
 
 The stand-in speaks the hub's URL scheme: ``HEAD/GET {endpoint}/{repo}/resolve/{rev}/{file}``
 answered with ``X-Repo-Commit`` and an ``ETag`` (the git blob SHA-1 for small files); large

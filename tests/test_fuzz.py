@@ -1,4 +1,4 @@
-"""Fuzzing the Wyoming side with hypothesis (issue 7): bounded, deterministic, under ~30 s.
+"""Fuzzing the Wyoming side with hypothesis: bounded, deterministic, under ~30 s.
 
 Two levels:
 - the event reader alone gets arbitrary bytes and arbitrary JSON headers: it may only return

@@ -1,4 +1,4 @@
-"""Protocol-level bad input over real TCP, beyond the cases of test_server_errors.py (issue 7).
+"""Protocol-level bad input over real TCP, beyond the cases of test_server_errors.py.
 
 Already covered there (each with a concurrent good client): header not JSON, JSON not an
 object, no type, data not an object, data block not JSON, binary garbage with a newline,

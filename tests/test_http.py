@@ -1,4 +1,4 @@
-"""HTTP API (issue 8) with the fake engine: formats, every error code, streaming, disconnects.
+"""HTTP API with the fake engine: formats, every error code, streaming, disconnects.
 
 The server is the real one (ModelHost, Wyoming listener, Uvicorn) in a background thread with
 its own event loop; the tests are a real HTTP client (httpx) in the test thread. The fake

@@ -1,4 +1,4 @@
-"""Every refused request gets ``error{text, code}`` and a closed connection (issue 4, issue 7).
+"""Every refused request gets ``error{text, code}`` and a closed connection.
 
 Old Home Assistant ignores ``error`` and has no timeout, so the close is what ends its wait;
 every case therefore also checks that the server closed the connection, and that a client

@@ -1,4 +1,4 @@
-"""The Wyoming server as Home Assistant sees it, over real TCP, with the fake engine (issue 4)."""
+"""The Wyoming server as Home Assistant sees it, over real TCP, with the fake engine."""
 
 from __future__ import annotations
 

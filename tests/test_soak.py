@@ -1,4 +1,4 @@
-"""A bounded soak of the real server process on the tiny model (issue 7).
+"""A bounded soak of the real server process on the tiny model.
 
 Run with ``.venv/bin/python -m pytest -m soak -o log_cli=true --log-cli-level=INFO``
 (deselected by default). 200 requests from 8 concurrent clients, whole and streamed, about a

@@ -32,7 +32,7 @@ IMPROVEMENTS: dict[str, tuple[str, list[str]]] = {
         ["请拨打四零零八二零八八二零或发邮件到test艾特example点com咨询。"],
     ),
     "instruct_endofprompt": (
-        "HEAD skips normalisation when '<|'...'|>' occurs (SPEC §11.18); v1-era code "
+        "upstream's current code skips normalisation when '<|'...'|>' occurs; v1-era code "
         "normalised and added the final '.', we protect the tag and do the same",
         [
             "Theo 'Crimson', is a fiery, passionate rebel leader. Fights with fervor for "

@@ -1,4 +1,4 @@
-"""Custom voices for the server (issue 9): the voices folder, its re-scans and the catalog.
+"""Custom voices for the server: the voices folder, its re-scans and the catalog.
 
 After the model has loaded, the folder (``--voices-dir``) is scanned on the engine thread, in
 the request queue's turn (``ModelHost.run_on_engine``), and the good voices join the voice

@@ -1,4 +1,4 @@
-"""One Wyoming connection: events in, audio out (issue 4; limits per issue 7).
+"""One Wyoming connection: events in, audio out, within the configured limits.
 
 Three tasks per connection, so no step ever waits for another one that it does not need:
 - the reader parses events; ``describe`` is answered at once, text becomes jobs;
@@ -74,7 +74,7 @@ class _Request:
 
     voice: dict[str, str] | None
     voice_resolved: Voice | None = None
-    instruct: str | None = None  # -Instruct model: voice.speaker naming no voice (issue 9)
+    instruct: str | None = None  # -Instruct model: the instruction voice.speaker carries
     chars: int = 0
     splitter: Splitter | None = None
     spoken: int = 0  # sentences queued so far (a stream with none still gets an audio block)

@@ -2,7 +2,7 @@
 
 ``wyoming.event.async_read_event`` treats every malformed header as a disconnect and trusts
 ``data_length``/``payload_length``. A server facing unproofread clients needs to tell the client
-what was wrong and to bound what it buffers, so this reader checks every field (issue 7).
+what was wrong and to bound what it buffers, so this reader checks every field.
 """
 
 from __future__ import annotations

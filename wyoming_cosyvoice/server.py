@@ -191,8 +191,8 @@ class ModelHost:
     again by the engine before every LM token and flow step (``SynthesisOptions.threads``;
     torch's thread count belongs to each thread). Only slot 0 ever runs more than one: a
     thread that has run a multi-thread OpenMP team keeps it, idle, for as long as it lives,
-    and an idle team beside an active one slows the active one's operations (measured
-    2026-12-04: a 140-row product 275 → 364 µs). New sentences take the lowest free slot, so a
+    and an idle team beside an active one slows the active one's operations (measured: a
+    140-row product 275 → 364 µs). New sentences take the lowest free slot, so a
     sentence that arrives alone is on slot 0.
     """
 

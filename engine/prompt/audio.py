@@ -1,10 +1,11 @@
 """Prompt audio: WAV reading (stdlib only), mono mix and band-limited sinc resampling.
 
 The official frontend reads prompts with soundfile as float32 (PCM scaled by 1/2^(bits-1)),
-averages the channels and resamples with ``torchaudio.transforms.Resample`` defaults (SPEC §7,
-fixtures README §2.2). We do the same without soundfile/torchaudio: ``wave`` for integer PCM,
-our own RIFF chunk walk for IEEE-float and WAVE_FORMAT_EXTENSIBLE files, and a sinc kernel built
-exactly like the reference (including its float32 phase step, which makes the kernel bit-exact).
+averages the channels and resamples with ``torchaudio.transforms.Resample`` defaults
+(tests/data/zero_shot/README.md §2.2). We do the same without soundfile/torchaudio: ``wave`` for
+integer PCM, our own RIFF chunk walk for IEEE-float and WAVE_FORMAT_EXTENSIBLE files, and a sinc
+kernel built exactly like the reference (including its float32 phase step, which makes the kernel
+bit-exact).
 """
 
 from __future__ import annotations

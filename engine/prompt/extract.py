@@ -1,10 +1,10 @@
 """One prompt recording -> the tensors of the v1 zero-shot frontend (v1-release behaviour).
 
-Audio path (fixtures README §5, "PRE"): the file is read, mixed to mono and resampled to 16 kHz;
-CAM++ and the speech tokenizer read that 16 kHz signal, and the flow's prompt mel is computed
-from it resampled 16k -> 22050 Hz. (Upstream HEAD computes the v1 prompt mel from 24 kHz audio
-since Dec 2025 — a regression for v1 we do not copy, SPEC §12.) No 2:1 token/frame trimming:
-that branch is CosyVoice2-only.
+Audio path (tests/data/zero_shot/README.md §5, "PRE"): the file is read, mixed to mono and
+resampled to 16 kHz; CAM++ and the speech tokenizer read that 16 kHz signal, and the flow's prompt
+mel is computed from it resampled 16k -> 22050 Hz. (Upstream's current code computes the v1 prompt
+mel from 24 kHz audio: 93.75 frames/s where v1 was trained on 86.13, a regression we do not copy.)
+No 2:1 token/frame trimming: that branch is CosyVoice2-only.
 """
 
 from __future__ import annotations

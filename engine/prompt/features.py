@@ -1,4 +1,4 @@
-"""The three prompt feature extractors of the v1 frontend (SPEC §7, fixtures README §3).
+"""The three prompt feature extractors of the v1 frontend (tests/data/zero_shot/README.md §3).
 
 * :func:`prompt_mel` — the flow's 80-bin log-mel of 22050 Hz audio (matcha ``mel_spectrogram``
   with the v1 yaml parameters), layout (1, T, 80);

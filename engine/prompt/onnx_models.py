@@ -1,11 +1,11 @@
 """CAM++ speaker embedding and the v1 speech tokenizer, run with onnxruntime.
 
-onnxruntime is an optional extra (``pip install wyoming-cosyvoice[voices]``): it is imported
-only when a prompt actually has to be extracted, so SFT/Instruct users and cached custom voices
-never load it. Calls follow the official frontend's contract (fixtures README §4): inputs are
-looked up by *position* (the tokenizer's input names are not known), output 0 is flattened, the
-embedding comes back as float32 (1, 192) and the tokens as int32 (1, T') whatever dtype the
-model returns.
+onnxruntime is an optional extra (``pip install wyoming-cosyvoice[voices]``): it is imported only
+when a prompt actually has to be extracted, so SFT/Instruct users and cached custom voices never
+load it. Calls follow the official frontend's contract (tests/data/zero_shot/README.md §4): inputs
+are looked up by *position* (the tokenizer's input names are not known), output 0 is flattened, the
+embedding comes back as float32 (1, 192) and the tokens as int32 (1, T') whatever dtype the model
+returns.
 """
 
 from __future__ import annotations

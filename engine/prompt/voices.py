@@ -372,7 +372,7 @@ def to_engine_voice(
     instruct: str | None = None,
     text_ids: list[int] | None = None,
 ) -> VoiceInput:
-    """The engine ``Voice`` for speaking ``text`` (one segment) with a custom voice (SPEC §4.4).
+    """The engine ``Voice`` for speaking ``text`` (one segment) with a custom voice.
 
     * zero-shot (text in the transcript's language): LM gets transcript ids + CAM++ embedding +
       prompt speech tokens; the flow gets prompt tokens + mel + embedding;

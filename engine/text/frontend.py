@@ -13,9 +13,9 @@ from engine.text.tokenizer import get_tokenizer
 
 _LOGGER = logging.getLogger(__name__)
 
-# Plain text, 6 BPE ids: what the v1 release appended to instruct text (SPEC §4.4). Upstream
-# dropped it in Dec 2025 and asks users for "<|endofprompt|>" (8 different ids) instead; the
-# v1 -Instruct model was trained with the original behaviour, so we keep it.
+# Plain text, 6 BPE ids: what the v1 release appended to instruct text. Upstream later dropped
+# it and asks users for "<|endofprompt|>" (8 different ids) instead; the v1 -Instruct model was
+# trained with the original behaviour, so we keep it.
 INSTRUCT_SUFFIX = "<endofprompt>"
 _USER_SUFFIX = re.compile(r"\s*<\|?endofprompt\|?>\s*$")
 # A request longer than this is refused: wetext alone would take tens of seconds, and hours

@@ -1,6 +1,7 @@
 """Text normalisation: the official v1 frontend with wetext 0.1.8, plus our rules.
 
-Pipeline (SPEC.md §3.1, HEAD ``text_normalize`` with wetext), with our additions marked [+]:
+Pipeline (the official frontend's current ``text_normalize`` with wetext), with our additions
+marked [+]:
 
 0. [+] sanitize (surrogates, control chars), strip markdown, drop emoji, close lines,
    collapse runs of spaces; whisper ``<|...|>`` tags are protected and the text between them

@@ -3,8 +3,8 @@
 Two splitters live here:
 
 * ``split_paragraph`` — the official whole-text split of normalised text into synthesis
-  segments (SPEC.md §3.1): cut after sentence punctuation, greedily merge up to 80 units
-  (characters for zh, BPE tokens for en), merge a short tail into the previous segment.
+  segments: cut after sentence punctuation, greedily merge up to 80 units (characters for
+  zh, BPE tokens for en), merge a short tail into the previous segment.
 * ``IncrementalSplitter`` / ``split_sentences`` — for *raw* text streamed from an LLM. A
   sentence is emitted as soon as it is complete. Every decision looks only at a bounded
   window after the cut, and the splitter waits until that window has arrived, so feeding a

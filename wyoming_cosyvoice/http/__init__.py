@@ -1,4 +1,4 @@
-"""HTTP API (issue 8): ``POST /tts``, OpenAI's ``POST /v1/audio/speech``, a web page at ``/``.
+"""HTTP API: ``POST /tts``, OpenAI's ``POST /v1/audio/speech``, a web page at ``/``.
 
 Needs the ``http`` extra (Starlette, Uvicorn). The app serves the same :class:`ModelHost` as the
 Wyoming listener, so both protocols share one engine, one voice catalog and one fair queue.
