@@ -16,6 +16,7 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -30,6 +31,11 @@ from engine.pages import (
     release_if_mapped,
 )
 from engine.types import ModelLoadError
+
+if TYPE_CHECKING:
+    from engine.flow import FlowModel
+    from engine.hift import HiFTGenerator
+    from engine.llm import TransformerLM
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -201,9 +207,9 @@ class LoadedModels:
 
     model_dir: Path
     args: ModelArgs
-    llm: nn.Module
-    flow: nn.Module
-    hift: nn.Module
+    llm: TransformerLM
+    flow: FlowModel
+    hift: HiFTGenerator
     speakers: dict[str, torch.Tensor]
     # One tensor of each mapped checkpoint (llm.pt, flow.pt, hift.pt): keeps its mapping
     # alive, so that release_checkpoint_pages() can never map over memory the process reused.
