@@ -13,7 +13,7 @@ import os
 import random
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -45,7 +45,7 @@ _LOGGER = logging.getLogger(__name__)
 
 
 # oneDNN keeps every convolution it JIT-compiles, one set per input length, up to 1024 by
-# default. A server vocodes chunks of ever-new lengths: measured 2026-12-03 over 37 lengths,
+# default. A server vocodes chunks of ever-new lengths: measured over 37 lengths,
 # HiFT's memory in use grew by 156 MB, by 73 MB with 256 (50 MB with no cache, but 10-15 %
 # slower passes); 256 is as fast as the default when a length repeats.
 _ONEDNN_CACHE_CAPACITY = "256"
@@ -185,7 +185,7 @@ class CosyVoiceEngine:
                 # 15-27 % faster passes), and every estimator runs its convolutions there.
                 # Reordered here, on this thread while the int8 layers are packed: the Linears
                 # +0.1 s of load, against +0.2-0.4 s after the packing or on a thread of its
-                # own; the 53 convolutions 33-39 ms on one thread (measured 2026-12-04).
+                # own; the 53 convolutions 33-39 ms on one thread.
                 estimator = models.flow.decoder.estimator
                 packed = use_onednn_convs(estimator)
                 if not flow_int8:
@@ -297,6 +297,7 @@ class CosyVoiceEngine:
                 if custom is not None:
                     ids, voice = self._segment_input(custom, segment, options)
                 else:
+                    assert builtin is not None  # resolved above whenever custom is None
                     ids, voice = segment.token_ids, builtin
                 yield from self._segment(ids, voice, options, seed + index, cancel)
 
@@ -349,7 +350,7 @@ class CosyVoiceEngine:
             threads=options.threads,
         )
 
-        def waves() -> Iterator[torch.Tensor]:
+        def waves() -> Generator[torch.Tensor, None, None]:
             if options.stream:
                 yield from stream_audio(tokens, vocoder, options.schedule)
             else:

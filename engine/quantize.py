@@ -30,7 +30,7 @@ import zlib
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 import torch
 from torch import nn
@@ -39,6 +39,10 @@ from torch.ao.nn.quantized.dynamic import Linear as DynamicLinear
 from engine.checkpoint_index import cache_file
 from engine.cpu import ensure_int8_engine
 from engine.pages import file_mapped_ranges, release_if_mapped
+
+if TYPE_CHECKING:
+    from engine.flow import FlowModel
+    from engine.llm import TransformerLM
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -70,7 +74,7 @@ def _float_sources(model: nn.Module, name: str) -> list[nn.Linear]:
     """The float Linear layers behind one int8 layer name (three for a fused q/k/v)."""
     parent, _, attr = name.rpartition(".")
     if attr != FUSED_QKV:
-        return [model.get_submodule(name)]
+        return [cast(nn.Linear, model.get_submodule(name))]
     owner = model.get_submodule(parent)
     return [getattr(owner, a) for a in _QKV]
 
@@ -79,16 +83,17 @@ def _float_weight_bias(sources: list[nn.Linear]) -> tuple[torch.Tensor, torch.Te
     if len(sources) == 1:
         return sources[0].weight, sources[0].bias
     biases = [s.bias for s in sources]
-    bias = None if any(b is None for b in biases) else torch.cat(biases)
-    return torch.cat([s.weight for s in sources]), bias
+    bias = None if any(b is None for b in biases) else torch.cat(tuple(biases))
+    return torch.cat(tuple(s.weight for s in sources)), bias
 
 
 def _block_names(stack: str, blocks: nn.ModuleList) -> list[str]:
     return [f"{stack}.{i}.{name}" for i, block in enumerate(blocks) for name in _int8_names(block)]
 
 
-def int8_layer_names(llm: nn.Module) -> list[str]:
+def int8_layer_names(model: nn.Module) -> list[str]:
     """Dotted names (in ``llm``) of every layer :func:`quantize_lm_int8` swaps; call it before."""
+    llm = cast("TransformerLM", model)  # any module with the LM's layout
     names = [
         *_block_names("text_encoder.encoders", llm.text_encoder.encoders),
         *_block_names("llm.encoders", llm.llm.encoders),
@@ -96,12 +101,13 @@ def int8_layer_names(llm: nn.Module) -> list[str]:
     return [*names, "llm_decoder"]
 
 
-def flow_int8_layer_names(flow: nn.Module) -> list[str]:
+def flow_int8_layer_names(model: nn.Module) -> list[str]:
     """The flow's int8 layers: its encoder blocks (as in the LM) and every estimator Linear.
 
     The estimator is where the time goes (10 passes per chunk, 400 Linear layers at 77-250
     rows); its attention keeps three q/k/v layers, whose calls cost little at those rows.
     """
+    flow = cast("FlowModel", model)  # any module with the flow's layout
     estimator = [
         f"decoder.estimator.{n}"
         for n, m in flow.decoder.estimator.named_modules()
@@ -281,7 +287,8 @@ def source_key(source: Path) -> dict[str, object]:
 def _crc(tensor: torch.Tensor) -> int:
     """CRC-32 of a tensor's bytes: torch.load does not check mmap'd data, a flipped byte would
     otherwise go unnoticed."""
-    return zlib.crc32(tensor.contiguous().reshape(-1).view(torch.uint8).numpy())
+    data = tensor.contiguous().reshape(-1).view(torch.uint8).numpy()
+    return zlib.crc32(data)  # type: ignore[arg-type]  # an ndarray is a buffer; numpy's stubs say so from Python 3.12
 
 
 class FlatInt8Layers:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import torch
@@ -27,6 +27,10 @@ from engine.constants import HOP, MEL_CACHE, MEL_OVERLAP, N_MELS, SOURCE_CACHE, 
 from engine.pages import give_back_free_heap
 from engine.thread_budget import ThreadBudget, apply_thread_budget
 from engine.types import StreamSchedule
+
+if TYPE_CHECKING:
+    from engine.flow import FlowModel
+    from engine.hift import HiFTGenerator
 
 # float64, as upstream multiplies float32 tensors by numpy hamming windows (fixtures README §9.5).
 _MEL_WINDOW = torch.from_numpy(np.hamming(2 * MEL_OVERLAP))
@@ -87,8 +91,8 @@ class ChunkVocoder:
 
     def __init__(
         self,
-        flow: torch.nn.Module,
-        hift: torch.nn.Module,
+        flow: FlowModel,
+        hift: HiFTGenerator,
         prompt: FlowPrompt,
         noise: NoiseSource,
         *,
@@ -144,7 +148,7 @@ class ChunkVocoder:
         give_back_free_heap()  # the flow's buffers, before HiFT's (other sizes) grow the heap
         if self.mel_overlap is not None:
             mel = fade_in_out(mel, self.mel_overlap, _MEL_WINDOW)
-        if self.hift_mel is not None:
+        if self.hift_mel is not None and self.hift_source is not None:  # set together
             mel = torch.cat([self.hift_mel, mel], dim=2)
             cache_source = self.hift_source
         else:

@@ -11,26 +11,31 @@
 from __future__ import annotations
 
 import copy
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from engine.constants import N_MELS, SPEECH_VOCAB, tokens_to_frames
 from engine.quantize import next_token_kl, quantize_lm_int8
 
+if TYPE_CHECKING:
+    from engine.flow import FlowModel
+    from engine.hift import HiFTGenerator
+    from engine.llm import TransformerLM
+
 EXACT_STEPS = 10
 EXACT_CFG = 0.7
 
 
 def mel_relative_l2(
-    flow: torch.nn.Module,
+    flow: FlowModel,
     embedding: torch.Tensor,
     *,
     n_timesteps: int,
     cfg_rate: float,
     n_tokens: int = 100,
     seed: int = 0,
-    exact_flow: torch.nn.Module | None = None,
+    exact_flow: FlowModel | None = None,
 ) -> float:
     """||mel(n_timesteps, cfg_rate) − mel(exact)|| / ||mel(exact)|| for random tokens.
 
@@ -52,7 +57,7 @@ def mel_relative_l2(
 
 
 def random_tokens_mel(
-    flow: torch.nn.Module,
+    flow: FlowModel,
     embedding: torch.Tensor,
     *,
     n_timesteps: int,
@@ -79,11 +84,11 @@ def random_tokens_mel(
 
 
 def hift_relative_l2(
-    hift: torch.nn.Module, exact_hift: torch.nn.Module, mel: torch.Tensor, *, seed: int = 0
+    hift: HiFTGenerator, exact_hift: HiFTGenerator, mel: torch.Tensor, *, seed: int = 0
 ) -> float:
     """||wave(hift) − wave(exact_hift)|| / ||wave(exact_hift)||, same mel and source noise."""
 
-    def wave(model: torch.nn.Module) -> torch.Tensor:
+    def wave(model: HiFTGenerator) -> torch.Tensor:
         out, _ = model.inference(mel, generator=torch.Generator().manual_seed(seed))
         return out
 
@@ -92,7 +97,7 @@ def hift_relative_l2(
 
 
 def lm_int8_kl(
-    llm: torch.nn.Module,
+    llm: TransformerLM,
     text_ids: list[int],
     embedding: torch.Tensor,
     *,

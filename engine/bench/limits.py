@@ -105,7 +105,9 @@ def measure_gemm_gflops(rows: int = GEMM_ROWS, repeats: int = 5, inner: int = 10
         for k, n in GEMM_SHAPES
     ]
     flops = inner * sum(2 * rows * k * n for k, n in GEMM_SHAPES)
-    kernels = [[(x, functools.partial(torch.nn.functional.linear, weight=w)) for x, w in operands]]
+    kernels: list[list[tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]]] = [
+        [(x, functools.partial(torch.nn.functional.linear, weight=w)) for x, w in operands]
+    ]
     if onednn_linear_available():
         kernels.append([(x, OneDnnLinear(w)) for x, w in operands])
 
@@ -162,9 +164,10 @@ class OtherLoad:
 def _module_bytes(module: nn.Module) -> int:
     """Bytes of the weights a module multiplies with, in the stored format (fp32, int8, ...)."""
     packed = getattr(module, "_packed_params", None)
-    if packed is not None and callable(getattr(module, "weight", None)):
+    weight_of, bias_of = getattr(module, "weight", None), getattr(module, "bias", None)
+    if packed is not None and callable(weight_of) and callable(bias_of):
         # torch.ao dynamic-quantized Linear: the weight lives in an opaque packed blob.
-        weight, bias = module.weight(), module.bias()
+        weight, bias = weight_of(), bias_of()
         size = weight.numel() * weight.element_size()
         return size + (bias.numel() * bias.element_size() if bias is not None else 0)
     tensors = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
@@ -207,7 +210,7 @@ class StageFlops:
 
     flow_gflop_per_audio_s: float
     hift_gflop_per_audio_s: float
-    estimator_mflop_per_frame_step: float  # per ODE step, both CFG branches (SPEC: 172.4)
+    estimator_mflop_per_frame_step: float  # per ODE step, both CFG branches (300M: 172.4)
 
 
 def _cpu_attention_flops(

@@ -49,7 +49,7 @@ class RunConfig:
 
     model_dir: str
     text: str
-    tokens: int
+    tokens: int | None
     profile: str
     threads: int | None = None
     config: str | None = None  # server config.yaml with the profiles; None = the repo's
@@ -213,7 +213,7 @@ def run(config: RunConfig) -> dict[str, Any]:
         # what HiFT ran in: bf16 is asked for, float32 without CPU support
         "hift_weights": engine.hift_dtype,
         # int8 kernels, native bfloat16 and thread ceiling (engine.cpu)
-        "cpu": engine.cpu_choices.as_dict(),
+        "cpu": engine.cpu_choices.as_dict() if engine.cpu_choices is not None else None,
     }
     # A miss quantises (seconds); a hit reads the engine's int8 cache.
     if config.lm_int8:
@@ -304,12 +304,12 @@ def _deviations(
             embedding,
             n_timesteps=n_timesteps,
             cfg_rate=cfg_rate,
-            exact_flow=fp32.flow if flow_int8 else None,
+            exact_flow=fp32.flow if flow_int8 and fp32 is not None else None,
         )
-    if config.lm_int8:
+    if config.lm_int8 and fp32 is not None:
         text_ids = engine.frontend.segments(config.text)[0].token_ids
         out.update(lm_int8_kl(fp32.llm, text_ids, embedding))
-    if hift_bf16:  # both vocoders on the same mel (the exact flow's)
+    if hift_bf16 and fp32 is not None:  # both vocoders on the same mel (the exact flow's)
         mel = random_tokens_mel(fp32.flow, embedding, n_timesteps=EXACT_STEPS, cfg_rate=EXACT_CFG)
         out["wave_rel_l2_vs_exact_hift"] = hift_relative_l2(engine.models.hift, fp32.hift, mel)
     return out

@@ -80,7 +80,7 @@ def _ratio(value: float | None, bound: float | None) -> float | None:
 
 def summarize(
     runs: list[dict[str, Any]],
-    limits: dict[str, float],
+    limits: dict[str, float | None],
     *,
     text: str,
     profile: dict[str, Any],

@@ -27,6 +27,7 @@ import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -42,7 +43,7 @@ SFT_SPEAKERS = ("中文女", "中文男", "日语男", "粤语女", "英文女",
 SPEAKER_EMBED_DIM = 192
 EOS_BIAS = -100.0  # logit offset of the LM's EOS class: random weights must never stop early
 
-# Convs that the official HiFT wraps in weight norm (SPEC §6; manifest_300m.json lists the 57).
+# Convs that the official HiFT wraps in weight norm (tests/data/manifest_300m.json lists the 57).
 _WEIGHT_NORMED = re.compile(
     r"^(conv_pre|conv_post|ups\.\d+|f0_predictor\.condnet\.\d+"
     r"|(source_)?resblocks\.\d+\.convs[12]\.\d+)\.weight$"
@@ -133,7 +134,7 @@ def _random_state(
         yield key, values.pop(key)
 
 
-def _save(path: Path, state: dict[str, torch.Tensor]) -> None:
+def _save(path: Path, state: dict[str, Any]) -> None:
     tmp = path.with_name(path.name + ".tmp")
     torch.save(state, tmp)
     os.replace(tmp, path)  # never leave a truncated file under the final name
