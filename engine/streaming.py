@@ -25,7 +25,7 @@ import torch
 
 from engine.constants import HOP, MEL_CACHE, MEL_OVERLAP, N_MELS, SOURCE_CACHE, TOKEN_OVERLAP
 from engine.pages import give_back_free_heap
-from engine.thread_budget import ThreadBudget, apply_thread_budget
+from engine.thread_budget import ThreadBudget, apply_thread_budget, vocoder_busy
 from engine.types import StreamSchedule
 
 if TYPE_CHECKING:
@@ -144,6 +144,10 @@ class ChunkVocoder:
 
     def chunk(self, tokens: torch.Tensor, *, finalize: bool) -> torch.Tensor:
         """Audio (1, S) for a window of tokens (1, n); ``finalize`` on the utterance's last."""
+        with vocoder_busy():
+            return self._chunk(tokens, finalize=finalize)
+
+    def _chunk(self, tokens: torch.Tensor, *, finalize: bool) -> torch.Tensor:
         mel = self._flow(tokens)
         give_back_free_heap()  # the flow's buffers, before HiFT's (other sizes) grow the heap
         if self.mel_overlap is not None:

@@ -1,12 +1,16 @@
 """How many torch threads a synthesis may use, asked again before each LM token and flow step.
 
-Two things set it. The caller's budget: one that runs several syntheses side by side (the
+Three things set it. The caller's budget: one that runs several syntheses side by side (the
 server's ``parallel_sentences``) gives a sentence running alone every core and sentences side by
 side one each; without a budget, the process's configured count (``configure_threads``). And the
 cores other processes leave free (engine.cpu_share): never more threads than that, because a
 multi-thread OpenMP team sharing its cores with a busy neighbour waits on its descheduled member
-at every operation. Asking between steps, not only between audio chunks, matters at a change: a
-first chunk takes seconds.
+at every operation. And one OpenMP team at a time inside this process: once the first chunk is
+out, the LM runs in a thread beside the vocoder (engine.tokens), and two teams of N threads on N
+cores wait on each other's descheduled members the same way. While the vocoder computes a chunk,
+the LM thread beside it runs one thread and the vocoder the rest; while the vocoder waits for
+tokens, the LM takes every free core. Asking between steps, not only between audio chunks,
+matters at a change: a first chunk takes seconds.
 
 torch's thread count belongs to each thread (a new thread starts from the last count set
 anywhere in the process), so the budget is applied in whichever thread does the work.
@@ -14,7 +18,9 @@ anywhere in the process), so the budget is applied in whichever thread does the 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import threading
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -24,6 +30,9 @@ ThreadBudget = Callable[[], int]
 
 _configured: int | None = None
 _follow_free_cores = True
+_stage_lock = threading.Lock()
+_lm_threads_beside = 0  # LM threads producing tokens beside a vocoder
+_vocoders_busy = 0  # vocoders computing a chunk
 
 
 def configure_threads(threads: int | None = None, *, follow_free_cores: bool = True) -> None:
@@ -46,8 +55,35 @@ def configured_threads() -> int:
     return _configured
 
 
-def threads_now(budget: ThreadBudget | None) -> int:
-    """``budget()`` (None: the configured count), capped to the cores free right now.
+@contextlib.contextmanager
+def lm_beside_vocoder() -> Iterator[None]:
+    """Marks this thread as an LM thread running beside a vocoder (for ``threads_now``)."""
+    global _lm_threads_beside
+    with _stage_lock:
+        _lm_threads_beside += 1
+    try:
+        yield
+    finally:
+        with _stage_lock:
+            _lm_threads_beside -= 1
+
+
+@contextlib.contextmanager
+def vocoder_busy() -> Iterator[None]:
+    """Marks a vocoder computing a chunk (for ``threads_now``)."""
+    global _vocoders_busy
+    with _stage_lock:
+        _vocoders_busy += 1
+    try:
+        yield
+    finally:
+        with _stage_lock:
+            _vocoders_busy -= 1
+
+
+def threads_now(budget: ThreadBudget | None, *, beside_vocoder: bool = False) -> int:
+    """``budget()`` (None: the configured count), capped to the cores free right now, and
+    shared between an LM thread beside the vocoder and the vocoder.
 
     Never more than the configured count either: that one is already capped to what this CPU's
     libraries survive (engine.cpu).
@@ -58,11 +94,13 @@ def threads_now(budget: ThreadBudget | None) -> int:
     monitor = process_monitor() if _follow_free_cores else None
     if monitor is not None:
         wanted = min(wanted, monitor.free_cores())
-    return max(1, wanted)
+    if beside_vocoder:
+        return 1 if _vocoders_busy else max(1, wanted)
+    return max(1, wanted - _lm_threads_beside)
 
 
-def apply_thread_budget(budget: ThreadBudget | None) -> None:
-    """Set this thread's torch thread count to ``threads_now(budget)``."""
-    threads = threads_now(budget)
+def apply_thread_budget(budget: ThreadBudget | None, *, beside_vocoder: bool = False) -> None:
+    """Set this thread's torch thread count to ``threads_now(budget, ...)``."""
+    threads = threads_now(budget, beside_vocoder=beside_vocoder)
     if threads != torch.get_num_threads():
         torch.set_num_threads(threads)

@@ -14,37 +14,27 @@ same generator over only when the consumer asks for the next token, i.e. after t
 has been vocoded.
 
 Before each token the producing thread applies the caller's thread budget (engine.thread_budget:
-the configured count without one, never more than the cores other processes leave free). torch's
-thread count belongs to each thread, and a new thread starts from the last count set anywhere in
-the process.
+the configured count without one, never more than the cores other processes leave free, and one
+thread while the vocoder beside it computes). It runs at normal priority: a lowered one let the
+vocoder go first on a quiet machine, but on a shared one it also put the LM behind every other
+process, and a streamed answer took twice as long to finish. torch's thread count belongs to
+each thread, and a new thread starts from the last count set anywhere in the process.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import threading
 from collections.abc import Callable, Iterator
 
 import torch
 
-from engine.thread_budget import ThreadBudget, apply_thread_budget
+from engine.thread_budget import ThreadBudget, apply_thread_budget, lm_beside_vocoder
 from engine.types import SynthesisCancelled
 
 _LOGGER = logging.getLogger(__name__)
 _END = object()
-# The LM thread runs at a lower CPU priority: when both stages want the cores, the vocoder,
-# which turns already-generated tokens into the audio the listener is waiting for, goes first;
-# the LM uses whatever the vocoder leaves. Threads its OpenMP pool spawns inherit the value.
-LM_NICE = 10
-
-
-def _lower_priority() -> None:
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), LM_NICE)
-    except (AttributeError, OSError):  # not Linux, or not permitted: keep the default
-        pass
 
 
 class _Failure:
@@ -107,11 +97,10 @@ class LmTokens:
             raise SynthesisCancelled("synthesis cancelled")
 
     def _produce(self, source: Iterator[int]) -> None:
-        _lower_priority()
         try:
-            with torch.inference_mode():
+            with torch.inference_mode(), lm_beside_vocoder():
                 while True:
-                    apply_thread_budget(self._budget)
+                    apply_thread_budget(self._budget, beside_vocoder=True)
                     token = next(source, None)
                     if token is None or self._stop.is_set() or self._cancel.is_set():
                         break

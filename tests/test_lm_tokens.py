@@ -120,3 +120,38 @@ def test_a_thread_budget_is_applied_before_every_token_in_both_threads() -> None
     assert got == list(range(10))
     assert [n for _, n in counts] == [pattern[i % 3] for i in range(10)]
     assert [name for name, _ in counts] == ["consumer"] * 3 + ["cosyvoice-lm"] * 7
+
+
+@pytest.mark.usefixtures("three_threads")
+def test_the_lm_beside_a_busy_vocoder_runs_one_thread_and_the_vocoder_the_rest() -> None:
+    """One OpenMP team at a time: while a vocoder computes, the LM thread beside it takes one
+    thread and the vocoder the others; while the vocoder waits for tokens, the LM takes all."""
+    seen: list[tuple[str, int]] = []
+    vocoder_threads: list[int] = []
+    go = threading.Semaphore(0)  # the test releases each token after the inline ones
+
+    def make_tokens() -> Iterator[int]:
+        for token in range(5):
+            if token >= 2:
+                go.acquire()
+            seen.append((threading.current_thread().name, torch.get_num_threads()))
+            yield token
+
+    def run() -> None:
+        tokens = iter(LmTokens(make_tokens, inline=2))
+        assert [next(tokens), next(tokens)] == [0, 1]  # inline: no LM thread yet
+        vocoder_threads.append(thread_budget.threads_now(None))
+        with thread_budget.vocoder_busy():
+            go.release()
+            assert next(tokens) == 2  # made by the LM thread while the vocoder is busy
+            vocoder_threads.append(thread_budget.threads_now(None))
+        go.release(2)
+        # The vocoder waits for tokens: the LM alone. (Token 3's count was set as token 2 was
+        # handed over, racing the block's end; token 4's is set after it.)
+        assert [next(tokens), next(tokens), next(tokens, None)] == [3, 4, None]
+        vocoder_threads.append(thread_budget.threads_now(None))  # the LM thread has ended
+
+    _consume(run)
+    assert seen[:3] == [("consumer", 3), ("consumer", 3), ("cosyvoice-lm", 1)]
+    assert seen[4] == ("cosyvoice-lm", 3)
+    assert vocoder_threads == [3, 2, 3]

@@ -111,8 +111,11 @@ def test_a_thread_budget_is_asked_before_each_flow_step_and_hift(models) -> None
     cores = torch.get_num_threads()
     thread_budget.configure_threads(2, follow_free_cores=False)  # the budget's 2 is not capped
 
+    busy: list[int] = []
+
     def budget() -> int:
         asked.append(torch.get_num_threads())
+        busy.append(thread_budget._vocoders_busy)  # an LM thread beside it would take one core
         return 1 if len(asked) % 2 else 2  # alternate, to change the count at every step
 
     vocoder = ChunkVocoder(
@@ -127,4 +130,5 @@ def test_a_thread_budget_is_asked_before_each_flow_step_and_hift(models) -> None
     torch.testing.assert_close(audio, expected, atol=AUDIO_ATOL, rtol=0)
     # Before the flow, after each of its 10 steps, before HiFT; and each answer was applied.
     assert len(asked) == 1 + 10 + 1
+    assert busy == [1] * len(asked) and thread_budget._vocoders_busy == 0
     assert asked[1:] == [1 if i % 2 else 2 for i in range(1, len(asked))]
