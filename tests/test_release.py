@@ -162,9 +162,10 @@ def test_torch_comes_from_the_cpu_index_before_the_package() -> None:
     assert torch_install < first_copy, "torch must be installed before the package resolves"
 
 
-def test_image_lets_openmp_workers_sleep() -> None:
+def test_image_keeps_openmps_default_wait_policy() -> None:
+    """The benchmark's figures are OpenMP's default: PASSIVE doubled an LM step."""
     env = " ".join(i for i in dockerfile_instructions() if i.startswith("ENV "))
-    assert re.search(r"\bOMP_WAIT_POLICY=PASSIVE\b", env)
+    assert "OMP_WAIT_POLICY" not in env
 
 
 def test_image_is_labelled_an_addon() -> None:
