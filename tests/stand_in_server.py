@@ -8,6 +8,7 @@ set, and keeps computing. A stop must not wait for it.
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 import time
@@ -18,6 +19,8 @@ from typing import Any
 import numpy as np
 
 CANCEL_SEEN = "stand-in engine: cancel seen"
+# Set by a test: the stand-in creates this file once it is inside its long computation.
+COMPUTING_FILE_ENV = "STAND_IN_COMPUTING_FILE"
 _COMPUTE_S = 600.0
 
 
@@ -37,6 +40,8 @@ class StuckEngine:
         from engine.types import AudioChunk
 
         yield AudioChunk(np.zeros(2205, dtype=np.float32))
+        if marker := os.environ.get(COMPUTING_FILE_ENV):
+            Path(marker).touch()
         started, reported = time.monotonic(), False
         while time.monotonic() - started < _COMPUTE_S:
             if cancel is not None and cancel.is_set() and not reported:

@@ -22,6 +22,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -138,8 +139,11 @@ async def _first_audio(port: int) -> tuple[asyncio.StreamReader, asyncio.StreamW
     return reader, writer
 
 
-def _sigterm_mid_sentence(process: subprocess.Popen[str], port: int) -> tuple[bool, str]:
-    """SIGTERM once the first audio has arrived; (the client saw the close, the server log).
+def _sigterm_mid_sentence(
+    process: subprocess.Popen[str], port: int, computing: Path | None = None
+) -> tuple[bool, str]:
+    """SIGTERM once the first audio has arrived (and ``computing`` exists, if given); (the
+    client saw the close, the server log).
 
     Generous bounded waits, no durations asserted: a busy machine may be slow, but a stop
     that waits for an engine computation to end would take minutes and fail here.
@@ -149,6 +153,10 @@ def _sigterm_mid_sentence(process: subprocess.Popen[str], port: int) -> tuple[bo
 
         async def main() -> bool:
             reader, writer = await _first_audio(port)
+            deadline = time.monotonic() + WAIT_S
+            while computing is not None and not computing.exists():
+                assert time.monotonic() < deadline, "the engine never started its computation"
+                await asyncio.sleep(0.02)
             process.send_signal(signal.SIGTERM)
             await asyncio.get_running_loop().run_in_executor(None, process.wait, WAIT_S)
             closed = await asyncio.wait_for(reader.read(), WAIT_S) is not None
@@ -190,17 +198,22 @@ def test_sigterm_while_synthesizing_exits_cleanly(wy: SimpleNamespace) -> None:
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="POSIX signals")
-def test_sigterm_does_not_wait_for_an_engine_computation(wy: SimpleNamespace) -> None:
+def test_sigterm_does_not_wait_for_an_engine_computation(
+    wy: SimpleNamespace, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The engine checks its cancel event between LM tokens and chunks, not inside a flow
     pass. A stop must cancel at once and, if the engine is still computing after the grace
     period, exit without it (the Supervisor kills at 10 s). The stand-in's chunk lasts ten
     minutes."""
-    from stand_in_server import CANCEL_SEEN
+    from stand_in_server import CANCEL_SEEN, COMPUTING_FILE_ENV
 
     port = wy.free_port()
     args = ["--uri", f"tcp://127.0.0.1:{port}", "--model-dir", str(wy.TINY_MODEL), "--no-warmup"]
+    computing = tmp_path / "computing"
+    monkeypatch.setenv(COMPUTING_FILE_ENV, str(computing))
     process = _start(args, STAND_IN_SERVER)
-    closed, log = _sigterm_mid_sentence(process, port)
+    # Signalled inside the computation: before it, the server cancels without calling it.
+    closed, log = _sigterm_mid_sentence(process, port, computing)
     assert process.returncode == 0, log[-2000:]
     assert closed
     assert "Cancelled 1 request(s) in progress" in log, log[-2000:]
