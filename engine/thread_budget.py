@@ -99,6 +99,17 @@ def threads_now(budget: ThreadBudget | None, *, beside_vocoder: bool = False) ->
     return max(1, wanted - _lm_threads_beside)
 
 
+def thread_report() -> dict[str, float | int | None]:
+    """What decides the thread counts now: the configured count, the cores other processes use
+    and the cores left free (None where they are not measured)."""
+    monitor = process_monitor() if _follow_free_cores else None
+    return {
+        "configured": configured_threads(),
+        "other_processes_cores": None if monitor is None else round(monitor.others, 2),
+        "free_cores": None if monitor is None else monitor.free_cores(),
+    }
+
+
 def apply_thread_budget(budget: ThreadBudget | None, *, beside_vocoder: bool = False) -> None:
     """Set this thread's torch thread count to ``threads_now(budget, ...)``."""
     threads = threads_now(budget, beside_vocoder=beside_vocoder)

@@ -93,3 +93,22 @@ def test_without_proc_the_monitor_does_not_start() -> None:
         raise OSError("no /proc here")
 
     assert not CpuShareMonitor(read=unreadable).start()
+
+
+def test_the_thread_report_says_what_the_monitor_sees(monkeypatch: pytest.MonkeyPatch) -> None:
+    from engine import thread_budget
+
+    monitor = CpuShareMonitor(n_cpus=2, read=lambda: CpuTimes(0, 0, 0))
+    monitor.record(1.234)
+    monkeypatch.setattr(thread_budget, "_configured", 2)
+    monkeypatch.setattr(thread_budget, "_follow_free_cores", True)
+    monkeypatch.setattr(thread_budget, "process_monitor", lambda: monitor)
+    assert thread_budget.thread_report() == {
+        "configured": 2,
+        "other_processes_cores": 1.23,
+        "free_cores": 1,
+    }
+    assert thread_budget.threads_now(None) == 1
+    monkeypatch.setattr(thread_budget, "_follow_free_cores", False)
+    assert thread_budget.thread_report()["free_cores"] is None
+    assert thread_budget.threads_now(None) == 2

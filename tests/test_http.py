@@ -185,6 +185,10 @@ def test_voices_and_health(client: httpx.Client) -> None:
     assert voices["sample_rate"] == RATE
     health = client.get("/health")
     assert health.status_code == 200 and health.json()["status"] == "ready"
+    threads = health.json()["threads"]
+    assert threads["configured"] >= 1
+    # Tests do not follow the machine's load (conftest); a server does, and reports both.
+    assert set(threads) == {"configured", "other_processes_cores", "free_cores"}
     page = client.get("/")
     assert page.status_code == 200 and "<select" in page.text
 

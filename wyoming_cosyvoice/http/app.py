@@ -139,6 +139,11 @@ class TtsRoutes:
         )
         if choices is not None:
             body["cpu"] = choices.as_dict()
+        if state == "ready":
+            # Threads per step follow the cores other processes leave free (engine.thread_budget).
+            from engine.thread_budget import thread_report
+
+            body["threads"] = thread_report()
         return JSONResponse(body, status_code=200 if state == "ready" else 503)
 
     async def voices(self, request: Request) -> Response:
