@@ -28,6 +28,7 @@ import jsonschema
 import pytest
 import yaml
 from conftest import wait_for_port
+from lint_tools import tool
 
 from wyoming_cosyvoice import addon
 
@@ -400,14 +401,6 @@ def test_dockerfile_essentials() -> None:
 
 
 # --- linters ------------------------------------------------------------------------------------
-
-
-def tool(name: str) -> str:
-    path = Path(sys.executable).parent / name
-    found = str(path) if path.exists() else shutil.which(name)
-    if not found:
-        pytest.fail(f"{name} not installed; run script/setup --test")
-    return found
 
 
 def shell_scripts() -> list[Path]:

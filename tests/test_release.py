@@ -24,6 +24,7 @@ from urllib.parse import quote
 
 import pytest
 import yaml
+from lint_tools import tool
 
 try:
     import tomllib
@@ -46,14 +47,6 @@ def load_yaml(path: Path) -> Any:
 
 def pyproject() -> dict[str, Any]:
     return tomllib.loads((ROOT / "pyproject.toml").read_text())
-
-
-def tool(name: str) -> str:
-    path = Path(sys.executable).parent / name
-    found = str(path) if path.exists() else shutil.which(name)
-    if not found:
-        pytest.fail(f"{name} not installed; run script/setup --test")
-    return found
 
 
 def dockerfile_instructions() -> list[str]:
