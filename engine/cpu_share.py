@@ -133,7 +133,15 @@ class CpuShareMonitor:
 
     def record(self, others: float) -> None:
         """Take one period's measurement (the sampling thread calls this)."""
+        before = self.free_cores()
         self._others = [self._others[1], others]
+        if (after := self.free_cores()) != before:  # DEBUG: a flapping neighbour would flood INFO
+            _LOGGER.debug(
+                "Other processes use %.1f of %d cores: synthesis runs on up to %d thread(s)",
+                self.others,
+                self.n_cpus,
+                after,
+            )
 
     @property
     def others(self) -> float:

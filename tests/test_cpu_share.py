@@ -74,6 +74,16 @@ def test_the_monitor_keeps_the_busier_of_the_last_two_periods() -> None:
     assert monitor.free_cores() == 2
 
 
+def test_a_change_of_free_cores_is_logged(caplog: pytest.LogCaptureFixture) -> None:
+    monitor = CpuShareMonitor(n_cpus=2, read=lambda: CpuTimes(0, 0, 0))
+    with caplog.at_level("DEBUG", logger="engine.cpu_share"):
+        monitor.record(1.0)
+        monitor.record(1.0)  # no change: no second line
+    assert [r.getMessage() for r in caplog.records] == [
+        "Other processes use 1.0 of 2 cores: synthesis runs on up to 1 thread(s)"
+    ]
+
+
 def test_the_monitor_samples_in_the_background() -> None:
     """Two readings 0.25 s apart in which others used one of two cores."""
     readings = iter([CpuTimes(0, 0, 0), CpuTimes(200, 160, 60)])
