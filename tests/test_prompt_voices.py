@@ -255,48 +255,26 @@ def test_custom_voice_synthesizes_through_the_engine(engine, voices_dir: Path, m
     assert sum(c.samples.size for c in chunks) == tokens_to_frames(80) * HOP
 
 
-def test_proposed_engine_integration(engine, voices_dir: Path, models) -> None:
-    """A custom voice resolved per segment inside synthesize(): zero-shot, cross-lingual, and
-    built-in speakers untouched (a subclass with the tiny ONNX models as its prompt models)."""
-    from engine.engine import CosyVoiceEngine
+def test_engine_synthesize_resolves_a_custom_voice_per_segment(
+    engine, voices_dir: Path, models
+) -> None:
+    """The engine's own synthesize(): a custom voice speaks zero-shot and cross-lingual, and
+    built-in speakers are untouched (the library gets the tiny ONNX prompt models)."""
     from engine.types import SynthesisOptions
 
-    class Integrated(CosyVoiceEngine):
-        custom: VoiceLibrary | None = None
-
-        def enable_custom_voices(self, voices_dir: Path, prompt_models: PromptModels):
-            self.custom = VoiceLibrary(voices_dir, prompt_models, reserved=self.speakers)
-            return self.custom.scan()
-
-        def synthesize(self, text, options=None, cancel=None):
-            options = options or SynthesisOptions()
-            custom = self.custom.get(options.speaker) if self.custom and options.speaker else None
-            voice = None if custom else self.voice(options.speaker, options.instruct)
-            seed = options.seed if options.seed is not None else 0
-            for index, segment in enumerate(self.frontend.segments(text)):
-                ids, seg_voice = segment.token_ids, voice
-                if custom is not None:
-                    vin = to_engine_voice(
-                        custom,
-                        self.frontend,
-                        segment.text,
-                        kind=self.kind,
-                        instruct=options.instruct,
-                        text_ids=segment.token_ids,
-                    )
-                    ids, seg_voice = vin.text_ids, vin.voice
-                yield from self._segment(ids, seg_voice, options, seed + index, cancel)
-
-    integrated = Integrated(engine.models, kind=engine.kind)
-    result = integrated.enable_custom_voices(voices_dir, models)
-    assert list(result.voices) == ["anna"]
-    options = SynthesisOptions(speaker="anna", stream=False, seed=1, force_tokens=20)
-    for text in ("Good morning.", "你好。"):  # zero-shot, cross-lingual
-        chunks = list(integrated.synthesize(text, options))
-        assert len(chunks) == 1 and chunks[0].samples.size > 0
-    # Built-in speakers are untouched.
-    builtin = SynthesisOptions(speaker=engine.speakers[0], stream=False, seed=1, force_tokens=20)
-    assert len(list(integrated.synthesize("Hello.", builtin))) == 1
+    engine.custom_voices = VoiceLibrary(voices_dir, models, reserved=engine.speakers)
+    try:
+        assert list(engine.custom_voices.scan().voices) == ["anna"]
+        options = SynthesisOptions(speaker="anna", stream=False, seed=1, force_tokens=20)
+        for text in ("Good morning.", "你好。"):  # zero-shot, cross-lingual
+            chunks = list(engine.synthesize(text, options))
+            assert len(chunks) == 1 and chunks[0].samples.size > 0
+        builtin = SynthesisOptions(
+            speaker=engine.speakers[0], stream=False, seed=1, force_tokens=20
+        )
+        assert len(list(engine.synthesize("Hello.", builtin))) == 1
+    finally:
+        engine.custom_voices = None
 
 
 def test_cached_voices_never_import_onnxruntime(voices_dir: Path, models) -> None:
