@@ -14,7 +14,6 @@ import random
 import threading
 import time
 from collections.abc import Generator, Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -34,6 +33,7 @@ from engine.types import (
     SynthesisOptions,
     UnknownSpeakerError,
 )
+from engine.voice import Voice
 from engine.weights import LoadedModels, load_model_dir
 
 if TYPE_CHECKING:
@@ -70,18 +70,6 @@ def _one_torch_thread() -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(threads)
-
-
-@dataclass(frozen=True)
-class Voice:
-    """Everything that conditions the LM and the flow for one voice."""
-
-    name: str
-    llm_embedding: torch.Tensor  # (1, 192), or (0, 192) when the LM gets no speaker (instruct)
-    flow_embedding: torch.Tensor  # (1, 192)
-    prompt_text_ids: list[int] = field(default_factory=list)
-    llm_prompt_tokens: list[int] = field(default_factory=list)
-    flow_prompt: FlowPrompt | None = None
 
 
 def detect_model_kind(model_dir: Path) -> str:

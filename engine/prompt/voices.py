@@ -34,9 +34,9 @@ from engine.prompt.validate import (
     read_transcript,
 )
 from engine.text.normalize import detect_language
+from engine.voice import Voice
 
 if TYPE_CHECKING:
-    from engine.engine import Voice
     from engine.text.frontend import TextFrontend
 
 _LOGGER = logging.getLogger(__name__)
@@ -383,7 +383,6 @@ def to_engine_voice(
       gets the instruction and no speaker; the flow gets only the CAM++ embedding, exactly as
       official instruct mode treats a built-in speaker.
     """
-    from engine.engine import Voice  # deferred: engine.engine may import this module
     from engine.streaming import FlowPrompt
 
     emb = voice.prompt.embedding
