@@ -21,6 +21,7 @@ both modes so callers never branch on the type.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 
 from engine.text import rules, wetext_backend
 from engine.text.numbers import en_cardinal
@@ -118,18 +119,25 @@ def normalize_text(text: str) -> tuple[str, bool]:
     return text, is_zh
 
 
-def normalize(text: str, *, split: bool = True) -> list[str]:
+def normalize(
+    text: str, *, split: bool = True, token_len: Callable[[str], int] | None = None
+) -> list[str]:
     """Normalise ``text`` into the segments the models synthesise one by one.
 
     ``split=False`` (prompt and instruct text) returns ``[normalised_text]`` or ``[]``.
+    ``token_len`` measures English text for the split (default: whisper BPE tokens, the v1
+    vocabulary; a model with another vocabulary passes its own).
     """
     normalized, is_zh = normalize_text(text)
     if not rules.is_speakable(normalized):
         return []
     if not split:
         return [normalized]
-    tokenizer = get_tokenizer()
-    segments = split_paragraph(
-        normalized, lambda s: len(tokenizer.encode(s)), "zh" if is_zh else "en"
-    )
+    if token_len is None:
+        tokenizer = get_tokenizer()
+
+        def token_len(s: str) -> int:
+            return len(tokenizer.encode(s))
+
+    segments = split_paragraph(normalized, token_len, "zh" if is_zh else "en")
     return [seg for seg in segments if rules.is_speakable(seg)]
