@@ -1,22 +1,25 @@
-"""The benchmark runs and reports every field (no timed assertions: timings are machine facts)."""
+"""The engine benchmark runs and reports every field (no timed assertions: timings are machine
+facts). The server's benchmark (its profiles, runs through the server) is tested in
+test_server_bench.py."""
 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from collections.abc import Callable
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
 import torch
-import yaml
 from torch import nn
 
+from engine.bench.__main__ import main as bench_main
 from engine.bench.__main__ import model_files, warm_page_cache
 from engine.bench.limits import lm_weight_bytes_per_token, measure_gemv_gbps
-from engine.bench.measure import playback_stall_s
+from engine.bench.measure import RunConfig, playback_stall_s
+from engine.bench.profiles import BUILTIN_PROFILES, BenchProfile
 from engine.bench.report import summarize
 from engine.bench.synthetic import (
     EOS_BIAS,
@@ -27,7 +30,6 @@ from engine.bench.synthetic import (
     state_dict_specs,
 )
 from engine.bench.timers import FIRST_AUDIO_PARTS, StageEvent, StageTimer
-from engine.cpu import bf16_native, detect
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT / "tests" / "data"
@@ -99,7 +101,7 @@ def test_the_limits_are_the_best_of_a_probe_before_the_runs_and_after_each(
         bench, "run_worker", lambda config: {"first_audio_ms": 1.0, "total_ms": 2.0, "rtf": 1.0}
     )
     args = bench.build_parser().parse_args(["--model-dir", str(tmp_path), "--repeats", "2"])
-    result = bench.run_benchmark(args, tmp_path)
+    result = bench.run_benchmark(args, tmp_path, BUILTIN_PROFILES["realtime"])
     assert (result["mem_bw_gbps"], result["gemv_gbps"], result["gemm_gflops"]) == (40, 22, 130)
     assert next(probes, None) is None  # one probe before the runs and one after each
 
@@ -246,12 +248,14 @@ def test_gemv_probe_runs_the_lm_kernel(int8: bool, monkeypatch: pytest.MonkeyPat
     assert [type(m).__name__ for m in built] == (["Int8Linear"] * 4 if int8 else [])
 
 
-def run_bench_json(*args: str, timeout: float, env: dict[str, str] | None = None) -> dict:
-    """``python -m engine.bench --model-dir <tiny> ARGS --json`` in a subprocess; its JSON."""
+def run_bench_json(
+    *args: str, timeout: float, env: dict[str, str] | None = None, module: str = "engine.bench"
+) -> dict:
+    """``python -m MODULE --model-dir <tiny> ARGS --json`` in a subprocess; its JSON."""
     command = [
         sys.executable,
         "-m",
-        "engine.bench",
+        module,
         "--model-dir",
         str(TINY_MODEL),
         *args,
@@ -291,63 +295,6 @@ def test_benchmark_runs_on_the_tiny_model_beside_a_neighbour() -> None:
     parts = [run[key] for key in FIRST_AUDIO_PARTS]
     assert all(part >= 0 for part in parts)  # consecutive intervals, so no part is negative
     assert sum(parts) == pytest.approx(run["first_audio_ms"])
-
-
-@pytest.mark.slow
-def test_benchmark_loads_the_profiles_int8_flow_and_reports_its_deviation(
-    tmp_path: Path,
-) -> None:
-    # A profile with the exact steps and guidance but an int8 flow: only a comparison with the
-    # float32 flow can show a deviation.
-    config = yaml.safe_load((ROOT / "config.yaml").read_text())
-    config["profiles"]["exact_int8"] = {
-        **config["profiles"]["realtime"],
-        "flow_weights": "int8",
-        "hift_weights": "bf16",
-    }
-    config_path = tmp_path / "config.yaml"
-    config_path.write_text(yaml.safe_dump(config))
-    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path)}  # the int8 caches land here
-    result = run_bench_json(
-        "--profile",
-        "exact_int8",
-        "--config",
-        str(config_path),
-        "--lm-int8",
-        "--tokens",
-        "30",
-        "--repeats",
-        "2",
-        timeout=1800,
-        env=env,
-    )
-    assert (result["flow_weights"], result["lm_weights"]) == ("int8", "int8")
-    assert result["cpu"] == detect().as_dict()  # the kernels and threads the engine chose
-    assert [run["flow_int8_cache_hit"] for run in result["runs"]] == [False, True]
-    assert 0 < result["mel_rel_l2_vs_exact"] < 0.05
-    if bf16_native():  # else HiFT stays float32, and says so
-        assert result["hift_weights"] == "bfloat16"
-        assert 0 < result["wave_rel_l2_vs_exact_hift"] < 0.05
-    else:
-        assert (result["hift_weights"], result["wave_rel_l2_vs_exact_hift"]) == ("float32", 0)
-    caches = [p.name for p in (tmp_path / "wyoming-cosyvoice" / "int8").iterdir()]
-    assert sorted(n.split("-")[0] for n in caches if n.endswith(".int8.pt")) == ["flow", "llm"]
-    # and an index per checkpoint, so later loads skip unpickling (engine.checkpoint_index)
-    assert sorted(n.split("-")[0] for n in caches if n.endswith(".index.json")) == [
-        "flow",
-        "hift",
-        "llm",
-    ]
-
-
-@pytest.mark.slow
-def test_concurrency_through_the_server() -> None:
-    result = run_bench_json("--text", "Hello.", "--concurrency", "1,2", timeout=600)
-    assert [level["concurrency"] for level in result["levels"]] == [1, 2]
-    for level in result["levels"]:
-        assert len(level["requests"]) == level["concurrency"]
-        assert all(r["audio_s"] > 0 and r["first_audio_ms"] for r in level["requests"])
-        assert level["aggregate_audio_s_per_s"] > 0
 
 
 def test_neighbours_run_for_the_block_and_are_gone_after_it() -> None:
@@ -394,3 +341,44 @@ def test_flop_count_is_the_same_for_the_int8_flow() -> None:
 
     fp32 = flops(False)
     assert fp32 > 0 and flops(True) == pytest.approx(fp32, rel=1e-6)
+
+
+def test_a_worker_is_handed_the_profiles_settings_not_a_name_to_look_up() -> None:
+    # The worker runs in a fresh process: a profile the engine does not know (one of the
+    # server's) must reach it whole, through the JSON it is started with.
+    profile = BenchProfile(
+        "fastest",
+        BUILTIN_PROFILES["realtime"].schedule,
+        n_timesteps=4,
+        cfg_rate=0.0,
+        source="config.yaml",
+        flow_weights="int8",
+        hift_weights="bf16",
+    )
+    config = RunConfig("m", "t", 30, profile.to_json())
+    handed = RunConfig(**json.loads(json.dumps(asdict(config))))
+    assert BenchProfile.from_json(handed.profile) == profile
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--synthetic", "300m", "--concurrency", "1,2"],
+        ["--model-dir", "m", "--server-arg=--seed=1"],
+        ["--model-dir", "m", "--config", "c.yaml"],
+    ],
+)
+def test_the_server_benchmarks_options_say_where_they_moved(
+    argv: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert bench_main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "moved to python -m wyoming_cosyvoice.bench" in err
+
+
+def test_a_server_profile_is_pointed_at_the_servers_benchmark(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert bench_main(["--model-dir", "m", "--profile", "fastest"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown profile 'fastest'" in err and "python -m wyoming_cosyvoice.bench" in err

@@ -2,7 +2,10 @@
 
     python -m engine.bench --synthetic 300m                # full-size model, random weights
     python -m engine.bench --model-dir DIR --json          # real weights, one JSON object
-    python -m engine.bench --synthetic 300m --concurrency 1,2,4   # through the Wyoming server
+
+The engine alone knows the profiles ``realtime`` and ``quality``. ``python -m
+wyoming_cosyvoice.bench`` runs the same measurements with the server's profiles (config.yaml),
+or through the Wyoming server (``--concurrency``).
 
 Stdout is the product (a table, or one JSON object with ``--json``); progress goes to stderr.
 """
@@ -14,34 +17,34 @@ import json
 import logging
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
+
+from engine.bench.profiles import BUILTIN_PROFILES, DEFAULT_PROFILE, BenchProfile, get_profile
 
 _LOGGER = logging.getLogger("engine.bench")
 
 REFERENCE_TEXT = "您好，您咨询的iPhone15 Pro壳子有现货，支持顺丰次日达，现在下单还送钢化膜。"
 DEFAULT_TOKENS = 400  # 8 s of audio at 50 tokens/s
+SERVER_BENCH = "python -m wyoming_cosyvoice.bench"
+# What the server's benchmark took along: the server's profiles and the runs through the server.
+MOVED_OPTIONS = ("--concurrency", "--server-arg", "--config")
 
 
-def _levels(value: str) -> list[int]:
-    try:
-        levels = [int(part) for part in value.split(",") if part.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{value!r} is not a list like 1,2,4") from None
-    if not levels or min(levels) < 1:
-        raise argparse.ArgumentTypeError("concurrency levels must be >= 1")
-    return levels
-
-
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(
+    prog: str = "python -m engine.bench",
+    description: str | None = __doc__,
+    profile_help: str = f"{' or '.join(BUILTIN_PROFILES)} (default: %(default)s)",
+) -> argparse.ArgumentParser:
+    """The options of an engine run; the server's benchmark adds its own to them."""
     from engine.bench.neighbours import KINDS
-    from engine.bench.profiles import DEFAULT_PROFILE
     from engine.bench.synthetic import DEFAULT_CACHE_DIR
 
     parser = argparse.ArgumentParser(
-        prog="python -m engine.bench",
-        description=__doc__,
+        prog=prog,
+        description=description,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     model = parser.add_mutually_exclusive_group(required=True)
@@ -65,10 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
         "0 = until EOS (default: %(default)s = 8 s of audio)",
     )
     parser.add_argument("--text", default=REFERENCE_TEXT, help="text to synthesize")
-    parser.add_argument(
-        "--profile", default=DEFAULT_PROFILE, help="profile of config.yaml (default: %(default)s)"
-    )
-    parser.add_argument("--config", type=Path, help="server config.yaml with the profiles")
+    parser.add_argument("--profile", default=DEFAULT_PROFILE, help=profile_help)
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
     parser.add_argument(
         "--repeats",
@@ -83,19 +83,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--no-warmup", action="store_true", help="measure without the engine's warm-up pass"
-    )
-    parser.add_argument(
-        "--concurrency",
-        type=_levels,
-        metavar="K[,K...]",
-        help="instead: K simultaneous requests through the Wyoming server",
-    )
-    parser.add_argument(
-        "--server-arg",
-        action="append",
-        default=[],
-        metavar="ARG",
-        help="extra server argument for --concurrency (repeatable)",
     )
     parser.add_argument(
         "--neighbours",
@@ -170,13 +157,14 @@ def run_worker(config: Any) -> dict[str, Any]:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def run_benchmark(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
+def run_benchmark(
+    args: argparse.Namespace, model_dir: Path, profile: BenchProfile
+) -> dict[str, Any]:
+    """The repeats of one profile, each in a fresh process, with this machine's limits."""
     from engine.bench.limits import OtherLoad
     from engine.bench.measure import RunConfig
-    from engine.bench.profiles import get_profile
     from engine.bench.report import summarize
 
-    profile = get_profile(args.profile, args.config)  # fail fast on a bad name
     other_load = OtherLoad()
     limits = measure_limits(args.threads, args.lm_int8)
     runs = []
@@ -185,9 +173,8 @@ def run_benchmark(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
             model_dir=str(model_dir),
             text=args.text,
             tokens=args.tokens or None,
-            profile=args.profile,
+            profile=profile.to_json(),
             threads=args.threads,
-            config=str(args.config) if args.config else None,
             count_flops=index == 0,
             warmup=not args.no_warmup,
             lm_int8=args.lm_int8,
@@ -216,36 +203,42 @@ def run_benchmark(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
     )
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def configure_logging(debug: bool) -> None:
     logging.basicConfig(
-        level=logging.DEBUG if args.debug else logging.INFO,
+        level=logging.DEBUG if debug else logging.INFO,
         stream=sys.stderr,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+
+
+def run_cli(
+    args: argparse.Namespace,
+    measure: Callable[[Path], dict[str, Any]],
+    print_table: Callable[[dict[str, Any], TextIO], None],
+) -> int:
+    """Check the counts, measure the model beside its neighbours, print; the exit code."""
+    configure_logging(args.debug)
     if args.repeats < 1 or args.tokens < 0 or args.neighbours < 0:
         _LOGGER.error("--repeats must be >= 1, --tokens and --neighbours >= 0")
         return 2
     try:
-        result = _run(args)
+        result = measure_beside_neighbours(args, measure)
     except (OSError, ValueError, RuntimeError) as err:
         _LOGGER.error("%s", err)
         return 1
     if args.json:
-        sys.stdout.write(json.dumps(result, ensure_ascii=False) + "\n")
-    elif args.concurrency:
-        from engine.bench import concurrency
+        from engine.bench.report import print_json
 
-        concurrency.print_table(result, sys.stdout)
+        print_json(result, sys.stdout)
     else:
-        from engine.bench.report import print_table
-
         print_table(result, sys.stdout)
     return 0
 
 
-def _run(args: argparse.Namespace) -> dict[str, Any]:
-    """The benchmark the arguments ask for, with its neighbours running throughout."""
+def measure_beside_neighbours(
+    args: argparse.Namespace, measure: Callable[[Path], dict[str, Any]]
+) -> dict[str, Any]:
+    """``measure`` of the model the arguments name, with their neighbours running throughout."""
     from engine.bench.neighbours import running
 
     if args.synthetic:
@@ -259,22 +252,35 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
             _LOGGER.info(
                 "Running %d %s neighbour process(es)", args.neighbours, args.neighbour_kind
             )
-        if args.concurrency:
-            from engine.bench import concurrency
-
-            result = concurrency.run(
-                model_dir,
-                text=args.text,
-                levels=args.concurrency,
-                profile=args.profile,
-                threads=args.threads,
-                tokens=args.tokens or None,
-                extra_args=args.server_arg,
-            )
-        else:
-            result = run_benchmark(args, model_dir)
+        result = measure(model_dir)
     result["neighbours"] = {"count": args.neighbours, "kind": args.neighbour_kind}
     return result
+
+
+def moved_option(argv: list[str]) -> str | None:
+    """The first option of ``argv`` that the server's benchmark took along, if any."""
+    for arg in argv:
+        option = arg.split("=", 1)[0]
+        if option in MOVED_OPTIONS:
+            return option
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    from engine.bench.report import print_table
+
+    argv = sys.argv[1:] if argv is None else argv
+    if option := moved_option(argv):
+        where = f"{SERVER_BENCH} (the server's benchmark)"
+        sys.stderr.write(f"engine.bench: {option} moved to {where}\n")
+        return 2
+    args = build_parser().parse_args(argv)
+    try:
+        profile = get_profile(args.profile)
+    except ValueError as err:
+        sys.stderr.write(f"engine.bench: {err} (the server's profiles: {SERVER_BENCH})\n")
+        return 2
+    return run_cli(args, lambda model_dir: run_benchmark(args, model_dir, profile), print_table)
 
 
 if __name__ == "__main__":

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from engine.bench.limits import count_stage_flops, lm_weight_bytes_per_token
-from engine.bench.profiles import get_profile
+from engine.bench.profiles import BenchProfile
 from engine.bench.timers import StageTimer
 from engine.constants import SAMPLE_RATE, SPEECH_VOCAB
 
@@ -50,9 +50,8 @@ class RunConfig:
     model_dir: str
     text: str
     tokens: int | None
-    profile: str
+    profile: dict[str, Any]  # BenchProfile.to_json(): the settings, not a name to look up
     threads: int | None = None
-    config: str | None = None  # server config.yaml with the profiles; None = the repo's
     count_flops: bool = False
     warmup: bool = True
     lm_int8: bool = False  # the engine's opt-in int8 LM decoder weights
@@ -195,7 +194,7 @@ def run(config: RunConfig) -> dict[str, Any]:
     from engine.engine import CosyVoiceEngine
     from engine.types import SynthesisOptions
 
-    profile = get_profile(config.profile, Path(config.config) if config.config else None)
+    profile = BenchProfile.from_json(config.profile)
     start = time.perf_counter()
     flow_int8 = profile.flow_weights == "int8"
     engine = CosyVoiceEngine.load(

@@ -1,20 +1,19 @@
-"""Benchmark profiles: the server's named profiles from ``config.yaml``, else built-in ones.
+"""Benchmark profiles: the speed-relevant settings of one run.
 
 A profile fixes what changes speed: the streaming schedule (when the first chunk is cut and how
-hops grow), the number of flow ODE steps, the CFG rate and the flow's weight format. The
-server's ``config.yaml`` is the single source of truth; the built-ins only keep the benchmark
-usable without the server package.
+hops grow), the number of flow ODE steps, the CFG rate and the weight formats of the flow and
+HiFT. The engine alone knows two, ``realtime`` and ``quality``: its own low-latency and official
+schedules at its default steps and guidance. The server's named profiles live in its
+``config.yaml``; ``python -m wyoming_cosyvoice.bench`` reads them and hands them in.
 """
 
 from __future__ import annotations
 
-import logging
-from dataclasses import dataclass
-from pathlib import Path
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from typing import Any
 
 from engine.types import LOW_LATENCY_SCHEDULE, OFFICIAL_SCHEDULE, StreamSchedule
-
-_LOGGER = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -44,6 +43,14 @@ class BenchProfile:
             "hift_weights": self.hift_weights,
         }
 
+    def to_json(self) -> dict[str, Any]:
+        """Every field, the schedule as a mapping: what a worker process is handed."""
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> BenchProfile:
+        return cls(**{**data, "schedule": StreamSchedule(**data["schedule"])})
+
 
 BUILTIN_PROFILES = {
     "realtime": BenchProfile("realtime", LOW_LATENCY_SCHEDULE),
@@ -52,26 +59,8 @@ BUILTIN_PROFILES = {
 DEFAULT_PROFILE = "realtime"
 
 
-def available_profiles(config: Path | None = None) -> dict[str, BenchProfile]:
-    """Profiles of the server config (``config`` or the repository's config.yaml) or built-ins."""
-    try:
-        from wyoming_cosyvoice.config import load_config
-    except ImportError:
-        _LOGGER.debug("wyoming_cosyvoice.config not importable; using built-in profiles")
-        return dict(BUILTIN_PROFILES)
-    server = load_config(config)
-    source = str(config) if config else "config.yaml"
-    return {
-        name: BenchProfile(
-            name, p.schedule, p.n_timesteps, p.cfg_rate, source, p.flow_weights, p.hift_weights
-        )
-        for name, p in server.profiles.items()
-    }
-
-
-def get_profile(name: str, config: Path | None = None) -> BenchProfile:
+def get_profile(name: str, profiles: Mapping[str, BenchProfile] = BUILTIN_PROFILES) -> BenchProfile:
     """The named profile; ValueError listing the known names otherwise."""
-    profiles = available_profiles(config)
     if name not in profiles:
         raise ValueError(f"unknown profile {name!r}; available: {', '.join(sorted(profiles))}")
     return profiles[name]

@@ -140,7 +140,8 @@ def summarize(
     return result
 
 
-def _fmt(value: Any, digits: int = 1) -> str:
+def fmt(value: Any, digits: int = 1) -> str:
+    """A table cell: "–" for a figure not measured, a float with ``digits`` decimals."""
     if value is None:
         return "–"
     if isinstance(value, float):
@@ -184,14 +185,14 @@ def print_table(result: dict[str, Any], out: TextIO) -> None:
     w(f"profile   {result['profile']} {settings}\n")
     w(f"text      {result['text']}\n")
     w(
-        f"tokens    {result['tokens']} → {_fmt(result['audio_s'], 2)} s of audio, "
+        f"tokens    {result['tokens']} → {fmt(result['audio_s'], 2)} s of audio, "
         f"threads {result['threads']}, repeats {result['repeats']}\n"
     )
     w(
-        f"machine   read bandwidth {_fmt(result.get('mem_bw_gbps'))} GB/s, "
-        f"{result.get('lm_weights') or 'LM'} GEMV {_fmt(result.get('gemv_gbps'))} GB/s, "
-        f"fp32 GEMM {_fmt(result.get('gemm_gflops'))} GFLOP/s; other processes used "
-        f"{_fmt(result.get('other_load_cores'), 2)} cores on average during the run\n"
+        f"machine   read bandwidth {fmt(result.get('mem_bw_gbps'))} GB/s, "
+        f"{result.get('lm_weights') or 'LM'} GEMV {fmt(result.get('gemv_gbps'))} GB/s, "
+        f"fp32 GEMM {fmt(result.get('gemm_gflops'))} GFLOP/s; other processes used "
+        f"{fmt(result.get('other_load_cores'), 2)} cores on average during the run\n"
     )
     if result.get("cpu"):
         w(f"cpu       {', '.join(f'{k} {v}' for k, v in result['cpu'].items())}\n")
@@ -212,10 +213,10 @@ def print_table(result: dict[str, Any], out: TextIO) -> None:
     for label, key, unit, bound_key, ratio_key, digits in _TABLE:
         stats = result["spread"].get(key) or {}
         w(
-            f"{label:<26}{_fmt(result.get(key), digits):>12}{_fmt(stats.get('min'), digits):>11}"
-            f"{_fmt(stats.get('max'), digits):>11}  {unit:<11}"
-            f"{_fmt(result.get(bound_key), digits) if bound_key else '':>10}"
-            f"{_fmt(result.get(ratio_key), 2) if ratio_key else '':>8}\n"
+            f"{label:<26}{fmt(result.get(key), digits):>12}{fmt(stats.get('min'), digits):>11}"
+            f"{fmt(stats.get('max'), digits):>11}  {unit:<11}"
+            f"{fmt(result.get(bound_key), digits) if bound_key else '':>10}"
+            f"{fmt(result.get(ratio_key), 2) if ratio_key else '':>8}\n"
         )
     _print_first_audio_parts(result, out)
     for part, label in (("lm", "LM"), ("flow", "flow")):  # a miss quantises: load_s differs
@@ -226,16 +227,16 @@ def print_table(result: dict[str, Any], out: TextIO) -> None:
             w(
                 f"\nint8 {label} cache per run: "
                 + ", ".join(
-                    f"{'hit' if hit else 'miss'} (load {_fmt(load, 2)} s)" for hit, load in loads
+                    f"{'hit' if hit else 'miss'} (load {fmt(load, 2)} s)" for hit, load in loads
                 )
                 + "\n"
             )
     weight_mb = (result.get("lm_weight_bytes_per_token") or 0) / 1e6
     w(
         f"\nLM weights ({result.get('lm_weights')}) read per token {weight_mb:,.1f} MB; flow "
-        f"{_fmt(result.get('flow_gflop_per_audio_s'))} GFLOP and HiFT "
-        f"{_fmt(result.get('hift_gflop_per_audio_s'))} GFLOP per audio second "
-        f"(estimator {_fmt(result.get('estimator_mflop_per_frame_step'))} MFLOP per frame·step).\n"
+        f"{fmt(result.get('flow_gflop_per_audio_s'))} GFLOP and HiFT "
+        f"{fmt(result.get('hift_gflop_per_audio_s'))} GFLOP per audio second "
+        f"(estimator {fmt(result.get('estimator_mflop_per_frame_step'))} MFLOP per frame·step).\n"
     )
     if result.get("flow_weights") == "int8":
         w(
@@ -247,17 +248,14 @@ def print_table(result: dict[str, Any], out: TextIO) -> None:
             "HiFT's filter runs in bfloat16: its bound is the float32 GEMM rate's, so its ratio "
             "can fall below 1.\n"
         )
-    w(
-        f"Deviation from the exact path: mel relative L2 "
-        f"{_fmt(result.get('mel_rel_l2_vs_exact'), 4)}"
-    )
+    w(f"Deviation from the exact path: mel relative L2 {fmt(result.get('mel_rel_l2_vs_exact'), 4)}")
     if result.get("lm_int8_kl_mean") is not None:
         w(
-            f", int8 LM next-token KL mean {_fmt(result['lm_int8_kl_mean'], 5)} "
-            f"max {_fmt(result.get('lm_int8_kl_max'), 5)} nats"
+            f", int8 LM next-token KL mean {fmt(result['lm_int8_kl_mean'], 5)} "
+            f"max {fmt(result.get('lm_int8_kl_max'), 5)} nats"
         )
     if result.get("wave_rel_l2_vs_exact_hift"):
-        w(f", bfloat16 HiFT waveform relative L2 {_fmt(result['wave_rel_l2_vs_exact_hift'], 4)}")
+        w(f", bfloat16 HiFT waveform relative L2 {fmt(result['wave_rel_l2_vs_exact_hift'], 4)}")
     w(".\n")
 
 

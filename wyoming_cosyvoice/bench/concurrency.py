@@ -1,7 +1,8 @@
 """Server-level benchmark: K simultaneous requests through the real Wyoming server over TCP.
 
-Starts ``python -m wyoming_cosyvoice`` as a subprocess on a free port of 127.0.0.1 with the
-model directory, waits until it answers and has finished one short warm-up request, then for each
+Starts the server (``python -m wyoming_cosyvoice.bench.server``, the server's start-up with the
+benchmark's fixed token count) as a subprocess on a free port of 127.0.0.1 with the model
+directory, waits until it answers and has finished one short warm-up request, then for each
 concurrency level K sends K ``synthesize`` requests at the same moment, each on its own
 connection (``wyoming.client.AsyncTcpClient``). Per request it records the time to the first
 ``audio-chunk`` and to ``audio-stop``; per level, the audio seconds produced per wall second.
@@ -21,6 +22,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
+
+from engine.bench.report import fmt
 
 _LOGGER = logging.getLogger(__name__)
 READY_TIMEOUT_S = 900.0  # full-size load + warm-up on a busy 2-core box
@@ -77,46 +80,49 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def server_supports(flag: str) -> bool:
-    """Whether ``python -m wyoming_cosyvoice --help`` lists ``flag``."""
-    help_text = subprocess.run(
-        [sys.executable, "-m", "wyoming_cosyvoice", "--help"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    ).stdout
-    return flag in help_text
+def server_command(
+    model_dir: Path,
+    port: int,
+    *,
+    profile: str,
+    threads: int | None,
+    tokens: int | None,
+    config: Path | None = None,
+    extra_args: list[str] | None = None,
+) -> list[str]:
+    """The command line of the benchmark's server; ``tokens`` per sentence, None = until EOS."""
+    command = [sys.executable, "-m", "wyoming_cosyvoice.bench.server"]
+    if tokens is not None:
+        command += ["--force-tokens", str(tokens)]
+    command += ["--uri", f"tcp://127.0.0.1:{port}", "--model-dir", str(model_dir)]
+    command += ["--profile", profile]
+    if config is not None:
+        command += ["--config", str(config)]
+    if threads:
+        command += ["--threads", str(threads)]
+    return command + (extra_args or [])
 
 
 def start_server(
-    model_dir: Path, *, profile: str, threads: int | None, tokens: int | None, extra_args: list[str]
+    model_dir: Path,
+    *,
+    profile: str,
+    threads: int | None,
+    tokens: int | None,
+    config: Path | None = None,
+    extra_args: list[str] | None = None,
 ) -> ServerProcess:
-    """Start the server; ``tokens`` is passed as ``--force-tokens`` when the server has it."""
+    """Start the server on a free port of 127.0.0.1; its output goes to a log file."""
     port = free_port()
-    command = [
-        sys.executable,
-        "-m",
-        "wyoming_cosyvoice",
-        "--uri",
-        f"tcp://127.0.0.1:{port}",
-        "--model-dir",
-        str(model_dir),
-        "--profile",
-        profile,
-    ]
-    if threads:
-        command += ["--threads", str(threads)]
-    if tokens is not None:
-        if server_supports("--force-tokens"):
-            command += ["--force-tokens", str(tokens)]
-        else:
-            # Random weights never emit EOS: the LM then runs to its length cap (20 × text tokens).
-            _LOGGER.warning(
-                "the server has no --force-tokens option: the number of speech "
-                "tokens per request is not fixed"
-            )
-    command += extra_args
+    command = server_command(
+        model_dir,
+        port,
+        profile=profile,
+        threads=threads,
+        tokens=tokens,
+        config=config,
+        extra_args=extra_args,
+    )
     log_path = Path(tempfile.mkstemp(prefix="bench-server-", suffix=".log")[1])
     _LOGGER.info("Starting %s (log: %s)", " ".join(command), log_path)
     with log_path.open("wb") as log:
@@ -229,11 +235,17 @@ def run(
     profile: str,
     threads: int | None,
     tokens: int | None,
+    config: Path | None = None,
     extra_args: list[str] | None = None,
 ) -> dict[str, Any]:
     """Start the server, measure every concurrency level, stop the server."""
     server = start_server(
-        model_dir, profile=profile, threads=threads, tokens=tokens, extra_args=extra_args or []
+        model_dir,
+        profile=profile,
+        threads=threads,
+        tokens=tokens,
+        config=config,
+        extra_args=extra_args,
     )
     try:
         result = asyncio.run(_run(server, text, levels))
@@ -286,9 +298,5 @@ def print_table(result: dict[str, Any], out: TextIO) -> None:
             f"{level['concurrency']:>3}{firsts:>34}{totals:>34}{level['audio_s']:>9.2f}"
             f"{level['wall_s']:>9.2f}{level['aggregate_audio_s_per_s'] or 0:>11.3f}"
             f"{(f'{ratio:.2f}' if ratio else '–'):>9}"
-            f"{_fmt(level.get('server_cpu_s_per_audio_s')):>15}\n"
+            f"{fmt(level.get('server_cpu_s_per_audio_s'), 2):>15}\n"
         )
-
-
-def _fmt(value: float | None) -> str:
-    return "–" if value is None else f"{value:.2f}"

@@ -1,0 +1,147 @@
+"""The server's benchmark: the engine's runs with the server's profiles, and K simultaneous
+requests through a server started by the benchmark's own launcher (which fixes the number of
+speech tokens per sentence; the public command line has no such option)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import yaml
+from test_bench import TINY_MODEL, run_bench_json
+
+from engine.constants import SAMPLE_RATE
+from engine.cpu import bf16_native, detect
+from wyoming_cosyvoice.bench import server as launcher
+from wyoming_cosyvoice.bench.__main__ import main as bench_main
+from wyoming_cosyvoice.bench.concurrency import server_command
+from wyoming_cosyvoice.bench.profiles import server_profiles
+
+ROOT = Path(__file__).resolve().parent.parent
+TOKENS_PER_S = 50  # speech tokens per second of audio
+
+
+def config_with_exact_int8(tmp_path: Path) -> Path:
+    """The repository's config.yaml plus a profile with the exact steps and guidance but an
+    int8 flow and bf16 HiFT: only a comparison with the float32 models shows a deviation."""
+    config = yaml.safe_load((ROOT / "config.yaml").read_text())
+    config["profiles"]["exact_int8"] = {
+        **config["profiles"]["realtime"],
+        "flow_weights": "int8",
+        "hift_weights": "bf16",
+    }
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def test_the_profiles_are_the_server_configs(tmp_path: Path) -> None:
+    profiles = server_profiles(config_with_exact_int8(tmp_path))
+    exact_int8 = profiles["exact_int8"]
+    assert (exact_int8.n_timesteps, exact_int8.cfg_rate) == (10, 0.7)
+    assert (exact_int8.flow_weights, exact_int8.hift_weights) == ("int8", "bf16")
+    assert exact_int8.source.endswith("config.yaml")
+    fastest = server_profiles()["fastest"]  # the repository's own
+    assert (fastest.n_timesteps, fastest.cfg_rate, fastest.flow_weights) == (4, 0.0, "int8")
+
+
+def test_an_unknown_profile_lists_the_servers(capsys: pytest.CaptureFixture[str]) -> None:
+    assert bench_main(["--model-dir", str(TINY_MODEL), "--profile", "nope"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown profile 'nope'" in err and "fastest" in err
+
+
+def test_the_launcher_fixes_the_token_count() -> None:
+    argv = ["--model-dir", str(TINY_MODEL), "--profile", "fastest", "--threads", "1"]
+    config = launcher.server_config(["--force-tokens", "7", *argv])
+    assert config.force_tokens == 7
+    assert (config.profile.name, config.threads) == ("fastest", 1)  # the server's own options
+    assert launcher.server_config(argv).force_tokens is None  # until the model ends a sentence
+
+
+@pytest.mark.parametrize("count", ["0", "-3", "many"])
+def test_the_launcher_rejects_a_token_count_that_is_not_positive(
+    count: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        launcher.main(["--force-tokens", count, "--model-dir", str(TINY_MODEL)])
+    assert exit_info.value.code == 2
+    assert "--force-tokens: must be a positive integer" in capsys.readouterr().err
+
+
+def test_the_launcher_serves_wyoming_only(capsys: pytest.CaptureFixture[str]) -> None:
+    assert launcher.main(["--model-dir", str(TINY_MODEL), "--http-port", "8080"]) == 2
+    assert "serves Wyoming only" in capsys.readouterr().err
+
+
+def test_the_benchmark_starts_its_server_through_the_launcher() -> None:
+    command = server_command(TINY_MODEL, 10300, profile="fast", threads=2, tokens=30)
+    assert command[1:5] == ["-m", "wyoming_cosyvoice.bench.server", "--force-tokens", "30"]
+    assert "tcp://127.0.0.1:10300" in command
+    until_eos = server_command(TINY_MODEL, 10300, profile="fast", threads=None, tokens=None)
+    assert "--force-tokens" not in until_eos
+
+
+def test_concurrency_through_the_server() -> None:
+    tokens = 30
+    result = run_bench_json(
+        "--text",
+        "Hello.",
+        "--tokens",
+        str(tokens),
+        "--concurrency",
+        "1,2",
+        timeout=600,
+        module="wyoming_cosyvoice.bench",
+    )
+    assert [level["concurrency"] for level in result["levels"]] == [1, 2]
+    for level in result["levels"]:
+        assert len(level["requests"]) == level["concurrency"]
+        assert all(r["first_audio_ms"] for r in level["requests"])
+        # One sentence of exactly `tokens` speech tokens each: the launcher's fixed count.
+        expected_s = tokens / TOKENS_PER_S
+        assert [r["audio_s"] for r in level["requests"]] == pytest.approx(
+            [expected_s] * level["concurrency"], abs=2 * 256 / SAMPLE_RATE
+        )
+        assert level["aggregate_audio_s_per_s"] > 0
+        assert level["server_cpu_s_per_audio_s"] > 0
+    assert result["tokens"] == tokens
+
+
+@pytest.mark.slow
+def test_benchmark_loads_the_profiles_int8_flow_and_reports_its_deviation(
+    tmp_path: Path,
+) -> None:
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path)}  # the int8 caches land here
+    result = run_bench_json(
+        "--profile",
+        "exact_int8",
+        "--config",
+        str(config_with_exact_int8(tmp_path)),
+        "--lm-int8",
+        "--tokens",
+        "30",
+        "--repeats",
+        "2",
+        timeout=1800,
+        env=env,
+        module="wyoming_cosyvoice.bench",
+    )
+    assert (result["flow_weights"], result["lm_weights"]) == ("int8", "int8")
+    assert result["cpu"] == detect().as_dict()  # the kernels and threads the engine chose
+    assert [run["flow_int8_cache_hit"] for run in result["runs"]] == [False, True]
+    assert 0 < result["mel_rel_l2_vs_exact"] < 0.05
+    if bf16_native():  # else HiFT stays float32, and says so
+        assert result["hift_weights"] == "bfloat16"
+        assert 0 < result["wave_rel_l2_vs_exact_hift"] < 0.05
+    else:
+        assert (result["hift_weights"], result["wave_rel_l2_vs_exact_hift"]) == ("float32", 0)
+    caches = [p.name for p in (tmp_path / "wyoming-cosyvoice" / "int8").iterdir()]
+    assert sorted(n.split("-")[0] for n in caches if n.endswith(".int8.pt")) == ["flow", "llm"]
+    # and an index per checkpoint, so later loads skip unpickling (engine.checkpoint_index)
+    assert sorted(n.split("-")[0] for n in caches if n.endswith(".index.json")) == [
+        "flow",
+        "hift",
+        "llm",
+    ]

@@ -1,0 +1,1 @@
+"""The server's benchmark: ``python -m wyoming_cosyvoice.bench`` (see docs/benchmark.md)."""

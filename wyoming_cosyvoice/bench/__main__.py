@@ -1,0 +1,92 @@
+"""``python -m wyoming_cosyvoice.bench``: the engine benchmark with the server's profiles, or K
+simultaneous requests through the Wyoming server.
+
+    python -m wyoming_cosyvoice.bench --synthetic 300m --profile fastest     # the engine's runs
+    python -m wyoming_cosyvoice.bench --synthetic 300m --concurrency 1,2,4   # through the server
+
+Without ``--concurrency`` it measures exactly what ``python -m engine.bench`` does, with any
+profile of the server's config.yaml (``--config`` for another file). Stdout is the product (a
+table, or one JSON object with ``--json``); progress goes to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from engine.bench import __main__ as engine_bench
+from engine.bench.profiles import get_profile
+from wyoming_cosyvoice.config import ConfigError
+
+PROG = "python -m wyoming_cosyvoice.bench"
+
+
+def concurrency_levels(value: str) -> list[int]:
+    try:
+        levels = [int(part) for part in value.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a list like 1,2,4") from None
+    if not levels or min(levels) < 1:
+        raise argparse.ArgumentTypeError("concurrency levels must be >= 1")
+    return levels
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = engine_bench.build_parser(
+        prog=PROG,
+        description=__doc__,
+        profile_help="a profile of the server's config.yaml (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--config", type=Path, help="server settings file with the profiles (default: the server's)"
+    )
+    parser.add_argument(
+        "--concurrency",
+        type=concurrency_levels,
+        metavar="K[,K...]",
+        help="instead: K simultaneous requests through the Wyoming server",
+    )
+    parser.add_argument(
+        "--server-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="extra server argument for --concurrency (repeatable)",
+    )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    from engine.bench.report import print_table
+    from wyoming_cosyvoice.bench import concurrency
+    from wyoming_cosyvoice.bench.profiles import server_profiles
+
+    args = build_parser().parse_args(argv)
+    try:
+        profile = get_profile(args.profile, server_profiles(args.config))
+    except (ConfigError, OSError, ValueError) as err:
+        sys.stderr.write(f"{PROG}: {err}\n")
+        return 2
+    if args.concurrency:
+        return engine_bench.run_cli(
+            args,
+            lambda model_dir: concurrency.run(
+                model_dir,
+                text=args.text,
+                levels=args.concurrency,
+                profile=profile.name,
+                threads=args.threads,
+                tokens=args.tokens or None,
+                config=args.config,
+                extra_args=args.server_arg,
+            ),
+            concurrency.print_table,
+        )
+    return engine_bench.run_cli(
+        args, lambda model_dir: engine_bench.run_benchmark(args, model_dir, profile), print_table
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())
