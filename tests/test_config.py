@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -12,24 +15,63 @@ import yaml
 from engine.types import LOW_LATENCY_SCHEDULE, OFFICIAL_SCHEDULE
 from wyoming_cosyvoice.__main__ import build_parser, config_from_args
 from wyoming_cosyvoice.config import (
-    DEFAULTS,
-    REPO_CONFIG,
     ConfigError,
+    ProfileNotLoadedError,
+    UnknownProfileError,
     load_config,
+    packaged_settings,
     parse_override,
 )
 
 ROOT = Path(__file__).resolve().parent.parent
+REPO_CONFIG = ROOT / "config.yaml"
 
 
 def cli(*argv: str):
     return config_from_args(build_parser().parse_args(list(argv)))
 
 
-def test_builtin_defaults_equal_the_repository_config_yaml() -> None:
-    # An installed package without the repository still behaves like the repository.
-    assert REPO_CONFIG == ROOT / "config.yaml"
-    assert yaml.safe_load(REPO_CONFIG.read_text()) == DEFAULTS
+def test_the_server_reads_the_repositorys_config_yaml() -> None:
+    assert yaml.safe_load(REPO_CONFIG.read_text()) == packaged_settings()
+    assert load_config().limits.max_text_chars == packaged_settings()["limits"]["max_text_chars"]
+
+
+def test_an_installed_package_reads_the_same_config_yaml(tmp_path: Path) -> None:
+    """What the add-on image copies and pip-installs (not editable) reads the file that the
+    root config.yaml is: a value changed there is the installed server's value."""
+    from test_release import package_copies
+
+    source, site = tmp_path / "src", tmp_path / "site"
+    source.mkdir()
+    for copied in package_copies():
+        if copied.startswith("addon/"):
+            continue  # the image's own files, not the package
+        if (ROOT / copied).is_dir():
+            shutil.copytree(ROOT / copied, source / copied,
+                            ignore=shutil.ignore_patterns("__pycache__"))  # fmt: skip
+        else:
+            shutil.copy(ROOT / copied, source / copied)
+    settings = source / REPO_CONFIG.resolve().relative_to(ROOT)
+    settings.write_text(
+        REPO_CONFIG.read_text().replace("max_text_chars: 5000", "max_text_chars: 1234")
+    )
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
+         "--target", str(site), str(source)],
+        check=True, capture_output=True, timeout=300,
+    )  # fmt: skip
+    script = (
+        "import json, wyoming_cosyvoice.config as c; "
+        "print(json.dumps([c.__file__, c.packaged_settings(), "
+        "c.load_config().limits.max_text_chars]))"
+    )
+    env = {**os.environ, "PYTHONPATH": str(site)}
+    done = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    where, values, limit = json.loads(done.stdout)
+    assert Path(where).is_relative_to(site)  # the installed copy, not this checkout
+    assert values == yaml.safe_load(settings.read_text()) and limit == 1234
 
 
 def test_root_config_yaml_is_not_an_addon_manifest() -> None:
@@ -102,6 +144,17 @@ def test_custom_profile_in_a_config_file(tmp_path: Path) -> None:
     assert "realtime" in config.profiles  # the built-in profiles stay available
 
 
+def test_a_new_profile_names_every_setting(tmp_path: Path) -> None:
+    path = tmp_path / "server.yaml"
+    path.write_text("profiles:\n  mine: {n_timesteps: 3}\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert err.value.key == "profiles.mine" and "missing: streaming" in str(err.value)
+    realtime = packaged_settings()["profiles"]["realtime"]
+    path.write_text(yaml.safe_dump({"profiles": {"mine": {**realtime, "n_timesteps": 3}}}))
+    assert load_config(path).profiles["mine"].n_timesteps == 3
+
+
 @pytest.mark.parametrize(
     ("key", "value", "named"),
     [
@@ -161,6 +214,30 @@ def test_cli_exits_with_a_message_naming_the_key(tmp_path: Path) -> None:
     )  # fmt: skip
     assert result.returncode == 2
     assert "limits.max_text_chars" in result.stderr and "integer" in result.stderr
+
+
+def test_load_settings_come_from_the_servers_own_profile() -> None:
+    config = load_config(None, [("server.profile", "fast"), ("server.lm_weights", "fp32")])
+    load = config.load
+    assert (load.weights.lm, load.weights.flow, load.weights.hift) == ("fp32", "int8", "bf16")
+    assert (load.threads, load.parallel_sentences, load.warmup) == (None, 1, True)
+
+
+def test_a_request_may_name_only_a_profile_whose_weights_are_loaded() -> None:
+    realtime = load_config(None)
+    assert realtime.servable_profiles == ["realtime", "quality", "batch"]
+    assert realtime.request_profile(None).name == "realtime"
+    assert realtime.request_profile("batch").name == "batch"
+    with pytest.raises(ProfileNotLoadedError) as err:
+        realtime.request_profile("fastest")
+    assert "'fastest' needs the flow in int8 and HiFT in bf16" in str(err.value)
+    assert "start it with --profile fastest" in str(err.value)
+    with pytest.raises(UnknownProfileError, match="unknown profile 'turbo'"):
+        realtime.request_profile("turbo")
+    assert load_config(None, [("server.profile", "fastest")]).servable_profiles == [
+        "fast",
+        "fastest",
+    ]
 
 
 def test_profile_options_carry_every_setting() -> None:

@@ -22,6 +22,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from wyoming_cosyvoice.config import packaged_settings
+
 _LOGGER = logging.getLogger(__name__)
 
 URI = "tcp://0.0.0.0:10200"
@@ -30,7 +32,8 @@ DATA_DIR = Path("/data")
 SHARE_DIR = Path("/share/cosyvoice")
 
 MODELS = ("CosyVoice-300M-SFT", "CosyVoice-300M", "CosyVoice-300M-Instruct")
-PROFILES = ("realtime", "fast", "fastest", "quality", "batch")
+# The server's profiles, in settings.yaml's order (the manifest's list must match, a test checks).
+PROFILES = tuple(packaged_settings()["profiles"])
 
 # Must equal `options:` in addon/config.yaml (a test checks it). Used when a key is missing from
 # options.json, e.g. an add-on updated from an older version that did not have the option yet.

@@ -1,16 +1,25 @@
-"""Server settings: the root ``config.yaml`` read into frozen dataclasses.
+"""Server settings: ``settings.yaml`` read into frozen dataclasses.
 
-Values come from three layers, later ones winning: the built-in ``DEFAULTS`` (identical to the
-repository's ``config.yaml``, a test keeps them in sync), the config file, and command-line
-overrides given as dotted keys. Every value is checked once here; a bad one raises
-:class:`ConfigError` naming the key, which the CLI turns into an exit message.
+``settings.yaml`` ships inside the package (the repository's root ``config.yaml`` is a link to
+it), so an installed server reads the same file as a checkout: it is the only home of every
+default value, none is repeated here. Values come from three layers, later ones winning: that
+file, an optional ``--config`` file, and command-line overrides given as dotted keys. Every value
+is checked once here; a bad one raises :class:`ConfigError` naming the key, which the CLI turns
+into an exit message.
+
+A profile's settings apply at three moments, kept apart in the types: its weight formats when
+the model loads (:class:`LoadSettings`, from the server's own profile only), ``streaming`` in the
+Wyoming ``describe`` answer, and the rest per request (:meth:`ProfileConfig.options`). A request
+may name another profile only if the loaded weights are the ones it needs
+(:meth:`ProfileConfig.unservable_by`).
 """
 
 from __future__ import annotations
 
 import copy
 from collections.abc import Iterable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, fields, replace
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -19,105 +28,20 @@ import yaml
 from engine.start_policy import START_POLICIES
 from engine.types import LOW_LATENCY_SCHEDULE, OFFICIAL_SCHEDULE, StreamSchedule, SynthesisOptions
 
-REPO_CONFIG = Path(__file__).resolve().parent.parent / "config.yaml"
-
-_PROFILE_DEFAULTS: dict[str, Any] = {
-    "streaming": True,
-    "stream_audio": True,
-    "schedule": "low_latency",
-    "n_timesteps": 10,
-    "cfg_rate": 0.7,
-    "start_policy": "eager",
-    "flow_weights": "fp32",
-    "hift_weights": "fp32",
-}
+SETTINGS_FILE = "settings.yaml"  # in this package: the defaults every other layer overrides
 LM_WEIGHTS = ("int8", "fp32")
 FLOW_WEIGHTS = ("fp32", "int8")
 HIFT_WEIGHTS = ("fp32", "bf16")
 
-DEFAULTS: dict[str, Any] = {
-    "server": {
-        "uri": "tcp://0.0.0.0:10200",
-        "model": "CosyVoice-300M-SFT",
-        "model_dir": None,
-        "data_dirs": ["./data"],
-        "download_dir": None,
-        "voices_dir": None,
-        "voices_rescan_s": 30,
-        "voice": None,
-        "profile": "realtime",
-        "lm_weights": "int8",
-        "threads": None,
-        "parallel_sentences": 1,
-        "samples_per_chunk": 1024,
-        "zeroconf": None,
-        "seed": None,
-        "warmup": True,
-        "hub_endpoint": None,
-        "offline": False,
-        "debug": False,
-        "log_format": "%(asctime)s %(levelname)s %(name)s: %(message)s",
-    },
-    "profiles": {
-        "realtime": {
-            "streaming": True,
-            "stream_audio": True,
-            "schedule": {"first_hop": 21, "growth": 2.0, "max_hop": 100, "overlap": 20},
-            "n_timesteps": 10,
-            "cfg_rate": 0.7,
-            "start_policy": "eager",
-        },
-        "fast": {
-            "streaming": True,
-            "stream_audio": True,
-            "schedule": {"first_hop": 25, "growth": 2.0, "max_hop": 100, "overlap": 20},
-            "n_timesteps": 5,
-            "cfg_rate": 0.7,
-            "start_policy": "eager",
-            "flow_weights": "int8",
-            "hift_weights": "bf16",
-        },
-        "fastest": {
-            "streaming": True,
-            "stream_audio": True,
-            "schedule": {"first_hop": 21, "growth": 2.0, "max_hop": 100, "overlap": 20},
-            "n_timesteps": 4,
-            "cfg_rate": 0.0,
-            "start_policy": "eager",
-            "flow_weights": "int8",
-            "hift_weights": "bf16",
-        },
-        "quality": {
-            "streaming": True,
-            "stream_audio": True,
-            "schedule": "official",
-            "n_timesteps": 10,
-            "cfg_rate": 0.7,
-            "start_policy": "eager",
-        },
-        "batch": {
-            "streaming": False,
-            "stream_audio": False,
-            "schedule": "official",
-            "n_timesteps": 10,
-            "cfg_rate": 0.7,
-        },
-    },
-    "limits": {
-        "max_text_chars": 5000,
-        "max_header_bytes": 65536,
-        "max_data_bytes": 65536,
-        "max_payload_bytes": 1048576,
-        "max_events_per_connection": 10000,
-        "max_connections": 32,
-        "idle_timeout_s": 300,
-        "max_buffered_audio_s": 60,
-        "stall_timeout_s": 30,
-        "load_wait_s": 300,
-    },
-}
-
 _NAMED_SCHEDULES = {"low_latency": LOW_LATENCY_SCHEDULE, "official": OFFICIAL_SCHEDULE}
+
+
+def packaged_settings() -> dict[str, Any]:
+    """The package's ``settings.yaml``, parsed (every default value, nothing else)."""
+    text = (resources.files("wyoming_cosyvoice") / SETTINGS_FILE).read_text(encoding="utf-8")
+    raw = yaml.safe_load(text)
+    assert isinstance(raw, dict), SETTINGS_FILE
+    return raw
 
 
 class ConfigError(ValueError):
@@ -129,18 +53,41 @@ class ConfigError(ValueError):
 
 
 @dataclass(frozen=True)
+class WeightFormats:
+    """The formats the model's weights are loaded in: fixed for the life of the process."""
+
+    lm: str  # int8 or fp32 (server.lm_weights)
+    flow: str  # fp32 or int8 (the server profile's flow_weights)
+    hift: str  # fp32 or bf16 (the server profile's hift_weights)
+
+
+@dataclass(frozen=True)
+class LoadSettings:
+    """What the model is loaded with, once, before the first request."""
+
+    weights: WeightFormats
+    threads: int | None
+    parallel_sentences: int
+    warmup: bool
+
+
+@dataclass(frozen=True)
 class ProfileConfig:
     """A named set of synthesis settings (``realtime``, ``quality``, ``batch``, ...)."""
 
     name: str
+    # In the Wyoming describe answer (the server's profile).
     streaming: bool
+    # Per request: what :meth:`options` hands the engine.
     stream_audio: bool
     schedule: StreamSchedule
     n_timesteps: int
     cfg_rate: float
-    start_policy: str = "eager"
-    flow_weights: str = "fp32"  # the server loads the flow in this format (int8: approximation)
-    hift_weights: str = "fp32"  # HiFT's filter runs in this format (bf16: approximation)
+    start_policy: str
+    # At load time (the server's profile): the flow (int8: approximation) and HiFT's filter
+    # (bf16: approximation) are loaded in these formats; another profile needs the same ones.
+    flow_weights: str
+    hift_weights: str
 
     def options(
         self,
@@ -163,21 +110,38 @@ class ProfileConfig:
             start_policy=self.start_policy,
         )
 
+    def unservable_by(self, loaded: WeightFormats, server_profile: str) -> str | None:
+        """Why a server whose weights are ``loaded`` cannot speak this profile, or None.
+
+        Its per-request settings alone on other weights would be neither this profile nor the
+        server's, and nothing would tell the client: refused, with what to change.
+        """
+        wanted = {"the flow": self.flow_weights, "HiFT": self.hift_weights}
+        have = {"the flow": loaded.flow, "HiFT": loaded.hift}
+        if wanted == have:
+            return None
+        needs = " and ".join(f"{part} in {fmt}" for part, fmt in wanted.items())
+        runs = " and ".join(f"{part} in {fmt}" for part, fmt in have.items())
+        return (
+            f"profile {self.name!r} needs {needs}; this server loaded {runs} for its profile "
+            f"{server_profile!r}: start it with --profile {self.name} to use {self.name!r}"
+        )
+
 
 @dataclass(frozen=True)
 class Limits:
-    """Per-connection and per-request bounds; see config.yaml for their meaning."""
+    """Per-connection and per-request bounds; see settings.yaml for their meaning."""
 
-    max_text_chars: int = 5000
-    max_header_bytes: int = 65536
-    max_data_bytes: int = 65536
-    max_payload_bytes: int = 1048576
-    max_events_per_connection: int = 10000
-    max_connections: int = 32
-    idle_timeout_s: float = 300
-    max_buffered_audio_s: float = 60
-    stall_timeout_s: float = 30
-    load_wait_s: float = 300
+    max_text_chars: int
+    max_header_bytes: int
+    max_data_bytes: int
+    max_payload_bytes: int
+    max_events_per_connection: int
+    max_connections: int
+    idle_timeout_s: float
+    max_buffered_audio_s: float
+    stall_timeout_s: float
+    load_wait_s: float
 
 
 @dataclass(frozen=True)
@@ -202,9 +166,9 @@ class ServerConfig:
     offline: bool
     debug: bool
     log_format: str
-    limits: Limits = field(default_factory=Limits)
-    profiles: dict[str, ProfileConfig] = field(default_factory=dict)
-    # Benchmarks only (command line, not config.yaml): speech tokens per sentence, so that a
+    limits: Limits
+    profiles: dict[str, ProfileConfig]
+    # Benchmarks only (command line, not settings.yaml): speech tokens per sentence, so that a
     # random-weight model, which never ends an utterance by itself, gives fixed-length audio.
     force_tokens: int | None = None
 
@@ -212,6 +176,44 @@ class ServerConfig:
     def effective_download_dir(self) -> Path:
         """Where a missing model is downloaded: --download-dir, else the first data dir."""
         return self.download_dir or self.data_dirs[0]
+
+    @property
+    def load(self) -> LoadSettings:
+        """The load-time settings: the server's own profile chooses the flow and HiFT formats."""
+        weights = WeightFormats(
+            lm=self.lm_weights, flow=self.profile.flow_weights, hift=self.profile.hift_weights
+        )
+        return LoadSettings(weights, self.threads, self.parallel_sentences, self.warmup)
+
+    def request_profile(self, name: str | None) -> ProfileConfig:
+        """The profile a request names (None: the server's), if this server can speak it.
+
+        Raises :class:`UnknownProfileError` or :class:`ProfileNotLoadedError`.
+        """
+        if name is None:
+            return self.profile
+        if name not in self.profiles:
+            raise UnknownProfileError(
+                f"unknown profile {name!r}; known: {', '.join(self.profiles)}"
+            )
+        profile = self.profiles[name]
+        if problem := profile.unservable_by(self.load.weights, self.profile.name):
+            raise ProfileNotLoadedError(problem)
+        return profile
+
+    @property
+    def servable_profiles(self) -> list[str]:
+        """The profiles a request may name: those whose weight formats are loaded."""
+        loaded, own = self.load.weights, self.profile.name
+        return [n for n, p in self.profiles.items() if p.unservable_by(loaded, own) is None]
+
+
+class UnknownProfileError(ValueError):
+    """A request names a profile the settings do not have."""
+
+
+class ProfileNotLoadedError(ValueError):
+    """A request names a profile whose weight formats this server did not load."""
 
 
 # --- reading and merging --------------------------------------------------------------------
@@ -274,12 +276,10 @@ def parse_override(item: str) -> tuple[str, Any]:
 def load_config(
     path: Path | None = None, overrides: Iterable[tuple[str, Any]] = ()
 ) -> ServerConfig:
-    """Defaults ← config file (``path``, else the repository's config.yaml) ← overrides."""
-    raw = copy.deepcopy(DEFAULTS)
+    """The package's settings.yaml ← the file at ``path`` (if any) ← ``overrides``."""
+    raw = packaged_settings()
     if path is not None:
         raw = merge(raw, read_config_file(path))
-    elif REPO_CONFIG.is_file():
-        raw = merge(raw, read_config_file(REPO_CONFIG))
     for key, value in overrides:
         set_dotted(raw, key, value)
     return build_config(raw)
@@ -348,7 +348,7 @@ _SERVER_KINDS = {
     "debug": "bool",
     "log_format": "str",
 }
-_PROFILE_KINDS = {"streaming": "bool", "stream_audio": "bool", "n_timesteps": "int+"}
+_SECTIONS = ("server", "profiles", "limits")
 _SCHEDULE_KINDS = {"first_hop": "int+", "growth": "float+", "max_hop": "int+", "overlap": "int"}
 
 
@@ -380,29 +380,34 @@ def _schedule(key: str, value: Any) -> StreamSchedule:
     return schedule
 
 
+_PROFILE_KEYS = tuple(f.name for f in fields(ProfileConfig) if f.name != "name")
+
+
 def _profile(name: str, raw: Any) -> ProfileConfig:
     key = f"profiles.{name}"
     if not isinstance(raw, dict):
         raise ConfigError(key, "must be a mapping")
-    values = merge(_PROFILE_DEFAULTS, raw)
-    for sub in values:
-        if sub not in _PROFILE_DEFAULTS:
-            raise ConfigError(
-                f"{key}.{sub}", f"unknown key (known: {', '.join(_PROFILE_DEFAULTS)})"
-            )
-    cfg_rate = values["cfg_rate"]
+    for sub in raw:
+        if sub not in _PROFILE_KEYS:
+            raise ConfigError(f"{key}.{sub}", f"unknown key (known: {', '.join(_PROFILE_KEYS)})")
+    if missing := [sub for sub in _PROFILE_KEYS if sub not in raw]:
+        raise ConfigError(
+            key, f"a profile names every setting; missing: {', '.join(missing)} (copy one "
+            "from config.yaml and change what you need)"
+        )  # fmt: skip
+    cfg_rate = raw["cfg_rate"]
     if isinstance(cfg_rate, bool) or not isinstance(cfg_rate, (int, float)) or cfg_rate < 0:
         raise ConfigError(f"{key}.cfg_rate", f"must be a number >= 0, not {cfg_rate!r}")
     return ProfileConfig(
         name=name,
-        streaming=_check(f"{key}.streaming", values["streaming"], "bool"),
-        stream_audio=_check(f"{key}.stream_audio", values["stream_audio"], "bool"),
-        schedule=_schedule(f"{key}.schedule", values["schedule"]),
-        n_timesteps=_check(f"{key}.n_timesteps", values["n_timesteps"], "int+"),
+        streaming=_check(f"{key}.streaming", raw["streaming"], "bool"),
+        stream_audio=_check(f"{key}.stream_audio", raw["stream_audio"], "bool"),
+        schedule=_schedule(f"{key}.schedule", raw["schedule"]),
+        n_timesteps=_check(f"{key}.n_timesteps", raw["n_timesteps"], "int+"),
         cfg_rate=float(cfg_rate),
-        start_policy=_one_of(f"{key}.start_policy", values["start_policy"], START_POLICIES),
-        flow_weights=_one_of(f"{key}.flow_weights", values["flow_weights"], FLOW_WEIGHTS),
-        hift_weights=_one_of(f"{key}.hift_weights", values["hift_weights"], HIFT_WEIGHTS),
+        start_policy=_one_of(f"{key}.start_policy", raw["start_policy"], START_POLICIES),
+        flow_weights=_one_of(f"{key}.flow_weights", raw["flow_weights"], FLOW_WEIGHTS),
+        hift_weights=_one_of(f"{key}.hift_weights", raw["hift_weights"], HIFT_WEIGHTS),
     )
 
 
@@ -413,19 +418,20 @@ def _one_of(key: str, value: Any, allowed: tuple[str, ...]) -> str:
 
 
 def _limits(raw: dict[str, Any]) -> Limits:
-    section = _section(raw, "limits", Limits.__dataclass_fields__)
+    names = [f.name for f in fields(Limits)]
+    section = _section(raw, "limits", names)
     values: dict[str, Any] = {}
-    for key, value in section.items():
+    for key in names:
         kind = "float+" if key.endswith("_s") else "int+"
-        values[key] = _check(f"limits.{key}", value, kind)
+        values[key] = _check(f"limits.{key}", section.get(key), kind)
     return Limits(**values)
 
 
 def build_config(raw: dict[str, Any]) -> ServerConfig:
     """Validate a merged raw mapping into a :class:`ServerConfig`."""
     for key in raw:
-        if key not in DEFAULTS:
-            raise ConfigError(key, f"unknown section (known: {', '.join(DEFAULTS)})")
+        if key not in _SECTIONS:
+            raise ConfigError(key, f"unknown section (known: {', '.join(_SECTIONS)})")
     server = _section(raw, "server", [*_SERVER_KINDS, "data_dirs"])
     values = {
         key: _check(f"server.{key}", server.get(key), kind) for key, kind in _SERVER_KINDS.items()

@@ -466,13 +466,14 @@ class RunningServer:
 
 
 def engine_loader(config: ServerConfig) -> EngineFactory:
-    """The real loader with the config's weight formats (LM: server setting, flow and HiFT:
-    the profile's) and int8 cache directory."""
+    """The real loader with the config's load-time weight formats (LM: a server setting, flow
+    and HiFT: the server profile's) and int8 cache directory."""
+    weights = config.load.weights
     return partial(
         load_cosyvoice,
-        lm_int8=config.lm_weights == "int8",
-        flow_int8=config.profile.flow_weights == "int8",
-        hift_bf16=config.profile.hift_weights == "bf16",
+        lm_int8=weights.lm == "int8",
+        flow_int8=weights.flow == "int8",
+        hift_bf16=weights.hift == "bf16",
         int8_cache_dir=int8_cache_dir(config),
     )
 

@@ -155,7 +155,7 @@ class TtsRoutes:
                 for v in catalog.voices
             ],
             "default": self.config.voice,
-            "profiles": list(self.config.profiles),
+            "profiles": self.config.servable_profiles,
             "default_profile": self.config.profile.name,
             "sample_rate": SAMPLE_RATE,
             "ready": self.status()[0] == "ready",

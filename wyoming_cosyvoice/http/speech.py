@@ -16,7 +16,12 @@ from typing import Any
 from starlette.requests import Request
 
 from engine.types import SynthesisOptions
-from wyoming_cosyvoice.config import ProfileConfig, ServerConfig
+from wyoming_cosyvoice.config import (
+    ProfileConfig,
+    ProfileNotLoadedError,
+    ServerConfig,
+    UnknownProfileError,
+)
 from wyoming_cosyvoice.http.errors import HttpError
 from wyoming_cosyvoice.info import Voice, VoiceCatalog
 from wyoming_cosyvoice.protocol import VoiceNotFoundError
@@ -205,6 +210,15 @@ class SpeechParser:
                             code="text_too_long", param=key)  # fmt: skip
         return text
 
+    def _profile(self, name: str | None) -> ProfileConfig:
+        """The named profile (None: the server's); 400 unless its weight formats are loaded."""
+        try:
+            return self.config.request_profile(name)
+        except UnknownProfileError as err:
+            raise HttpError(400, str(err), param="profile") from err
+        except ProfileNotLoadedError as err:
+            raise HttpError(400, str(err), code="profile_not_loaded", param="profile") from err
+
     @staticmethod
     def _format(value: Any, key: str) -> str:
         if value is None:
@@ -225,15 +239,7 @@ class SpeechParser:
     def _request(self, data: dict[str, Any], text: str, voice: Voice, *, stream: bool,
                  audio_format: str, sse: bool = False,
                  instruct: str | None = None) -> SpeechRequest:  # fmt: skip
-        profile_name = _optional(data, "profile", str, "a profile name")
-        profiles = self.config.profiles
-        if profile_name is None:
-            profile = self.config.profile
-        elif profile_name in profiles:
-            profile = profiles[profile_name]
-        else:
-            raise HttpError(400, f"unknown profile {profile_name!r}; known: "
-                            f"{', '.join(profiles)}", param="profile")  # fmt: skip
+        profile = self._profile(_optional(data, "profile", str, "a profile name"))
         seed = _optional(data, "seed", int, "an integer")
         if seed is None:
             seed = self.config.seed
