@@ -54,10 +54,11 @@ def test_an_unknown_profile_lists_the_servers(capsys: pytest.CaptureFixture[str]
 
 def test_the_launcher_fixes_the_token_count() -> None:
     argv = ["--model-dir", str(TINY_MODEL), "--profile", "fastest", "--threads", "1"]
-    config = launcher.server_config(["--force-tokens", "7", *argv])
+    config = launcher.server_config(*launcher.parse_args(["--force-tokens", "7", *argv]))
     assert config.force_tokens == 7
     assert (config.profile.name, config.threads) == ("fastest", 1)  # the server's own options
-    assert launcher.server_config(argv).force_tokens is None  # until the model ends a sentence
+    until_eos = launcher.server_config(*launcher.parse_args(argv))
+    assert until_eos.force_tokens is None
 
 
 @pytest.mark.parametrize("count", ["0", "-3", "many"])
@@ -70,9 +71,35 @@ def test_the_launcher_rejects_a_token_count_that_is_not_positive(
     assert "--force-tokens: must be a positive integer" in capsys.readouterr().err
 
 
-def test_the_launcher_serves_wyoming_only(capsys: pytest.CaptureFixture[str]) -> None:
-    assert launcher.main(["--model-dir", str(TINY_MODEL), "--http-port", "8080"]) == 2
-    assert "serves Wyoming only" in capsys.readouterr().err
+def test_the_launcher_reads_the_http_options_as_the_server_does() -> None:
+    def http(*argv: str) -> object:
+        return launcher.http_settings(launcher.parse_args(list(argv))[0])
+
+    assert http("--force-tokens", "5") is None  # Wyoming only
+    assert http("--http-port", "8080", "--http-host", "127.0.0.1") == (
+        "127.0.0.1",
+        8080,
+        False,
+        (),
+    )
+    with pytest.raises(ValueError, match="--http-only needs --http-port"):
+        http("--http-only")
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--http-only"], "--http-only needs --http-port"),
+        (["--http-port", "8080", "--http-allow-origin", "ftp:/x"], "--http-allow-origin"),
+        (["--set", "server.samples_per_chunk=0"], "server.samples_per_chunk"),
+    ],
+)
+def test_the_launcher_says_what_is_wrong_with_a_setting(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert launcher.main(["--force-tokens", "5", "--model-dir", str(TINY_MODEL), *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(launcher.PROG) and message in err
 
 
 def test_the_benchmark_starts_its_server_through_the_launcher() -> None:

@@ -1,10 +1,10 @@
-"""``python -m wyoming_cosyvoice.bench.server [--force-tokens N] SERVER-OPTIONS``: the Wyoming
-server as the benchmark runs it.
+"""``python -m wyoming_cosyvoice.bench.server [--force-tokens N] SERVER-OPTIONS``: the server
+as the benchmark (and a test that needs short fixed-length answers) runs it.
 
-The start-up of ``python -m wyoming_cosyvoice`` (settings, model directory, engine, serve until
-SIGINT/SIGTERM) with one setting no user needs: every sentence is exactly N speech tokens long.
-A model with random weights never samples its end of speech, so without a fixed count each
-request would run to the LM's length cap.
+The start-up of ``python -m wyoming_cosyvoice`` (its options and settings, model directory,
+engine, the HTTP API if asked, serve until SIGINT/SIGTERM) with one setting no user needs: every
+sentence is exactly N speech tokens long. A model with random weights never samples its end of
+speech, so without a fixed count each request would run to the LM's length cap.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import sys
 from dataclasses import replace
 
 from wyoming_cosyvoice import __main__ as server_cli
-from wyoming_cosyvoice.config import ConfigError, ServerConfig
+from wyoming_cosyvoice.config import ServerConfig
 from wyoming_cosyvoice.download import ModelNotFoundError
 
 PROG = "python -m wyoming_cosyvoice.bench.server"
@@ -37,7 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=PROG,
         description=__doc__,
-        epilog="Every other option is one of `python -m wyoming_cosyvoice` (HTTP excepted).",
+        epilog="Every other option is one of `python -m wyoming_cosyvoice`.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         allow_abbrev=False,  # the server's options pass through untouched
     )
@@ -50,26 +50,49 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def server_config(argv: list[str]) -> ServerConfig:
-    """The server's settings from its options, with the benchmark's token count.
-
-    Raises ConfigError for a bad setting; argparse exits with a usage line for a bad option.
-    """
+def parse_args(argv: list[str]) -> tuple[argparse.Namespace, int | None]:
+    """The server's options and the token count; argparse exits on a bad option."""
     own, rest = build_parser().parse_known_args(argv)
-    server_args = server_cli.build_parser().parse_args(rest)
-    if server_args.http_port is not None or server_args.http_only:
-        raise ConfigError("--http-port", "the benchmark's server serves Wyoming only")
+    return server_cli.build_parser().parse_args(rest), own.force_tokens
+
+
+def server_config(server_args: argparse.Namespace, force_tokens: int | None) -> ServerConfig:
+    """The server's settings from its options, with the fixed token count (None: until EOS).
+
+    Raises ConfigError naming a bad setting.
+    """
     config = server_cli.config_from_args(server_args)
-    if own.force_tokens is not None:
-        config = replace(config, force_tokens=own.force_tokens)
-    return config
+    return config if force_tokens is None else replace(config, force_tokens=force_tokens)
+
+
+def http_settings(args: argparse.Namespace) -> tuple[str, int, bool, tuple[str, ...]] | None:
+    """What ``serve`` needs for the HTTP API (None: Wyoming only), as the server's CLI reads it.
+
+    Raises ValueError with the message for a bad combination or origin.
+    """
+    if args.http_port is None and not args.http_only:
+        return None
+    if args.http_port is None:
+        raise ValueError("--http-only needs --http-port")
+    try:
+        from wyoming_cosyvoice.http.origin import parse_allowed_origins
+    except ImportError as err:
+        raise ValueError(f"the HTTP API needs the http extra ({err})") from None
+
+    try:
+        origins = parse_allowed_origins(args.http_allow_origin)
+    except ValueError as err:
+        raise ValueError(f"--http-allow-origin: {err}") from None
+    return args.http_host, args.http_port, args.http_only, origins
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    server_args, force_tokens = parse_args(argv)
     try:
-        config = server_config(argv)
-    except ConfigError as err:
+        config = server_config(server_args, force_tokens)
+        http = http_settings(server_args)
+    except ValueError as err:  # ConfigError included
         sys.stderr.write(f"{PROG}: {err}\n")
         return 2
     logging.basicConfig(
@@ -84,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         _LOGGER.error("%s", problem)
         return 1
     try:
-        return asyncio.run(server_cli.serve(config, model_dir))
+        return asyncio.run(server_cli.serve(config, model_dir, http))
     except OSError as err:  # e.g. the port is taken
         _LOGGER.error("Cannot listen on %s: %s", config.uri, err)
         return 1
