@@ -1,8 +1,13 @@
-"""HiFT vocoder (CosyVoice v1 ``hift.pt``): mel (80 bins) → 22.05 kHz waveform, 256 samples/frame.
+"""HiFT vocoder (``hift.pt``): mel (80 bins) → waveform, for CosyVoice v1 and v2.
 
 Neural source-filter + iSTFT generator: an F0 predictor and a harmonic sine source feed a HiFiGAN-
 style upsampler whose output is an 18-channel (magnitude, phase) spectrum for a tiny iSTFT
-(n_fft 16, hop 4). Convolutions are plain: weight norm is folded at load time by
+(n_fft 16, hop 4). The config decides the rest: v1 runs at 22.05 kHz with 256 samples a frame
+(upsampling 8·8), v2 at 24 kHz with 480 (8·5·3). The sine source follows the rate as upstream
+does: at 22.05 kHz each sample's phase is the running sum of its own increments; at other rates
+the phase is summed at the frame rate and interpolated back to the samples.
+
+Convolutions are plain: weight norm is folded at load time by
 :func:`engine.weight_norm.normalize_hift_state_dict`, and attribute names mirror the folded keys so
 ``load_state_dict(..., strict=True)`` works directly.
 """
@@ -20,6 +25,7 @@ from torch import Tensor, nn
 from engine.hparams import HiFTArgs
 from engine.pages import give_back_free_heap
 
+_PER_SAMPLE_PHASE_RATE = 22050
 # float32 constants exactly as the reference computes them (python doubles rounded to float32).
 _TWO_PI_F32 = torch.tensor(2 * math.pi, dtype=torch.float32)
 _PI_F32 = torch.tensor(math.pi, dtype=torch.float32)
@@ -56,8 +62,9 @@ def _cumulative_phase(incr: Tensor) -> Tensor:
 class HiftNoise:
     """Injected random draws for one call (parity tests).
 
-    phase_uniform: (1, H, 1) values in [0, 1) — mapped to a phase in [-π, π).
-    sine_noise: (1, H, L) standard-normal draws, L = 256·T.
+    phase_uniform: (1, H, 1) values in [0, 1): the harmonics' initial phases (22.05 kHz: mapped
+        to [-π, π); other rates: in cycles, added to the first sample's increment).
+    sine_noise: (1, H, L) standard-normal draws, L = samples per frame · T.
     """
 
     phase_uniform: Tensor
@@ -198,16 +205,15 @@ class SourceModule(nn.Module):
 
 
 class HiFTGenerator(nn.Module):
-    """CosyVoice v1 HiFT vocoder for inference on CPU (float32, batch 1)."""
+    """CosyVoice HiFT vocoder for inference on CPU (float32, batch 1)."""
 
     window: Tensor  # the STFT window, a non-persistent buffer
 
     def __init__(self, args: HiFTArgs) -> None:
         super().__init__()
         self.args = args
-        if args.sampling_rate != 22050:
-            # Other rates use a different sine generator (CosyVoice2), not implemented here.
-            raise ValueError(f"HiFT v1 supports 22050 Hz only, got {args.sampling_rate}")
+        # Upstream picks the sine generator by the sample rate: per-sample phase at v1's rate.
+        self.per_sample_phase = args.sampling_rate == _PER_SAMPLE_PHASE_RATE
         self.n_harm = args.nb_harmonics + 1
         self.n_fft = args.istft_n_fft
         self.hop = args.istft_hop_len
@@ -304,11 +310,11 @@ class HiFTGenerator(nn.Module):
         noise: HiftNoise | None = None,
         generator: torch.Generator | None = None,
     ) -> tuple[Tensor, Tensor]:
-        """(1, T) F0 → (source (1, 1, L), uv (1, 1, L)), L = 256·T.
+        """(1, T) F0 → (source (1, 1, L), uv (1, 1, L)), L = samples per frame · T.
 
         Follows the reference float32 recipe to the bit where it matters: per-harmonic increments
-        f0·k/sr in float32, a cumulative sum accumulated in float64 and rounded per sample (what
-        torch's CPU float32 cumsum does), the modulo after the cumsum, then sin in float32.
+        f0·k/sr in float32, then the phase (:meth:`_sample_rate_sines` or
+        :meth:`_frame_rate_sines`), the noise and the harmonic merge.
         """
         a = self.args
         f_up = f0.repeat_interleave(self.upp, dim=-1).unsqueeze(1)  # (1, 1, L)
@@ -316,28 +322,65 @@ class HiFTGenerator(nn.Module):
         # Multiply then divide, as the reference. The (1, H, L) buffers are reused in place from
         # here on (same operations, same values): an 8-second pass used to hold ≈ 60 MB of them.
         incr = torch.mul(f_up, k).div_(a.sampling_rate)
-        theta = _cumulative_phase(incr)
-        if noise is not None:
-            u = noise.phase_uniform.to(torch.float32)
-            sine_noise = noise.sine_noise.to(torch.float32)
-            if u.shape != (1, self.n_harm, 1) or sine_noise.shape != incr.shape:
-                raise ValueError(
-                    f"HiftNoise shapes {tuple(u.shape)}, {tuple(sine_noise.shape)} do not fit "
-                    f"{(1, self.n_harm, 1)}, {tuple(incr.shape)}"
-                )
+        u, sine_noise = self._source_draws(tuple(incr.shape), noise, generator)
+        if self.per_sample_phase:
+            sine = self._sample_rate_sines(incr, u)
         else:
-            u = torch.rand((1, self.n_harm, 1), generator=generator)
-            sine_noise = torch.randn(incr.shape, generator=generator)
+            sine = self._frame_rate_sines(incr, u)
         del incr
-        phase = -_PI_F32 + u * (_PI_F32 - -_PI_F32)
-        phase[:, 0] = 0.0  # the fundamental starts at phase 0
-        sine = theta.mul_(_TWO_PI_F32).add_(phase).sin_().mul_(a.nsf_alpha)
+        sine = sine.mul_(a.nsf_alpha)
         uv = (f_up > a.nsf_voiced_threshold).to(torch.float32)
         # Left-to-right ((1-uv)·α)/3 as in the reference; α/3 first can differ by an ulp.
         noise_amp = uv * a.nsf_sigma + (1 - uv) * a.nsf_alpha / 3
         sine = sine.mul_(uv).add_(noise_amp * sine_noise)  # sine_noise may be the caller's
         merged = torch.tanh(self.m_source.l_linear(sine.transpose(1, 2)))  # (1, L, 1)
         return merged.transpose(1, 2), uv
+
+    def _source_draws(
+        self,
+        shape: tuple[int, ...],
+        noise: HiftNoise | None,
+        generator: torch.Generator | None,
+    ) -> tuple[Tensor, Tensor]:
+        """The initial-phase uniforms (1, H, 1) and the sine noise of ``shape`` (1, H, L)."""
+        if noise is None:
+            u = torch.rand((1, self.n_harm, 1), generator=generator)
+            return u, torch.randn(shape, generator=generator)
+        u = noise.phase_uniform.to(torch.float32)
+        sine_noise = noise.sine_noise.to(torch.float32)
+        if u.shape != (1, self.n_harm, 1) or tuple(sine_noise.shape) != shape:
+            raise ValueError(
+                f"HiftNoise shapes {tuple(u.shape)}, {tuple(sine_noise.shape)} do not fit "
+                f"{(1, self.n_harm, 1)}, {shape}"
+            )
+        return u, sine_noise
+
+    @staticmethod
+    def _sample_rate_sines(incr: Tensor, u: Tensor) -> Tensor:
+        """sin(2π · running sum of the increments + initial phase), summed per sample.
+
+        The sum is accumulated in float64 and rounded per sample (what torch's CPU float32
+        cumsum does), the modulo taken after it, then sin in float32. ``incr`` is consumed.
+        """
+        theta = _cumulative_phase(incr)
+        phase = -_PI_F32 + u * (_PI_F32 - -_PI_F32)
+        phase[:, 0] = 0.0  # the fundamental starts at phase 0
+        return theta.mul_(_TWO_PI_F32).add_(phase).sin_()
+
+    def _frame_rate_sines(self, incr: Tensor, u: Tensor) -> Tensor:
+        """The phase summed at the frame rate and interpolated back to the samples.
+
+        The increments (mod 1, the first sample's shifted by the initial phase in cycles) are
+        linearly resampled to one per frame, summed, scaled to radians, and linearly resampled
+        back, as upstream's generator for rates other than 22.05 kHz. ``incr`` is consumed.
+        """
+        rad = incr.remainder_(1)
+        start = u[:, :, 0].clone()
+        start[:, 0] = 0.0  # the fundamental starts at phase 0
+        rad[:, :, 0] += start
+        per_frame = F.interpolate(rad, scale_factor=1 / self.upp, mode="linear")  # (1, H, T)
+        phase = torch.cumsum(per_frame, dim=-1) * 2 * math.pi
+        return F.interpolate(phase * self.upp, scale_factor=float(self.upp), mode="linear").sin_()
 
     # --- spectral helpers --------------------------------------------------------------------
 
@@ -374,7 +417,7 @@ class HiFTGenerator(nn.Module):
     # --- filter ------------------------------------------------------------------------------
 
     def decode_spec(self, mel: Tensor, source: Tensor) -> Tensor:
-        """Mel (1, 80, T) + source (1, 1, 256T) → conv_post output (1, 18, 64T + 1)."""
+        """Mel (1, 80, T) + source (1, 1, upp·T) → conv_post output (1, 18, upp·T/hop + 1)."""
         real, imag = self.stft(source)
         s_stft = _to_cl(torch.cat([real, imag], dim=1).to(self.filter_dtype))
         x = self.conv_pre(_to_cl(mel.to(self.filter_dtype)))
@@ -461,7 +504,7 @@ class HiFTGenerator(nn.Module):
         noise: HiftNoise | None = None,
         generator: torch.Generator | None = None,
     ) -> tuple[Tensor, Tensor]:
-        """Mel (1, 80, T) → (wave (1, 256T), source (1, 1, 256T)).
+        """Mel (1, 80, T) → (wave (1, upp·T), source (1, 1, upp·T)), upp samples a frame.
 
         ``cache_source`` (1, 1, S), the tail of the previous chunk's source, overwrites the first
         S source samples so the excitation continues seamlessly across streaming chunks.

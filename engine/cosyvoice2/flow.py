@@ -1,0 +1,394 @@
+"""CausalMaskedDiffWithXvec: CosyVoice2 speech tokens (25 Hz) → 80-bin mel (50 Hz).
+
+Pipeline for one utterance (batch 1): the speaker x-vector → 80-d ``spks``; prompt + new tokens
+→ embedding → :class:`~engine.cosyvoice2.encoder.UpsampleConformerEncoder` (two frames a token)
+→ ``encoder_proj`` = ``mu``; then Euler steps of the flow ODE on a cosine time grid from a
+*fixed* noise (the official ``randn`` of seed 0, the same frames for every call), the estimator
+evaluated on a classifier-free-guidance batch of two rows (conditional, and with mu/spks/cond
+zeroed) combined as (1+w)·v_cond − w·v_uncond.
+
+Two ways to run it:
+
+* :meth:`CausalFlow.inference` — the official call: every token so far, in full (non-streaming)
+  or chunk (streaming) attention; unless ``finalize``, the last ``pre_lookahead_len`` tokens
+  only serve as look-ahead. Streaming calls over a growing prefix recompute everything.
+* :class:`FlowStream` — incremental streaming: each chunk runs the encoder and every ODE step
+  on its own frames only, with the state the causal design needs (encoder and estimator caches,
+  one estimator state per step). Its mel equals the streaming calls' within float rounding.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from engine.cosyvoice2.encoder import EncoderState, UpsampleConformerEncoder
+from engine.cosyvoice2.flow_args import NOISE_FRAMES, NOISE_SEED, CausalFlowArgs
+from engine.cosyvoice2.flow_estimator import CausalConditionalDecoder, EstimatorState
+from engine.types import ModelLoadError
+
+_LOGGER = logging.getLogger(__name__)
+_MAX_LISTED_KEYS = 8
+
+
+class EulerGrid(NamedTuple):
+    """The flow times the solver visits and the step after each (as the official solver)."""
+
+    times: list[Tensor]
+    steps: list[Tensor]
+
+
+def euler_grid(n_timesteps: int, scheduler: str, dtype: torch.dtype = torch.float32) -> EulerGrid:
+    """t_0 … t_{n−1} and dt_k; cosine: t_k = 1 − cos(π/2 · k/n).
+
+    Time is advanced by accumulation (t += dt; dt = t_{k+1} − t), which can differ from the
+    grid in the last float32 bit, as upstream.
+    """
+    if n_timesteps < 1:
+        raise ValueError(f"n_timesteps must be at least 1, got {n_timesteps}")
+    grid = torch.linspace(0, 1, n_timesteps + 1, dtype=dtype)
+    if scheduler == "cosine":
+        grid = 1 - torch.cos(grid * 0.5 * torch.pi)
+    times, steps = [grid[0]], [grid[1] - grid[0]]
+    for k in range(1, n_timesteps):
+        times.append(times[-1] + steps[-1])
+        steps.append(grid[k + 1] - times[-1])
+    return EulerGrid(times, steps)
+
+
+class CausalCFM(nn.Module):
+    """The Euler solver with classifier-free guidance and its fixed noise (key ``decoder``)."""
+
+    def __init__(self, args: CausalFlowArgs) -> None:
+        super().__init__()
+        self.args = args
+        self.estimator = CausalConditionalDecoder(args.estimator)
+        self._noise: Tensor | None = None
+
+    def noise(self, start: int, end: int) -> Tensor:
+        """Frames start … end−1 of the fixed noise, (1, 80, end − start)."""
+        if end > NOISE_FRAMES:
+            raise ValueError(
+                f"{end} mel frames exceed the flow's fixed noise ({NOISE_FRAMES} frames, "
+                f"{NOISE_FRAMES // 50} s): split the text into shorter sentences"
+            )
+        if self._noise is None:
+            generator = torch.Generator().manual_seed(NOISE_SEED)
+            self._noise = torch.randn(1, self.args.output_size, NOISE_FRAMES, generator=generator)
+        return self._noise[:, :, start:end]
+
+    def solve(
+        self,
+        z: Tensor,
+        mu: Tensor,
+        spks: Tensor,
+        cond: Tensor,
+        *,
+        n_timesteps: int,
+        cfg_rate: float,
+        streaming: bool,
+        states: list[EstimatorState] | None = None,
+    ) -> Tensor:
+        """Integrate the frames z (1, 80, t) from t=0 to 1; returns the mel (1, 80, t).
+
+        ``states``: one estimator state per step, carried across the chunks of a stream.
+        """
+        grid = euler_grid(n_timesteps, self.args.t_scheduler, mu.dtype)
+        if states is not None and len(states) != n_timesteps:
+            raise ValueError(f"{len(states)} estimator states for {n_timesteps} steps")
+        # The CFG batch: row 0 conditional, row 1 with mu/spks/cond zeroed (same x and t).
+        # Guidance off (cfg_rate 0) needs only the conditional row: half the work.
+        rows = 1 if cfg_rate == 0 else 2
+        mu_in = torch.cat([mu, torch.zeros_like(mu)])[:rows]
+        spks_in = torch.cat([spks, torch.zeros_like(spks)])[:rows]
+        cond_in = torch.cat([cond, torch.zeros_like(cond)])[:rows]
+        estimator = self.estimator
+        step_biases = estimator.time_biases(torch.stack(grid.times))
+        x = z
+        for k, (t, dt) in enumerate(zip(grid.times, grid.steps, strict=True)):
+            x_in = torch.cat([x, x]) if rows == 2 else x
+            dphi = estimator(
+                x_in,
+                mu_in,
+                t.expand(rows),
+                spks_in,
+                cond_in,
+                streaming=streaming,
+                state=None if states is None else states[k],
+                time_biases=[b[k : k + 1] for b in step_biases],
+            )
+            v = (1.0 + cfg_rate) * dphi[:1] - cfg_rate * dphi[1:] if rows == 2 else dphi
+            x = x + dt * v
+        return x.float()
+
+
+class CausalFlow(nn.Module):
+    """CausalMaskedDiffWithXvec with the official ``flow.pt`` key names."""
+
+    def __init__(self, args: CausalFlowArgs) -> None:
+        super().__init__()
+        self.args = args
+        self.input_embedding = nn.Embedding(args.vocab_size, args.input_size)
+        self.spk_embed_affine_layer = nn.Linear(args.spk_embed_dim, args.output_size)
+        self.encoder = UpsampleConformerEncoder(args.encoder)
+        self.encoder_proj = nn.Linear(args.encoder.output_size, args.output_size)
+        self.decoder = CausalCFM(args)
+
+    def speaker(self, embedding: Tensor) -> Tensor:
+        """Raw x-vector (1, 192) → normalised and projected ``spks`` (1, 80)."""
+        weight = self.spk_embed_affine_layer.weight
+        normalised = F.normalize(embedding.reshape(1, -1).to(weight), dim=1)
+        return self.spk_embed_affine_layer(normalised)
+
+    def embed(self, tokens: Tensor) -> Tensor:
+        """Token ids (1, n) → (1, n, input_size); negative ids read row 0, as upstream."""
+        return self.input_embedding(tokens.long().clamp(min=0))
+
+    def encode(
+        self,
+        tokens: Tensor,
+        ahead: Tensor | None,
+        *,
+        streaming: bool,
+        state: EncoderState | None = None,
+    ) -> Tensor:
+        """Token ids (1, n) (and their look-ahead ids, None at the end) → mu (1, 80, 2n)."""
+        ahead_x = self.embed(ahead) if ahead is not None and ahead.shape[1] else None
+        h = self.encoder(self.embed(tokens), ahead_x, streaming=streaming, state=state)
+        return self.encoder_proj(h).transpose(1, 2)
+
+    def _check_prompt(self, prompt_tokens: Tensor, prompt_feat: Tensor) -> None:
+        if prompt_tokens.dim() != 2 or prompt_tokens.shape[0] != 1:
+            raise ValueError(f"prompt tokens must be (1, N), got {tuple(prompt_tokens.shape)}")
+        want = self.args.token_mel_ratio * prompt_tokens.shape[1]
+        if tuple(prompt_feat.shape) != (1, want, self.args.output_size):
+            raise ValueError(
+                f"prompt mel must be (1, {want}, {self.args.output_size}) for "
+                f"{prompt_tokens.shape[1]} prompt tokens, got {tuple(prompt_feat.shape)}"
+            )
+
+    @torch.inference_mode()
+    def inference(
+        self,
+        tokens: Tensor,
+        prompt_tokens: Tensor,
+        prompt_feat: Tensor,
+        embedding: Tensor,
+        *,
+        streaming: bool,
+        finalize: bool,
+        n_timesteps: int = 10,
+        cfg_rate: float | None = None,
+    ) -> Tensor:
+        """Mel (1, 80, frames) of ``tokens`` (1, N2) after the prompt, in one call.
+
+        prompt_tokens (1, N1) and prompt_feat (1, 2·N1, 80) may be empty; embedding is the raw
+        (1, 192) x-vector. Unless ``finalize``, the last ``pre_lookahead_len`` tokens are only
+        look-ahead: the mel covers N2 − pre_lookahead_len tokens.
+        """
+        self._check_prompt(prompt_tokens, prompt_feat)
+        ids = torch.cat([prompt_tokens.to(tokens), tokens], dim=1)
+        ahead = None
+        if not finalize:
+            lookahead = self.args.pre_lookahead_len
+            if tokens.shape[1] <= lookahead:
+                raise ValueError(f"a streaming call needs more than {lookahead} tokens")
+            ids, ahead = ids[:, :-lookahead], ids[:, -lookahead:]
+        mu = self.encode(ids, ahead, streaming=streaming)
+        prompt_frames = prompt_feat.shape[1]
+        cond = torch.zeros_like(mu)
+        cond[:, :, :prompt_frames] = prompt_feat.to(mu).transpose(1, 2)
+        mel = self.decoder.solve(
+            self.decoder.noise(0, mu.shape[2]).to(mu),
+            mu,
+            self.speaker(embedding),
+            cond,
+            n_timesteps=n_timesteps,
+            cfg_rate=self.args.inference_cfg_rate if cfg_rate is None else cfg_rate,
+            streaming=streaming,
+        )
+        return mel[:, :, prompt_frames:]
+
+    def stream(
+        self,
+        prompt_tokens: Tensor,
+        prompt_feat: Tensor,
+        embedding: Tensor,
+        *,
+        n_timesteps: int = 10,
+        cfg_rate: float | None = None,
+    ) -> FlowStream:
+        """An incremental stream for one utterance in the voice of this prompt."""
+        return FlowStream(
+            self,
+            prompt_tokens,
+            prompt_feat,
+            embedding,
+            n_timesteps=n_timesteps,
+            cfg_rate=self.args.inference_cfg_rate if cfg_rate is None else cfg_rate,
+        )
+
+
+class FlowStream:
+    """One utterance's flow, computed chunk by chunk as its tokens arrive.
+
+    :meth:`push` takes new tokens and returns the mel of every whole attention chunk
+    (``static_chunk_size`` tokens, counted from the start of the prompt) whose look-ahead is
+    known; tokens of an unfinished chunk wait for the next call. ``finalize`` computes the
+    rest. Each chunk runs the encoder and every ODE step on its own frames only; its mel equals
+    the official streaming call's for those frames.
+    """
+
+    def __init__(
+        self,
+        flow: CausalFlow,
+        prompt_tokens: Tensor,
+        prompt_feat: Tensor,
+        embedding: Tensor,
+        *,
+        n_timesteps: int,
+        cfg_rate: float,
+    ) -> None:
+        flow._check_prompt(prompt_tokens, prompt_feat)
+        self.flow, self.n_timesteps, self.cfg_rate = flow, n_timesteps, cfg_rate
+        with torch.inference_mode():
+            self.spks = flow.speaker(embedding)
+        self.prompt_feat = prompt_feat.float().transpose(1, 2)  # (1, 80, prompt frames)
+        self.tokens = prompt_tokens.reshape(-1).long().tolist()
+        self.encoded = 0  # tokens (prompt included) whose frames are computed
+        self.finished = False
+        self.encoder_state = flow.encoder.new_state()
+        self.step_states = [flow.decoder.estimator.new_state() for _ in range(n_timesteps)]
+
+    @property
+    def chunk_tokens(self) -> int:
+        return self.flow.args.encoder.static_chunk_size
+
+    @property
+    def prompt_tokens(self) -> int:
+        return self.prompt_feat.shape[2] // self.flow.args.token_mel_ratio
+
+    def ready_tokens(self, finalize: bool) -> int:
+        """How many tokens (prompt included) a push with these tokens would have encoded."""
+        if finalize:
+            return len(self.tokens)
+        known = len(self.tokens) - self.flow.args.pre_lookahead_len
+        return max(self.encoded, known // self.chunk_tokens * self.chunk_tokens)
+
+    @torch.inference_mode()
+    def push(self, tokens: Tensor | list[int], *, finalize: bool = False) -> Tensor:
+        """Add speech tokens; mel (1, 80, frames) of the tokens that became computable."""
+        if self.finished:
+            raise ValueError("the stream is finalized")
+        new = tokens.reshape(-1).tolist() if isinstance(tokens, Tensor) else list(tokens)
+        self.tokens.extend(int(t) for t in new)
+        end = self.ready_tokens(finalize)
+        self.finished = finalize
+        if end <= self.encoded:
+            return self.prompt_feat.new_zeros(1, self.prompt_feat.shape[1], 0)
+        start = self.encoded
+        lookahead = self.flow.args.pre_lookahead_len
+        ids = torch.tensor([self.tokens[start:end]])
+        ahead = None if finalize else torch.tensor([self.tokens[end : end + lookahead]])
+        mu = self.flow.encode(ids, ahead, streaming=True, state=self.encoder_state)
+        ratio = self.flow.args.token_mel_ratio
+        first, last = ratio * start, ratio * end
+        cond = torch.zeros_like(mu)
+        prompt_frames = self.prompt_feat.shape[2]
+        if first < prompt_frames:
+            cond[:, :, : prompt_frames - first] = self.prompt_feat[:, :, first:last].to(mu)
+        mel = self.flow.decoder.solve(
+            self.flow.decoder.noise(first, last).to(mu),
+            mu,
+            self.spks,
+            cond,
+            n_timesteps=self.n_timesteps,
+            cfg_rate=self.cfg_rate,
+            streaming=True,
+            states=self.step_states,
+        )
+        self.encoded = end
+        _LOGGER.debug("flow stream: frames %d-%d (%d steps)", first, last, self.n_timesteps)
+        return mel[:, :, max(0, prompt_frames - first) :]
+
+    def frames_per_step(self) -> list[int]:
+        """Frames the estimator computed in each call so far (the same for every step)."""
+        return list(self.step_states[0].computed)
+
+    @property
+    def cache_bytes(self) -> int:
+        """Memory the stream holds for the frames so far (keys and values, mostly)."""
+        return self.encoder_state.kv_bytes + sum(s.kv_bytes for s in self.step_states)
+
+
+# --- loading ---------------------------------------------------------------------------------
+
+
+def _list_keys(keys: list[str]) -> str:
+    shown = ", ".join(keys[:_MAX_LISTED_KEYS])
+    more = len(keys) - _MAX_LISTED_KEYS
+    return shown + (f" (and {more} more)" if more > 0 else "")
+
+
+def check_state_dict(module: nn.Module, state: Mapping[str, Tensor], source: str) -> None:
+    """Raise :class:`ModelLoadError` naming every missing, unexpected or misshapen key."""
+    expected = {k: tuple(v.shape) for k, v in module.state_dict(keep_vars=True).items()}
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    wrong = sorted(
+        f"{k} {tuple(state[k].shape)} != {expected[k]}"
+        for k in set(expected) & set(state)
+        if tuple(state[k].shape) != expected[k]
+    )
+    problems = []
+    if missing:
+        problems.append(f"missing keys: {_list_keys(missing)}")
+    if unexpected:
+        problems.append(f"unexpected keys: {_list_keys(unexpected)}")
+    if wrong:
+        problems.append(f"shape mismatches: {_list_keys(wrong)}")
+    if problems:
+        raise ModelLoadError(
+            f"{source} does not fit {type(module).__name__}: " + "; ".join(problems)
+        )
+
+
+def assign_weights(module: nn.Module, state: Mapping[str, Tensor], source: str) -> None:
+    """Check ``state`` strictly, then assign it (float32, tensors used in place)."""
+    check_state_dict(module, state, source)
+    floats = {k: v if v.dtype == torch.float32 else v.float() for k, v in state.items()}
+    module.load_state_dict(floats, strict=True, assign=True)
+    module.eval().requires_grad_(False)
+
+
+def build_flow(args: CausalFlowArgs, device: torch.device | str = "meta") -> CausalFlow:
+    """The flow with uninitialised (``meta``: absent) weights, to be assigned."""
+    with torch.device(device):
+        return CausalFlow(args)
+
+
+def load_flow(
+    state: Mapping[str, Tensor], args: CausalFlowArgs, source: str = "flow.pt"
+) -> CausalFlow:
+    """Build on ``meta``, check ``state`` strictly and assign it."""
+    flow = build_flow(args)
+    assign_weights(flow, state, source)
+    return flow
+
+
+def int8_layer_names(flow: CausalFlow) -> list[str]:
+    """Dotted names (in ``flow.pt``) of the Linear layers an int8 flow swaps, as v1's: the
+    encoder's Conformer layers (``linear_pos`` stays float) and every estimator Linear, where
+    the time goes. q, k and v stay three layers (the chunk attention calls them apart)."""
+    names = []
+    for name, module in flow.named_modules():
+        if not isinstance(module, nn.Linear) or name.endswith("linear_pos"):
+            continue
+        if name.startswith(("encoder.encoders.", "encoder.up_encoders.", "decoder.estimator.")):
+            names.append(name)
+    return names

@@ -1,0 +1,228 @@
+"""CosyVoice2 speech tokens → audio, whole or streamed chunk by chunk (official ``token2wav``).
+
+The flow is a :class:`~engine.cosyvoice2.flow.FlowStream`: each chunk's mel is computed once,
+on that chunk's frames only. The vocoder hides the seams as the official runtime does:
+
+* HiFT gets the previous chunk's last ``MEL_CACHE`` (8) mel frames as left context, and its
+  source signal is pinned over those frames' samples (8 · 480 = 3840);
+* the first 3840 output samples are cross-faded (Hamming, float64) with the 3840 held back
+  from the previous chunk, and every chunk but the last holds back its own last 3840.
+
+The official schedule: the first chunk after ``TOKEN_HOP`` (25) tokens — plus what brings the
+prompt to a whole number of 25-token chunks — and the 3-token look-ahead; then hops doubling to
+``MAX_TOKEN_HOP`` (100). Every hop is a whole number of attention chunks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from engine.cosyvoice2.flow import CausalFlow, FlowStream
+from engine.hift import HiftNoise
+from engine.streaming import fade_in_out
+from engine.thread_budget import ThreadBudget, apply_thread_budget, vocoder_busy
+
+if TYPE_CHECKING:
+    from engine.hift import HiFTGenerator
+
+TOKEN_HOP = 25  # the official first hop: one attention chunk
+MAX_TOKEN_HOP = 100  # hops double up to this (four chunks)
+MEL_CACHE = 8  # mel frames of HiFT context carried to the next chunk
+N_MELS = 80
+
+
+class HiftNoiseSource(Protocol):
+    """Where HiFT gets its random draws (a seeded generator, or injected)."""
+
+    def hift_noise(self, n_samples: int) -> tuple[Tensor, Tensor]:
+        """(initial phases in [0, 1) of shape (1, 9, 1), sine noise of shape (1, 9, n))."""
+        ...
+
+
+@dataclass
+class GeneratorNoise:
+    """HiFT noise drawn from one ``torch.Generator`` (reproducible with a seed)."""
+
+    generator: torch.Generator
+    harmonics: int = 9
+
+    def hift_noise(self, n_samples: int) -> tuple[Tensor, Tensor]:
+        phase = torch.rand((1, self.harmonics, 1), generator=self.generator)
+        noise = torch.randn((1, self.harmonics, n_samples), generator=self.generator)
+        return phase, noise
+
+
+@dataclass(frozen=True)
+class FlowPrompt:
+    """What conditions the flow: the speaker x-vector and (zero-shot) prompt tokens and mel."""
+
+    embedding: Tensor  # (1, 192) un-normalised x-vector
+    tokens: Tensor = field(default_factory=lambda: torch.zeros(1, 0, dtype=torch.int64))
+    feat: Tensor = field(default_factory=lambda: torch.zeros(1, 0, N_MELS))  # (1, 2·N, 80)
+
+
+class VocoderStream:
+    """HiFT over the mel chunks of one utterance, carrying the cross-chunk state."""
+
+    def __init__(
+        self,
+        hift: HiFTGenerator,
+        noise: HiftNoiseSource,
+        *,
+        threads: ThreadBudget | None = None,
+    ) -> None:
+        self.hift, self.noise, self.threads = hift, noise, threads
+        self.source_cache = MEL_CACHE * hift.upp  # samples pinned and cross-faded
+        self.window = torch.from_numpy(np.hamming(2 * self.source_cache))  # float64, as upstream
+        self.mel: Tensor | None = None  # (1, 80, 8) left context
+        self.source: Tensor | None = None  # (1, 1, 3840) pinned source samples
+        self.speech: Tensor | None = None  # (1, 3840) held-back output tail
+
+    def push(self, mel: Tensor, *, finalize: bool) -> Tensor:
+        """Audio (1, S) for the next mel frames (1, 80, f); ``finalize`` on the last."""
+        if self.mel is not None and self.source is not None:  # set together
+            mel = torch.cat([self.mel, mel], dim=2)
+            cache_source = self.source
+        else:
+            cache_source = torch.zeros(1, 1, 0)
+        if mel.shape[2] == 0:
+            return torch.zeros(1, 0)
+        phase, sine_noise = self.noise.hift_noise(mel.shape[2] * self.hift.upp)
+        apply_thread_budget(self.threads)
+        speech, source = self.hift.inference(
+            mel, cache_source, noise=HiftNoise(phase_uniform=phase, sine_noise=sine_noise)
+        )
+        if self.speech is not None:
+            speech = fade_in_out(speech, self.speech, self.window)
+        if finalize:
+            return speech
+        self.mel = mel[:, :, -MEL_CACHE:]
+        self.source = source[:, :, -self.source_cache :]
+        self.speech = speech[:, -self.source_cache :]
+        return speech[:, : -self.source_cache]
+
+
+class SpeechStream:
+    """One utterance's tokens → audio: the incremental flow, then the vocoder.
+
+    ``full_attention_last``: compute the last chunk as the official runtime does, with one
+    non-streaming flow call over the whole utterance (every frame attends to every other) of
+    which the new frames are kept. That call redoes all earlier chunks' work; by default the
+    last chunk is one more incremental chunk (chunk attention, its own frames only).
+    """
+
+    def __init__(
+        self,
+        flow: CausalFlow,
+        hift: HiFTGenerator,
+        prompt: FlowPrompt,
+        noise: HiftNoiseSource,
+        *,
+        n_timesteps: int = 10,
+        cfg_rate: float | None = None,
+        full_attention_last: bool = False,
+        threads: ThreadBudget | None = None,
+    ) -> None:
+        self.prompt, self.threads = prompt, threads
+        self.full_attention_last = full_attention_last
+        self.flow: FlowStream = flow.stream(
+            prompt.tokens,
+            prompt.feat,
+            prompt.embedding,
+            n_timesteps=n_timesteps,
+            cfg_rate=cfg_rate,
+        )
+        self.vocoder = VocoderStream(hift, noise, threads=threads)
+
+    @property
+    def lookahead(self) -> int:
+        return self.flow.flow.args.pre_lookahead_len
+
+    def push(self, tokens: Tensor | list[int], *, finalize: bool = False) -> Tensor:
+        """Audio (1, S) made computable by these new tokens (all that is left on finalize)."""
+        with vocoder_busy():
+            apply_thread_budget(self.threads)
+            if finalize and self.full_attention_last:
+                mel = self._full_attention_rest(tokens)
+            else:
+                mel = self.flow.push(tokens, finalize=finalize)
+            if mel.shape[2] == 0 and not finalize:
+                return torch.zeros(1, 0)
+            return self.vocoder.push(mel, finalize=finalize)
+
+    def _full_attention_rest(self, tokens: Tensor | list[int]) -> Tensor:
+        """The frames after those already streamed, from one non-streaming call over all."""
+        stream = self.flow
+        done = (stream.encoded - stream.prompt_tokens) * stream.flow.args.token_mel_ratio
+        new = tokens.reshape(-1).tolist() if isinstance(tokens, Tensor) else list(tokens)
+        speech_tokens = [*stream.tokens[stream.prompt_tokens :], *new]
+        stream.finished = True
+        mel = stream.flow.inference(
+            torch.tensor([speech_tokens]),
+            self.prompt.tokens,
+            self.prompt.feat,
+            self.prompt.embedding,
+            streaming=False,
+            finalize=True,
+            n_timesteps=stream.n_timesteps,
+            cfg_rate=stream.cfg_rate,
+        )
+        return mel[:, :, max(0, done) :]
+
+
+def official_hops(prompt_tokens: int) -> Iterator[int]:
+    """The official hops: 25 tokens plus the prompt's padding to whole chunks, then 50, 100…"""
+    hop = TOKEN_HOP + (-prompt_tokens) % TOKEN_HOP
+    yield hop
+    hop = TOKEN_HOP
+    while True:
+        hop = min(MAX_TOKEN_HOP, hop * 2)
+        yield hop
+
+
+def stream_audio(
+    tokens: Iterable[int], speech: SpeechStream, hops: Iterator[int]
+) -> Iterator[Tensor]:
+    """Cut a token stream into chunks of ``hops`` new tokens (each once its look-ahead has
+    arrived) and yield their audio; the rest when the stream ends."""
+    hop = next(hops)
+    received: list[int] = []
+    sent = 0  # tokens handed to the stream
+    covered = 0  # tokens whose audio the chunks so far cover
+    for token in tokens:
+        received.append(token)
+        if len(received) - covered >= hop + speech.lookahead:
+            yield speech.push(received[sent:], finalize=False)
+            sent, covered = len(received), covered + hop
+            hop = next(hops)
+    yield speech.push(received[sent:], finalize=True)
+
+
+def whole_audio(
+    flow: CausalFlow,
+    hift: HiFTGenerator,
+    prompt: FlowPrompt,
+    tokens: Iterable[int],
+    noise: HiftNoiseSource,
+    *,
+    n_timesteps: int = 10,
+    cfg_rate: float | None = None,
+) -> Tensor:
+    """Non-streaming, as upstream: one flow call in full attention, one HiFT call."""
+    mel = flow.inference(
+        torch.tensor([list(tokens)], dtype=torch.int64),
+        prompt.tokens,
+        prompt.feat,
+        prompt.embedding,
+        streaming=False,
+        finalize=True,
+        n_timesteps=n_timesteps,
+        cfg_rate=cfg_rate,
+    )
+    return VocoderStream(hift, noise).push(mel, finalize=True)

@@ -1,0 +1,195 @@
+"""The CosyVoice2 flow (CausalMaskedDiffWithXvec): config, strict loading, the full-size key
+manifest, the chunk-causal invariants of the encoder and estimator, and parity with the official
+reference cases (tests/data/cosyvoice2)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.cosyvoice2.flow import CausalFlow, build_flow, int8_layer_names, load_flow
+from engine.cosyvoice2.flow_args import (
+    NOISE_FRAMES,
+    CausalFlowArgs,
+    flow_args_from_doc,
+    load_flow_args,
+)
+from engine.hparams import ModelConfigError, read_model_yaml
+from engine.types import ModelLoadError
+
+DATA = Path(__file__).parent / "data" / "cosyvoice2"
+TINY = DATA / "tiny"
+FULL_YAML = DATA / "cosyvoice2_0.5b.yaml"
+
+
+@pytest.fixture(scope="module")
+def args() -> CausalFlowArgs:
+    return load_flow_args(TINY / "cosyvoice2.yaml")
+
+
+@pytest.fixture(scope="module")
+def state() -> dict[str, torch.Tensor]:
+    return torch.load(TINY / "flow.pt", weights_only=True)
+
+
+@pytest.fixture(scope="module")
+def flow(args: CausalFlowArgs, state: dict[str, torch.Tensor]) -> CausalFlow:
+    torch.set_num_threads(min(2, torch.get_num_threads()))
+    return load_flow(state, args)
+
+
+def _prompt(n_tokens: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, 6561, (1, n_tokens), generator=g)
+    feat = torch.randn(1, 2 * n_tokens, 80, generator=g)
+    return tokens, feat, torch.randn(1, 192, generator=g)
+
+
+# --- config and loading ----------------------------------------------------------------------
+
+
+def test_full_size_config_numbers() -> None:
+    args = load_flow_args(FULL_YAML)
+    assert (args.input_frame_rate, args.token_mel_ratio, args.pre_lookahead_len) == (25, 2, 3)
+    assert args.encoder.static_chunk_size == 25 and args.encoder.num_blocks == 6
+    # ``!ref <chunk_size> * <token_mel_ratio>``: an expression, evaluated
+    assert args.estimator.static_chunk_size == 50
+    assert args.estimator.channels == (256,) and args.estimator.num_mid_blocks == 12
+    assert args.estimator.num_decoding_left_chunks == -1
+    assert args.inference_cfg_rate == pytest.approx(0.7) and args.t_scheduler == "cosine"
+
+
+def test_full_size_flow_matches_manifest() -> None:
+    manifest = json.loads((DATA / "manifest_full.json").read_text(encoding="utf-8"))
+    flow = build_flow(load_flow_args(FULL_YAML))  # on meta: no 450 MB allocation
+    ours = {k: tuple(v.shape) for k, v in flow.state_dict().items()}
+    expected = {e["key"]: tuple(e["shape"]) for e in manifest["modules"]["flow"]["state_dict"]}
+    assert ours == expected
+    assert (
+        sum(v.numel() for v in flow.state_dict().values())
+        == (manifest["modules"]["flow"]["parameters"])
+    )
+
+
+def test_int8_layer_names_are_linear_layers_of_the_manifest() -> None:
+    flow = build_flow(load_flow_args(FULL_YAML))
+    names = int8_layer_names(flow)
+    assert names and not any(n.endswith("linear_pos") for n in names)
+    assert all(isinstance(flow.get_submodule(n), torch.nn.Linear) for n in names)
+    assert "decoder.estimator.mid_blocks.11.1.3.attn1.to_q" in names
+    assert "encoder.up_encoders.3.self_attn.linear_q" in names
+
+
+def _doc_with(path: Path, **estimator: object) -> dict:
+    doc = read_model_yaml(path)
+    doc["flow"].args["decoder"].args["estimator"].args.update(estimator)
+    return doc
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"channels": [48, 48]}, "channels' must have one entry"),
+        ({"num_decoding_left_chunks": 2}, "num_decoding_left_chunks' must be negative"),
+        ({"static_chunk_size": 40}, "static_chunk_size times token_mel_ratio"),
+        ({"act_fn": "snake"}, "act_fn' must be 'gelu'"),
+    ],
+)
+def test_config_the_causal_design_cannot_run_is_refused(change: dict, message: str) -> None:
+    with pytest.raises(ModelConfigError, match=message):
+        flow_args_from_doc(_doc_with(TINY / "cosyvoice2.yaml", **change))
+
+
+def test_tiny_flow_loads_strictly(flow: CausalFlow, state: dict[str, torch.Tensor]) -> None:
+    assert set(flow.state_dict()) == set(state)
+    assert not any(p.is_meta for p in flow.parameters())
+    assert all(torch.equal(flow.state_dict()[k], v) for k, v in state.items())
+
+
+def test_missing_unexpected_and_misshapen_keys_are_named(
+    args: CausalFlowArgs, state: dict[str, torch.Tensor]
+) -> None:
+    bad = dict(state)
+    del bad["encoder.pre_lookahead_layer.conv1.weight"]
+    bad["decoder.estimator.extra.weight"] = torch.zeros(1)
+    bad["encoder_proj.weight"] = torch.zeros(3, 3)
+    with pytest.raises(ModelLoadError) as err:
+        load_flow(bad, args, "flow.pt")
+    text = str(err.value)
+    assert "flow.pt" in text
+    assert "missing keys: encoder.pre_lookahead_layer.conv1.weight" in text
+    assert "unexpected keys: decoder.estimator.extra.weight" in text
+    assert "encoder_proj.weight (3, 3) !=" in text
+
+
+# --- invariants of the causal design ---------------------------------------------------------
+
+
+def test_fixed_noise_is_the_seed_zero_draw(flow: CausalFlow) -> None:
+    torch.manual_seed(0)
+    expected = torch.randn(1, 80, NOISE_FRAMES)
+    assert torch.equal(flow.decoder.noise(0, NOISE_FRAMES), expected)
+    with pytest.raises(ValueError, match="exceed the flow's fixed noise"):
+        flow.decoder.noise(0, NOISE_FRAMES + 1)
+
+
+def test_encoder_frames_do_not_depend_on_later_chunks(flow: CausalFlow) -> None:
+    """Chunk attention and the 3-token look-ahead: the frames of the first 50 tokens are the
+    same whatever follows the look-ahead."""
+    tokens = torch.randint(0, 6561, (1, 120), generator=torch.Generator().manual_seed(1))
+    other = tokens.clone()
+    other[:, 53:] = torch.randint(0, 6561, (1, 67), generator=torch.Generator().manual_seed(2))
+    with torch.inference_mode():
+        a = flow.encode(tokens[:, :100], tokens[:, 100:103], streaming=True)
+        b = flow.encode(other[:, :100], other[:, 100:103], streaming=True)
+        full = flow.encode(tokens[:, :100], tokens[:, 100:103], streaming=False)
+        changed = flow.encode(other[:, :100], other[:, 100:103], streaming=False)
+    torch.testing.assert_close(a[:, :, :100], b[:, :, :100], atol=1e-6, rtol=0)
+    assert (a[:, :, 100:] - b[:, :, 100:]).abs().max() > 1e-3  # later frames did change
+    # Full attention sees the future: the same frames change.
+    assert (full[:, :, :100] - changed[:, :, :100]).abs().max() > 1e-3
+
+
+def test_streamed_mel_equals_the_official_streaming_calls(flow: CausalFlow) -> None:
+    """FlowStream chunk by chunk = the official call over the growing prefix (which recomputes
+    everything), chunk for chunk."""
+    prompt_tokens, prompt_feat, embedding = _prompt(30)
+    tokens = torch.randint(0, 6561, (1, 160), generator=torch.Generator().manual_seed(3))
+    stream = flow.stream(prompt_tokens, prompt_feat, embedding)
+    offset, sent = 0, 0
+    for hop in (45, 50, 50):  # the first hop brings the 30 prompt tokens to three chunks
+        end = offset + hop + 3
+        got = stream.push(tokens[:, sent:end])
+        sent = end
+        want = flow.inference(
+            tokens[:, :end], prompt_tokens, prompt_feat, embedding, streaming=True, finalize=False
+        )[:, :, 2 * offset :]
+        assert got.shape == want.shape == (1, 80, 2 * hop)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        offset += hop
+    got = stream.push(tokens[:, sent:], finalize=True)
+    want = flow.inference(
+        tokens, prompt_tokens, prompt_feat, embedding, streaming=True, finalize=True
+    )[:, :, 2 * offset :]
+    assert got.shape == want.shape == (1, 80, 2 * (160 - offset))
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_stream_waits_for_whole_chunks_and_look_ahead(flow: CausalFlow) -> None:
+    prompt_tokens, prompt_feat, embedding = _prompt(10)
+    stream = flow.stream(prompt_tokens, prompt_feat, embedding)
+    assert stream.push(list(range(17))).shape == (1, 80, 0)  # 10 + 17 - 3 < 25
+    assert stream.push([5]).shape == (1, 80, 2 * 15)  # 10 + 18 - 3 = 25: one chunk
+    assert stream.push(list(range(10))).shape == (1, 80, 0)
+    assert stream.push([], finalize=True).shape == (1, 80, 2 * 13)
+    with pytest.raises(ValueError, match="finalized"):
+        stream.push([1])
+
+
+def test_prompt_mel_must_be_two_frames_a_token(flow: CausalFlow) -> None:
+    prompt_tokens, prompt_feat, embedding = _prompt(10)
+    with pytest.raises(ValueError, match=r"prompt mel must be \(1, 20, 80\)"):
+        flow.stream(prompt_tokens, prompt_feat[:, :19], embedding)
