@@ -114,7 +114,6 @@ def _attend(
         return y.view(b, t, h, d_k).transpose(1, 2)  # (B, h, t, d_k)
 
     q, k, v = heads(attn.linear_q(x)), heads(attn.linear_k(x)), heads(attn.linear_v(x))
-    keys, values = kv.append(k, v)
     length = start + t
     rows = positions.rows(attn.linear_pos, length, t)  # (length + t − 1, d)
     rows = rows.view(-1, h, d_k).permute(1, 2, 0)  # (h, d_k, W)
@@ -122,9 +121,7 @@ def _attend(
     bias = _skew(raw, t, length) * (1.0 / math.sqrt(d_k))
     if visible is not None:
         bias = bias.masked_fill(~visible, float("-inf"))
-    out = F.scaled_dot_product_attention(
-        q + attn.pos_bias_u.unsqueeze(1), keys, values, attn_mask=bias
-    )
+    out = kv.attend(q + attn.pos_bias_u.unsqueeze(1), k, v, bias)
     return attn.linear_out(out.transpose(1, 2).flatten(2))
 
 

@@ -222,8 +222,13 @@ class CausalFlow(nn.Module):
         *,
         n_timesteps: int = 10,
         cfg_rate: float | None = None,
+        cache_dtype: torch.dtype | None = None,
     ) -> FlowStream:
-        """An incremental stream for one utterance in the voice of this prompt."""
+        """An incremental stream for one utterance in the voice of this prompt.
+
+        ``cache_dtype``: the type the estimator's keys and values are kept in (None: float32,
+        exact; float16 halves the stream's largest memory for a small deviation).
+        """
         return FlowStream(
             self,
             prompt_tokens,
@@ -231,6 +236,7 @@ class CausalFlow(nn.Module):
             embedding,
             n_timesteps=n_timesteps,
             cfg_rate=self.args.inference_cfg_rate if cfg_rate is None else cfg_rate,
+            cache_dtype=cache_dtype,
         )
 
 
@@ -253,6 +259,7 @@ class FlowStream:
         *,
         n_timesteps: int,
         cfg_rate: float,
+        cache_dtype: torch.dtype | None = None,
     ) -> None:
         flow._check_prompt(prompt_tokens, prompt_feat)
         self.flow, self.n_timesteps, self.cfg_rate = flow, n_timesteps, cfg_rate
@@ -263,7 +270,8 @@ class FlowStream:
         self.encoded = 0  # tokens (prompt included) whose frames are computed
         self.finished = False
         self.encoder_state = flow.encoder.new_state()
-        self.step_states = [flow.decoder.estimator.new_state() for _ in range(n_timesteps)]
+        estimator = flow.decoder.estimator
+        self.step_states = [estimator.new_state(cache_dtype) for _ in range(n_timesteps)]
 
     @property
     def chunk_tokens(self) -> int:

@@ -9,40 +9,56 @@ its own frames, with the result the whole sequence would have given.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 
 class KVBuffer:
-    """Keys and values of one attention layer for every frame so far, (rows, heads, T, d).
+    """Keys and values of one attention layer for every frame so far, one page per call.
 
-    Grown geometrically, so appending a chunk copies the history only O(log T) times over the
-    whole stream rather than at every chunk.
+    A chunk's keys and values are kept as they were computed, (rows, heads, t, d) each: nothing
+    is copied when a chunk arrives and no capacity is held in reserve. ``dtype`` (e.g.
+    float16) stores the pages in a narrower type, an approximation that halves their memory;
+    a chunk still attends to its own keys at full precision.
     """
 
-    def __init__(self) -> None:
-        self._kv: Tensor | None = None  # (2, rows, heads, capacity, d)
+    def __init__(self, dtype: torch.dtype | None = None) -> None:
+        self.pages: list[tuple[Tensor, Tensor]] = []
         self.length = 0
+        self.dtype = dtype
 
-    def append(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """Add k, v (rows, heads, t, d); return every key and value so far."""
-        t = k.shape[2]
-        end = self.length + t
-        if self._kv is None or end > self._kv.shape[3]:
-            capacity = max(end, 2 * (0 if self._kv is None else self._kv.shape[3]), 64)
-            grown = k.new_empty(2, k.shape[0], k.shape[1], capacity, k.shape[3])
-            if self._kv is not None:
-                grown[:, :, :, : self.length] = self._kv[:, :, :, : self.length]
-            self._kv = grown
-        self._kv[0, :, :, self.length : end] = k
-        self._kv[1, :, :, self.length : end] = v
-        self.length = end
-        return self._kv[0, :, :, :end], self._kv[1, :, :, :end]
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None = None) -> Tensor:
+        """Add the keys and values (rows, heads, t, d) of t new positions, then
+        softmax(q·Kᵀ/√d + bias)·V of their queries over every key so far; bias (…, t, length)
+        additive (−inf hides a key). Returns (rows, heads, t, d)."""
+        pages = [(pk.to(q.dtype), pv.to(q.dtype)) for pk, pv in self.pages] + [(k, v)]
+        stored = (k, v) if self.dtype is None else (k.to(self.dtype), v.to(self.dtype))
+        self.pages.append(stored)
+        self.length += k.shape[2]
+        if len(pages) == 1:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+        scale = 1.0 / math.sqrt(q.shape[-1])
+        scores = torch.cat([torch.matmul(q, pk.transpose(-1, -2)) for pk, _ in pages], dim=-1)
+        scores = scores * scale if bias is None else torch.add(bias, scores, alpha=scale)
+        weights = scores.softmax(dim=-1)
+        out: Tensor | None = None
+        start = 0
+        for _, pv in pages:
+            end = start + pv.shape[2]
+            part = torch.matmul(weights[..., start:end], pv)
+            out = part if out is None else out.add_(part)
+            start = end
+        assert out is not None
+        return out
 
     @property
     def nbytes(self) -> int:
-        return 0 if self._kv is None else self._kv.numel() * self._kv.element_size()
+        return sum(
+            k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in self.pages
+        )
 
 
 class ConvTail:
@@ -62,6 +78,13 @@ class ConvTail:
             padded = torch.cat([self.frames, x], dim=-1)
         self.frames = padded[..., -context:].clone()  # not a view: the chunk's input can go
         return conv(padded)
+
+
+def visibility_bias(visible: Tensor | None, dtype: torch.dtype) -> Tensor | None:
+    """A visibility mask as an additive attention bias (0 visible, −inf hidden)."""
+    if visible is None:
+        return None
+    return torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, float("-inf"))
 
 
 def chunk_visible(

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from engine.cosyvoice2.flow_args import CausalEstimatorArgs
-from engine.cosyvoice2.flow_cache import ConvTail, KVBuffer, chunk_visible
+from engine.cosyvoice2.flow_cache import ConvTail, KVBuffer, chunk_visible, visibility_bias
 from engine.flow_estimator import TimestepMLP, TransformerBlock, sinusoidal_embedding
 
 
@@ -71,7 +71,7 @@ class CausalResnetBlock1D(nn.Module):
         return self.block2(h, next(tails)) + self.res_conv(x)
 
 
-def _attend(block: TransformerBlock, x: Tensor, kv: KVBuffer, visible: Tensor | None) -> Tensor:
+def _attend(block: TransformerBlock, x: Tensor, kv: KVBuffer, bias: Tensor | None) -> Tensor:
     """v1's transformer block on t new frames (B, t, C), attending to every frame so far."""
     attn = block.attn1
     b, t, _ = x.shape
@@ -81,19 +81,18 @@ def _attend(block: TransformerBlock, x: Tensor, kv: KVBuffer, visible: Tensor | 
 
     h = block.norm1(x)
     q, k, v = heads(attn.to_q(h)), heads(attn.to_k(h)), heads(attn.to_v(h))
-    keys, values = kv.append(k, v)
-    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=visible)
+    out = kv.attend(q, k, v, bias)
     x = x + attn.to_out[0](out.transpose(1, 2).reshape(b, t, attn.heads * attn.head_dim))
     return x + block.ff(block.norm3(x))
 
 
 def _run_transformers(
-    blocks: nn.ModuleList, x: Tensor, kv: Iterator[KVBuffer], visible: Tensor | None
+    blocks: nn.ModuleList, x: Tensor, kv: Iterator[KVBuffer], bias: Tensor | None
 ) -> Tensor:
     """The blocks on x (B, C, t) in (B, t, C) layout; returns (B, C, t)."""
     h = x.transpose(1, 2)
     for block in cast(Iterable[TransformerBlock], blocks):
-        h = _attend(block, h, next(kv), visible)
+        h = _attend(block, h, next(kv), bias)
     return h.transpose(1, 2)
 
 
@@ -170,12 +169,15 @@ class CausalConditionalDecoder(nn.Module):
         """The ResNet blocks in the order :meth:`forward` runs them."""
         return [level[0] for level in (*self.down_blocks, *self.mid_blocks, *self.up_blocks)]
 
-    def new_state(self) -> EstimatorState:
-        """An empty state: 2 convolutions per ResNet, the down/up convs and the final block."""
+    def new_state(self, cache_dtype: torch.dtype | None = None) -> EstimatorState:
+        """An empty state: 2 convolutions per ResNet, the down/up convs and the final block;
+        one key/value buffer per transformer block, kept in ``cache_dtype`` (None: as
+        computed)."""
         n_tails = 2 * len(self._resnets()) + 3
         n_attention = self.args.n_blocks * (2 + self.args.num_mid_blocks)
         return EstimatorState(
-            [ConvTail() for _ in range(n_tails)], [KVBuffer() for _ in range(n_attention)]
+            [ConvTail() for _ in range(n_tails)],
+            [KVBuffer(cache_dtype) for _ in range(n_attention)],
         )
 
     def time_biases(self, t: Tensor) -> list[Tensor]:
@@ -212,18 +214,18 @@ class CausalConditionalDecoder(nn.Module):
         biases = iter([b.expand(rows, -1) if b.shape[0] == 1 else b for b in time_biases])
         tails, kv = iter(state.tails), iter(state.kv)
         chunk = self.args.static_chunk_size if streaming else None
-        visible = chunk_visible(state.frames, frames, chunk, x.device)
+        bias = visibility_bias(chunk_visible(state.frames, frames, chunk, x.device), x.dtype)
 
         h = torch.cat([x, mu, spks.unsqueeze(-1).expand(-1, -1, frames), cond], dim=1)
         resnet, blocks, conv = _only_level(self.down_blocks)
-        h = _run_transformers(blocks, resnet(h, next(biases), tails), kv, visible)
+        h = _run_transformers(blocks, resnet(h, next(biases), tails), kv, bias)
         skip = h
         h = next(tails).conv(conv, h)
         for resnet, blocks in cast(Iterable[_MidLevel], self.mid_blocks):
-            h = _run_transformers(blocks, resnet(h, next(biases), tails), kv, visible)
+            h = _run_transformers(blocks, resnet(h, next(biases), tails), kv, bias)
         resnet, blocks, conv = _only_level(self.up_blocks)
         h = torch.cat([h, skip], dim=1)
-        h = _run_transformers(blocks, resnet(h, next(biases), tails), kv, visible)
+        h = _run_transformers(blocks, resnet(h, next(biases), tails), kv, bias)
         h = next(tails).conv(conv, h)
         out = self.final_proj(self.final_block(h, next(tails)))
         state.frames += frames

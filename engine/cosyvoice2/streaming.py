@@ -127,6 +127,7 @@ class SpeechStream:
         n_timesteps: int = 10,
         cfg_rate: float | None = None,
         full_attention_last: bool = False,
+        cache_dtype: torch.dtype | None = None,
         threads: ThreadBudget | None = None,
     ) -> None:
         self.prompt, self.threads = prompt, threads
@@ -137,6 +138,7 @@ class SpeechStream:
             prompt.embedding,
             n_timesteps=n_timesteps,
             cfg_rate=cfg_rate,
+            cache_dtype=cache_dtype,
         )
         self.vocoder = VocoderStream(hift, noise, threads=threads)
 
