@@ -123,40 +123,40 @@ class Qwen2Config:
 # --- rotary positions ---------------------------------------------------------------------------
 
 
-class RotaryTable:
-    """cos/sin of every position's angles, (N, head_dim) each, grown by doubling and shared.
+_MIN_ROTARY_LEN = 256
+_rotary_tables: dict[tuple[int, float], tuple[Tensor, Tensor]] = {}
+_rotary_lock = threading.Lock()
 
-    Computed with the same float32 operations as the reference (inverse frequencies from an
-    integer range, angle = position * inv_freq), so the values are identical for any length.
+
+def inverse_frequencies(head_dim: int, theta: float) -> Tensor:
+    """theta^(-2i/head_dim), computed from an integer range in float32 as the reference does."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
+    return 1.0 / (theta**exponents)
+
+
+def rotary_rows(head_dim: int, theta: float, length: int) -> tuple[Tensor, Tensor]:
+    """(cos, sin) of the angles of positions 0…N-1, (N >= length, head_dim) each, shared.
+
+    angle = position * inverse frequency (both halves of a head use the same angles); grown by
+    doubling. The values of a row do not depend on the table's length.
     """
-
-    _MIN_LEN = 256
-
-    def __init__(self, head_dim: int, theta: float) -> None:
-        self.head_dim, self.theta = head_dim, theta
-        self._lock = threading.Lock()
-        # one attribute, replaced whole: a reader without the lock sees the old or new pair
-        self._table = (torch.empty(0, head_dim), torch.empty(0, head_dim))
-
-    def inv_freq(self) -> Tensor:
-        exponents = torch.arange(0, self.head_dim, 2, dtype=torch.int64).float() / self.head_dim
-        return 1.0 / (self.theta**exponents)
-
-    def rows(self, length: int) -> tuple[Tensor, Tensor]:
-        """(cos, sin), each with at least ``length`` rows."""
-        table = self._table
-        if table[0].shape[0] >= length:
-            return table
-        with self._lock:
-            have = self._table[0].shape[0]
-            if have < length:
-                size = max(self._MIN_LEN, 2 * have)
-                while size < length:
-                    size *= 2
-                angles = torch.arange(size, dtype=torch.float32).unsqueeze(1) * self.inv_freq()
-                angles = torch.cat([angles, angles], dim=-1)
-                self._table = (angles.cos(), angles.sin())
-            return self._table
+    key = (head_dim, theta)
+    table = _rotary_tables.get(key)
+    if table is not None and table[0].shape[0] >= length:
+        return table
+    with _rotary_lock:
+        table = _rotary_tables.get(key)
+        have = 0 if table is None else table[0].shape[0]
+        if have < length:
+            size = max(_MIN_ROTARY_LEN, 2 * have)
+            while size < length:
+                size *= 2
+            positions = torch.arange(size, dtype=torch.float32, device="cpu").unsqueeze(1)
+            angles = positions * inverse_frequencies(head_dim, theta)
+            angles = torch.cat([angles, angles], dim=-1)
+            table = _rotary_tables[key] = (angles.cos(), angles.sin())
+        assert table is not None
+        return table
 
 
 def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -305,7 +305,6 @@ class Qwen2Model(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(Qwen2DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.rotary = RotaryTable(cfg.head_dim, cfg.rope_theta)
 
     def _layers(self) -> Iterable[Qwen2DecoderLayer]:
         return cast(Iterable[Qwen2DecoderLayer], self.layers)
@@ -340,7 +339,7 @@ class Qwen2Model(nn.Module):
         length = start + t
         if length > cache.max_len:
             raise ValueError(f"KV cache full: {length} > {cache.max_len} positions")
-        cos, sin = self.rotary.rows(length)
+        cos, sin = rotary_rows(self.cfg.head_dim, self.cfg.rope_theta, length)
         cos = cos[start:length].to(dtype=x.dtype, device=x.device)
         sin = sin[start:length].to(dtype=x.dtype, device=x.device)
         if t == 1 and b == 1:
