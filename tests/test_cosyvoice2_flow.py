@@ -5,6 +5,7 @@ reference cases (tests/data/cosyvoice2)."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -193,3 +194,165 @@ def test_prompt_mel_must_be_two_frames_a_token(flow: CausalFlow) -> None:
     prompt_tokens, prompt_feat, embedding = _prompt(10)
     with pytest.raises(ValueError, match=r"prompt mel must be \(1, 20, 80\)"):
         flow.stream(prompt_tokens, prompt_feat[:, :19], embedding)
+
+
+# --- parity with the official reference cases (tests/data/cosyvoice2/flow_cases.*) ----------
+
+ENC_TOL = {"atol": 1e-5, "rtol": 0.0}
+MEL_TOL = {"atol": 1e-4, "rtol": 1e-4}
+# (case, tokens passed to the official call, streaming, finalize)
+ONE_SHOT_CASES = {
+    "nonstream_prompt": (90, False, True),
+    "stream_chunk0": (33, True, False),
+    "stream_chunk1": (83, True, False),
+    "stream_chunk2": (90, False, True),
+    "stream_final_chunk_causal_variant": (90, True, True),
+}
+
+
+@pytest.fixture(scope="module")
+def cases() -> dict[str, torch.Tensor]:
+    return torch.load(DATA / "flow_cases.pt", weights_only=True)
+
+
+@pytest.fixture(scope="module")
+def schedule() -> list[dict]:
+    return json.loads((DATA / "flow_cases.json").read_text(encoding="utf-8"))["stream_schedule"]
+
+
+def _inputs(cases: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    return tuple(
+        cases[f"inputs/{name}"] for name in ("tokens", "prompt_token", "prompt_feat", "embedding")
+    )
+
+
+def _close(actual: torch.Tensor, expected: torch.Tensor, tol: dict, what: str) -> None:
+    assert actual.shape == expected.shape, (
+        f"{what}: {tuple(actual.shape)} vs {tuple(expected.shape)}"
+    )
+    torch.testing.assert_close(actual, expected, **tol, msg=lambda m: f"{what}: {m}")
+
+
+def test_fixed_noise_equals_the_official_prefix(
+    flow: CausalFlow, cases: dict[str, torch.Tensor]
+) -> None:
+    assert torch.equal(flow.decoder.noise(0, 220)[0], cases["fixed_noise_prefix"])
+
+
+@pytest.mark.parametrize("case", sorted(ONE_SHOT_CASES))
+def test_encoder_stages_match(flow: CausalFlow, cases: dict[str, torch.Tensor], case: str) -> None:
+    n_tokens, streaming, finalize = ONE_SHOT_CASES[case]
+    tokens, prompt_tokens, _, embedding = _inputs(cases)
+    ids = torch.cat([prompt_tokens, tokens[:, :n_tokens]], dim=1)
+    ahead = None
+    if not finalize:
+        ids, ahead = ids[:, :-3], ids[:, -3:]
+    enc = flow.encoder
+    seen: dict[str, torch.Tensor] = {}
+
+    def record(name: str, take_input: bool = False) -> Callable[..., None]:
+        def hook(module: torch.nn.Module, args: tuple, out: torch.Tensor) -> None:
+            seen.setdefault(name, args[0] if take_input else out)  # the first call's
+
+        return hook
+
+    hooks = [
+        enc.embed.register_forward_hook(record("embed")),
+        enc.pre_lookahead_layer.register_forward_hook(record("pre")),
+        enc.up_layer.register_forward_hook(record("layers", take_input=True)),
+        enc.up_layer.register_forward_hook(record("up")),
+    ]
+    try:
+        with torch.inference_mode():
+            mu = flow.encode(ids, ahead, streaming=streaming)
+            h = enc(
+                flow.embed(ids), None if ahead is None else flow.embed(ahead), streaming=streaming
+            )
+            spks = flow.speaker(embedding)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert torch.equal(flow.embed(ids)[0], cases[f"{case}/enc_in"])
+    _close(seen["embed"][0] * enc.xscale, cases[f"{case}/embed_out"], ENC_TOL, "embed_out")
+    _close(seen["pre"][0], cases[f"{case}/pre_lookahead_out"], ENC_TOL, "pre_lookahead_out")
+    _close(seen["layers"][0], cases[f"{case}/encoders_out"], ENC_TOL, "encoders_out")
+    _close(seen["up"][0].T, cases[f"{case}/up_layer_out"], ENC_TOL, "up_layer_out")
+    _close(h[0], cases[f"{case}/encoder_out"], ENC_TOL, "encoder_out")
+    _close(mu[0].T, cases[f"{case}/mu"], ENC_TOL, "mu")
+    _close(spks[0], cases[f"{case}/spk_proj"], ENC_TOL, "spk_proj")
+
+
+@pytest.mark.parametrize("case", sorted(ONE_SHOT_CASES))
+def test_one_call_mel_matches(flow: CausalFlow, cases: dict[str, torch.Tensor], case: str) -> None:
+    n_tokens, streaming, finalize = ONE_SHOT_CASES[case]
+    tokens, prompt_tokens, prompt_feat, embedding = _inputs(cases)
+    mel = flow.inference(
+        tokens[:, :n_tokens],
+        prompt_tokens,
+        prompt_feat,
+        embedding,
+        streaming=streaming,
+        finalize=finalize,
+    )
+    _close(mel[0], cases[f"{case}/out_mel"], MEL_TOL, f"{case}/out_mel")
+
+
+def test_no_prompt_steps_match(flow: CausalFlow, cases: dict[str, torch.Tensor]) -> None:
+    """Every Euler step: the x the estimator gets, its time, both guidance rows."""
+    c = "nonstream_noprompt_short"
+    tokens = cases[f"{c}/in_token"]
+    steps: list[tuple[torch.Tensor, ...]] = []
+
+    def record(step: int, x: torch.Tensor, t: torch.Tensor, dphi: torch.Tensor) -> None:
+        steps.append((x[0].clone(), t.clone(), dphi[0].clone(), dphi[1].clone()))
+
+    empty = torch.zeros(1, 0, dtype=torch.int32), torch.zeros(1, 0, 80)
+    mel = flow.inference(
+        tokens, *empty, cases["inputs/embedding"], streaming=False, finalize=True,
+        step_callback=record,
+    )  # fmt: skip
+    assert len(steps) == 10
+    for k, (x, t, cond, uncond) in enumerate(steps):
+        _close(x, cases[f"{c}/step_x"][k], MEL_TOL, f"step {k} x")
+        assert t.item() == cases[f"{c}/step_t"][k].item(), f"step {k} t"
+        _close(cond, cases[f"{c}/step_v_cond"][k], MEL_TOL, f"step {k} v_cond")
+        _close(uncond, cases[f"{c}/step_v_uncond"][k], MEL_TOL, f"step {k} v_uncond")
+    _close(mel[0], cases[f"{c}/out_mel"], MEL_TOL, "out_mel")
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_estimator_direct(
+    flow: CausalFlow, cases: dict[str, torch.Tensor], streaming: bool
+) -> None:
+    """Batch 2, T = 67 (a partial last chunk), row 1 padded from frame 55, a time per row."""
+    g = {k.split("/", 1)[1]: v for k, v in cases.items() if k.startswith("estimator_direct/")}
+    with torch.inference_mode():
+        out = flow.decoder.estimator(
+            g["in_x"], g["in_mu"], g["in_t"], g["in_spks"], g["in_cond"],
+            streaming=streaming, mask=g["in_mask"],
+        )  # fmt: skip
+    _close(out, g[f"out_streaming_{streaming}"], MEL_TOL, "estimator_direct")
+    assert torch.all(out[1, :, 55:] == 0)
+
+
+def test_incremental_stream_matches_the_official_chunks(
+    flow: CausalFlow, cases: dict[str, torch.Tensor], schedule: list[dict]
+) -> None:
+    """FlowStream, each chunk computed once on its own frames, gives the mel the official
+    orchestration keeps of each (re-run) call; its last chunk is the chunk-attention variant
+    of the official last call (which runs in full attention: see the streaming tests)."""
+    tokens, prompt_tokens, prompt_feat, embedding = _inputs(cases)
+    stream = flow.stream(prompt_tokens, prompt_feat, embedding)
+    sent = 0
+    for k, call in enumerate(schedule):
+        end = call["tokens_passed"]
+        mel = stream.push(tokens[:, sent:end], finalize=call["finalize"])
+        sent = end
+        assert mel.shape[2] == call["kept_mel_frames"]
+        if call["streaming"]:
+            _close(mel[0], cases[f"stream_chunk{k}/kept_mel"], MEL_TOL, f"chunk {k}")
+        else:
+            want = cases["stream_final_chunk_causal_variant/kept_mel"]
+            _close(mel[0], want, MEL_TOL, "last chunk (chunk attention)")
+    # Each estimator pass covered only its chunk's new frames (the prompt's in the first).
+    assert stream.frames_per_step() == [40 + 60, 100, 20]

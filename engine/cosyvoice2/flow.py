@@ -20,7 +20,7 @@ Two ways to run it:
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import NamedTuple
 
 import torch
@@ -34,6 +34,10 @@ from engine.types import ModelLoadError
 
 _LOGGER = logging.getLogger(__name__)
 _MAX_LISTED_KEYS = 8
+
+#: Called once per Euler step with (step index, x fed to the estimator (1, 80, t), flow time t
+#: (0-d tensor), raw estimator output (rows, 80, t): row 0 conditional, row 1 unconditional).
+StepCallback = Callable[[int, Tensor, Tensor, Tensor], None]
 
 
 class EulerGrid(NamedTuple):
@@ -93,6 +97,7 @@ class CausalCFM(nn.Module):
         cfg_rate: float,
         streaming: bool,
         states: list[EstimatorState] | None = None,
+        step_callback: StepCallback | None = None,
     ) -> Tensor:
         """Integrate the frames z (1, 80, t) from t=0 to 1; returns the mel (1, 80, t).
 
@@ -122,6 +127,8 @@ class CausalCFM(nn.Module):
                 state=None if states is None else states[k],
                 time_biases=[b[k : k + 1] for b in step_biases],
             )
+            if step_callback is not None:
+                step_callback(k, x, t, dphi)
             v = (1.0 + cfg_rate) * dphi[:1] - cfg_rate * dphi[1:] if rows == 2 else dphi
             x = x + dt * v
         return x.float()
@@ -184,6 +191,7 @@ class CausalFlow(nn.Module):
         finalize: bool,
         n_timesteps: int = 10,
         cfg_rate: float | None = None,
+        step_callback: StepCallback | None = None,
     ) -> Tensor:
         """Mel (1, 80, frames) of ``tokens`` (1, N2) after the prompt, in one call.
 
@@ -211,6 +219,7 @@ class CausalFlow(nn.Module):
             n_timesteps=n_timesteps,
             cfg_rate=self.args.inference_cfg_rate if cfg_rate is None else cfg_rate,
             streaming=streaming,
+            step_callback=step_callback,
         )
         return mel[:, :, prompt_frames:]
 

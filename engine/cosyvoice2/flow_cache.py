@@ -84,7 +84,8 @@ def visibility_bias(visible: Tensor | None, dtype: torch.dtype) -> Tensor | None
     """A visibility mask as an additive attention bias (0 visible, −inf hidden)."""
     if visible is None:
         return None
-    return torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, float("-inf"))
+    zeros = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
+    return zeros.masked_fill_(~visible, float("-inf"))
 
 
 def chunk_visible(

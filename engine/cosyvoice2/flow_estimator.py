@@ -29,7 +29,7 @@ from torch import Tensor, nn
 
 from engine.cosyvoice2.flow_args import CausalEstimatorArgs
 from engine.cosyvoice2.flow_cache import ConvTail, KVBuffer, chunk_visible, visibility_bias
-from engine.flow_estimator import TimestepMLP, TransformerBlock, sinusoidal_embedding
+from engine.flow_estimator import TimestepMLP, TransformerBlock, _masked, sinusoidal_embedding
 
 
 class CausalBlock1D(nn.Module):
@@ -44,11 +44,11 @@ class CausalBlock1D(nn.Module):
             [nn.Conv1d(dim, dim_out, 3), nn.Identity(), nn.LayerNorm(dim_out), nn.Identity()]
         )
 
-    def forward(self, x: Tensor, tail: ConvTail) -> Tensor:
+    def forward(self, x: Tensor, tail: ConvTail, mask: Tensor | None = None) -> Tensor:
         conv, norm = cast(nn.Conv1d, self.block[0]), cast(nn.LayerNorm, self.block[2])
-        h = tail.conv(conv, x).transpose(1, 2)  # (B, T, C)
+        h = tail.conv(conv, _masked(x, mask)).transpose(1, 2)  # (B, T, C)
         h = F.layer_norm(h, norm.normalized_shape, norm.weight, norm.bias, norm.eps)
-        return F.mish(h).transpose(1, 2)
+        return _masked(F.mish(h).transpose(1, 2), mask)
 
 
 class CausalResnetBlock1D(nn.Module):
@@ -66,9 +66,12 @@ class CausalResnetBlock1D(nn.Module):
         """Mish(temb) (N, time_dim) → the bias added after block1, (N, C_out)."""
         return cast(Tensor, self.mlp[1](temb_mish))
 
-    def forward(self, x: Tensor, time_bias: Tensor, tails: Iterator[ConvTail]) -> Tensor:
-        h = self.block1(x, next(tails)) + time_bias.unsqueeze(-1)
-        return self.block2(h, next(tails)) + self.res_conv(x)
+    def forward(
+        self, x: Tensor, time_bias: Tensor, tails: Iterator[ConvTail], mask: Tensor | None
+    ) -> Tensor:
+        h = self.block1(x, next(tails), mask) + time_bias.unsqueeze(-1)
+        # The residual branch is not re-masked (as upstream).
+        return self.block2(h, next(tails), mask) + self.res_conv(_masked(x, mask))
 
 
 def _attend(block: TransformerBlock, x: Tensor, kv: KVBuffer, bias: Tensor | None) -> Tensor:
@@ -197,37 +200,49 @@ class CausalConditionalDecoder(nn.Module):
         streaming: bool,
         state: EstimatorState | None = None,
         time_biases: Sequence[Tensor] | None = None,
+        mask: Tensor | None = None,
     ) -> Tensor:
         """Vector field (B, 80, t) for the t frames after those ``state`` has seen.
 
         x, mu, cond (B, 80, t); t (B,) flow times; spks (B, 80). ``streaming``: chunk attention
         (needed to carry a state); else every frame sees every other. ``time_biases``:
-        :meth:`time_biases` of t computed ahead (t is then not read).
+        :meth:`time_biases` of t computed ahead (t is then not read). ``mask`` (B, 1, t), 0 at
+        padded frames of a batch (a one-shot call only): their output is 0 and no frame
+        attends to them.
         """
         if state is None:
             state = self.new_state()
         elif state.frames and not streaming:
             raise ValueError("a carried estimator state needs streaming (chunk) attention")
+        if mask is not None and state.frames:
+            raise ValueError("a padding mask is for one-shot calls, not a carried state")
+        if mask is not None and bool(mask.min() >= 1.0):
+            mask = None  # nothing padded: every multiplication by the mask is a no-op
         if time_biases is None:
             time_biases = self.time_biases(t)
         rows, frames = x.shape[0], x.shape[-1]
         biases = iter([b.expand(rows, -1) if b.shape[0] == 1 else b for b in time_biases])
         tails, kv = iter(state.tails), iter(state.kv)
         chunk = self.args.static_chunk_size if streaming else None
-        bias = visibility_bias(chunk_visible(state.frames, frames, chunk, x.device), x.dtype)
+        visible = chunk_visible(state.frames, frames, chunk, x.device)
+        if mask is not None:  # (B, 1, 1, t) padded keys hidden from every query
+            keys = (mask > 0).unsqueeze(1)
+            visible = keys if visible is None else keys & visible
+        bias = visibility_bias(visible, x.dtype)
 
         h = torch.cat([x, mu, spks.unsqueeze(-1).expand(-1, -1, frames), cond], dim=1)
         resnet, blocks, conv = _only_level(self.down_blocks)
-        h = _run_transformers(blocks, resnet(h, next(biases), tails), kv, bias)
+        h = _run_transformers(blocks, resnet(h, next(biases), tails, mask), kv, bias)
         skip = h
-        h = next(tails).conv(conv, h)
+        h = next(tails).conv(conv, _masked(h, mask))
         for resnet, blocks in cast(Iterable[_MidLevel], self.mid_blocks):
-            h = _run_transformers(blocks, resnet(h, next(biases), tails), kv, bias)
+            h = _run_transformers(blocks, resnet(h, next(biases), tails, mask), kv, bias)
         resnet, blocks, conv = _only_level(self.up_blocks)
         h = torch.cat([h, skip], dim=1)
-        h = _run_transformers(blocks, resnet(h, next(biases), tails), kv, bias)
-        h = next(tails).conv(conv, h)
-        out = self.final_proj(self.final_block(h, next(tails)))
+        h = _run_transformers(blocks, resnet(h, next(biases), tails, mask), kv, bias)
+        h = next(tails).conv(conv, _masked(h, mask))
+        h = self.final_block(h, next(tails), mask)
+        out = _masked(self.final_proj(_masked(h, mask)), mask)
         state.frames += frames
         state.computed.append(frames)
         return out
