@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 import signal
 import socket
 import subprocess
@@ -110,6 +111,61 @@ class Call:
     finished: bool = False
 
 
+# --- a fixed sentence splitter -------------------------------------------------------------
+
+# A Latin ender only counts once whitespace follows (so "3.5" and "e.g." mid-token stay whole);
+# CJK enders split at once. Closing quotes/brackets stay with their sentence.
+_BOUNDARY = re.compile(
+    r"""(?:[.!?…]+["'”’)\]]*\s+)|(?:[。！？；]+[”’」』）》】"']*\s*)|(?:\n\s*\n)"""
+)
+
+
+class SimpleSplitter:
+    """A small regex splitter with the frontend splitter's feed/flush interface, for server
+    tests with the fake engine: its cuts are plain to read off a test's text (the real one is
+    driven by the tests with the real engine). Releases each sentence as soon as its end is
+    certain; a sentence longer than ``max_chars`` is cut at its last comma or space."""
+
+    def __init__(self, max_chars: int = 120) -> None:
+        self._buffer = ""
+        self.max_chars = max_chars
+
+    def _cut_long(self) -> list[str]:
+        out = []
+        while len(self._buffer) > self.max_chars:
+            head = self._buffer[: self.max_chars]
+            comma = max(head.rfind(c) for c in ",，、;；")
+            cut = (comma if comma > 0 else head.rfind(" ")) + 1 or self.max_chars
+            piece, self._buffer = self._buffer[:cut].strip(), self._buffer[cut:]
+            if piece:
+                out.append(piece)
+        return out
+
+    def feed(self, fragment: str) -> list[str]:
+        self._buffer += fragment
+        sentences: list[str] = []
+        start = 0
+        for match in _BOUNDARY.finditer(self._buffer):
+            sentence = self._buffer[start : match.end()].strip()
+            if sentence:
+                sentences.extend(SimpleSplitter(self.max_chars).feed_whole(sentence))
+            start = match.end()
+        self._buffer = self._buffer[start:]
+        return sentences + self._cut_long()
+
+    def feed_whole(self, sentence: str) -> list[str]:
+        """A complete sentence, cut to ``max_chars`` pieces."""
+        self._buffer = sentence
+        pieces = self._cut_long()
+        rest, self._buffer = self._buffer.strip(), ""
+        return [*pieces, rest] if rest else pieces
+
+    def flush(self) -> list[str]:
+        pieces = self._cut_long()
+        rest, self._buffer = self._buffer.strip(), ""
+        return [*pieces, rest] if rest else pieces
+
+
 # --- in-process server and client ----------------------------------------------------------
 
 
@@ -168,9 +224,8 @@ async def fake_server(
     model_dir: Path = TINY_MODEL,
     wait_ready: bool = True,
 ) -> AsyncIterator[SimpleNamespace]:
-    """The real server (handler, host, limits) on a free port, with a fake engine."""
+    """The real server (handler, scheduler, limits) on a free port, with a fake engine."""
     from wyoming_cosyvoice.config import load_config
-    from wyoming_cosyvoice.sentences import SimpleSplitter
     from wyoming_cosyvoice.server import create_server
 
     port = free_port()

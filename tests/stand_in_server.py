@@ -53,10 +53,10 @@ class StuckEngine:
 
 
 def main() -> int:
-    from wyoming_cosyvoice import server
+    from wyoming_cosyvoice import model
     from wyoming_cosyvoice.__main__ import main as server_main
 
-    server.engine_loader = lambda config: StuckEngine  # what the real loader would return
+    model.engine_loader = lambda config: StuckEngine  # what the real loader would return
     return server_main(sys.argv[1:])
 
 

@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 
-from wyoming_cosyvoice import batch
-from wyoming_cosyvoice.sentences import has_speech, make_splitter, split_all
+from wyoming_cosyvoice import synthesize as batch
+from wyoming_cosyvoice.sentences import split_text
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "tests" / "data" / "tiny_model"
@@ -48,7 +48,7 @@ def check_book(tmp_path: Path, *extra: str) -> subprocess.CompletedProcess:
     done = run_cli("--batch", "-f", "chapter.txt", "-o", "chapter.wav", "--segments-dir", "parts",
                    "--voice", "en-male", *extra, tmp_path=tmp_path)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
-    expected = [s for s in split_all(CHAPTER, make_splitter()) if has_speech(s)]
+    expected = split_text(CHAPTER)
     parts = sorted((tmp_path / "parts").glob("*.wav"))
     assert len(parts) == len(expected) > 10
     total, pcm = frames(tmp_path / "chapter.wav")
@@ -121,7 +121,7 @@ def test_batch_reads_each_sentence_in_a_voice_of_its_language(
 ) -> None:  # fmt: skip
     """Without --voice, a mixed text switches voice per segment, as the server picks one for
     a request; --voice keeps one voice throughout."""
-    from wyoming_cosyvoice import server
+    from wyoming_cosyvoice import model
 
     engines: list[Any] = []
 
@@ -132,7 +132,7 @@ def test_batch_reads_each_sentence_in_a_voice_of_its_language(
 
         return load
 
-    monkeypatch.setattr(server, "engine_loader", loader)
+    monkeypatch.setattr(model, "engine_loader", loader)
     argv = ["--batch", MIXED, "--model-dir", str(TINY), "-o", str(tmp_path / "mixed.wav"),
             "--quiet", *(["--voice", voice] if voice else [])]  # fmt: skip
     assert batch.main(argv) == 0

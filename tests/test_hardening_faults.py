@@ -99,7 +99,7 @@ def test_disconnect_at_every_stage_leaves_nothing_behind(
             while srv.running.handlers and asyncio.get_running_loop().time() < deadline:
                 await asyncio.sleep(0.02)
             leftover = set(srv.running.handlers)
-            waiting = srv.running.host.waiting
+            waiting = srv.running.scheduler.waiting
             after = await wy.synthesize(srv.port, "The next client.")
             return leftover, (waiting, after), srv.engines[0].calls
 

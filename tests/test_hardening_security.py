@@ -61,7 +61,7 @@ def model_copy(tmp_path: Path, wy: SimpleNamespace) -> Path:
 def test_malicious_speaker_file_is_refused_everywhere(model_copy: Path, tmp_path: Path) -> None:
     from engine.types import ModelLoadError
     from engine.weights import load_model_dir, load_speakers
-    from wyoming_cosyvoice.server import peek_speakers
+    from wyoming_cosyvoice.model import peek_speakers
 
     marker = tmp_path / "pwned"
     _malicious(model_copy / "spk2info.pt", {"中文女": {"embedding": _Payload(marker)}})

@@ -1,6 +1,6 @@
 """HTTP API with the fake engine: formats, every error code, streaming, disconnects.
 
-The server is the real one (ModelHost, Wyoming listener, Uvicorn) in a background thread with
+The server is the real one (scheduler, Wyoming listener, Uvicorn) in a background thread with
 its own event loop; the tests are a real HTTP client (httpx) in the test thread. The fake
 engine (conftest) makes ``SAMPLES_PER_CHAR`` samples per character, so lengths are exact.
 ``BackgroundServer`` is imported by the other test_http*.py files.
@@ -26,7 +26,7 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("starlette", reason="the http extra is not installed")
 pytest.importorskip("uvicorn", reason="the http extra is not installed")
 
-from conftest import TINY_MODEL, FakeEngine  # noqa: E402
+from conftest import TINY_MODEL, FakeEngine, SimpleSplitter  # noqa: E402
 
 RATE = 22050
 
@@ -55,7 +55,7 @@ class BackgroundServer:
     async def _start(self) -> None:
         from wyoming_cosyvoice.config import load_config
         from wyoming_cosyvoice.http import start_http, start_model_only
-        from wyoming_cosyvoice.sentences import SimpleSplitter, make_splitter
+        from wyoming_cosyvoice.sentences import make_splitter
         from wyoming_cosyvoice.server import create_server
 
         self.config = load_config(None, self.settings.items())
@@ -67,7 +67,7 @@ class BackgroundServer:
         else:
             self.running = await start_model_only(self.config, TINY_MODEL,
                                                   engine_factory=self._make_engine)  # fmt: skip
-        self.http = await start_http(self.config, self.running.host, "127.0.0.1", 0,
+        self.http = await start_http(self.config, self.running.scheduler, "127.0.0.1", 0,
                                      splitter_factory=splitter,
                                      allow_origins=self.allow_origins)  # fmt: skip
         if self.wait_ready:
@@ -451,4 +451,4 @@ def test_client_that_stops_reading_is_dropped_and_frees_the_engine() -> None:
 
 async def _idle(srv: BackgroundServer) -> bool:
     """True once no request is waiting for or holding the engine."""
-    return srv.running.host.idle
+    return srv.running.scheduler.idle

@@ -1,6 +1,6 @@
 """HTTP API end to end with the real engine on tests/data/tiny_model.
 
-One server (Wyoming listener + HTTP, one ModelHost) serves the module. The engine is wrapped to
+One server (Wyoming listener + HTTP, one scheduler) serves the module. The engine is wrapped to
 record, on the engine thread, each chunk it produces; the number of speech tokens is fixed
 (``force_tokens``) so every sentence takes the same short time. Streaming is shown by order,
 not by wall time: the engine is not allowed to produce its last chunk until the HTTP client has

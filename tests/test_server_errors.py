@@ -203,7 +203,7 @@ def test_lying_data_length_waits_then_the_client_leaves(wy: SimpleNamespace) -> 
             await asyncio.sleep(0.2)
             writer.close()
             await asyncio.sleep(0.2)
-            assert srv.running.host.engine is not None
+            assert srv.running.scheduler.engine is not None
             reply = await wy.synthesize(srv.port, "Still fine.")
             return reply.types
 

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from engine import thread_budget
-from wyoming_cosyvoice.server import _Slots
+from wyoming_cosyvoice.scheduler import _Slots
 
 
 def run(coro):
@@ -128,10 +128,10 @@ def test_sentences_side_by_side_share_the_cores_and_one_alone_gets_them_all(
 
 
 def test_only_the_first_slot_runs_a_sentence_on_every_core() -> None:
-    from wyoming_cosyvoice.server import ModelHost
+    from wyoming_cosyvoice.scheduler import Scheduler
 
     async def main() -> list[int | None]:
-        host = ModelHost(
+        host = Scheduler(
             "model", engine_factory=lambda *_: None, warmup=False, parallel=2, shared_cores=True
         )
         host._all_threads = 4
@@ -143,7 +143,7 @@ def test_only_the_first_slot_runs_a_sentence_on_every_core() -> None:
         host._slots.release(first)
         seen.append(host._threads_for(1))  # alone, but on slot 1: stays on one thread
         host._slots.release(second)
-        plain = ModelHost("model", engine_factory=lambda *_: None, warmup=False, parallel=2)
+        plain = Scheduler("model", engine_factory=lambda *_: None, warmup=False, parallel=2)
         seen.append(plain._threads_for(0))  # not shared: threads are left as they are
         host.shutdown()
         plain.shutdown()
@@ -168,11 +168,11 @@ def test_an_explicit_thread_count_is_kept_with_parallel_sentences(wy: SimpleName
 
 def test_an_exclusive_job_waits_for_every_running_sentence(wy: SimpleNamespace) -> None:
     from engine.types import SynthesisOptions
-    from wyoming_cosyvoice.server import ModelHost
+    from wyoming_cosyvoice.scheduler import Scheduler
 
     async def main() -> list[bool]:
         engine = wy.FakeEngine("model", None, delay=0.02)
-        host = ModelHost("model", engine_factory=lambda *_: engine, warmup=False, parallel=2)
+        host = Scheduler("model", engine_factory=lambda *_: engine, warmup=False, parallel=2)
         await host.load()
 
         async def sentence(text: str) -> None:

@@ -1,6 +1,6 @@
 """Stopping the model host: every sentence is cancelled at once, whoever asked for it.
 
-The Wyoming handler and the HTTP API both speak through ``ModelHost.synthesize``; a stop
+The Wyoming handler and the HTTP API both speak through ``Scheduler.synthesize``; a stop
 cancels their sentences there, running or queued, and refuses new ones. The real process on
 SIGTERM is tested in test_hardening_faults.py.
 """
@@ -25,7 +25,7 @@ def test_cancel_all_stops_running_and_queued_sentences_and_refuses_new_ones(
     async def main() -> tuple[list[Any], bool, Any, list[Any]]:
         engine = lambda p, t: wy.FakeEngine(p, t, delay=0.05)  # noqa: E731
         async with wy.fake_server(engine=engine) as srv:
-            host = srv.running.host
+            host = srv.running.scheduler
             options = srv.config.profile.options(
                 speaker="英文男", seed=0, instruct=None, force_tokens=None
             )
@@ -70,7 +70,7 @@ def test_wait_idle_reports_a_computation_that_does_not_end(wy: SimpleNamespace) 
 
     async def main() -> tuple[bool, bool]:
         async with wy.fake_server() as srv:
-            host = srv.running.host
+            host = srv.running.scheduler
             busy = asyncio.create_task(host.run_on_engine(computation))
             assert await asyncio.to_thread(entered.wait, 60)
             stuck = await host.wait_idle(0.2)  # the computation runs until released

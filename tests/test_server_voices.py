@@ -34,9 +34,10 @@ import pytest
 from conftest import terminate
 from wyoming.info import Describe, Info
 
-from wyoming_cosyvoice.custom_voices import folder_fingerprint, split_instruction
-from wyoming_cosyvoice.info import ALL_LANGUAGES, VoiceCatalog
+from wyoming_cosyvoice.custom_voices import folder_fingerprint
 from wyoming_cosyvoice.protocol import LimitExceededError
+from wyoming_cosyvoice.speech import split_instruction
+from wyoming_cosyvoice.voice_catalog import ALL_LANGUAGES, VoiceCatalog
 
 pytest.importorskip("onnxruntime")
 

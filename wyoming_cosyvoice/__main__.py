@@ -22,6 +22,7 @@ from urllib.parse import urlparse
 
 from wyoming_cosyvoice import __version__
 from wyoming_cosyvoice.config import ConfigError, ServerConfig, load_config, parse_override
+from wyoming_cosyvoice.model import resolve_model_dir
 
 _LOGGER = logging.getLogger("wyoming_cosyvoice")
 # How long a stop waits for the engine to notice its cancelled work (it checks before every LM
@@ -37,7 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
         "`wyoming-cosyvoice synthesize --help`: text to a WAV file without a server.",
     )
     add = p.add_argument
-    add("--config", type=Path, help="settings file (default: the repository's config.yaml)")
+    add("--config", type=Path, help="settings file read over the defaults (config.yaml)")
     add("--uri", help="where to listen: tcp://HOST:PORT or unix://PATH")
     add("--model", help="CosyVoice-300M-SFT (default), CosyVoice-300M or CosyVoice-300M-Instruct")
     add("--model-dir", help="use this model directory instead of searching the data dirs")
@@ -137,33 +138,6 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
     return config
 
 
-def resolve_model_dir(config: ServerConfig) -> Path:
-    """--model-dir as given (checked), else found in the data dirs or downloaded."""
-    from wyoming_cosyvoice.download import (
-        MODEL_FILES,
-        ModelNotFoundError,
-        ensure_model,
-        missing_files,
-    )
-
-    if config.model_dir is not None:
-        if not config.model_dir.is_dir():
-            raise ModelNotFoundError(f"--model-dir {config.model_dir} is not a directory")
-        absent = missing_files(config.model_dir, MODEL_FILES)
-        if absent:
-            raise ModelNotFoundError(
-                f"--model-dir {config.model_dir} is missing or has empty: {', '.join(absent)}"
-            )
-        return config.model_dir
-    return ensure_model(
-        config.model,
-        config.data_dirs,
-        config.effective_download_dir,
-        offline=config.offline,
-        endpoint=config.hub_endpoint,
-    )
-
-
 def import_engine() -> str | None:
     """Import torch and the engine code before listening; returns an error message or None.
 
@@ -185,7 +159,7 @@ async def serve(
 ) -> int:
     """Run until SIGINT/SIGTERM (exit 0) or until the model fails to load (exit 1).
 
-    ``http`` = (host, port, HTTP only, allowed origins): the HTTP API on the same model host.
+    ``http`` = (host, port, HTTP only, allowed origins): the HTTP API on the same scheduler.
     """
     from wyoming_cosyvoice.server import create_server
 
@@ -199,26 +173,26 @@ async def serve(
     if http is not None:
         from wyoming_cosyvoice.http import start_http
 
-        web = await start_http(config, running.host, http[0], http[1], allow_origins=http[3])
+        web = await start_http(config, running.scheduler, http[0], http[1], allow_origins=http[3])
     from wyoming_cosyvoice.custom_voices import CustomVoices, custom_voice_exists
 
     if (
         config.voice
-        and running.host.catalog.voices
-        and not running.host.catalog.find(config.voice)
+        and running.scheduler.catalog.voices
+        and not running.scheduler.catalog.find(config.voice)
         and not custom_voice_exists(config.voices_dir, config.voice)  # known after its scan
     ):
         _LOGGER.error(
             "--voice %s is not a voice of this model; available: %s",
             config.voice,
-            ", ".join(running.host.catalog.names),
+            ", ".join(running.scheduler.catalog.names),
         )
         await running.stop()
         return 2
     # Custom voices: scanned once the model has loaded, then re-scanned when the folder changes.
-    voices = None if config.voices_dir is None else CustomVoices(config, running.host, model_dir)
-    if voices is not None:
-        voices.start()
+    voices = None
+    if config.voices_dir is not None:
+        voices = CustomVoices(config, running.scheduler, model_dir).start()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -249,7 +223,7 @@ async def serve(
     _LOGGER.info("Shutting down")
     # The Supervisor kills a container 10 s after SIGTERM: stop the engine's work first.
     deadline = loop.time() + SHUTDOWN_GRACE_S
-    if cancelled := running.host.cancel_all():
+    if cancelled := running.scheduler.cancel_all():
         _LOGGER.info("Cancelled %d request(s) in progress", cancelled)
     if zc is not None:
         await zc.close()
@@ -259,7 +233,7 @@ async def serve(
     if web is not None:
         await web.stop()
     await running.stop()
-    if not await running.host.wait_idle(deadline - loop.time()):
+    if not await running.scheduler.wait_idle(deadline - loop.time()):
         _LOGGER.warning(
             "The engine is still inside a computation %.0f s after the stop; exiting without it",
             SHUTDOWN_GRACE_S,
@@ -280,7 +254,7 @@ def _exit_now(code: int) -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["synthesize"]:
-        from wyoming_cosyvoice.batch import main as synthesize
+        from wyoming_cosyvoice.synthesize import main as synthesize
 
         return synthesize(argv[1:])
     args = build_parser().parse_args(argv)

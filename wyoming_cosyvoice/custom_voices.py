@@ -1,7 +1,7 @@
 """Custom voices for the server: the voices folder, its re-scans and the catalog.
 
 After the model has loaded, the folder (``--voices-dir``) is scanned on the engine thread, in
-the request queue's turn (``ModelHost.run_on_engine``), and the good voices join the voice
+the request queue's turn (``Scheduler.run_on_engine``), and the good voices join the voice
 catalog that ``describe`` and the HTTP API read. Every ``server.voices_rescan_s`` seconds a cheap
 fingerprint of the folder (names, sizes, modification times) is taken off the event loop; only
 when it changed is the folder scanned again, so a voice dropped in later appears without a
@@ -16,7 +16,8 @@ interrupted download resumes next time). Without them, cached voices still work 
 are skipped with a message; the server keeps running whatever the folder holds.
 
 Per request, Wyoming's ``voice.speaker`` carries an instruction for the -Instruct model when it
-names no voice (see :func:`split_instruction` and docs/custom-voices.md).
+names no voice (see :func:`wyoming_cosyvoice.speech.split_instruction` and
+docs/custom-voices.md).
 """
 
 from __future__ import annotations
@@ -26,47 +27,23 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 from wyoming_cosyvoice.config import ServerConfig
 from wyoming_cosyvoice.download import VOICE_FILES
-from wyoming_cosyvoice.info import VoiceCatalog, describe_custom_voice
-from wyoming_cosyvoice.protocol import LimitExceededError
-from wyoming_cosyvoice.server import ModelHost
+from wyoming_cosyvoice.scheduler import Scheduler
+from wyoming_cosyvoice.voice_catalog import VoiceCatalog, describe_custom_voice
 
 _LOGGER = logging.getLogger(__name__)
 
 PROMPT_MODELS = VOICE_FILES  # campplus.onnx, speech_tokenizer_v1.onnx
 CACHE_SUFFIX = ".prompt.pt"  # written by the engine next to the voice: not a user change
-MAX_INSTRUCTION_CHARS = 1000  # as NAME.instruct.txt (the engine's transcript limit)
 DOWNLOAD_RETRY_S = 600.0  # a failed download is tried again on a folder change, not sooner
 
 Fingerprint = tuple[tuple[str, int, int], ...]
 _NEVER = object()  # no fingerprint taken yet: the first check always scans
-
-
-def split_instruction(
-    request: dict[str, str] | None, catalog: VoiceCatalog, kind: str | None
-) -> tuple[dict[str, str], str | None]:
-    """(voice request, instruction): ``speaker`` is an instruction when it names no voice.
-
-    Only with the -Instruct model: there ``voice.speaker`` is the one free-text field Home
-    Assistant forwards per request (``tts.speak`` options ``voice`` + ``speaker``). A speaker that
-    names a voice keeps its old meaning; with other models an unknown speaker stays an error.
-    """
-    wanted = dict(request or {})
-    speaker = wanted.get("speaker")
-    if kind != "instruct" or not speaker or catalog.find(speaker) is not None:
-        return wanted, None
-    del wanted["speaker"]
-    instruction = " ".join(speaker.split())
-    if len(instruction) > MAX_INSTRUCTION_CHARS:
-        raise LimitExceededError(
-            f"the instruction in voice.speaker has {len(instruction)} characters; "
-            f"the limit is {MAX_INSTRUCTION_CHARS}"
-        )
-    return wanted, instruction or None
 
 
 def folder_fingerprint(voices_dir: Path, model_dir: Path) -> Fingerprint | None:
@@ -123,9 +100,9 @@ async def _in_daemon_thread(fn: Callable[[], Any]) -> Any:
 class CustomVoices:
     """Keeps the catalog's custom voices in step with the voices folder."""
 
-    def __init__(self, config: ServerConfig, host: ModelHost, model_dir: Path) -> None:
+    def __init__(self, config: ServerConfig, scheduler: Scheduler, model_dir: Path) -> None:
         assert config.voices_dir is not None
-        self.config, self.host, self.model_dir = config, host, model_dir
+        self.config, self.scheduler, self.model_dir = config, scheduler, model_dir
         self.voices_dir = config.voices_dir
         self.scans = 0
         self._seen: object = _NEVER
@@ -144,7 +121,7 @@ class CustomVoices:
 
     async def run(self) -> None:
         try:
-            engine = await asyncio.shield(self.host.ready)
+            engine = await asyncio.shield(self.scheduler.ready)
         except Exception:  # a failed load is reported (and ends the server) elsewhere
             return
         if not hasattr(engine, "enable_custom_voices"):
@@ -169,10 +146,11 @@ class CustomVoices:
 
     async def scan(self, engine: Any) -> None:
         """Scan on the engine thread (fetching the prompt models first if a voice needs them)."""
-        result = await self.host.run_on_engine(engine.enable_custom_voices, self.voices_dir)
+        scan = partial(engine.enable_custom_voices, self.voices_dir)
+        result = await self.scheduler.run_on_engine(scan)
         waiting = [n for n, why in result.rejected.items() if any(m in why for m in PROMPT_MODELS)]
         if waiting and await self._fetch_prompt_models(waiting):
-            result = await self.host.run_on_engine(engine.enable_custom_voices, self.voices_dir)
+            result = await self.scheduler.run_on_engine(scan)
         self.scans += 1
         self._publish(engine, result)
 
@@ -257,7 +235,7 @@ class CustomVoices:
         for name in sorted(self._offered - offered.keys()):
             _LOGGER.info("Custom voice %r is no longer offered", name)
         self._offered = set(offered)
-        self.host.catalog = catalog
+        self.scheduler.catalog = catalog
         _LOGGER.info(
             "Custom voices offered: %s%s",
             ", ".join(offered) or "none",

@@ -1,10 +1,15 @@
 """One Wyoming connection: events in, audio out, within the configured limits.
 
-Three tasks per connection, so no step ever waits for another one that it does not need:
-- the reader parses events; ``describe`` is answered at once, text becomes jobs;
-- the worker speaks the jobs in order through the shared :class:`ModelHost`;
-- the sender writes outgoing events. Audio waiting for a slow client is bounded
-  (``max_buffered_audio_s``); a client that reads nothing for ``stall_timeout_s`` is dropped.
+This module only translates the protocol; the speech itself is the shared pipeline
+(:mod:`.speech`). Three tasks per connection, so no step ever waits for another one that it
+does not need:
+- the reader parses events; ``describe`` is answered at once, each ``synthesize`` (or stream,
+  ``synthesize-start`` … ``-stop``) becomes one :class:`~.speech.Speech`, fed with sentences as
+  they complete;
+- the worker reads the speeches in order and turns their events into audio-start,
+  audio-chunk … and audio-stop (one block per request, or per sentence of a stream);
+- the sender writes outgoing events, and tells each speech what its client has received: the
+  speech's backpressure and stalled-client drop count on that.
 
 Any refused request gets ``error{text, code}`` and then the connection is closed: older Home
 Assistant ignores ``error`` and has no timeout, so only a close ends its wait. End of input from
@@ -18,24 +23,21 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 from wyoming.audio import AudioChunk as WyomingAudioChunk
 from wyoming.audio import AudioStart, AudioStop
 from wyoming.error import Error
 from wyoming.event import Event, async_write_event
-from wyoming.info import Describe
+from wyoming.info import Attribution, Describe, Info, TtsProgram, TtsVoice
 from wyoming.tts import SynthesizeStopped
 
 from engine.constants import SAMPLE_RATE
 from engine.text.errors import TextInputError
-from engine.types import AudioChunk, EngineError, SynthesisCancelled
+from engine.types import EngineError, SynthesisCancelled
 from engine.types import UnknownSpeakerError as EngineUnknownSpeaker
+from wyoming_cosyvoice import __version__
 from wyoming_cosyvoice.config import ServerConfig
-from wyoming_cosyvoice.custom_voices import split_instruction
-from wyoming_cosyvoice.info import Voice, build_info
 from wyoming_cosyvoice.protocol import (
     ClientError,
     LimitExceededError,
@@ -48,14 +50,30 @@ from wyoming_cosyvoice.protocol import (
     event_voice,
     read_event,
 )
-from wyoming_cosyvoice.sentences import Splitter, has_speech, split_all
-from wyoming_cosyvoice.server import ModelHost
+from wyoming_cosyvoice.scheduler import Scheduler
+from wyoming_cosyvoice.sentences import SentenceStream, SplitterFactory, split_text, text_language
+from wyoming_cosyvoice.speech import (
+    WIDTH,
+    Audio,
+    ClientStalledError,
+    SentenceEnd,
+    SentenceStart,
+    Speech,
+    SpeechSettings,
+    VoiceChoice,
+)
+from wyoming_cosyvoice.voice_catalog import VoiceCatalog
 
 _LOGGER = logging.getLogger(__name__)
 
-_WIDTH, _CHANNELS = 2, 1
+_CHANNELS = 1
 _LINGER_S = 2.0
 _MAX_UNSENT_INFO = 16  # describe answers a client may leave unread before we stop reading
+PROGRAM_NAME = "cosyvoice"
+ATTRIBUTION = Attribution(
+    name="CosyVoice by FunAudioLLM (Alibaba Tongyi Lab)",
+    url="https://github.com/FunAudioLLM/CosyVoice",
+)
 
 
 @dataclass
@@ -63,37 +81,27 @@ class ConnectionContext:
     """What every connection shares."""
 
     config: ServerConfig
-    host: ModelHost
-    splitter_factory: Callable[[], Splitter]
+    scheduler: Scheduler
+    splitter_factory: SplitterFactory
     active: int = 0
 
 
 @dataclass
 class _Request:
-    """One ``synthesize`` or one whole stream: its voice request and running totals."""
+    """One ``synthesize`` (one audio block) or one whole stream (a block per sentence)."""
 
-    voice: dict[str, str] | None
-    voice_resolved: Voice | None = None
-    instruct: str | None = None  # -Instruct model: the instruction voice.speaker carries
+    speech: Speech
+    streamed: bool
     chars: int = 0
-    splitter: Splitter | None = None
-    spoken: int = 0  # sentences queued so far (a stream with none still gets an audio block)
+    sentences: SentenceStream | None = None  # a stream's splitter
 
 
 @dataclass
-class _Speak:
-    """Sentences spoken inside one audio-start … audio-stop (none: an empty block)."""
+class _Delivery:
+    """An audio-chunk event, and the speech to tell once it is written."""
 
-    request: _Request
-    sentences: list[str]
-
-
-class _Finish:
-    """End of a stream: send ``synthesize-stopped``."""
-
-
-class _ClientStalledError(Exception):
-    """The client stopped reading; it is dropped without an error event."""
+    event: Event
+    speech: Speech
 
 
 class EventHandler:
@@ -107,14 +115,11 @@ class EventHandler:
         self._limits = ctx.config.limits
         self._peer = str(writer.get_extra_info("peername") or "local")
         self._cancel = threading.Event()  # seen by the engine thread
-        self._out: asyncio.Queue[Event | None] = asyncio.Queue()
-        self._jobs: asyncio.Queue[_Speak | _Finish] = asyncio.Queue()
-        self._pending = 0  # jobs queued or running
+        self._out: asyncio.Queue[Event | _Delivery | None] = asyncio.Queue()
+        self._jobs: asyncio.Queue[_Request] = asyncio.Queue()
+        self._requests: list[_Request] = []  # queued or being spoken
         self._stream: _Request | None = None
         self._closing = False
-        self._buffered = 0  # audio samples queued for the sender
-        self._max_buffered = int(self._limits.max_buffered_audio_s * SAMPLE_RATE)
-        self._space = asyncio.Event()
         self._last_activity = time.monotonic()
         self._worker_task: asyncio.Task[None] | None = None
         self._unsent_info = 0  # info answers queued but not yet written
@@ -139,6 +144,8 @@ class EventHandler:
             _LOGGER.exception("Unexpected error on connection %s", self._peer)
         finally:
             self._cancel.set()
+            for request in self._requests:
+                request.speech.cancel()
             watchdog.cancel()
             self._worker_task.cancel()
             self._out.put_nowait(None)
@@ -239,7 +246,7 @@ class EventHandler:
         timeout = self._limits.idle_timeout_s
         while not self._closing:
             await asyncio.sleep(min(timeout, 5.0))
-            idle = self._pending == 0 and self._out.empty()
+            idle = self._out.empty() and all(r.speech.idle for r in self._requests)
             if idle and time.monotonic() - self._last_activity > timeout:
                 # Housekeeping, not a refused request.
                 self._fail(
@@ -257,32 +264,36 @@ class EventHandler:
             if self._stream is not None:
                 return  # Home Assistant's compatibility copy of the streamed text
             text = event_text(data, "synthesize")
-            request = _Request(event_voice(data), chars=len(text))
-            self._check_length(request.chars)
-            sentences = [s for s in split_all(text, self._ctx.splitter_factory()) if has_speech(s)]
-            self._enqueue(_Speak(request, sentences))  # none (emoji, blank): an empty WAV
+            self._check_length(len(text))
+            sentences = split_text(text, self._ctx.splitter_factory())
+            voices = self._voice_choice(event_voice(data), text_language(sentences))
+            request = _Request(self._speech(voices), streamed=False, chars=len(text))
+            for sentence in sentences:  # none (emoji, blank): an empty WAV
+                request.speech.say(sentence)
+            request.speech.end()
+            self._enqueue(request)
         elif kind == "synthesize-start":
             if self._stream is not None:
                 raise StreamStateError("synthesize-start while a stream is already open")
-            voice = event_voice(data)
-            self._stream = _Request(voice, splitter=self._ctx.splitter_factory())
+            voices = self._voice_choice(event_voice(data), None)
+            stream = SentenceStream(self._ctx.splitter_factory())
+            self._stream = _Request(self._speech(voices), streamed=True, sentences=stream)
+            self._enqueue(self._stream)
         elif kind == "synthesize-chunk":
-            stream = self._open_stream(kind)
+            request = self._open_stream(kind)
             text = event_text(data, kind)
-            stream.chars += len(text)
-            self._check_length(stream.chars)
-            assert stream.splitter is not None
-            self._speak_sentences(stream, stream.splitter.feed(text))
+            request.chars += len(text)
+            self._check_length(request.chars)
+            assert request.sentences is not None
+            for sentence in request.sentences.feed(text):
+                request.speech.say(sentence)
         elif kind == "synthesize-stop":
-            stream = self._open_stream(kind)
-            assert stream.splitter is not None
-            self._speak_sentences(stream, stream.splitter.flush())
-            if not stream.spoken:
-                # Home Assistant writes its WAV header at the first audio-start: without one,
-                # a text with nothing to speak would reach it as zero bytes, not an empty WAV.
-                self._enqueue(_Speak(stream, []))
+            request = self._open_stream(kind)
+            assert request.sentences is not None
+            for sentence in request.sentences.flush():
+                request.speech.say(sentence)
+            request.speech.end()
             self._stream = None
-            self._enqueue(_Finish())
         else:
             _LOGGER.debug("Ignoring %s event from %s", kind, self._peer)
 
@@ -291,15 +302,20 @@ class EventHandler:
             raise StreamStateError(f"{kind} without synthesize-start")
         return self._stream
 
-    def _speak_sentences(self, stream: _Request, sentences: list[str]) -> None:
-        for sentence in sentences:
-            if has_speech(sentence):
-                stream.spoken += 1
-                self._enqueue(_Speak(stream, [sentence]))
+    def _voice_choice(self, wanted: dict[str, str] | None, language: str | None) -> VoiceChoice:
+        # One voice per request; voice.speaker may be an instruction for an -Instruct model.
+        return VoiceChoice(wanted, self._config.voice, text_language=language,
+                           speaker_instructs=True)  # fmt: skip
 
-    def _enqueue(self, job: _Speak | _Finish) -> None:
-        self._pending += 1
-        self._jobs.put_nowait(job)
+    def _speech(self, voices: VoiceChoice) -> Speech:
+        config = self._config
+        settings = SpeechSettings(config.profile, config.seed, config.force_tokens)
+        return Speech(self._ctx.scheduler, settings, voices, self._limits, client=self._peer,
+                      cancel=self._cancel)  # fmt: skip
+
+    def _enqueue(self, request: _Request) -> None:
+        self._requests.append(request)
+        self._jobs.put_nowait(request)
 
     def _check_length(self, chars: int) -> None:
         if chars > self._limits.max_text_chars:
@@ -307,25 +323,23 @@ class EventHandler:
                 f"text of {chars} characters is over the limit of {self._limits.max_text_chars}"
             )
 
-    def _info(self) -> Any:
-        catalog = self._ctx.host.catalog
+    def _info(self) -> Info:
         return build_info(
-            catalog, streaming=self._config.profile.streaming, model=self._config.model
+            self._ctx.scheduler.catalog,
+            streaming=self._config.profile.streaming,
+            model=self._config.model,
         )
 
     # --- speaking -----------------------------------------------------------------------
 
     async def _worker(self) -> None:
         while True:
-            job = await self._jobs.get()
+            request = await self._jobs.get()
             try:
-                if isinstance(job, _Finish):
-                    self._out.put_nowait(SynthesizeStopped().event())
-                else:
-                    await self._speak(job)
+                await self._speak(request)
             except (SynthesisCancelled, asyncio.CancelledError):
                 return
-            except _ClientStalledError:
+            except ClientStalledError:
                 _LOGGER.warning("Client %s stopped reading; dropping it", self._peer)
                 self._cancel.set()
                 self._writer.transport.abort()
@@ -347,113 +361,88 @@ class EventHandler:
                 self._fail(SynthesisError(f"internal error: {type(err).__name__}: {err}"))
                 return
             finally:
-                self._pending -= 1
+                self._requests.remove(request)
                 self._last_activity = time.monotonic()
 
-    async def _speak(self, job: _Speak) -> None:
-        if not job.sentences:
-            self._send_empty_audio()
-            return
-        host, limits = self._ctx.host, self._limits
-        await host.wait_ready(limits.load_wait_s)
-        request = job.request
-        if request.voice_resolved is None:  # once per request: a stream keeps its voice
-            request.voice_resolved, request.instruct = self._resolve_voice(
-                request.voice, " ".join(job.sentences)
-            )
-        voice = request.voice_resolved
-        options = self._config.profile.options(
-            speaker=voice.speaker,
-            seed=self._config.seed,
-            instruct=request.instruct,
-            force_tokens=self._config.force_tokens,
-        )
-        started = time.monotonic()
-        _LOGGER.debug(
-            "Speaking %d sentence(s) as %s for %s (queue %d)",
-            len(job.sentences),
-            voice.name,
-            self._peer,
-            host.waiting,
-        )
-        self._out.put_nowait(AudioStart(rate=SAMPLE_RATE, width=_WIDTH, channels=_CHANNELS).event())
-        stats = {"samples": 0, "first": 0.0}
+    async def _speak(self, request: _Request) -> None:
+        """The speech's events as audio blocks: one for a ``synthesize``, one per sentence of
+        a stream (then ``synthesize-stopped``). Nothing to speak still gets an empty block:
+        Home Assistant writes its WAV header at the first audio-start, and without one a text
+        with nothing to speak would reach it as zero bytes, not an empty WAV."""
+        speech, streamed = request.speech, request.streamed
+        block_open, blocks = False, 0
+        while (event := await speech.next()) is not None:
+            if isinstance(event, SentenceStart) and not block_open:
+                self._out.put_nowait(_audio_start())
+                block_open, blocks = True, blocks + 1
+            elif isinstance(event, Audio):
+                self._send_audio(event, speech)
+            elif isinstance(event, SentenceEnd) and streamed:
+                self._out.put_nowait(AudioStop().event())
+                block_open = False
+        if not blocks:
+            self._out.put_nowait(_audio_start())
+            _LOGGER.info("Nothing to speak for %s: sent an empty audio block", self._peer)
+            block_open = True
+        if block_open:
+            self._out.put_nowait(AudioStop().event())
+        if streamed:
+            self._out.put_nowait(SynthesizeStopped().event())
 
-        async def on_chunk(chunk: AudioChunk) -> None:
-            if not stats["first"]:
-                stats["first"] = time.monotonic() - started
-            stats["samples"] += len(chunk.samples)
-            await self._send_audio(chunk)
-
-        for sentence in job.sentences:
-            await self._wait_for_space()
-            await host.synthesize(
-                sentence, options, self._cancel, on_chunk, load_timeout=limits.load_wait_s
-            )
-        self._out.put_nowait(AudioStop().event())
-        _LOGGER.info(
-            "Spoke %.2f s of audio (%s) for %s: first audio after %.2f s, done in %.2f s",
-            stats["samples"] / SAMPLE_RATE,
-            voice.name,
-            self._peer,
-            stats["first"],
-            time.monotonic() - started,
-        )
-
-    def _send_empty_audio(self) -> None:
-        """audio-start + audio-stop: the client gets a valid WAV with no samples."""
-        self._out.put_nowait(AudioStart(rate=SAMPLE_RATE, width=_WIDTH, channels=_CHANNELS).event())
-        self._out.put_nowait(AudioStop().event())
-        _LOGGER.info("Nothing to speak for %s: sent an empty audio block", self._peer)
-
-    async def _wait_for_space(self) -> None:
-        """Wait while the client has more than ``max_buffered_audio_s`` unread.
-
-        Called between sentences, never while holding the engine: a client that stops reading
-        only stops itself. Within a sentence audio is queued without waiting; the splitter's
-        sentence-length cap bounds that.
-        """
-        while self._buffered >= self._max_buffered:
-            self._space.clear()
-            try:
-                await asyncio.wait_for(self._space.wait(), self._limits.stall_timeout_s)
-            except asyncio.TimeoutError as err:
-                raise _ClientStalledError from err
-
-    async def _send_audio(self, chunk: AudioChunk) -> None:
-        if chunk.sample_rate != SAMPLE_RATE:
-            raise SynthesisError(f"engine produced {chunk.sample_rate} Hz, expected {SAMPLE_RATE}")
-        pcm = chunk.pcm16
-        step = self._config.samples_per_chunk * _WIDTH
-        for start in range(0, len(pcm), step):
-            piece = pcm[start : start + step]
-            self._buffered += len(piece) // _WIDTH
+    def _send_audio(self, audio: Audio, speech: Speech) -> None:
+        step = self._config.samples_per_chunk * WIDTH
+        for start in range(0, len(audio.pcm), step):
+            piece = audio.pcm[start : start + step]
             event = WyomingAudioChunk(
-                rate=SAMPLE_RATE, width=_WIDTH, channels=_CHANNELS, audio=piece
+                rate=SAMPLE_RATE, width=WIDTH, channels=_CHANNELS, audio=piece
             ).event()
-            self._out.put_nowait(event)
-
-    def _resolve_voice(self, request: dict[str, str] | None, text: str) -> tuple[Voice, str | None]:
-        """The voice, and the per-request instruction ``voice.speaker`` may carry."""
-        host = self._ctx.host
-        catalog = host.catalog
-        wanted, instruct = split_instruction(request, catalog, getattr(host.engine, "kind", None))
-        return catalog.resolve(wanted, default=self._config.voice, text=text), instruct
+            self._out.put_nowait(_Delivery(event, speech))
 
     # --- events out ---------------------------------------------------------------------
 
     async def _sender(self) -> None:
         try:
-            while (event := await self._out.get()) is not None:
+            while (item := await self._out.get()) is not None:
+                event = item.event if isinstance(item, _Delivery) else item
                 await async_write_event(event, self._writer)
                 self._last_activity = time.monotonic()
-                if event.type == "info":
+                if isinstance(item, _Delivery):
+                    item.speech.delivered(len(event.payload or b"") // WIDTH)
+                elif event.type == "info":
                     self._unsent_info -= 1
                     self._info_sent.set()
-                if event.type == "audio-chunk" and event.payload:
-                    self._buffered -= len(event.payload) // _WIDTH
-                    self._space.set()
             if self._closing and self._writer.can_write_eof():
                 self._writer.write_eof()  # the client reads the error, then our end of stream
         except (ConnectionError, OSError):
             self._cancel.set()  # the client is gone: stop its synthesis
+
+
+def _audio_start() -> Event:
+    return AudioStart(rate=SAMPLE_RATE, width=WIDTH, channels=_CHANNELS).event()
+
+
+def build_info(catalog: VoiceCatalog, *, streaming: bool, model: str) -> Info:
+    """The ``info`` answer to ``describe``: one TTS program with one voice per catalogue entry;
+    every field Home Assistant needs is always present."""
+    voices = [
+        TtsVoice(
+            name=voice.name,
+            description=voice.description,
+            attribution=ATTRIBUTION,
+            installed=True,
+            version=None,
+            languages=list(voice.languages),
+            speakers=None,
+        )
+        for voice in catalog.voices
+    ]
+    program = TtsProgram(
+        name=PROGRAM_NAME,
+        description=f"CosyVoice text to speech ({model}) on the CPU",
+        attribution=ATTRIBUTION,
+        installed=True,
+        version=__version__,
+        voices=voices,
+        supports_synthesize_streaming=streaming,
+    )
+    return Info(tts=[program])

@@ -1,7 +1,7 @@
 """HTTP API: ``POST /tts``, OpenAI's ``POST /v1/audio/speech``, a web page at ``/``.
 
-Needs the ``http`` extra (Starlette, Uvicorn). The app serves the same :class:`ModelHost` as the
-Wyoming listener, so both protocols share one engine, one voice catalog and one fair queue.
+Needs the ``http`` extra (Starlette, Uvicorn). The app serves the same scheduler as the Wyoming
+listener, so both protocols share one engine, one voice catalog and one fair queue.
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
-"""The Starlette app: routes over the Wyoming server's :class:`ModelHost`.
+"""The Starlette app: routes over the server's :class:`~wyoming_cosyvoice.scheduler.Scheduler`.
 
 ``POST /tts`` and ``POST /v1/audio/speech`` validate the body (:mod:`.speech`), then wait for
 the first audio before answering: an error found before any audio is sent (unknown speaker,
 text the frontend refuses) still gets its JSON status code, and a streamed answer then starts
 with the WAV header and that first chunk. Nothing here runs inference on the event loop; the
-host runs every engine call on its engine thread.
+scheduler runs every engine call on its engine thread.
 """
 
 from __future__ import annotations
@@ -47,8 +47,9 @@ from wyoming_cosyvoice.http.stream import (
     wav_header,
 )
 from wyoming_cosyvoice.protocol import ClientError, ServerBusyError
-from wyoming_cosyvoice.sentences import Splitter, make_splitter
-from wyoming_cosyvoice.server import ModelHost
+from wyoming_cosyvoice.scheduler import Scheduler
+from wyoming_cosyvoice.sentences import SplitterFactory, make_splitter
+from wyoming_cosyvoice.speech import Speech
 
 _LOGGER = logging.getLogger(__name__)
 # The page's icon: a speech bubble, inline so an install without package data still has it.
@@ -85,20 +86,20 @@ def engine_error(err: BaseException) -> HttpError:
 
 
 class TtsRoutes:
-    """Handlers bound to one config and one model host."""
+    """Handlers bound to one config and one scheduler."""
 
-    def __init__(self, config: ServerConfig, host: ModelHost,
-                 splitter_factory: Callable[[], Splitter]) -> None:  # fmt: skip
-        self.config, self.host = config, host
-        self.parser = SpeechParser(config, lambda: host.catalog, splitter_factory,
-                                   lambda: getattr(host.engine, "kind", None))  # fmt: skip
+    def __init__(self, config: ServerConfig, scheduler: Scheduler,
+                 splitter_factory: SplitterFactory) -> None:  # fmt: skip
+        self.config, self.scheduler = config, scheduler
+        self.parser = SpeechParser(config, lambda: scheduler.catalog, splitter_factory,
+                                   lambda: getattr(scheduler.engine, "kind", None))  # fmt: skip
         self.page = _page()
 
     # --- state ----------------------------------------------------------------------------
 
     def status(self) -> tuple[str, str | None]:
         """("ready" | "loading" | "failed", the load error)."""
-        ready = self.host.ready
+        ready = self.scheduler.ready
         if not ready.done():
             return "loading", None
         if ready.cancelled():
@@ -128,15 +129,14 @@ class TtsRoutes:
         body: dict[str, Any] = {
             "status": state,
             "model": self.config.model,
-            "voices": len(self.host.catalog.voices),
-            "queued": self.host.waiting,
+            "voices": len(self.scheduler.catalog.voices),
+            "queued": self.scheduler.waiting,
         }
         if error:
             body["error"] = error
         # What the engine chose for this CPU: int8 kernels, native bfloat16, thread ceiling.
-        choices = (
-            getattr(self.host.ready.result(), "cpu_choices", None) if state == "ready" else None
-        )
+        engine = self.scheduler.ready.result() if state == "ready" else None
+        choices = getattr(engine, "cpu_choices", None)
         if choices is not None:
             body["cpu"] = choices.as_dict()
         if state == "ready":
@@ -147,7 +147,7 @@ class TtsRoutes:
         return JSONResponse(body, status_code=200 if state == "ready" else 503)
 
     async def voices(self, request: Request) -> Response:
-        catalog = self.host.catalog
+        catalog = self.scheduler.catalog
         return JSONResponse({
             "voices": [
                 {"name": v.name, "speaker": v.speaker, "languages": list(v.languages),
@@ -174,7 +174,7 @@ class TtsRoutes:
         data = await read_json(request, max_body_bytes(self.config))
         self.require_ready()
         speech = parse(data)
-        job = SpeechJob(self.host, speech, self.config.limits)
+        job = SpeechJob(self._speech(speech, request), speech)
         job.start(request.receive)
         try:
             first = await first_piece(job)
@@ -194,20 +194,30 @@ class TtsRoutes:
         body = wav_header(len(pcm)) + pcm if speech.audio_format == "wav" else pcm
         return Response(body, media_type=media_type(speech), headers=audio_headers(speech))
 
+    def _speech(self, speech: SpeechRequest, request: Request) -> Speech:
+        """The request's sentences, fed to the speech pipeline."""
+        client = f"{request.client.host if request.client else 'a client'} over HTTP"
+        spoken = Speech(self.scheduler, speech.settings, speech.voices, self.config.limits,
+                        client=client)  # fmt: skip
+        for sentence in speech.sentences:
+            spoken.say(sentence)
+        spoken.end()
+        return spoken
+
 
 def create_app(
     config: ServerConfig,
-    host: ModelHost,
+    scheduler: Scheduler,
     *,
-    splitter_factory: Callable[[], Splitter] = make_splitter,
+    splitter_factory: SplitterFactory = make_splitter,
     allow_origins: tuple[str, ...] = (),
 ) -> Starlette:
-    """The HTTP API over ``host`` (which the caller starts loading and shuts down).
+    """The HTTP API over ``scheduler`` (which the caller starts loading and shuts down).
 
     ``allow_origins``: web-page origins besides the server's own that may call the API
     (normalised by :func:`.origin.parse_allowed_origins`; ``*`` = any).
     """
-    routes = TtsRoutes(config, host, splitter_factory)
+    routes = TtsRoutes(config, scheduler, splitter_factory)
     app = Starlette(
         routes=[
             Route("/", routes.index, methods=["GET"]),

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable, Generator
+from collections.abc import Generator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,14 +18,9 @@ from typing import Any
 import uvicorn
 
 from wyoming_cosyvoice.config import ServerConfig
-from wyoming_cosyvoice.sentences import Splitter, make_splitter
-from wyoming_cosyvoice.server import (
-    Engine,
-    EngineFactory,
-    ModelHost,
-    host_for_config,
-    load_cosyvoice,
-)
+from wyoming_cosyvoice.model import load_cosyvoice, scheduler_for_config
+from wyoming_cosyvoice.scheduler import Engine, EngineFactory, Scheduler
+from wyoming_cosyvoice.sentences import SplitterFactory, make_splitter
 
 _LOGGER = logging.getLogger(__name__)
 _GRACE_S = 3.0  # how long open streams may finish when the server stops
@@ -59,11 +54,11 @@ class HttpServer:
 
 async def start_http(
     config: ServerConfig,
-    host: ModelHost,
+    scheduler: Scheduler,
     bind: str = "0.0.0.0",
     port: int = 0,
     *,
-    splitter_factory: Callable[[], Splitter] = make_splitter,
+    splitter_factory: SplitterFactory = make_splitter,
     allow_origins: tuple[str, ...] = (),
 ) -> HttpServer:
     """Listen on ``bind:port`` (0 = any free port) in the running loop; returns once bound.
@@ -72,13 +67,13 @@ async def start_http(
     """
     from wyoming_cosyvoice.http.app import create_app
 
-    app = create_app(config, host, splitter_factory=splitter_factory,
+    app = create_app(config, scheduler, splitter_factory=splitter_factory,
                      allow_origins=allow_origins)  # fmt: skip
     uv_config = uvicorn.Config(
         app,
         host=bind,
         port=port,
-        lifespan="off",  # the model host's life is the CLI's, not the app's
+        lifespan="off",  # the scheduler's life is the CLI's, not the app's
         log_config=None,  # keep the CLI's logging set-up
         timeout_graceful_shutdown=int(_GRACE_S),
         # The Wyoming limit bounds HTTP connections too; over it Uvicorn answers 503.
@@ -99,9 +94,9 @@ async def start_http(
 
 @dataclass
 class ModelOnly:
-    """The model host without a Wyoming listener (``--http-only``); mirrors ``RunningServer``."""
+    """The scheduler without a Wyoming listener (``--http-only``); mirrors ``RunningServer``."""
 
-    host: ModelHost
+    scheduler: Scheduler
     config: ServerConfig
     load_task: asyncio.Task[Engine]
     handlers: set[Any] = field(default_factory=set)
@@ -111,13 +106,13 @@ class ModelOnly:
             self.load_task.cancel()
         elif not self.load_task.cancelled():
             self.load_task.exception()  # retrieved: the failure was reported by /health
-        self.host.shutdown()
+        self.scheduler.shutdown()
 
 
 async def start_model_only(
     config: ServerConfig, model_dir: Path, *, engine_factory: EngineFactory = load_cosyvoice
 ) -> ModelOnly:
     """Start loading the model in the background, as ``create_server`` does, without listening."""
-    host = host_for_config(config, model_dir, engine_factory)
-    load_task = asyncio.create_task(host.load(), name="load model")
-    return ModelOnly(host, config, load_task)
+    scheduler = scheduler_for_config(config, model_dir, engine_factory)
+    load_task = asyncio.create_task(scheduler.load(), name="load model")
+    return ModelOnly(scheduler, config, load_task)

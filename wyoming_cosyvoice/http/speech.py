@@ -1,9 +1,9 @@
 """Request bodies → a checked :class:`SpeechRequest`, with the server's voices and profiles.
 
 Both routes end here, so ``/tts`` and ``/v1/audio/speech`` refuse the same things with the same
-status codes: 400 bad input, 404 unknown voice, 413 text (or body) too long. Voice resolution is
-the Wyoming server's :meth:`VoiceCatalog.resolve` and the profile → options mapping mirrors the
-Wyoming handler's, so one request speaks the same over either protocol.
+status codes: 400 bad input, 404 unknown voice, 413 text (or body) too long. The text is split,
+the voice chosen and the profile's settings taken by the speech pipeline's own stages
+(:mod:`wyoming_cosyvoice.speech`), so one request speaks the same over either protocol.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ from typing import Any
 
 from starlette.requests import Request
 
-from engine.types import SynthesisOptions
 from wyoming_cosyvoice.config import (
     ProfileConfig,
     ProfileNotLoadedError,
@@ -23,9 +22,10 @@ from wyoming_cosyvoice.config import (
     UnknownProfileError,
 )
 from wyoming_cosyvoice.http.errors import HttpError
-from wyoming_cosyvoice.info import Voice, VoiceCatalog
 from wyoming_cosyvoice.protocol import VoiceNotFoundError
-from wyoming_cosyvoice.sentences import Splitter, has_speech, split_all
+from wyoming_cosyvoice.sentences import Sentence, SplitterFactory, split_text, text_language
+from wyoming_cosyvoice.speech import SpeechSettings, VoiceChoice
+from wyoming_cosyvoice.voice_catalog import Voice, VoiceCatalog
 
 FORMATS = ("wav", "pcm")
 _MAX_SEED = 2**32 - 1
@@ -46,24 +46,14 @@ class SpeechRequest:
     """A validated request: what to say, how, and in which form to return it."""
 
     text: str
-    sentences: list[str]
+    sentences: list[Sentence]
     voice: Voice
+    voices: VoiceChoice  # for the pipeline: the same voice, already chosen
     profile: ProfileConfig
-    options: SynthesisOptions
+    settings: SpeechSettings
     stream: bool
     audio_format: str  # "wav" or "pcm"
     sse: bool = False  # OpenAI stream_format "sse": base64 audio in server-sent events
-
-
-def synthesis_options(
-    profile: ProfileConfig,
-    speaker: str,
-    seed: int | None,
-    instruct: str | None = None,
-    force_tokens: int | None = None,
-) -> SynthesisOptions:
-    """The engine options for a profile: the same mapping the Wyoming handler uses."""
-    return profile.options(speaker=speaker, seed=seed, instruct=instruct, force_tokens=force_tokens)
 
 
 def max_body_bytes(config: ServerConfig) -> int:
@@ -134,7 +124,7 @@ class SpeechParser:
         self,
         config: ServerConfig,
         catalog: Callable[[], VoiceCatalog],
-        splitter_factory: Callable[[], Splitter],
+        splitter_factory: SplitterFactory,
         model_kind: Callable[[], str | None] = lambda: None,
     ) -> None:
         self.config = config
@@ -148,12 +138,14 @@ class SpeechParser:
         text = self._text(data, "text")
         stream = _optional(data, "stream", bool, "true or false") or False
         audio_format = self._format(data.get("format"), "format")
+        sentences = split_text(text, self._splitter_factory())
         voice = self._voice(
             _optional(data, "voice", str, "a voice name"),
             _optional(data, "speaker", str, "a speaker name"),
-            text,
+            sentences,
         )
-        return self._request(data, text, voice, stream=stream, audio_format=audio_format)
+        return self._request(data, text, sentences, voice, stream=stream,
+                             audio_format=audio_format)  # fmt: skip
 
     def openai(self, data: dict[str, Any]) -> SpeechRequest:
         """``POST /v1/audio/speech``: {model, input, voice, response_format?, stream_format?}.
@@ -177,9 +169,10 @@ class SpeechParser:
             name = _optional(data["voice"], "id", str, "a voice id")
         if name and name.casefold() in OPENAI_VOICES and self._catalog().find(name) is None:
             name = None
-        voice = self._voice(name, None, text)
+        sentences = split_text(text, self._splitter_factory())
+        voice = self._voice(name, None, sentences)
         instruct = self._instructions(data)
-        return self._request(data, text, voice, stream=stream_format is not None,
+        return self._request(data, text, sentences, voice, stream=stream_format is not None,
                              audio_format=audio_format, sse=stream_format == "sse",
                              instruct=instruct)  # fmt: skip
 
@@ -228,16 +221,19 @@ class SpeechParser:
                             param=key)  # fmt: skip
         return str(value)
 
-    def _voice(self, name: str | None, speaker: str | None, text: str) -> Voice:
+    def _voice(self, name: str | None, speaker: str | None, sentences: list[Sentence]) -> Voice:
+        """The request's one voice: asked for, else the default, else the text's language's."""
         wanted = {k: v for k, v in (("name", name), ("speaker", speaker)) if v}
+        language = text_language(sentences)
         try:
-            return self._catalog().resolve(wanted, default=self.config.voice, text=text)
+            return self._catalog().resolve(wanted, default=self.config.voice,
+                                           text_language=language)  # fmt: skip
         except VoiceNotFoundError as err:
             raise HttpError(404, str(err), code="voice_not_found",
                             param="speaker" if speaker else "voice") from err  # fmt: skip
 
-    def _request(self, data: dict[str, Any], text: str, voice: Voice, *, stream: bool,
-                 audio_format: str, sse: bool = False,
+    def _request(self, data: dict[str, Any], text: str, sentences: list[Sentence], voice: Voice,
+                 *, stream: bool, audio_format: str, sse: bool = False,
                  instruct: str | None = None) -> SpeechRequest:  # fmt: skip
         profile = self._profile(_optional(data, "profile", str, "a profile name"))
         seed = _optional(data, "seed", int, "an integer")
@@ -245,17 +241,15 @@ class SpeechParser:
             seed = self.config.seed
         elif not 0 <= seed <= _MAX_SEED:
             raise HttpError(400, f"'seed' must be between 0 and {_MAX_SEED}", param="seed")
-        sentences = [s for s in split_all(text, self._splitter_factory()) if has_speech(s)]
         if not sentences:
             raise HttpError(400, f"text {text[:40]!r} has nothing to speak", code="empty_text")
         return SpeechRequest(
             text=text,
             sentences=sentences,
             voice=voice,
+            voices=VoiceChoice.chosen(voice, instruct),
             profile=profile,
-            options=synthesis_options(
-                profile, voice.speaker, seed, instruct, self.config.force_tokens
-            ),
+            settings=SpeechSettings(profile, seed, self.config.force_tokens),
             stream=stream,
             audio_format=audio_format,
             sse=sse,

@@ -1,11 +1,10 @@
-"""One HTTP synthesis: the shared engine's chunks → a queue → the response body.
+"""One HTTP synthesis: the speech pipeline's audio → the response body.
 
-A :class:`SpeechJob` speaks its sentences through :meth:`ModelHost.synthesize`, which takes the
-host's FIFO lock once per sentence: HTTP and Wyoming requests share one engine and one fair
-queue. Chunks are queued without waiting while a sentence is synthesized (the engine is never
-held by a slow reader); between sentences the job waits while more than
-``max_buffered_audio_s`` of audio is unread, and gives up after ``stall_timeout_s``, as the
-Wyoming handler does. A client that disconnects cancels its synthesis within one chunk.
+A :class:`SpeechJob` reads one :class:`~wyoming_cosyvoice.speech.Speech` (which speaks its
+sentences through the shared scheduler: HTTP and Wyoming requests take one fair queue) and
+hands its PCM to the response in order, telling the speech what was taken: the pipeline's
+backpressure and stalled-client drop then hold for HTTP as for Wyoming. A client that
+disconnects cancels its synthesis within one chunk.
 """
 
 from __future__ import annotations
@@ -17,22 +16,19 @@ import json
 import logging
 import struct
 import sys
-import threading
-import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from engine.constants import SAMPLE_RATE
-from engine.types import AudioChunk, SynthesisCancelled
-from wyoming_cosyvoice.config import Limits
+from engine.types import SynthesisCancelled
 from wyoming_cosyvoice.http.speech import SpeechRequest
-from wyoming_cosyvoice.server import ModelHost
+from wyoming_cosyvoice.speech import WIDTH, Audio, Speech
 
 _LOGGER = logging.getLogger(__name__)
-WIDTH, CHANNELS = 2, 1
+CHANNELS = 1
 _UNKNOWN = 0xFFFFFFFF  # RIFF/data size of a stream whose length is not known yet
 
 
@@ -66,51 +62,46 @@ def media_type(request: SpeechRequest) -> str:
     return "audio/wav"
 
 
-class ClientStalledError(Exception):
-    """The client read nothing for ``stall_timeout_s`` while audio waited for it."""
-
-
 class SpeechJob:
-    """Synthesizes one request in a background task; :meth:`next` hands out PCM in order."""
+    """The PCM of one request's speech, in order, for the response."""
 
-    def __init__(self, host: ModelHost, request: SpeechRequest, limits: Limits) -> None:
-        self.host, self.request, self.limits = host, request, limits
-        self.cancel = threading.Event()  # seen by the engine thread
-        self.samples = 0
-        self.started = time.monotonic()
-        self.first_audio_s: float | None = None
-        self._queue: asyncio.Queue[bytes | BaseException | None] = asyncio.Queue()
-        self._unread = 0  # bytes queued but not yet taken by the response
-        self._max_unread = int(limits.max_buffered_audio_s * SAMPLE_RATE) * WIDTH
-        self._space = asyncio.Event()
-        self._task: asyncio.Task[None] | None = None
+    def __init__(self, speech: Speech, request: SpeechRequest) -> None:
+        self.speech, self.request, self.limits = speech, request, speech.limits
         self._watcher: asyncio.Task[None] | None = None
-        self.stalled = False
-        self.on_stall: Callable[[], Any] | None = None  # the response drops the connection
+
+    @property
+    def cancel(self) -> Any:
+        """The speech's cancel event (set once the synthesis was stopped)."""
+        return self.speech.cancel_event
+
+    @property
+    def stalled(self) -> bool:
+        return self.speech.stalled
 
     def start(self, receive: Receive | None = None) -> None:
         """Start synthesizing; with ``receive``, a client disconnect cancels the job."""
-        self._task = asyncio.create_task(self._run(), name="http synthesis")
+        self.speech.start()
         if receive is not None:
             self._watcher = asyncio.create_task(self._watch(receive), name="http disconnect")
 
     def stop(self) -> None:
         """Cancel (idempotent): the engine stops within one chunk, a queued job never starts."""
-        self.cancel.set()
-        for task in (self._task, self._watcher):
-            if task is not None and not task.done():
-                task.cancel()
-        self._queue.put_nowait(None)  # wakes a reader waiting in next()
+        self.speech.cancel()
+        if self._watcher is not None and not self._watcher.done():
+            self._watcher.cancel()
 
     async def next(self) -> bytes | None:
         """The next piece of PCM, ``None`` at the end; re-raises the synthesis error."""
-        item = await self._queue.get()
-        if isinstance(item, BaseException):
-            raise item
-        if item is not None:
-            self._unread -= len(item)
-            self._space.set()
-        return item
+        while True:
+            try:
+                event = await self.speech.next()
+            except SynthesisCancelled:
+                return None
+            if event is None:
+                return None
+            if isinstance(event, Audio):
+                self.speech.delivered(event.samples)  # taken by the response
+                return event.pcm
 
     async def read_all(self) -> bytes:
         parts = []
@@ -121,59 +112,9 @@ class SpeechJob:
     async def _watch(self, receive: Receive) -> None:
         while (await receive())["type"] != "http.disconnect":
             pass
-        if not self._task or not self._task.done():
+        if not self.speech.finished:
             _LOGGER.info("HTTP client left; cancelling its synthesis")
         self.stop()
-
-    async def _run(self) -> None:
-        request = self.request
-        try:
-            for sentence in request.sentences:
-                await self._wait_for_space()
-                await self.host.synthesize(
-                    sentence,
-                    request.options,
-                    self.cancel,
-                    self._on_chunk,
-                    load_timeout=self.limits.load_wait_s,
-                )
-            self._queue.put_nowait(None)
-            _LOGGER.info(
-                "Spoke %.2f s of audio (%s, %s) over HTTP: first audio after %.2f s, done in "
-                "%.2f s", self.samples / SAMPLE_RATE, request.voice.name, request.profile.name,
-                self.first_audio_s or 0.0, time.monotonic() - self.started,
-            )  # fmt: skip
-        except asyncio.CancelledError:
-            self._queue.put_nowait(None)
-            raise
-        except SynthesisCancelled:
-            self._queue.put_nowait(None)
-        except ClientStalledError as err:
-            self.stalled = True
-            self.cancel.set()
-            self._queue.put_nowait(err)
-            if self.on_stall is not None:
-                self.on_stall()  # the response is stuck in send(): only cancelling frees it
-        except Exception as err:  # handed to the response, which reports it
-            self._queue.put_nowait(err)
-
-    async def _on_chunk(self, chunk: AudioChunk) -> None:
-        if self.first_audio_s is None:
-            self.first_audio_s = time.monotonic() - self.started
-        if chunk.sample_rate != SAMPLE_RATE:
-            raise RuntimeError(f"engine produced {chunk.sample_rate} Hz, expected {SAMPLE_RATE}")
-        pcm = chunk.pcm16
-        self.samples += len(pcm) // WIDTH
-        self._unread += len(pcm)
-        self._queue.put_nowait(pcm)
-
-    async def _wait_for_space(self) -> None:
-        while self._unread >= self._max_unread:
-            self._space.clear()
-            try:
-                await asyncio.wait_for(self._space.wait(), self.limits.stall_timeout_s)
-            except asyncio.TimeoutError as err:
-                raise ClientStalledError("the client stopped reading") from err
 
 
 class SpeechResponse(StreamingResponse):
@@ -220,7 +161,7 @@ class SpeechResponse(StreamingResponse):
         # consume receive(). The job is stopped however the response ends. Returning without
         # the final body message makes Uvicorn close the connection with the body incomplete.
         task = asyncio.current_task()
-        self.job.on_stall = task.cancel if task is not None else None
+        self.job.speech.on_stall = task.cancel if task is not None else None
         try:
             await self.stream_response(send)
         except OSError as err:

@@ -1,4 +1,4 @@
-"""The ``info`` answer to ``describe``, and voice names ↔ CosyVoice speakers.
+"""The voice catalogue: voice names ↔ CosyVoice speakers, and which voice a request gets.
 
 CosyVoice's speakers have Chinese names (``中文女`` = "Chinese, female"). Home Assistant shows a
 voice's description and stores its name in automations, so every speaker gets a stable ASCII
@@ -19,17 +19,7 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from wyoming.info import Attribution, Info, TtsProgram, TtsVoice
-
-from wyoming_cosyvoice import __version__
 from wyoming_cosyvoice.protocol import VoiceNotFoundError
-from wyoming_cosyvoice.sentences import detect_language
-
-PROGRAM_NAME = "cosyvoice"
-ATTRIBUTION = Attribution(
-    name="CosyVoice by FunAudioLLM (Alibaba Tongyi Lab)",
-    url="https://github.com/FunAudioLLM/CosyVoice",
-)
 
 # prefix of an official speaker name -> (slug prefix, HA languages, English label)
 _LANGUAGE_PREFIXES = {
@@ -144,10 +134,13 @@ class VoiceCatalog:
     def names(self) -> list[str]:
         return [v.name for v in self.voices]
 
-    def resolve(self, request: dict[str, str], *, default: str | None, text: str) -> Voice:
+    def resolve(
+        self, request: dict[str, str], *, default: str | None, text_language: str | None
+    ) -> Voice:
         """The voice for a request's ``voice`` {name, language, speaker}; raises if unknown.
 
-        Nothing asked for: the configured default, else a voice of the text's language.
+        Nothing asked for: the configured default, else a voice of ``text_language`` (the
+        text's, as :mod:`.sentences` detected it), else the first voice.
         """
         if not self.voices:
             raise VoiceNotFoundError("this model has no speakers to synthesize with")
@@ -173,7 +166,8 @@ class VoiceCatalog:
         if chosen is None and default:
             chosen = self.find(default)
         if chosen is None:
-            chosen = self.for_language(detect_language(text)) or self.voices[0]
+            by_text = self.for_language(text_language) if text_language else None
+            chosen = by_text or self.voices[0]
         return chosen
 
 
@@ -181,29 +175,3 @@ def _tag_matches(language: str, wanted: str) -> bool:
     """``zh_CN`` matches ``zh_cn`` (exact) and ``zh`` (bare language)."""
     lang = language.casefold()
     return lang == wanted or ("_" not in wanted and lang.split("_")[0] == wanted)
-
-
-def build_info(catalog: VoiceCatalog, *, streaming: bool, model: str) -> Info:
-    """One TTS program with one voice per speaker; every field HA needs is always present."""
-    voices = [
-        TtsVoice(
-            name=voice.name,
-            description=voice.description,
-            attribution=ATTRIBUTION,
-            installed=True,
-            version=None,
-            languages=list(voice.languages),
-            speakers=None,
-        )
-        for voice in catalog.voices
-    ]
-    program = TtsProgram(
-        name=PROGRAM_NAME,
-        description=f"CosyVoice text to speech ({model}) on the CPU",
-        attribution=ATTRIBUTION,
-        installed=True,
-        version=__version__,
-        voices=voices,
-        supports_synthesize_streaming=streaming,
-    )
-    return Info(tts=[program])

@@ -1,0 +1,162 @@
+"""The model: where its files are (found or downloaded), how the engine loads, its speakers.
+
+The server, its HTTP API and the ``synthesize`` command all load the model through here, with
+the load-time settings of :class:`~wyoming_cosyvoice.config.LoadSettings`.
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+import zipfile
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+from wyoming_cosyvoice.config import ServerConfig
+from wyoming_cosyvoice.scheduler import Engine, EngineFactory, Scheduler
+
+_LOGGER = logging.getLogger(__name__)
+
+
+def resolve_model_dir(config: ServerConfig) -> Path:
+    """--model-dir as given (checked), else found in the data dirs or downloaded."""
+    from wyoming_cosyvoice.download import (
+        MODEL_FILES,
+        ModelNotFoundError,
+        ensure_model,
+        missing_files,
+    )
+
+    if config.model_dir is not None:
+        if not config.model_dir.is_dir():
+            raise ModelNotFoundError(f"--model-dir {config.model_dir} is not a directory")
+        absent = missing_files(config.model_dir, MODEL_FILES)
+        if absent:
+            raise ModelNotFoundError(
+                f"--model-dir {config.model_dir} is missing or has empty: {', '.join(absent)}"
+            )
+        return config.model_dir
+    return ensure_model(
+        config.model,
+        config.data_dirs,
+        config.effective_download_dir,
+        offline=config.offline,
+        endpoint=config.hub_endpoint,
+    )
+
+
+def load_cosyvoice(
+    model_dir: Path,
+    threads: int | None,
+    lm_int8: bool = True,
+    cache_dir: Path | None = None,
+    flow_int8: bool = False,
+    hift_bf16: bool = False,
+) -> Engine:
+    """The real engine; imported here so torch loads on the engine thread, not at startup."""
+    from engine.engine import CosyVoiceEngine
+
+    return CosyVoiceEngine.load(
+        model_dir,
+        threads=threads,
+        lm_int8=lm_int8,
+        flow_int8=flow_int8,
+        hift_bf16=hift_bf16,
+        cache_dir=cache_dir,
+    )
+
+
+def engine_cache_dir(config: ServerConfig) -> Path | None:
+    """``<download dir>/.cache`` (persistent /data in the add-on) if that dir exists: where the
+    engine keeps the prepared weights of a model directory it cannot write.
+
+    None (the engine's default cache) otherwise: a cache must not create a data dir of its own.
+    """
+    data = config.effective_download_dir
+    return data / ".cache" if data.is_dir() else None
+
+
+def engine_loader(config: ServerConfig) -> EngineFactory:
+    """The real loader with the config's load-time weight formats (LM: a server setting, flow
+    and HiFT: the server profile's) and cache directory."""
+    weights = config.load.weights
+    return partial(
+        load_cosyvoice,
+        lm_int8=weights.lm == "int8",
+        flow_int8=weights.flow == "int8",
+        hift_bf16=weights.hift == "bf16",
+        cache_dir=engine_cache_dir(config),
+    )
+
+
+def scheduler_for_config(
+    config: ServerConfig, model_dir: Path, engine_factory: EngineFactory = load_cosyvoice
+) -> Scheduler:
+    """The scheduler every front end uses: the config's load-time settings and engine loader.
+
+    ``engine_factory`` other than the real loader (a test fake) is used as given.
+    """
+    if engine_factory is load_cosyvoice:
+        engine_factory = engine_loader(config)
+    # Sentences share the cores (every core for one alone, one thread each side by side)
+    # unless the user set a thread count: on every core each, two sentences oversubscribe the
+    # cores (measured: 0.19 instead of 0.27 audio-s/s for two at once, docs/performance.md).
+    load = config.load
+    shared_cores = load.threads is None and load.parallel_sentences > 1
+    return Scheduler(
+        model_dir,
+        engine_factory=engine_factory,
+        threads=load.threads,
+        warmup=load.warmup,
+        speakers_hint=peek_speakers(model_dir),
+        parallel=load.parallel_sentences,
+        shared_cores=shared_cores,
+    )
+
+
+# --- speaker names without torch ------------------------------------------------------------
+
+
+class _Stub:
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def __setstate__(self, state: Any) -> None:
+        pass
+
+
+class _NamesOnlyUnpickler(pickle.Unpickler):
+    """Reads the dict keys of a torch checkpoint; every tensor becomes an inert stub."""
+
+    _ALLOWED = {("collections", "OrderedDict")}
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in self._ALLOWED:
+            return super().find_class(module, name)
+        if module.startswith("torch"):
+            return _Stub  # never import or call anything from the file
+        raise pickle.UnpicklingError(f"{module}.{name} is not allowed")
+
+    def persistent_load(self, pid: Any) -> None:
+        return None
+
+
+def peek_speakers(model_dir: Path) -> list[str] | None:
+    """Speaker names from ``spk2info.pt`` in milliseconds, before torch is even imported.
+
+    Lets ``describe`` list the right voices while the model is still loading. ``None`` if the
+    file is missing or unreadable (the engine's own list is used once it has loaded).
+    """
+    path = model_dir / "spk2info.pt"
+    try:
+        with zipfile.ZipFile(path) as archive:
+            pkl = next(n for n in archive.namelist() if n.endswith("data.pkl"))
+            with archive.open(pkl) as f:
+                table = _NamesOnlyUnpickler(f).load()
+    except Exception as err:  # a hint only; never fatal
+        _LOGGER.debug("Could not read speaker names from %s: %s", path, err)
+        return None
+    if not isinstance(table, dict) or not all(isinstance(k, str) for k in table):
+        return None
+    return list(table)

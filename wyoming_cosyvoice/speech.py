@@ -1,0 +1,361 @@
+"""The speech pipeline every front end drives: text → sentences → voices → engine → audio.
+
+::
+
+    text, whole or in streamed fragments
+      │  sentences.py: split once (the frontend's IncrementalSplitter); each sentence's
+      ▼  language detected once
+    Sentence(text, language) ──► Speech.say()
+      │  VoiceChoice: the voice asked for, else the server's default, else one of the
+      ▼  text's language (one per request, or one per sentence)
+    Speech (a task per request) ──► Scheduler.synthesize(sentence): engine thread, FIFO turn
+      │                                    │ AudioChunk (float32) ─► PCM16
+      ▼                                    ▼
+    Speech.next() ◄── SentenceStart · Audio … · SentenceEnd, per sentence, then None
+      │
+      ▼  translated by handler.py (Wyoming), http/stream.py (HTTP), synthesize.py (a WAV file)
+
+Backpressure: between sentences, never while holding the engine, a speech waits while more
+than ``max_buffered_audio_s`` of its audio is made but not yet delivered (the front end calls
+:meth:`Speech.delivered` once its client has it). After ``stall_timeout_s`` of waiting the
+client counts as stalled: the speech ends with :class:`ClientStalledError` and calls
+``on_stall`` (a front end stuck writing to that client cannot see the error itself). Within a
+sentence audio is queued without waiting; the splitter's sentence-length cap bounds that.
+Cancellation: :meth:`Speech.cancel` or the request's ``cancel`` event stops the engine within
+one chunk, and a sentence not yet started never reaches it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from engine.constants import SAMPLE_RATE
+from engine.types import AudioChunk, EngineError, SynthesisCancelled, SynthesisOptions
+from wyoming_cosyvoice.config import Limits, ProfileConfig
+from wyoming_cosyvoice.protocol import LimitExceededError
+from wyoming_cosyvoice.scheduler import Scheduler
+from wyoming_cosyvoice.sentences import Sentence
+from wyoming_cosyvoice.voice_catalog import Voice, VoiceCatalog
+
+_LOGGER = logging.getLogger(__name__)
+
+WIDTH = 2  # bytes per sample: 16-bit PCM, mono
+MAX_INSTRUCTION_CHARS = 1000  # as NAME.instruct.txt (the engine's transcript limit)
+
+
+class ClientStalledError(Exception):
+    """The client read nothing for ``stall_timeout_s`` while audio waited for it."""
+
+
+# --- what a speech hands out ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SentenceStart:
+    """A sentence is about to be synthesized, in this voice."""
+
+    index: int
+    sentence: Sentence
+    voice: Voice
+
+
+@dataclass(frozen=True)
+class Audio:
+    """16-bit little-endian mono PCM at ``SAMPLE_RATE``, in order."""
+
+    pcm: bytes
+
+    @property
+    def samples(self) -> int:
+        return len(self.pcm) // WIDTH
+
+
+@dataclass(frozen=True)
+class SentenceEnd:
+    """A sentence is finished; ``skipped`` holds why it gave no audio when skipping failures."""
+
+    index: int
+    skipped: Exception | None = None
+
+
+SpeechEvent = SentenceStart | Audio | SentenceEnd
+
+
+# --- per-request settings ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SpeechSettings:
+    """How one request is synthesized: its profile's per-request part and its seed."""
+
+    profile: ProfileConfig
+    seed: int | None
+    force_tokens: int | None = None
+
+    def options(self, voice: Voice, instruct: str | None) -> SynthesisOptions:
+        return self.profile.options(
+            speaker=voice.speaker, seed=self.seed, instruct=instruct, force_tokens=self.force_tokens
+        )
+
+
+def split_instruction(
+    request: Mapping[str, str] | None, catalog: VoiceCatalog, kind: str | None
+) -> tuple[dict[str, str], str | None]:
+    """(voice request, instruction): ``speaker`` is an instruction when it names no voice.
+
+    Only with the -Instruct model: there Wyoming's ``voice.speaker`` is the one free-text field
+    Home Assistant forwards per request (``tts.speak`` options ``voice`` + ``speaker``). A
+    speaker that names a voice keeps its old meaning; with other models an unknown speaker stays
+    an error.
+    """
+    wanted = dict(request or {})
+    speaker = wanted.get("speaker")
+    if kind != "instruct" or not speaker or catalog.find(speaker) is not None:
+        return wanted, None
+    del wanted["speaker"]
+    instruction = " ".join(speaker.split())
+    if len(instruction) > MAX_INSTRUCTION_CHARS:
+        raise LimitExceededError(
+            f"the instruction in voice.speaker has {len(instruction)} characters; "
+            f"the limit is {MAX_INSTRUCTION_CHARS}"
+        )
+    return wanted, instruction or None
+
+
+class VoiceChoice:
+    """Which voice speaks each sentence of one request, and the instruction it carries.
+
+    The voice the request asks for ({name, language, speaker}), else the server's default,
+    else one of the text's language. One voice per request (Wyoming and HTTP clients expect
+    one): chosen at the first sentence with ``text_language`` (the whole text's, when the
+    request came whole) or else that sentence's, and kept. ``per_sentence`` (the synthesize
+    command): each sentence gets a voice of its own language. ``speaker_instructs``: Wyoming's
+    ``voice.speaker`` may carry an instruction (:func:`split_instruction`). ``catalog``: choose
+    from it instead of the loaded model's (the command checks its voices before the load).
+    """
+
+    def __init__(
+        self,
+        request: Mapping[str, str] | None,
+        default: str | None,
+        *,
+        text_language: str | None = None,
+        per_sentence: bool = False,
+        instruct: str | None = None,
+        speaker_instructs: bool = False,
+        catalog: VoiceCatalog | None = None,
+    ) -> None:
+        self.request = dict(request or {})
+        self.default = default
+        self.text_language = text_language
+        self.per_sentence = per_sentence
+        self.instruct = instruct
+        self.speaker_instructs = speaker_instructs
+        self.catalog = catalog
+        self._chosen: tuple[Voice, str | None] | None = None
+
+    @classmethod
+    def chosen(cls, voice: Voice, instruct: str | None) -> VoiceChoice:
+        """A request whose voice was chosen before it was spoken (HTTP: for its headers)."""
+        choice = cls({"name": voice.name}, None, instruct=instruct)
+        choice._chosen = (voice, instruct)
+        return choice
+
+    def resolve(
+        self, catalog: VoiceCatalog, model_kind: str | None, sentence: Sentence
+    ) -> tuple[Voice, str | None]:
+        """(voice, instruction) for ``sentence``; raises VoiceNotFoundError."""
+        if self._chosen is not None and not self.per_sentence:
+            return self._chosen
+        catalog = self.catalog or catalog
+        wanted, instruct = self.request, self.instruct
+        if self.speaker_instructs:
+            wanted, from_speaker = split_instruction(wanted, catalog, model_kind)
+            instruct = instruct or from_speaker
+        language = sentence.language if self.per_sentence else self.text_language
+        voice = catalog.resolve(
+            wanted, default=self.default, text_language=language or sentence.language
+        )
+        self._chosen = (voice, instruct)
+        return self._chosen
+
+
+# --- one request's speech ---------------------------------------------------------------------
+
+
+class Speech:
+    """One request's sentences spoken through the scheduler, as a bounded stream of events.
+
+    Feed it with :meth:`say` (any time, as sentences complete) and :meth:`end`; read it with
+    :meth:`next`, which starts the synthesis on its first call. ``skip_failed``: a sentence the
+    engine or the text frontend refuses ends with ``SentenceEnd.skipped`` instead of ending the
+    speech (a long text read to a file loses one sentence, not the rest).
+    """
+
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        settings: SpeechSettings,
+        voices: VoiceChoice,
+        limits: Limits,
+        *,
+        client: str,
+        cancel: threading.Event | None = None,
+        skip_failed: bool = False,
+    ) -> None:
+        self.scheduler, self.settings, self.voices = scheduler, settings, voices
+        self.limits = limits
+        self.client = client  # who asked, for the log
+        self.cancel_event = cancel or threading.Event()  # seen by the engine thread
+        self.skip_failed = skip_failed
+        self.on_stall: Callable[[], Any] | None = None
+        self.stalled = False
+        self.samples = 0  # made so far
+        self.first_audio_s: float | None = None
+        self._voices_used: dict[str, None] = {}
+        self._started: float | None = None
+        self._todo: asyncio.Queue[Sentence | None] = asyncio.Queue()
+        self._events: asyncio.Queue[SpeechEvent | BaseException | None] = asyncio.Queue()
+        self._undelivered = 0  # samples made but not yet delivered to the client
+        self._max_undelivered = int(limits.max_buffered_audio_s * SAMPLE_RATE)
+        self._space = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._speaking = False
+
+    # --- the front end's side -------------------------------------------------------------
+
+    def say(self, sentence: Sentence) -> None:
+        self._todo.put_nowait(sentence)
+
+    def end(self) -> None:
+        """No more sentences."""
+        self._todo.put_nowait(None)
+
+    def start(self) -> None:
+        """Start synthesizing (idempotent; :meth:`next` calls it)."""
+        if self._task is None:
+            self._task = asyncio.create_task(self._run(), name=f"speech for {self.client}")
+
+    async def next(self) -> SpeechEvent | None:
+        """The next event, ``None`` at the end or after :meth:`cancel`; raises what stopped the
+        synthesis (``SynthesisCancelled`` for the ``cancel`` event or a shutdown)."""
+        self.start()
+        item = await self._events.get()
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    @property
+    def finished(self) -> bool:
+        """The synthesis has ended (all said, failed or cancelled)."""
+        return self._task is not None and self._task.done()
+
+    @property
+    def idle(self) -> bool:
+        """Nothing to say for now: no sentence waiting or being spoken (an open stream may
+        get more)."""
+        return self._todo.empty() and not self._speaking
+
+    def delivered(self, samples: int) -> None:
+        """The client has ``samples`` more of the audio handed out."""
+        self._undelivered -= samples
+        self._space.set()
+
+    def cancel(self) -> None:
+        """Stop (idempotent): the engine stops within one chunk, a queued sentence never starts."""
+        self.cancel_event.set()
+        if self._task is not None and not self._task.done():
+            self._task.cancel()
+        self._events.put_nowait(None)  # wakes a reader waiting in next()
+
+    # --- the synthesis --------------------------------------------------------------------
+
+    async def _run(self) -> None:
+        try:
+            await self._speak_all()
+            self._events.put_nowait(None)
+        except asyncio.CancelledError:
+            self._events.put_nowait(None)
+            raise
+        except ClientStalledError as err:
+            self.stalled = True
+            self.cancel_event.set()
+            self._events.put_nowait(err)
+            if self.on_stall is not None:
+                self.on_stall()
+        except Exception as err:  # handed to the reader, which reports it
+            self._events.put_nowait(err)
+
+    async def _speak_all(self) -> None:
+        index = 0
+        while (sentence := await self._todo.get()) is not None:
+            if self._started is None:
+                self._started = time.monotonic()
+            self._speaking = True
+            try:
+                await self._speak(index, sentence)
+            finally:
+                self._speaking = False
+            index += 1
+        if index:
+            self._log_done()
+
+    async def _speak(self, index: int, sentence: Sentence) -> None:
+        scheduler, limits = self.scheduler, self.limits
+        engine = await scheduler.wait_ready(limits.load_wait_s)
+        voice, instruct = self.voices.resolve(
+            scheduler.catalog, getattr(engine, "kind", None), sentence
+        )
+        self._voices_used[voice.name] = None
+        await self._wait_for_space()
+        if self.cancel_event.is_set():
+            raise SynthesisCancelled("cancelled before the sentence started")
+        _LOGGER.debug("Speaking sentence %d as %s for %s (queue %d)", index + 1, voice.name,
+                      self.client, scheduler.waiting)  # fmt: skip
+        self._events.put_nowait(SentenceStart(index, sentence, voice))
+        try:
+            await scheduler.synthesize(
+                sentence.text,
+                self.settings.options(voice, instruct),
+                self.cancel_event,
+                self._on_chunk,
+                load_timeout=limits.load_wait_s,
+            )
+        except (EngineError, ValueError) as err:  # TextInputError is a ValueError
+            if not self.skip_failed or isinstance(err, SynthesisCancelled):
+                raise
+            self._events.put_nowait(SentenceEnd(index, skipped=err))
+            return
+        self._events.put_nowait(SentenceEnd(index))
+
+    async def _on_chunk(self, chunk: AudioChunk) -> None:
+        if chunk.sample_rate != SAMPLE_RATE:
+            raise EngineError(f"engine produced {chunk.sample_rate} Hz, expected {SAMPLE_RATE}")
+        if self.first_audio_s is None and self._started is not None:
+            self.first_audio_s = time.monotonic() - self._started
+        audio = Audio(chunk.pcm16)
+        self.samples += audio.samples
+        self._undelivered += audio.samples
+        self._events.put_nowait(audio)
+
+    async def _wait_for_space(self) -> None:
+        while self._undelivered >= self._max_undelivered:
+            self._space.clear()
+            try:
+                await asyncio.wait_for(self._space.wait(), self.limits.stall_timeout_s)
+            except asyncio.TimeoutError as err:
+                raise ClientStalledError("the client stopped reading") from err
+
+    def _log_done(self) -> None:
+        elapsed = time.monotonic() - (self._started or time.monotonic())
+        _LOGGER.info(
+            "Spoke %.2f s of audio (%s) for %s with profile %s: first audio after %.2f s, "
+            "done in %.2f s", self.samples / SAMPLE_RATE, ", ".join(self._voices_used),
+            self.client, self.settings.profile.name, self.first_audio_s or 0.0, elapsed,
+        )  # fmt: skip
