@@ -1,4 +1,4 @@
-"""Engine command line: `python -m engine synthesize` and `python -m engine frontend`."""
+"""Engine command line: `python -m engine synthesize`, `prepare` and `frontend`."""
 
 from __future__ import annotations
 
@@ -70,6 +70,37 @@ def _synthesize(args: argparse.Namespace) -> int:
     return 0
 
 
+def _prepare(args: argparse.Namespace) -> int:
+    from engine.prepared import prepare_model
+
+    formats = {"llm": args.lm, "flow": args.flow, "hift": args.hift}
+    for label, path, prepared_now in prepare_model(args.model_dir, formats, args.cache_dir):
+        _LOGGER.info("%s: %s (%s)", label, path, "prepared" if prepared_now else "up to date")
+    return 0
+
+
+def _prepare_arguments(prep: argparse.ArgumentParser) -> None:
+    from engine.prepared import WEIGHT_FORMATS
+
+    prep.add_argument(
+        "--model-dir", type=Path, required=True, help="model directory in the official layout"
+    )
+    for option, part in (("--lm", "llm"), ("--flow", "flow"), ("--hift", "hift")):
+        prep.add_argument(
+            option,
+            nargs="+",
+            choices=WEIGHT_FORMATS[part],
+            default=[WEIGHT_FORMATS[part][0]],
+            help=f"{part} weight formats (default: {WEIGHT_FORMATS[part][0]})",
+        )
+    prep.add_argument(
+        "--cache-dir",
+        type=Path,
+        help="where to write them if the model directory is read-only "
+        "(default: $XDG_CACHE_HOME/cosyvoice-engine)",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m engine", description=__doc__)
     parser.add_argument("--debug", action="store_true", help="verbose logging")
@@ -93,6 +124,16 @@ def build_parser() -> argparse.ArgumentParser:
     synth.add_argument("--threads", type=int, help="torch CPU threads")
     synth.add_argument("--tokens", type=int, help="force this many speech tokens (benchmarks)")
 
+    prep = sub.add_parser(
+        "prepare",
+        help="write the files the engine runs from (done on first use otherwise)",
+        description="Write the prepared weight files of a model directory, in prepared/ beside "
+        "the model files (or under --cache-dir when the model directory cannot be written). "
+        "Files already up to date are kept. Each format option takes one or more formats; "
+        "the defaults are what the engine loads by default.",
+    )
+    _prepare_arguments(prep)
+
     front = sub.add_parser(
         "frontend",
         help="show normalised segments and token ids",
@@ -113,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "frontend":
         return frontend_cli.run(args)
     try:
-        return _synthesize(args)
+        return _prepare(args) if args.command == "prepare" else _synthesize(args)
     except (EngineError, ValueError, OSError) as err:
         _LOGGER.error("%s", err)
         return 2

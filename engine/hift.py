@@ -23,7 +23,6 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from engine.hparams import HiFTArgs
-from engine.pages import give_back_free_heap
 
 _PER_SAMPLE_PHASE_RATE = 22050
 # float32 constants exactly as the reference computes them (python doubles rounded to float32).
@@ -423,10 +422,6 @@ class HiFTGenerator(nn.Module):
         x = self.conv_pre(_to_cl(mel.to(self.filter_dtype)))
         for i in range(len(self.ups)):
             x = self._stage_in_tiles(i, x, s_stft)
-            if i + 1 < len(self.ups):
-                # The next stage's buffers are larger than this one's: without a trim glibc
-                # grows the heap past this stage's freed ones, which stay resident.
-                give_back_free_heap()
         return x.squeeze(2).float()
 
     def _stage_in_tiles(self, i: int, x: Tensor, s_stft: Tensor) -> Tensor:

@@ -24,7 +24,6 @@ import numpy as np
 import torch
 
 from engine.constants import HOP, MEL_CACHE, MEL_OVERLAP, N_MELS, SOURCE_CACHE, TOKEN_OVERLAP
-from engine.pages import give_back_free_heap
 from engine.thread_budget import ThreadBudget, apply_thread_budget, vocoder_busy
 from engine.types import StreamSchedule
 
@@ -149,7 +148,6 @@ class ChunkVocoder:
 
     def _chunk(self, tokens: torch.Tensor, *, finalize: bool) -> torch.Tensor:
         mel = self._flow(tokens)
-        give_back_free_heap()  # the flow's buffers, before HiFT's (other sizes) grow the heap
         if self.mel_overlap is not None:
             mel = fade_in_out(mel, self.mel_overlap, _MEL_WINDOW)
         if self.hift_mel is not None and self.hift_source is not None:  # set together
@@ -161,7 +159,6 @@ class ChunkVocoder:
             self.mel_overlap = mel[:, :, -MEL_OVERLAP:]
             mel = mel[:, :, :-MEL_OVERLAP]
         speech, source = self._hift(mel, cache_source)
-        give_back_free_heap()  # the pass's buffers: else the RSS ratchets up chunk by chunk
         if self.hift_speech is not None:
             speech = fade_in_out(speech, self.hift_speech, _SPEECH_WINDOW)
         if finalize:

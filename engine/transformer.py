@@ -10,7 +10,7 @@ and ``P = linear_pos(pe)``, ``pe`` the interleaved sin/cos table. Causal encoder
 encoder) only ever attend to m >= 0: P for those is computed once per layer and cached
 (``linear_pos`` has no bias and the table is constant), so a decode step only slices the last L
 rows, which removes the O(L·d²) per-step cost of the official code, and ``linear_pos`` is not read
-again (its mapped pages are given back). The bidirectional flow encoder recomputes P over the 2T-1
+again until the rows grow. The bidirectional flow encoder recomputes P over the 2T-1
 positions at every pass.
 """
 
@@ -27,7 +27,6 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from engine.hparams import EncoderArgs
-from engine.pages import file_mapped_ranges, release_if_mapped
 
 # The official table has 5000 rows; each row is computed on its own, so a shorter table holds the
 # same values. Starting small and doubling keeps ≈ 50 MB of never-read rows out of memory.
@@ -228,9 +227,6 @@ class RelPosAttention(nn.Module):
                 new = new * (1.0 / math.sqrt(self.d_k))  # pre-scaled: saves a per-step multiply
             new = new.view(cap - have, self.h, self.d_k).transpose(0, 1)
             cached = (key, torch.cat([new, cached[1]], dim=1))
-            # Only the rows are read from now on: give back the weight's mapped pages (4 MB a
-            # layer, 56 MB for the LM; they fault back in from the page cache if rows grow).
-            release_if_mapped(w, file_mapped_ranges())
         if cached is not self._pos_cache:
             self._pos_cache = cached  # one assignment: concurrent readers see old or new
         rows = cached[1]

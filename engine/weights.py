@@ -1,10 +1,11 @@
-"""Load an official CosyVoice v1 model directory: config, checkpoints and speaker table.
+"""Read an official CosyVoice v1 model directory: config, checkpoints and speaker table.
 
-Every checkpoint is opened with ``torch.load(weights_only=True, mmap=True)``: no pickle code runs,
-and the tensors stay memory-mapped (or, once it is indexed, mapped through its index without
-unpickling: engine.checkpoint_index). The models are built on the ``meta`` device and the mapped
-tensors are assigned in place, so loading allocates no second copy of any weight. Every failure
-is a :class:`ModelLoadError` that names the file and the offending keys.
+Every checkpoint is opened with ``torch.load(weights_only=True, mmap=True)``: no pickle code runs.
+The models are built on the ``meta`` device and the checkpoint's tensors are assigned in place.
+Every failure is a :class:`ModelLoadError` that names the file and the offending keys.
+
+This is the reference path, straight from the official files: ``engine.prepared`` turns its
+result into the files the engine runs from.
 """
 
 from __future__ import annotations
@@ -16,20 +17,12 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import nn
 
-from engine.checkpoint_index import read_indexed, write_index
 from engine.hparams import ModelArgs, ModelConfigError, load_model_args
-from engine.pages import (
-    fence_off_unused,
-    file_mapped_ranges,
-    mapping_of,
-    read_copies,
-    release_if_mapped,
-)
 from engine.types import ModelLoadError
 
 if TYPE_CHECKING:
@@ -40,7 +33,8 @@ if TYPE_CHECKING:
 _LOGGER = logging.getLogger(__name__)
 
 CONFIG_FILE = "cosyvoice.yaml"
-CHECKPOINT_FILES = ("llm.pt", "flow.pt", "hift.pt")
+PARTS = ("llm", "flow", "hift")  # the three models, each in ``<part>.pt``
+CHECKPOINT_FILES = tuple(f"{part}.pt" for part in PARTS)
 SPEAKER_FILE = "spk2info.pt"
 REQUIRED_FILES = (CONFIG_FILE, *CHECKPOINT_FILES, SPEAKER_FILE)
 SPEAKER_EMBED_DIM = 192
@@ -52,10 +46,28 @@ def missing_model_files(model_dir: Path) -> list[str]:
     return [name for name in REQUIRED_FILES if not (Path(model_dir) / name).is_file()]
 
 
-def _list_keys(keys: list[str]) -> str:
+def list_keys(keys: list[str]) -> str:
+    """The first few of ``keys``, and how many more there are."""
     shown = ", ".join(keys[:_MAX_LISTED_KEYS])
     more = len(keys) - _MAX_LISTED_KEYS
     return shown + (f" (and {more} more)" if more > 0 else "")
+
+
+def read_model_args(model_dir: Path) -> ModelArgs:
+    """Check that ``model_dir`` is a complete model directory and read its config."""
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise ModelLoadError(f"model directory {model_dir} does not exist")
+    missing = missing_model_files(model_dir)
+    if missing:
+        raise ModelLoadError(
+            f"model directory {model_dir} is incomplete: missing {', '.join(missing)} "
+            f"(expected {', '.join(REQUIRED_FILES)})"
+        )
+    try:
+        return load_model_args(model_dir / CONFIG_FILE)
+    except ModelConfigError as err:
+        raise ModelLoadError(str(err)) from err
 
 
 def read_checkpoint(path: Path) -> object:
@@ -78,16 +90,8 @@ def read_checkpoint(path: Path) -> object:
         raise ModelLoadError(f"{path}: truncated or corrupt checkpoint ({err})") from err
 
 
-def read_state_dict(path: Path, index_dir: Path | None = None) -> dict[str, torch.Tensor]:
-    """Read a checkpoint that must be a flat mapping of names to tensors.
-
-    With ``index_dir``, through the checkpoint's index there when it has a usable one (no
-    unpickling: engine.checkpoint_index), else loaded and vetted as usual and indexed.
-    """
-    if index_dir is not None:
-        indexed = read_indexed(path, index_dir)
-        if indexed is not None:
-            return indexed
+def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
+    """Read a checkpoint that must be a flat mapping of names to tensors."""
     obj = read_checkpoint(path)
     if not isinstance(obj, Mapping):
         raise ModelLoadError(
@@ -95,11 +99,8 @@ def read_state_dict(path: Path, index_dir: Path | None = None) -> dict[str, torc
         )
     bad = [str(k) for k, v in obj.items() if not isinstance(k, str) or not torch.is_tensor(v)]
     if bad:
-        raise ModelLoadError(f"{path}: entries that are not tensors: {_list_keys(bad)}")
-    state = dict(obj)
-    if index_dir is not None:
-        write_index(path, index_dir, state)
-    return state
+        raise ModelLoadError(f"{path}: entries that are not tensors: {list_keys(bad)}")
+    return dict(obj)
 
 
 def check_state_dict(module: nn.Module, state: Mapping[str, torch.Tensor], path: Path) -> None:
@@ -114,49 +115,40 @@ def check_state_dict(module: nn.Module, state: Mapping[str, torch.Tensor], path:
     )
     problems = []
     if missing:
-        problems.append(f"missing keys: {_list_keys(missing)}")
+        problems.append(f"missing keys: {list_keys(missing)}")
     if unexpected:
-        problems.append(f"unexpected keys: {_list_keys(unexpected)}")
+        problems.append(f"unexpected keys: {list_keys(unexpected)}")
     if wrong:
-        problems.append(f"shape mismatches: {_list_keys(wrong)}")
+        problems.append(f"shape mismatches: {list_keys(wrong)}")
     if problems:
         raise ModelLoadError(f"{path} does not fit {CONFIG_FILE}: " + "; ".join(problems))
 
 
-_SMALL_BYTES = 4096  # one page
+def finish_assigned(module: nn.Module) -> None:
+    """After an assigning ``load_state_dict``: inference mode, and the derived tensors that a
+    module built on the meta device rebuilds itself (rel-pos tables, STFT windows, layouts)."""
+    module.eval()
+    module.requires_grad_(False)
+    for sub in module.modules():
+        materialize = getattr(sub, "materialize_derived", None)
+        if callable(materialize):
+            materialize()
 
 
-def _is_small(tensor: torch.Tensor) -> bool:
-    """Norms, biases and position biases (1-D, or one page at most): a few MB in all.
-
-    They are copied out of the checkpoint with ``pread`` (engine.pages.read_copies). Read in
-    place, or copied through the mapping, each would map the 2 MiB page-cache folio around it,
-    and with it the pages of its large neighbours: in place for good (the fence cannot take
-    them away), copied until the fence at the end of the load.
-    """
-    return tensor.dim() <= 1 or tensor.numel() * tensor.element_size() <= _SMALL_BYTES
+def check_materialized(module: nn.Module, path: Path) -> None:
+    """Raise if a parameter or buffer of ``module`` is still on the meta device."""
+    leftovers = [n for n, t in [*module.named_parameters(), *module.named_buffers()] if t.is_meta]
+    if leftovers:  # a derived tensor the module did not rebuild after meta construction
+        raise ModelLoadError(f"{path}: internal error, left on meta: {list_keys(leftovers)}")
 
 
 def assign_state_dict(module: nn.Module, state: Mapping[str, torch.Tensor], path: Path) -> None:
     """Check, then load ``state`` into ``module`` by assignment (mmap'd tensors used in place)."""
     check_state_dict(module, state, path)
-    small = [k for k, v in state.items() if v.dtype == torch.float32 and _is_small(v)]
-    copies = dict(zip(small, read_copies([state[k] for k in small]), strict=True))
-    floats = {
-        k: copies.get(k, v.float() if v.dtype != torch.float32 else v) for k, v in state.items()
-    }
+    floats = {k: v if v.dtype == torch.float32 else v.float() for k, v in state.items()}
     module.load_state_dict(floats, strict=True, assign=True)
-    module.eval()
-    module.requires_grad_(False)
-    # Modules built on the meta device rebuild their derived, non-saved tensors (rel-pos
-    # tables, STFT windows, fused weights) here.
-    for sub in module.modules():
-        materialize = getattr(sub, "materialize_derived", None)
-        if callable(materialize):
-            materialize()
-    leftovers = [n for n, t in [*module.named_parameters(), *module.named_buffers()] if t.is_meta]
-    if leftovers:  # a derived tensor the module did not rebuild after meta construction
-        raise ModelLoadError(f"{path}: internal error, left on meta: {_list_keys(leftovers)}")
+    finish_assigned(module)
+    check_materialized(module, path)
 
 
 def load_speakers(path: Path) -> dict[str, torch.Tensor]:
@@ -178,14 +170,14 @@ def load_speakers(path: Path) -> dict[str, torch.Tensor]:
         speakers[name] = embedding.detach().reshape(SPEAKER_EMBED_DIM).float().clone()
     if bad:
         raise ModelLoadError(
-            f"{path}: speakers without a {SPEAKER_EMBED_DIM}-value 'embedding': {_list_keys(bad)}"
+            f"{path}: speakers without a {SPEAKER_EMBED_DIM}-value 'embedding': {list_keys(bad)}"
         )
     return speakers
 
 
 @contextmanager
 def _without_init() -> Iterator[None]:
-    """Skip ``torch.nn.init`` while building on meta: every value is replaced by the checkpoint.
+    """Skip ``torch.nn.init`` while building on meta: every value is replaced by a loaded one.
 
     Random init on meta tensors is not free: the first ``normal_`` imports torch's Python
     decompositions (2-4 s). Loading happens once at start-up, before any other thread runs.
@@ -201,6 +193,38 @@ def _without_init() -> Iterator[None]:
             setattr(nn.init, name, fn)
 
 
+def build_on_meta(args: ModelArgs, part: str) -> nn.Module:
+    """One of the three models (``llm``, ``flow``, ``hift``), built without memory for weights."""
+    # Imported here so this module can be read (e.g. for file checks) without the model code.
+    from engine.flow import FlowModel
+    from engine.hift import HiFTGenerator
+    from engine.llm import TransformerLM
+
+    builders = {
+        "llm": lambda: TransformerLM(args.llm),
+        "flow": lambda: FlowModel(args.flow),
+        "hift": lambda: HiFTGenerator(args.hift),
+    }
+    with torch.device("meta"), _without_init():
+        return builders[part]()
+
+
+def read_part(model_dir: Path, args: ModelArgs, part: str) -> nn.Module:
+    """One model loaded from its official checkpoint (HiFT with its weight norm folded)."""
+    from engine.weight_norm import normalize_hift_state_dict
+
+    path = Path(model_dir) / f"{part}.pt"
+    state = read_state_dict(path)
+    if part == "hift":
+        try:
+            state = normalize_hift_state_dict(state)
+        except ValueError as err:
+            raise ModelLoadError(f"{path}: {err}") from err
+    module = build_on_meta(args, part)
+    assign_state_dict(module, state, path)
+    return module
+
+
 @dataclass
 class LoadedModels:
     """The three models of one directory plus its speaker table, ready for inference."""
@@ -211,127 +235,32 @@ class LoadedModels:
     flow: FlowModel
     hift: HiFTGenerator
     speakers: dict[str, torch.Tensor]
-    # One tensor of each mapped checkpoint (llm.pt, flow.pt, hift.pt): keeps its mapping
-    # alive, so that release_checkpoint_pages() can never map over memory the process reused.
-    checkpoint_anchors: tuple[torch.Tensor, ...] = ()
 
-    def release_checkpoint_pages(self) -> tuple[list[str], int]:
-        """Once the weights are final (int8 swaps done): serve the embedding tables from their
-        files, then fence off every checkpoint page no model reads any more (engine.pages).
-        Returns the tables swapped and the bytes fenced off."""
-        swapped = self._read_embeddings_from_files()  # first: the fence then unmaps the tables
-        return swapped, self._fence_unused_pages()
-
-    def _read_embeddings_from_files(self) -> list[str]:
-        """Serve the mapped embedding tables by reading rows from their files (see
-        engine.file_rows). Returns the tables swapped."""
-        from engine.file_rows import FileEmbedding
-
-        swapped = []
-        for owner, name in (
-            (self.llm, "text_embedding"),
-            (self.llm, "speech_embedding"),
-            (self.flow, "input_embedding"),
-        ):
-            reader = FileEmbedding.replacing(getattr(owner, name))
-            if reader is not None:
-                setattr(owner, name, reader)
-                swapped.append(f"{type(owner).__name__}.{name}")
-        return swapped
-
-    def _fence_unused_pages(self) -> int:
-        """Fence off the checkpoint pages that no model tensor uses, so that no later fault
-        maps them (see engine.pages). Bytes."""
-        in_use = [t for model in (self.llm, self.flow, self.hift) for t in _tensors_of(model)]
-        fenced = 0
-        for anchor in self.checkpoint_anchors:
-            mapping = mapping_of(anchor)
-            # A checkpoint no model reads (e.g. every tensor converted to float32) is unmapped
-            # whole when its anchor goes below: nothing to fence.
-            if mapping is not None and any(mapping[0] <= t.data_ptr() < mapping[1] for t in in_use):
-                fenced += fence_off_unused(mapping, in_use)
-        self.checkpoint_anchors = ()
-        return fenced
-
-
-# nn.Module's own bookkeeping but its parameter and buffer tables: submodules (visited by
-# modules()) and hooks, no tensors. Skipping them halves the walk (≈ 40 → 20 ms).
-_MODULE_INTERNALS = frozenset(vars(nn.Module())) - {"_parameters", "_buffers"}
-
-
-def _tensors_of(model: nn.Module) -> Iterator[torch.Tensor]:
-    """Every tensor a model can read: parameters, buffers and tensor attributes (also inside
-    tuples, lists and dicts, such as cached projections)."""
-    for module in model.modules():
-        pending = [v for k, v in vars(module).items() if k not in _MODULE_INTERNALS]
-        while pending:
-            value = pending.pop()
-            # Only strided tensors can be views of a checkpoint (oneDNN's reordered weights
-            # are opaque copies with no data pointer).
-            if isinstance(value, torch.Tensor):
-                if value.layout == torch.strided:
-                    yield value
-            elif isinstance(value, tuple | list):
-                pending.extend(value)
-            elif isinstance(value, dict):
-                pending.extend(value.values())
-
-
-def _release_replaced(raw: Mapping[str, torch.Tensor], kept: Mapping[str, torch.Tensor]) -> None:
-    """Give back the mapped pages of the tensors of ``raw`` that ``kept`` no longer uses."""
-    used = {id(t) for t in kept.values()}
-    ranges = file_mapped_ranges()
-    for tensor in raw.values():
-        if id(tensor) not in used:
-            release_if_mapped(tensor, ranges)
-
-
-def load_model_dir(model_dir: Path, index_dir: Path | None = None) -> LoadedModels:
-    """Build the LM, flow and HiFT from ``cosyvoice.yaml`` and load the official checkpoints
-    (through their indexes in ``index_dir``, if given: see read_state_dict)."""
-    # Imported here so this module can be read (e.g. for file checks) without the model code.
-    from engine.flow import FlowModel
-    from engine.hift import HiFTGenerator
-    from engine.llm import TransformerLM
-    from engine.weight_norm import normalize_hift_state_dict
-
-    model_dir = Path(model_dir)
-    if not model_dir.is_dir():
-        raise ModelLoadError(f"model directory {model_dir} does not exist")
-    missing = missing_model_files(model_dir)
-    if missing:
-        raise ModelLoadError(
-            f"model directory {model_dir} is incomplete: missing {', '.join(missing)} "
-            f"(expected {', '.join(REQUIRED_FILES)})"
+    @classmethod
+    def of(
+        cls,
+        model_dir: Path,
+        args: ModelArgs,
+        modules: tuple[nn.Module, nn.Module, nn.Module],
+        speakers: dict[str, torch.Tensor],
+    ) -> LoadedModels:
+        """From the three models in ``PARTS`` order."""
+        llm, flow, hift = modules
+        return cls(
+            model_dir,
+            args,
+            cast("TransformerLM", llm),
+            cast("FlowModel", flow),
+            cast("HiFTGenerator", hift),
+            speakers,
         )
-    try:
-        args = load_model_args(model_dir / CONFIG_FILE)
-    except ModelConfigError as err:
-        raise ModelLoadError(str(err)) from err
 
-    llm_sd = read_state_dict(model_dir / "llm.pt", index_dir)
-    flow_sd = read_state_dict(model_dir / "flow.pt", index_dir)
-    hift_raw = read_state_dict(model_dir / "hift.pt", index_dir)
-    anchors = tuple(
-        next((t for t in sd.values() if t.numel()), torch.empty(0))
-        for sd in (llm_sd, flow_sd, hift_raw)
-    )
-    try:
-        hift_sd = normalize_hift_state_dict(hift_raw)
-    except ValueError as err:
-        raise ModelLoadError(f"{model_dir / 'hift.pt'}: {err}") from err
-    _release_replaced(hift_raw, hift_sd)  # the weight-norm pairs, folded into new tensors
 
-    with torch.device("meta"), _without_init():
-        llm = TransformerLM(args.llm)
-        flow = FlowModel(args.flow)
-        hift = HiFTGenerator(args.hift)
-    for module, state, name in (
-        (llm, llm_sd, "llm.pt"),
-        (flow, flow_sd, "flow.pt"),
-        (hift, hift_sd, "hift.pt"),
-    ):
-        assign_state_dict(module, state, model_dir / name)
+def load_model_dir(model_dir: Path) -> LoadedModels:
+    """Build the LM, flow and HiFT from ``cosyvoice.yaml`` and the official checkpoints."""
+    model_dir = Path(model_dir)
+    args = read_model_args(model_dir)
+    llm, flow, hift = (read_part(model_dir, args, part) for part in PARTS)
     speakers = load_speakers(model_dir / SPEAKER_FILE)
     _LOGGER.debug("Loaded %s with %d speakers", model_dir, len(speakers))
-    return LoadedModels(model_dir, args, llm, flow, hift, speakers, anchors)
+    return LoadedModels.of(model_dir, args, (llm, flow, hift), speakers)

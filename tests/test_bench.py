@@ -117,9 +117,10 @@ def test_the_page_cache_is_warmed_with_every_file_a_load_reads(
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     files = model_files(model, lm_int8=True)
     assert files[:2] == [model / "flow.pt", model / "llm.pt"]
-    assert files[2].is_relative_to(tmp_path / "xdg")  # the int8 cache: absent until a load
+    # The prepared files: absent until a load.
+    assert model / "prepared" / "llm.int8.safetensors" in files
     assert warm_page_cache(files, block=1024) == 3005
-    assert model_files(model, lm_int8=False) == files[:2]
+    assert model / "prepared" / "llm.fp32.safetensors" in model_files(model, lm_int8=False)
 
 
 def test_lm_weight_bytes_skip_positional_projection() -> None:

@@ -108,10 +108,9 @@ def test_the_engine_loads_int8_with_the_kernels_it_picked(
     # As on aarch64: the default engine cannot pack, so loading int8 must switch to qnnpack.
     monkeypatch.setattr(cpu, "int8_engine_works", lambda name: name == "qnnpack")
     torch.backends.quantized.engine = "x86"
-    engine = CosyVoiceEngine.load(TINY_MODEL, lm_int8=True, flow_int8=True, int8_cache_dir=tmp_path)
+    engine = CosyVoiceEngine.load(TINY_MODEL, lm_int8=True, flow_int8=True, cache_dir=tmp_path)
     assert torch.backends.quantized.engine == "qnnpack"
     assert engine.cpu_choices is not None and engine.cpu_choices.int8_kernels == "qnnpack"
-    assert engine.lm_int8_cache_hit is False and engine.flow_int8_cache_hit is False
     options = SynthesisOptions(stream=True, seed=0, force_tokens=30, n_timesteps=2)
     audio = synthesize_all(engine, "Hello there.", options)
     assert audio.numel() > 0 and torch.isfinite(audio).all()
@@ -134,14 +133,13 @@ def test_without_int8_kernels_the_engine_runs_float32_and_says_so(
 ) -> None:
     monkeypatch.setattr(cpu, "int8_engine_works", lambda name: False)
     with caplog.at_level(logging.WARNING):
-        engine = CosyVoiceEngine.load(
-            TINY_MODEL, lm_int8=True, flow_int8=True, int8_cache_dir=tmp_path
-        )
-    assert (engine.lm_int8_cache_hit, engine.flow_int8_cache_hit) == (None, None)
+        engine = CosyVoiceEngine.load(TINY_MODEL, lm_int8=True, flow_int8=True, cache_dir=tmp_path)
     assert engine.cpu_choices is not None and engine.cpu_choices.int8_kernels is None
     assert "No int8 kernel works on this CPU" in caplog.text
     assert not any(
-        isinstance(m, torch.ao.nn.quantized.dynamic.Linear) for m in engine.models.llm.modules()
+        isinstance(m, torch.ao.nn.quantized.dynamic.Linear)
+        for model in (engine.models.llm, engine.models.flow)
+        for m in model.modules()
     )
 
 

@@ -77,10 +77,10 @@ def test_the_engine_runs_hift_in_bfloat16_only_where_the_cpu_supports_it(
     from engine.engine import CosyVoiceEngine
 
     model, cache = DATA / "tiny_model", tmp_path / "cache"
-    exact = CosyVoiceEngine.load(model, int8_cache_dir=cache)
+    exact = CosyVoiceEngine.load(model, cache_dir=cache)
     assert exact.hift_dtype == "float32"
     if cpu.bf16_native():
-        approx = CosyVoiceEngine.load(model, hift_bf16=True, int8_cache_dir=cache)
+        approx = CosyVoiceEngine.load(model, hift_bf16=True, cache_dir=cache)
         assert approx.hift_dtype == "bfloat16"
         embedding = exact.models.speakers[exact.speakers[0]].reshape(1, -1)
         mel = random_tokens_mel(
@@ -89,6 +89,6 @@ def test_the_engine_runs_hift_in_bfloat16_only_where_the_cpu_supports_it(
         assert 0 < hift_relative_l2(approx.models.hift, exact.models.hift, mel) < 0.05
     monkeypatch.setattr(cpu, "bf16_native", lambda: False)
     with caplog.at_level(logging.WARNING):
-        fallback = CosyVoiceEngine.load(model, hift_bf16=True, int8_cache_dir=cache)
+        fallback = CosyVoiceEngine.load(model, hift_bf16=True, cache_dir=cache)
     assert fallback.hift_dtype == "float32"
     assert "no fast bfloat16 convolutions" in caplog.text

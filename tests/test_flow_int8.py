@@ -1,7 +1,7 @@
 """The opt-in int8 flow (``flow_weights: int8``, the fast profiles) on the tiny model.
 
-Every test that loads through the engine copies the tiny model into its tmp_path and passes
-``int8_cache_dir`` explicitly, so nothing is written outside tmp_path.
+Every test that loads through the engine copies the tiny model into its tmp_path, where its
+prepared files are written, so nothing is written outside tmp_path.
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ from torch import nn
 
 from engine.constants import N_MELS, tokens_to_frames
 from engine.engine import CosyVoiceEngine
-from engine.quantize import Int8Linear, cache_path, flow_int8_layer_names, quantize_flow_int8
+from engine.prepared import PREPARED_DIR
+from engine.quantize import Int8Linear, flow_int8_layer_names, quantize_flow_int8
 from engine.weights import load_model_dir
 
 TINY = Path(__file__).parent / "data" / "tiny_model"
@@ -80,39 +81,34 @@ def test_int8_flow_mel_stays_close_to_float32(fp32_flow: nn.Module) -> None:
 @pytest.fixture
 def model(tmp_path: Path) -> Path:
     target = tmp_path / "tiny_model"
-    shutil.copytree(TINY, target)
+    shutil.copytree(TINY, target, ignore=shutil.ignore_patterns(PREPARED_DIR))
     return target
 
 
-def load(model: Path, cache_dir: Path) -> CosyVoiceEngine:
-    return CosyVoiceEngine.load(model, flow_int8=True, int8_cache_dir=cache_dir)
+def load(model: Path, **weights: bool) -> CosyVoiceEngine:
+    return CosyVoiceEngine.load(model, flow_int8=True, cache_dir=model.parent / "cache", **weights)
 
 
-def int8_files(cache_dir: Path) -> list[Path]:
-    """The cache dir's int8 layer files (it also holds the checkpoints' indexes)."""
-    return sorted(p for p in cache_dir.iterdir() if not p.name.endswith(".index.json"))
+def test_the_int8_flow_is_prepared_once_and_gives_the_same_mel(model: Path) -> None:
+    fresh = load(model)
+    assert fresh.prepared_at_load == ("llm.fp32", "flow.int8", "hift.fp32")
+    again = load(model)
+    assert again.prepared_at_load == ()
+    assert torch.equal(mel(again.models.flow), mel(fresh.models.flow))
+
+    both = load(model, lm_int8=True)
+    assert both.prepared_at_load == ("llm.int8",)
+    assert sorted(p.name for p in (model / PREPARED_DIR).iterdir()) == [
+        "flow.int8.safetensors",
+        "hift.fp32.safetensors",
+        "llm.fp32.safetensors",
+        "llm.int8.safetensors",
+    ]
 
 
-def test_the_int8_flow_is_cached_and_a_hit_gives_the_same_mel(model: Path, tmp_path: Path) -> None:
-    cache_dir = tmp_path / "cache"
-    fresh = load(model, cache_dir)
-    assert (fresh.flow_int8_cache_hit, fresh.lm_int8_cache_hit) == (False, None)
-    assert int8_files(cache_dir) == [cache_path(cache_dir, model / "flow.pt")]
-    hit = load(model, cache_dir)
-    assert hit.flow_int8_cache_hit is True
-    assert torch.equal(mel(hit.models.flow), mel(fresh.models.flow))
-
-    both = CosyVoiceEngine.load(model, lm_int8=True, flow_int8=True, int8_cache_dir=cache_dir)
-    assert (both.flow_int8_cache_hit, both.lm_int8_cache_hit) == (True, False)
-    assert sorted(p.name for p in int8_files(cache_dir)) == sorted(
-        cache_path(cache_dir, model / name).name for name in ("flow.pt", "llm.pt")
-    )
-
-
-def test_a_hit_never_uses_the_float_weights_of_the_int8_layers(model: Path, tmp_path: Path) -> None:
-    cache_dir = tmp_path / "cache"
-    expected = mel(load(model, cache_dir).models.flow)
-    # Same size and mtime, but the float32 estimator weights are NaN: a hit must not notice.
+def test_a_prepared_load_never_reads_the_float_checkpoint(model: Path) -> None:
+    expected = mel(load(model).models.flow)
+    # Same size and mtime, but the float32 estimator weights are NaN: the load must not notice.
     flow_pt = model / "flow.pt"
     st = flow_pt.stat()
     state = torch.load(flow_pt, weights_only=True)
@@ -123,9 +119,9 @@ def test_a_hit_never_uses_the_float_weights_of_the_int8_layers(model: Path, tmp_
             poisoned += 1
     assert poisoned
     torch.save(state, flow_pt)
-    # The premise: a change the cache's size+mtime key cannot see.
+    # The premise: a change the prepared file's size+mtime key cannot see.
     assert flow_pt.stat().st_size == st.st_size, "torch.save wrote a different size"
     os.utime(flow_pt, ns=(st.st_atime_ns, st.st_mtime_ns))
-    engine = load(model, cache_dir)
-    assert engine.flow_int8_cache_hit is True
+    engine = load(model)
+    assert engine.prepared_at_load == ()
     assert torch.equal(mel(engine.models.flow), expected)

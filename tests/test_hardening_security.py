@@ -200,14 +200,14 @@ def snapshot(root: Path) -> dict[str, tuple[int, int]]:
 
 
 @pytest.mark.skipif(not Path("/proc/self/net/tcp").exists(), reason="needs Linux /proc")
-def test_real_server_binds_only_the_uri_and_writes_only_its_int8_cache(
+def test_real_server_binds_only_the_uri_and_writes_only_its_prepared_weights(
     wy: SimpleNamespace, tmp_path: Path
 ) -> None:
     home, tmp, cwd, data = (tmp_path / n for n in ("home", "tmp", "cwd", "data"))
     for d in (home, tmp, cwd, data):
         d.mkdir()
     model = data / "CosyVoice-300M-SFT"
-    shutil.copytree(wy.TINY_MODEL, model)
+    shutil.copytree(wy.TINY_MODEL, model, ignore=shutil.ignore_patterns("prepared"))
     before = snapshot(tmp_path)
     port = wy.free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("XDG_")}
@@ -239,20 +239,20 @@ def test_real_server_binds_only_the_uri_and_writes_only_its_int8_cache(
     assert streamed.types[-1] == "synthesize-stopped"
     assert info_types == ["info"]
     after = snapshot(tmp_path)
-    # The deliberate writes: the int8 LM weights cached under the download dir, so the next
-    # start skips quantising (engine.quantize), and an index per checkpoint, so it skips
-    # unpickling (engine.checkpoint_index). Nothing else, not even in the model directory.
-    cache = Path("data", ".cache", "int8")
-    cached = [k for k in set(after) - set(before) if Path(k).parent == cache]
-    assert sorted(Path(k).name.split("-")[0] + Path(k).suffix for k in cached) == [
-        "flow.json",
-        "hift.json",
-        "llm.json",
-        "llm.pt",
-    ], cached
-    added = sorted(set(after) - set(before) - {*cached, str(cache), str(cache.parent)})
+    # The deliberate writes: the weights the engine runs from, prepared beside the model files
+    # on first use (engine.prepared), one file per model. Nothing else, not even in the model
+    # directory (whose mtime changes with the new folder).
+    prepared = Path("data", "CosyVoice-300M-SFT", "prepared")
+    written = [k for k in set(after) - set(before) if Path(k).parent == prepared]
+    assert sorted(Path(k).name.split(".")[0] for k in written) == ["flow", "hift", "llm"], written
+    assert all(k.endswith(".safetensors") for k in written), written
+    added = sorted(set(after) - set(before) - {*written, str(prepared)})
     # Directory mtimes count too: a file made and removed again is still a write.
-    changed = sorted(k for k in set(after) & set(before) if after[k] != before[k] and k != "data")
+    changed = sorted(
+        k
+        for k in set(after) & set(before)
+        if after[k] != before[k] and k not in ("data", str(prepared.parent))
+    )
     assert added == [] and changed == [], (added, changed)
 
 

@@ -75,7 +75,7 @@ def test_engine_load_puts_the_float_estimator_on_onednn() -> None:
 
 
 def test_engine_load_keeps_an_int8_estimator_int8(tmp_path: Path) -> None:
-    engine = CosyVoiceEngine.load(TINY, flow_int8=True, int8_cache_dir=tmp_path)
+    engine = CosyVoiceEngine.load(TINY, flow_int8=True, cache_dir=tmp_path)
     assert not any(isinstance(m, OneDnnLinear) for m in engine.models.flow.modules())
     # Its convolutions are float32 either way, so they run on oneDNN too.
     estimator = engine.models.flow.decoder.estimator

@@ -68,9 +68,9 @@ def test_the_decoder_and_text_encoder_blocks_are_quantised(models) -> None:
     assert type(int8.text_encoder_affine_layer) is torch.nn.Linear
 
 
-def test_cached_int8_weights_are_packed_from_a_view_not_a_copy() -> None:
-    """The cache's int8 bytes are wrapped as a per-channel qint8 tensor in place, and the packed
-    layer computes exactly what a layer packed from torch's (copying) constructor computes."""
+def test_prepared_int8_weights_are_packed_from_a_view_not_a_copy() -> None:
+    """A prepared file's int8 bytes are wrapped as a per-channel qint8 tensor in place, and the
+    packed layer computes exactly what a layer packed from torch's (copying) constructor does."""
     import warnings
 
     from engine.quantize import _per_channel_view
@@ -105,66 +105,3 @@ def test_the_fused_relu_layer_equals_relu_after_the_layer(rows: int) -> None:
         fused, plain = layer.forward_relu(x), torch.relu(layer(x))
     assert (plain == 0).any() and (plain > 0).any()
     assert torch.equal(fused, plain)
-
-
-@pytest.mark.parametrize("damage", ["missing-layer-data", "extra-data", "bad-dtype", "bad-entry"])
-def test_a_cache_index_that_does_not_fit_its_data_is_rejected(damage: str) -> None:
-    from engine.quantize import CacheError, FlatInt8Layers
-
-    flat = {
-        "weight": torch.zeros(2 * 3 + 4 * 3, dtype=torch.int8),
-        "scales": torch.ones(6, dtype=torch.float64),
-        "zero_points": torch.zeros(6, dtype=torch.int64),
-        "bias": torch.zeros(4),
-    }
-    index = [
-        {
-            "name": "a",
-            "out": 2,
-            "in": 3,
-            "bias": False,
-            "crc32": {"weight": 0, "scales": 0, "zero_points": 0},
-        },
-        {
-            "name": "b",
-            "out": 4,
-            "in": 3,
-            "bias": True,
-            "crc32": {"weight": 0, "scales": 0, "zero_points": 0, "bias": 0},
-        },
-    ]
-    layers = FlatInt8Layers.from_saved(index, flat).layers()
-    assert layers["b"][0]["weight"].shape == (4, 3) and "bias" not in layers["a"][0]
-    if damage == "missing-layer-data":
-        index.append({**index[1], "name": "c"})
-    elif damage == "extra-data":
-        flat["scales"] = torch.ones(7, dtype=torch.float64)
-    elif damage == "bad-dtype":
-        flat["weight"] = flat["weight"].float()
-    else:
-        del index[0]["crc32"]
-    with pytest.raises(CacheError):
-        FlatInt8Layers.from_saved(index, flat)
-
-
-def test_layers_that_do_not_fit_the_flat_cache_abandon_only_the_cache() -> None:
-    from engine.quantize import FlatInt8Layers
-
-    flat = FlatInt8Layers(
-        {
-            "weight": torch.empty(6, dtype=torch.int8),
-            "scales": torch.empty(2, dtype=torch.float64),
-            "zero_points": torch.empty(2, dtype=torch.int64),
-            "bias": torch.empty(0),
-        },
-        [],
-    )
-    parts = {
-        "weight": torch.ones(2, 3, dtype=torch.int8),
-        "scales": torch.ones(2, dtype=torch.float64),
-        "zero_points": torch.zeros(2, dtype=torch.int64),
-    }
-    flat.add("a", parts)
-    assert flat.complete and flat.layers()["a"][0]["weight"].tolist() == [[1] * 3] * 2
-    with pytest.raises(ValueError, match="does not fit"):
-        flat.add("b", parts)

@@ -5,6 +5,7 @@ speech tokens per sentence; the public command line has no such option)."""
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -140,8 +141,12 @@ def test_concurrency_through_the_server() -> None:
 def test_benchmark_loads_the_profiles_int8_flow_and_reports_its_deviation(
     tmp_path: Path,
 ) -> None:
-    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path)}  # the int8 caches land here
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path)}
+    model = tmp_path / "tiny_model"  # a copy: its prepared files are written beside it
+    shutil.copytree(TINY_MODEL, model, ignore=shutil.ignore_patterns("prepared"))
     result = run_bench_json(
+        "--model-dir",
+        str(model),
         "--profile",
         "exact_int8",
         "--config",
@@ -159,16 +164,12 @@ def test_benchmark_loads_the_profiles_int8_flow_and_reports_its_deviation(
     assert result["cpu"] == detect().as_dict()  # the kernels and threads the engine chose
     assert [run["flow_int8_cache_hit"] for run in result["runs"]] == [False, True]
     assert 0 < result["mel_rel_l2_vs_exact"] < 0.05
+    hift = "bf16" if bf16_native() else "fp32"
     if bf16_native():  # else HiFT stays float32, and says so
         assert result["hift_weights"] == "bfloat16"
         assert 0 < result["wave_rel_l2_vs_exact_hift"] < 0.05
     else:
         assert (result["hift_weights"], result["wave_rel_l2_vs_exact_hift"]) == ("float32", 0)
-    caches = [p.name for p in (tmp_path / "wyoming-cosyvoice" / "int8").iterdir()]
-    assert sorted(n.split("-")[0] for n in caches if n.endswith(".int8.pt")) == ["flow", "llm"]
-    # and an index per checkpoint, so later loads skip unpickling (engine.checkpoint_index)
-    assert sorted(n.split("-")[0] for n in caches if n.endswith(".index.json")) == [
-        "flow",
-        "hift",
-        "llm",
-    ]
+    # The first run prepared the int8 weights, the second read them (engine.prepared).
+    prepared = sorted(p.name for p in (model / "prepared").iterdir())
+    assert prepared == ["flow.int8.safetensors", f"hift.{hift}.safetensors", "llm.int8.safetensors"]

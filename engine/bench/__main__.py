@@ -120,13 +120,19 @@ def measure_limits(threads: int | None, lm_int8: bool) -> dict[str, float]:
 
 
 def model_files(model_dir: Path, lm_int8: bool, flow_int8: bool = False) -> list[Path]:
-    """The files a load reads: the model directory's, plus the engine's int8 cache files."""
-    from engine.quantize import cache_path, default_int8_cache_dir
+    """The files a load reads: the model directory's, plus the prepared files of its formats
+    (engine.prepared; HiFT's in both)."""
+    from engine.prepared import file_name, prepared_dirs
 
     files = sorted(path for path in model_dir.iterdir() if path.is_file())
-    for checkpoint, int8 in (("llm.pt", lm_int8), ("flow.pt", flow_int8)):
-        if int8:
-            files.append(cache_path(default_int8_cache_dir(), model_dir / checkpoint))
+    formats = [
+        ("llm", "int8" if lm_int8 else "fp32"),
+        ("flow", "int8" if flow_int8 else "fp32"),
+        ("hift", "fp32"),
+        ("hift", "bf16"),
+    ]
+    for directory in prepared_dirs(model_dir):
+        files += [directory / file_name(part, weights) for part, weights in formats]
     return files
 
 

@@ -35,7 +35,7 @@ QUANTISED_PATH_TESTS = (
     "test_cpu.py",
     "test_quantize.py",
     "test_flow_int8.py",
-    "test_int8_cache.py",
+    "test_prepared.py",
     "test_hift.py",
 )
 MANY_THREADS = 4  # a Raspberry Pi's cores
@@ -54,7 +54,7 @@ print(torch.get_num_threads())
 UNGUARDED = f"import torch\ntorch.set_num_threads({MANY_THREADS})\n{MATMUL}"
 AFTER_LOAD = f"""
 from engine.engine import CosyVoiceEngine
-CosyVoiceEngine.load({str(TINY)!r}, threads={MANY_THREADS}, int8_cache_dir={{cache!r}})
+CosyVoiceEngine.load({str(TINY)!r}, threads={MANY_THREADS}, cache_dir={{cache!r}})
 {MATMUL}"""
 
 
@@ -133,7 +133,7 @@ def check_profiles(cache: Path) -> None:
             lm_int8=config.lm_weights == "int8",
             flow_int8=profile.flow_weights == "int8",
             hift_bf16=profile.hift_weights == "bf16",
-            int8_cache_dir=cache,
+            cache_dir=cache,
         )
         loaded = time.perf_counter() - start
         options = profile.options(speaker=None, seed=0, instruct=None, force_tokens=TOKENS)
@@ -143,8 +143,8 @@ def check_profiles(cache: Path) -> None:
         if audio.numel() == 0 or not torch.isfinite(audio).all() or audio.abs().max() == 0:
             fail(f"profile {name}: no usable audio")
         print(
-            f"load {loaded:.1f} s (int8 cache LM {engine.lm_int8_cache_hit}, flow "
-            f"{engine.flow_int8_cache_hit}; HiFT {engine.hift_dtype}); {len(chunks)} chunks, "
+            f"load {loaded:.1f} s (prepared first: {', '.join(engine.prepared_at_load) or 'none'}; "
+            f"HiFT {engine.hift_dtype}); {len(chunks)} chunks, "
             f"{audio.numel() / engine.sample_rate:.2f} s of audio in "
             f"{time.perf_counter() - start:.1f} s"
         )
@@ -158,7 +158,7 @@ def report_deviations(cache: Path) -> None:
 
     step("int8 deviations on this CPU's kernels (tiny model, random weights)")
     # The load applies the int8 kernels the engine picks.
-    engine = CosyVoiceEngine.load(TINY, int8_cache_dir=cache)
+    engine = CosyVoiceEngine.load(TINY, cache_dir=cache)
     fp32 = load_model_dir(TINY)
     embedding = fp32.speakers[engine.speakers[0]].reshape(1, -1)
     text_ids = engine.frontend.segments("Hello there, this is a test.")[0].token_ids

@@ -1,0 +1,527 @@
+"""Prepared weights: the tensors the engine runs from, one safetensors file per model and format.
+
+The official checkpoints hold what training saved: weight-normed HiFT convolutions, float32
+layers that the fast profiles run in int8, a pickle to parse. ``python -m engine prepare`` (or
+the engine's first load of a model in a weight format) turns each model into the tensors the
+engine reads, in the formats it reads them: int8 layers as int8 weights with per-channel scales
+and their float biases, HiFT's weight norm folded and its convolution weights laid out
+channels-last (in bfloat16 for ``hift.bf16``). Nothing the engine would replace or drop at load.
+
+The files go to a ``prepared/`` folder beside the model files (``llm.int8.safetensors``,
+``flow.fp32.safetensors``, ``hift.fp32.safetensors``, ...), or, when the model directory cannot be
+written, to a folder per model directory in a cache directory. Each file's metadata is its key:
+the checkpoint's size and modification time, the torch version, this file format's version and
+the weight format. A file whose key no longer matches is prepared again; one that safetensors
+cannot open, or whose tensors do not fit the model, is reported with a warning and rebuilt.
+safetensors checks the header and the file's length, not the tensor bytes: a checksum of every
+file at every start would cost seconds.
+
+Loading maps the file (safetensors opens it with ``mmap``), builds the model on the ``meta``
+device and assigns the mapped tensors in place. Three exceptions keep the memory of a loaded
+model to what it reads:
+
+* The int8 layers' parts are read as private copies (``pread``) and packed for the CPU's int8
+  kernels in the background (engine.quantize): the packed layers are copies, and these copies
+  are freed right after.
+* Small tensors (norms, biases) are read as copies too: where the page cache holds large folios
+  (ext4, Linux 6.16 and later) touching 1 KB of a mapped file maps the 2 MiB around it.
+* Once the engine has replaced what it replaces at load (oneDNN re-lays the flow estimator's
+  float32 weights out as copies), the tensors the model still reads from the file are mapped
+  afresh, and the load's own mapping, with every page the replacements read, goes away.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, cast
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+
+from engine.hparams import ModelArgs
+from engine.quantize import (
+    Int8Packing,
+    flow_int8_layer_names,
+    install_int8_layers,
+    int8_layer_names,
+    int8_part_specs,
+    int8_parts,
+    replaced_float_keys,
+)
+from engine.types import ModelLoadError
+from engine.weights import (
+    PARTS,
+    SPEAKER_FILE,
+    LoadedModels,
+    build_on_meta,
+    check_materialized,
+    finish_assigned,
+    list_keys,
+    load_speakers,
+    read_model_args,
+    read_part,
+)
+
+if TYPE_CHECKING:
+    from engine.hift import HiFTGenerator
+
+_LOGGER = logging.getLogger(__name__)
+
+PREPARED_DIR = "prepared"
+FILE_FORMAT = "1"  # bump when what a prepared file holds, or how, changes
+WEIGHT_FORMATS = {"llm": ("fp32", "int8"), "flow": ("fp32", "int8"), "hift": ("fp32", "bf16")}
+# Tensors up to this size, and every 1-D one, are read as copies rather than mapped (see above).
+_COPY_BYTES = 64 << 10
+
+Spec = dict[str, tuple[tuple[int, ...], torch.dtype]]
+
+
+@dataclass(frozen=True)
+class WeightFormats:
+    """The weight format of each model: what ``CosyVoiceEngine.load`` is asked to run."""
+
+    llm: str = "fp32"
+    flow: str = "fp32"
+    hift: str = "fp32"
+
+    def __post_init__(self) -> None:
+        for part, choices in WEIGHT_FORMATS.items():
+            if self.of(part) not in choices:
+                raise ValueError(f"{part} weights: {self.of(part)!r} is not one of {choices}")
+
+    def of(self, part: str) -> str:
+        return str(getattr(self, part))
+
+
+def file_name(part: str, weights: str) -> str:
+    return f"{part}.{weights}.safetensors"
+
+
+def default_cache_dir() -> Path:
+    """``$XDG_CACHE_HOME/cosyvoice-engine``, else ``~/.cache/cosyvoice-engine``."""
+    xdg = os.environ.get("XDG_CACHE_HOME", "")
+    # The XDG spec says to ignore a relative value.
+    base = Path(xdg) if os.path.isabs(xdg) else Path.home() / ".cache"
+    return base / "cosyvoice-engine"
+
+
+def prepared_dirs(model_dir: Path, cache_dir: Path | None = None) -> list[Path]:
+    """Where the prepared files of ``model_dir`` are looked for and written, in this order:
+    beside the model files, then (a model directory that cannot be written) a folder in
+    ``cache_dir`` named for the model directory."""
+    model_dir = Path(model_dir).resolve()
+    digest = hashlib.sha256(str(model_dir).encode()).hexdigest()[:16]
+    cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    return [model_dir / PREPARED_DIR, cache / f"{model_dir.name}-{digest}"]
+
+
+def source_key(model_dir: Path, part: str, weights: str) -> dict[str, str]:
+    """What a prepared file must have been made from to be used (safetensors metadata: strings).
+
+    The checkpoint's size and modification time, not a hash of its contents: hashing the
+    full-size ``llm.pt`` (1.2 GB) would add seconds to every start.
+    """
+    st = (Path(model_dir) / f"{part}.pt").stat()
+    return {
+        "file_format": FILE_FORMAT,
+        "torch": str(torch.__version__),
+        "weights": weights,
+        "source": f"{part}.pt",
+        "source_size": str(st.st_size),
+        "source_mtime_ns": str(st.st_mtime_ns),
+    }
+
+
+# --- what a prepared file holds ---------------------------------------------------------------
+
+
+def _int8_names(module: nn.Module, part: str, weights: str) -> list[str]:
+    if weights != "int8":
+        return []
+    return int8_layer_names(module) if part == "llm" else flow_int8_layer_names(module)
+
+
+def _in_run_dtype(module: nn.Module, part: str, weights: str) -> nn.Module:
+    if part == "hift" and weights == "bf16":
+        cast("HiFTGenerator", module).use_bfloat16()
+    return module
+
+
+def run_module_on_meta(args: ModelArgs, part: str, weights: str) -> nn.Module:
+    """The model as the engine runs it in ``weights``, built on meta (no memory for weights)."""
+    return _in_run_dtype(build_on_meta(args, part), part, weights)
+
+
+def expected_tensors(module: nn.Module, int8_names: list[str]) -> Spec:
+    """Name → (shape, dtype) of every tensor a prepared file of ``module`` holds."""
+    replaced = replaced_float_keys(module, int8_names)
+    floats = {
+        name: (tuple(t.shape), t.dtype)
+        for name, t in module.state_dict(keep_vars=True).items()
+        if name not in replaced
+    }
+    return floats | int8_part_specs(module, int8_names)
+
+
+def run_tensors(module: nn.Module, int8_names: list[str]) -> dict[str, torch.Tensor]:
+    """The tensors of a loaded model that a prepared file holds (the int8 ones quantised)."""
+    replaced = replaced_float_keys(module, int8_names)
+    floats = {k: v for k, v in module.state_dict().items() if k not in replaced}
+    return floats | int8_parts(module, int8_names)
+
+
+def _storage_order(tensor: torch.Tensor) -> list[int] | None:
+    """The dim order in which a non-contiguous dense tensor (a channels-last weight) lies in
+    memory; None for a contiguous one, or one that is not a permutation of a contiguous one."""
+    if tensor.is_contiguous():
+        return None
+    strides = tensor.stride()
+    order = sorted(range(tensor.dim()), key=lambda d: -strides[d])
+    return order if tensor.permute(order).is_contiguous() else None
+
+
+def _laid_out(tensor: torch.Tensor, order: list[int] | None) -> torch.Tensor:
+    """A stored tensor back in its shape, keeping the memory layout it was stored in."""
+    if order is None:
+        return tensor
+    inverse = sorted(range(len(order)), key=order.__getitem__)
+    return tensor.permute(inverse)
+
+
+def write_prepared(path: Path, tensors: Mapping[str, torch.Tensor], key: dict[str, str]) -> None:
+    """Save ``tensors`` with ``key`` as metadata, atomically (temporary file, fsync, rename).
+
+    safetensors stores contiguous tensors only: each other one is stored as its memory order
+    (recorded under ``layouts``), so that it loads with the layout it runs in.
+    """
+    layouts: dict[str, list[int]] = {}
+    stored: dict[str, torch.Tensor] = {}
+    for name, tensor in tensors.items():
+        order = _storage_order(tensor)
+        if order is not None:
+            layouts[name] = order
+            tensor = tensor.permute(order)
+        stored[name] = tensor.contiguous()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        save_file(stored, tmp, metadata={**key, "layouts": json.dumps(layouts)})
+        os.chmod(tmp, 0o644)  # as the model files: readable by whoever may run the model
+        with open(tmp, "rb") as written:
+            os.fsync(written.fileno())
+        os.replace(tmp, path)  # a reader sees the old file or the whole new one
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+class _Unusable(Exception):
+    """A prepared file that cannot be used; ``damaged`` unless it is merely out of date."""
+
+    def __init__(self, reason: str, *, damaged: bool) -> None:
+        super().__init__(reason)
+        self.damaged = damaged
+
+
+@dataclass
+class _Checked:
+    """A prepared file whose key and tensors fit the model."""
+
+    path: Path
+    layouts: dict[str, list[int]]
+
+
+# The names safetensors gives the dtypes a prepared file holds.
+_DTYPE_NAMES = {
+    torch.float32: "F32",
+    torch.float64: "F64",
+    torch.bfloat16: "BF16",
+    torch.float16: "F16",
+    torch.int64: "I64",
+    torch.int8: "I8",
+}
+
+
+def _stored_shape(shape: list[int], order: list[int] | None) -> tuple[int, ...]:
+    """The shape of a tensor that was stored in its memory order ``order``."""
+    if order is None:
+        return tuple(shape)
+    logical = [0] * len(shape)
+    for stored_dim, dim in enumerate(order):
+        logical[dim] = shape[stored_dim]
+    return tuple(logical)
+
+
+def _open_checked(path: Path, key: dict[str, str], expected: Spec) -> _Checked:
+    """Check a prepared file's key, tensor names, shapes and dtypes (reads its header only)."""
+    try:
+        with safe_open(path, framework="pt") as stored:
+            metadata = stored.metadata() or {}
+            changed = [k for k, v in key.items() if metadata.get(k) != v]
+            if changed:
+                raise _Unusable(", ".join(changed), damaged=False)
+            layouts = json.loads(metadata.get("layouts", "{}"))
+            found = {}
+            for name in stored.keys():
+                tensor = stored.get_slice(name)
+                shape = _stored_shape(tensor.get_shape(), layouts.get(name))
+                found[name] = (shape, tensor.get_dtype())
+    except _Unusable:
+        raise
+    except Exception as err:  # whatever a damaged file makes safetensors or json raise
+        raise _Unusable(f"{type(err).__name__}: {err}", damaged=True) from err
+    problems = _mismatches(found, expected)
+    if problems:
+        raise _Unusable(problems, damaged=True)
+    return _Checked(path, layouts)
+
+
+def _mismatches(found: Mapping[str, tuple[tuple[int, ...], str]], expected: Spec) -> str:
+    """What does not fit the model in a prepared file's tensors ('' when everything does)."""
+    missing = sorted(set(expected) - set(found))
+    unexpected = sorted(set(found) - set(expected))
+    wrong = sorted(
+        f"{name} {shape} {dtype}"
+        for name, (shape, dtype) in found.items()
+        if name in expected
+        and (shape, dtype) != (expected[name][0], _DTYPE_NAMES.get(expected[name][1]))
+    )
+    problems = [
+        f"{label}: {list_keys(names)}"
+        for label, names in (("missing", missing), ("unexpected", unexpected), ("wrong", wrong))
+        if names
+    ]
+    return "; ".join(problems)
+
+
+# --- preparing --------------------------------------------------------------------------------
+
+
+def _prepare(
+    model_dir: Path, args: ModelArgs, part: str, weights: str, dirs: list[Path], reason: str
+) -> Path:
+    """Write the prepared file of one model and format to the first of ``dirs`` that takes it."""
+    name = file_name(part, weights)
+    label = name.removesuffix(".safetensors")
+    _LOGGER.info("Preparing %s for %s (%s)…", label, model_dir, reason)
+    start = time.perf_counter()
+    key = source_key(model_dir, part, weights)  # taken first: a checkpoint changed meanwhile
+    module = _in_run_dtype(read_part(model_dir, args, part), part, weights)  # is prepared again
+    tensors = run_tensors(module, _int8_names(module, part, weights))
+    errors = []
+    for directory in dirs:
+        path = directory / name
+        try:
+            write_prepared(path, tensors, key)
+        except OSError as err:  # e.g. a read-only model directory: the next place
+            errors.append(f"{path}: {err}")
+            _LOGGER.debug("Cannot write %s (%s)", path, err)
+            continue
+        _LOGGER.info("…done in %.1f s: %s", time.perf_counter() - start, path)
+        return path
+    raise ModelLoadError(f"cannot write the prepared {label} weights: {'; '.join(errors)}")
+
+
+def ensure_prepared(
+    model_dir: Path, args: ModelArgs, part: str, weights: str, cache_dir: Path | None = None
+) -> tuple[_Checked, bool]:
+    """The usable prepared file of one model and format; prepared first when it is missing,
+    out of date or damaged (then the second value is True)."""
+    module = run_module_on_meta(args, part, weights)
+    expected = expected_tensors(module, _int8_names(module, part, weights))
+    key = source_key(model_dir, part, weights)
+    dirs = prepared_dirs(model_dir, cache_dir)
+    reason = "first use of this model and format"
+    for directory in dirs:
+        path = directory / file_name(part, weights)
+        if not path.is_file():
+            continue
+        try:
+            return _open_checked(path, key, expected), False
+        except _Unusable as err:
+            if err.damaged:
+                _LOGGER.warning("Prepared file %s is damaged (%s): preparing it again", path, err)
+                reason = f"{path.name} was damaged"
+            else:
+                reason = f"changed since it was prepared: {err}"
+    path = _prepare(model_dir, args, part, weights, dirs, reason)
+    try:
+        return _open_checked(path, key, expected), True
+    except _Unusable as err:  # just written: the checkpoint changed meanwhile, or a bug
+        raise ModelLoadError(f"{path}: the file just prepared is not usable ({err})") from err
+
+
+def prepare_model(
+    model_dir: Path, formats: Mapping[str, list[str]], cache_dir: Path | None = None
+) -> list[tuple[str, Path, bool]]:
+    """Make sure the prepared files of ``model_dir`` exist for the given formats of each part.
+
+    Returns (model.format, file, whether it was prepared now) per file.
+    """
+    model_dir = Path(model_dir)
+    args = read_model_args(model_dir)
+    done = []
+    for part, choices in formats.items():
+        for weights in choices:
+            checked, prepared_now = ensure_prepared(model_dir, args, part, weights, cache_dir)
+            done.append((f"{part}.{weights}", checked.path, prepared_now))
+    return done
+
+
+# --- loading ----------------------------------------------------------------------------------
+
+
+def _is_small(shape: tuple[int, ...], dtype: torch.dtype) -> bool:
+    return len(shape) <= 1 or math.prod(shape) * dtype.itemsize <= _COPY_BYTES
+
+
+def _read(
+    path: Path, names: list[str], layouts: Mapping[str, list[int]], *, copies: bool
+) -> dict[str, torch.Tensor]:
+    """Tensors of a prepared file: private copies (read with ``pread``), or views of one new
+    mapping of the file (safetensors reads the first page of each)."""
+    backend = "pread" if copies else "mmap"
+    with safe_open(path, framework="pt", backend=backend) as stored:
+        return {name: _laid_out(stored.get_tensor(name), layouts.get(name)) for name in names}
+
+
+@dataclass
+class _PartLoad:
+    """One model being loaded from its prepared file."""
+
+    module: nn.Module
+    file: _Checked
+    int8_names: list[str]
+    packing: Int8Packing | None = None
+    mapped: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def start_packing(self, specs: Spec) -> None:
+        """Pack the int8 layers in the background (they are not part of the state dict)."""
+        if not self.int8_names:
+            return
+        path, layouts = self.file.path, self.file.layouts
+        parts_of: dict[str, list[str]] = {name: [] for name in self.int8_names}
+        for key in specs:  # NAME.weight, NAME.weight_scale, NAME.bias
+            parts_of[key.rpartition(".")[0]].append(key)
+
+        def read(names: list[str]) -> dict[str, torch.Tensor]:
+            keys = [key for name in names for key in parts_of[name]]
+            return _read(path, keys, layouts, copies=True)
+
+        self.packing = Int8Packing(self.int8_names, read)
+
+    def assign(self, expected: Spec) -> None:
+        """Assign the float tensors: the large ones mapped in place, small ones as copies."""
+        path, layouts = self.file.path, self.file.layouts
+        part_names = set(int8_part_specs(self.module, self.int8_names))
+        floats = [name for name in expected if name not in part_names]
+        small = [name for name in floats if _is_small(*expected[name])]
+        copies = _read(path, small, layouts, copies=True)
+        self.mapped = _read(path, [n for n in floats if n not in copies], layouts, copies=False)
+        result = self.module.load_state_dict(copies | self.mapped, strict=False, assign=True)
+        replaced = replaced_float_keys(self.module, self.int8_names)
+        if set(result.missing_keys) != replaced or result.unexpected_keys:  # checked on opening
+            raise ModelLoadError(f"{path}: internal error, keys do not fit the model")
+        finish_assigned(self.module)
+
+    def finish(self) -> None:
+        """Put the packed int8 layers in, then map the file afresh for what the model reads."""
+        if self.packing is not None:
+            try:
+                layers = self.packing.layers()
+            except Exception as err:  # a read or packing error: name the file
+                raise ModelLoadError(
+                    f"{self.file.path}: cannot load its int8 layers ({err})"
+                ) from err
+            install_int8_layers(self.module, layers)
+            self.packing = None
+        check_materialized(self.module, self.file.path)
+        self._map_afresh()
+
+    def _map_afresh(self) -> None:
+        """Point the tensors the model still reads from the load's mapping at a new mapping.
+
+        The load's mapping also holds every page that a replacement made at load read (oneDNN's
+        re-laid weights are copies): it goes once nothing refers to it any more.
+        """
+        mapped, self.mapped = self.mapped, {}
+        in_use = dict(self.module.named_parameters()) | dict(self.module.named_buffers())
+        kept = [
+            name
+            for name, tensor in mapped.items()
+            if name in in_use and in_use[name].data_ptr() == tensor.data_ptr()
+        ]
+        if len(kept) == len(mapped):
+            return  # nothing replaced: the load's mapping is the one to keep
+        fresh = _read(self.file.path, kept, self.file.layouts, copies=False)
+        for name, tensor in fresh.items():
+            owner, _, attr = name.rpartition(".")
+            if isinstance(in_use[name], nn.Parameter):
+                tensor = nn.Parameter(tensor, requires_grad=False)
+            # Not load_state_dict: the int8 layers in place now would want their own keys.
+            setattr(self.module.get_submodule(owner), attr, tensor)
+
+    def cancel(self) -> None:
+        if self.packing is not None:
+            self.packing.cancel()
+
+
+class PreparedLoad:
+    """The three models of a directory loaded from their prepared files (prepared if needed).
+
+    Opening prepares what is missing and starts packing the int8 layers in the background;
+    :meth:`models` assigns the float tensors; the caller may then replace layers (oneDNN);
+    :meth:`finish` installs the int8 layers and drops every page those replacements read.
+    """
+
+    def __init__(
+        self, model_dir: Path, formats: WeightFormats, cache_dir: Path | None = None
+    ) -> None:
+        self.model_dir = Path(model_dir)
+        self.args = read_model_args(self.model_dir)
+        self.prepared_now: list[str] = []
+        self._parts: dict[str, _PartLoad] = {}
+        self._expected: dict[str, Spec] = {}
+        try:
+            for part in PARTS:
+                self._open(part, formats.of(part), cache_dir)
+        except BaseException:
+            self.cancel()
+            raise
+        self.speakers = load_speakers(self.model_dir / SPEAKER_FILE)
+
+    def _open(self, part: str, weights: str, cache_dir: Path | None) -> None:
+        checked, prepared_now = ensure_prepared(self.model_dir, self.args, part, weights, cache_dir)
+        if prepared_now:
+            self.prepared_now.append(f"{part}.{weights}")
+        module = run_module_on_meta(self.args, part, weights)
+        names = _int8_names(module, part, weights)
+        load = _PartLoad(module, checked, names)
+        load.start_packing(int8_part_specs(module, names))
+        self._parts[part] = load
+        self._expected[part] = expected_tensors(module, names)
+
+    def models(self) -> LoadedModels:
+        """The models with their float tensors assigned (int8 layers still to come)."""
+        for part, load in self._parts.items():
+            load.assign(self._expected[part])
+        llm, flow, hift = (self._parts[part].module for part in PARTS)
+        return LoadedModels.of(self.model_dir, self.args, (llm, flow, hift), self.speakers)
+
+    def finish(self) -> None:
+        for load in self._parts.values():
+            load.finish()
+
+    def cancel(self) -> None:
+        """Stop the background packing (the load failed)."""
+        for load in self._parts.values():
+            load.cancel()
