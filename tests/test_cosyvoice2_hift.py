@@ -4,6 +4,7 @@ loading, the frame-rate sine source, and parity with the official reference case
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -63,15 +64,23 @@ def test_full_size_hift_matches_manifest() -> None:
     assert ours == _folded(manifest["modules"]["hift"]["state_dict"])
 
 
+def _parametrized(state: dict[str, Tensor]) -> dict[str, Tensor]:
+    """The same weights in the layout current torch writes (original0/1 for g/v)."""
+    names = {".weight_g": ".parametrizations.weight.original0"}
+    names[".weight_v"] = ".parametrizations.weight.original1"
+    out = {}
+    for key, value in state.items():
+        suffix = next((s for s in names if key.endswith(s)), None)
+        out[key if suffix is None else key[: -len(suffix)] + names[suffix]] = value
+    return out
+
+
 @pytest.mark.parametrize("layout", ["legacy", "parametrizations"])
 def test_tiny_hift_loads_strictly_in_both_weight_norm_layouts(
     args: HiFTArgs, state: dict[str, Tensor], layout: str
 ) -> None:
-    sd = (
-        state
-        if layout == "legacy"
-        else torch.load(DATA / "tiny_hift_parametrized_keys.pt", weights_only=True)
-    )
+    sd = state if layout == "legacy" else _parametrized(state)
+    assert (layout == "legacy") == any(k.endswith("weight_g") for k in sd)
     model = load_hift(sd, args)
     assert not any(t.is_meta for t in [*model.parameters(), *model.buffers()])
     assert model.window.shape == (16,)
@@ -129,3 +138,54 @@ def test_frame_rate_source_holds_the_last_frame_phase(hift: HiFTGenerator) -> No
     tail = source[0, 0, -hift.upp // 2 :]
     # float32 phases near 1e3 rad: about 1e-4 of rounding
     torch.testing.assert_close(tail, expected.expand_as(tail), atol=1e-3, rtol=0)
+
+
+# --- parity with the official reference cases (tests/data/cosyvoice2/hift_cases.*) ----------
+
+AUDIO_ATOL = 1e-4  # as v1's HiFT audio tolerance
+F0_RTOL = 5e-5  # float32 F0 from other kernels (see tests/test_hift.py)
+
+
+def expand(codes: Tensor, shape: tuple[int, ...], scale: float) -> Tensor:
+    """An injected draw: the stored codes repeated over the row-major shape, scaled."""
+    n = math.prod(shape)
+    return (codes.to(torch.float32).repeat(-(-n // codes.numel()))[:n] * scale).view(shape)
+
+
+@pytest.fixture(scope="module")
+def cases() -> dict[str, Tensor]:
+    return torch.load(DATA / "hift_cases.pt", weights_only=True)
+
+
+def _noise(cases: dict[str, Tensor], case: str, n_samples: int) -> HiftNoise:
+    """The official draws: rand(1, 9) initial phases; randn (1, L, 9), time-major."""
+    phase = expand(cases[f"{case}/rng_phase_rand_codes"], (1, 9), 1 / 256).view(1, 9, 1)
+    sine = expand(cases[f"{case}/rng_sine_noise_codes"], (1, n_samples, 9), 1 / 32)
+    return HiftNoise(phase_uniform=phase, sine_noise=sine.transpose(1, 2))
+
+
+@pytest.mark.parametrize("case", ["mel60", "cached_mel48"])
+def test_waveform_matches_official(
+    hift: HiFTGenerator, cases: dict[str, Tensor], case: str
+) -> None:
+    mel = cases[f"{case}/in_mel"].unsqueeze(0)
+    n_samples = mel.shape[-1] * 480
+    seen: dict[str, Tensor] = {}
+
+    def record(module: torch.nn.Module, args: tuple, out: Tensor) -> None:
+        seen["conv_pre"] = out.squeeze(2).float()  # (1, C, 1, T) channels-last → (1, C, T)
+
+    hook = hift.conv_pre.register_forward_hook(record)
+    try:
+        f0 = hift.predict_f0(mel)
+        wave, source = hift.inference(
+            mel, cases[f"{case}/in_cache_source"], noise=_noise(cases, case, n_samples)
+        )
+    finally:
+        hook.remove()
+    torch.testing.assert_close(f0[0], cases[f"{case}/f0"], rtol=F0_RTOL, atol=1e-4)
+    torch.testing.assert_close(
+        seen["conv_pre"][0], cases[f"{case}/conv_pre_out"], atol=1e-5, rtol=0
+    )
+    torch.testing.assert_close(source[0, 0], cases[f"{case}/source"], atol=1e-5, rtol=0)
+    torch.testing.assert_close(wave[0], cases[f"{case}/out_speech"], atol=AUDIO_ATOL, rtol=0)
