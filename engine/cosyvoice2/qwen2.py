@@ -178,6 +178,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
+        if x.dtype == torch.float32:  # one fused op, same formula
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
@@ -240,12 +242,18 @@ class Qwen2Attention(nn.Module):
         ``keys``/``values`` (kv_heads, L, hd) the cache up to and including it; cos/sin (hd,).
         The query heads of a group are one batch row against their shared K/V head.
         """
-        q, k, v = self._project(x)
-        slot[0].copy_(rotate(k.view(self.kv_heads, self.head_dim), cos, sin))
-        slot[1].copy_(v.view(self.kv_heads, self.head_dim))
-        q = rotate(q.view(self.heads, self.head_dim), cos, sin)
+        q_dim = self.heads * self.head_dim
+        if self.qkv_proj is not None:
+            qkv = self.qkv_proj(x).view(-1)
+        else:
+            qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1).view(-1)
+        kv_dim = self.kv_heads * self.head_dim
+        # q and k rotated in one go: (heads + kv_heads, hd) rows at the same position
+        qk = rotate(qkv[: q_dim + kv_dim].view(-1, self.head_dim), cos, sin)
+        slot[0].copy_(qk[self.heads :])
+        slot[1].copy_(qkv[q_dim + kv_dim :].view(self.kv_heads, self.head_dim))
         group = self.heads // self.kv_heads
-        q = q.view(self.kv_heads, group, self.head_dim)
+        q = qk[: self.heads].view(self.kv_heads, group, self.head_dim)
         scores = torch.bmm(q, keys.transpose(1, 2)) * self.scale  # (kv_heads, group, L)
         out = torch.bmm(scores.softmax(dim=-1), values)  # (kv_heads, group, hd)
         return self.o_proj(out.view(1, 1, -1))
