@@ -5,6 +5,7 @@ answer grows."""
 from __future__ import annotations
 
 import itertools
+import math
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,7 @@ from engine.cosyvoice2.streaming import (
     SpeechStream,
     official_hops,
     stream_audio,
+    whole_audio,
 )
 from engine.hift import HiFTGenerator
 
@@ -114,3 +116,88 @@ def test_tokens_that_end_early_give_one_final_chunk(flow: CausalFlow, hift: HiFT
     speech = SpeechStream(flow, hift, _prompt(0), GeneratorNoise(torch.Generator().manual_seed(0)))
     chunks = list(stream_audio(_tokens(12), speech, official_hops(0)))
     assert [c.shape[1] for c in chunks] == [12 * 2 * 480]
+
+
+# --- the official orchestration (tests/data/cosyvoice2/stream_cases.*) ------------------------
+
+AUDIO_ATOL = 1e-4  # as v1's orchestration tolerance
+CASES = torch.load(DATA / "stream_cases.pt", weights_only=True)
+
+
+def expand(codes: torch.Tensor, shape: tuple[int, ...], scale: float) -> torch.Tensor:
+    """An injected draw: the stored codes repeated over the row-major shape, scaled."""
+    n = math.prod(shape)
+    return (codes.to(torch.float32).repeat(-(-n // codes.numel()))[:n] * scale).view(shape)
+
+
+class ReplayNoise:
+    """Hands out one run's recorded HiFT draws, chunk by chunk (official shapes: rand (1, 9),
+    randn (1, L, 9) time-major; the discarded noise-branch draw is skipped)."""
+
+    def __init__(self, run: str) -> None:
+        self.run, self.chunk = run, 0
+
+    def hift_noise(self, n_samples: int) -> tuple[torch.Tensor, torch.Tensor]:
+        prefix = f"{self.run}/chunk{self.chunk}/"
+        self.chunk += 1
+        phase = expand(CASES[prefix + "rng_phase_rand_codes"], (1, 9), 1 / 256)
+        sine = expand(CASES[prefix + "rng_sine_noise_codes"], (1, n_samples, 9), 1 / 32)
+        return phase.view(1, 9, 1), sine.transpose(1, 2)
+
+
+def _scenario(name: str) -> tuple[list[int], FlowPrompt]:
+    tokens = CASES[f"{name}/in_source_speech_token"][0].tolist()
+    prompt = FlowPrompt(CASES[f"{name}/in_flow_embedding"])
+    if f"{name}/in_flow_prompt_speech_token" in CASES:
+        prompt = FlowPrompt(
+            CASES[f"{name}/in_flow_embedding"],
+            CASES[f"{name}/in_flow_prompt_speech_token"],
+            CASES[f"{name}/in_prompt_speech_feat"],
+        )
+    return tokens, prompt
+
+
+def _official_chunks(run: str) -> list[torch.Tensor]:
+    count = len({k.split("/")[2] for k in CASES if k.startswith(run + "/chunk")})
+    return [CASES[f"{run}/chunk{i}/speech_out"] for i in range(count)]
+
+
+@pytest.mark.parametrize("scenario", ["prompt17", "noprompt180"])
+def test_stream_equals_the_official_stream(
+    flow: CausalFlow, hift: HiFTGenerator, scenario: str
+) -> None:
+    """Chunk for chunk, with the official last chunk (full attention over the utterance)."""
+    tokens, prompt = _scenario(scenario)
+    run = f"{scenario}/stream"
+    speech = SpeechStream(flow, hift, prompt, ReplayNoise(run), full_attention_last=True)
+    chunks = list(stream_audio(tokens, speech, official_hops(prompt.tokens.shape[1])))
+    expected = _official_chunks(run)
+    assert [c.shape[1] for c in chunks] == [e.shape[0] for e in expected]
+    for i, (got, want) in enumerate(zip(chunks, expected, strict=True)):
+        torch.testing.assert_close(got[0], want, atol=AUDIO_ATOL, rtol=0, msg=f"chunk {i}")
+
+
+@pytest.mark.parametrize("scenario", ["prompt17", "noprompt180"])
+def test_incremental_last_chunk_changes_only_the_last_chunk(
+    flow: CausalFlow, hift: HiFTGenerator, scenario: str
+) -> None:
+    """The default stream computes its last chunk incrementally too (chunk attention): every
+    earlier chunk is the official one, and the last has the official length."""
+    tokens, prompt = _scenario(scenario)
+    run = f"{scenario}/stream"
+    speech = SpeechStream(flow, hift, prompt, ReplayNoise(run))
+    chunks = list(stream_audio(tokens, speech, official_hops(prompt.tokens.shape[1])))
+    expected = _official_chunks(run)
+    assert [c.shape[1] for c in chunks] == [e.shape[0] for e in expected]
+    for i, (got, want) in enumerate(zip(chunks[:-1], expected[:-1], strict=True)):
+        torch.testing.assert_close(got[0], want, atol=AUDIO_ATOL, rtol=0, msg=f"chunk {i}")
+
+
+def test_whole_utterance_equals_the_official_non_streaming_call(
+    flow: CausalFlow, hift: HiFTGenerator
+) -> None:
+    tokens, prompt = _scenario("prompt17")
+    audio = whole_audio(flow, hift, prompt, tokens, ReplayNoise("prompt17/nonstream"))
+    torch.testing.assert_close(
+        audio[0], CASES["prompt17/nonstream/chunk0/speech_out"], atol=AUDIO_ATOL, rtol=0
+    )
