@@ -1,7 +1,8 @@
 """``synthesize`` command line: argument/file/stdin → WAV, ``--batch`` for long texts.
 
 The 2,000-character run goes through a real subprocess (the command as a user types it) on the
-tiny model, with ``--force-tokens`` so each segment is short; the rest calls ``main`` in-process.
+tiny model, each segment fixed at a few speech tokens so it is short
+(``tests/fixed_tokens_synthesize.py``); the rest calls ``main`` in-process.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import os
 import subprocess
 import sys
 import wave
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -34,19 +36,23 @@ def frames(path: Path | io.BytesIO) -> tuple[int, bytes]:
         return n, wav.readframes(n)
 
 
-def run_cli(*args: str, tmp_path: Path, timeout: float = 240) -> subprocess.CompletedProcess:
+def run_cli(
+    *args: str, tmp_path: Path, tokens: int | None, timeout: float = 240
+) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "wyoming_cosyvoice", "synthesize"]
+    if tokens is not None:
+        command = [sys.executable, str(ROOT / "tests" / "fixed_tokens_synthesize.py"), str(tokens)]
     return subprocess.run(
-        [sys.executable, "-m", "wyoming_cosyvoice", "synthesize", "--model-dir", str(TINY),
-         "--threads", "1", "--seed", "0", *args],
+        [*command, "--model-dir", str(TINY), "--threads", "1", "--seed", "0", *args],
         cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"},
         capture_output=True, text=True, timeout=timeout,
     )  # fmt: skip
 
 
-def check_book(tmp_path: Path, *extra: str) -> subprocess.CompletedProcess:
+def check_book(tmp_path: Path, tokens: int | None) -> subprocess.CompletedProcess:
     (tmp_path / "chapter.txt").write_text(CHAPTER, encoding="utf-8")
     done = run_cli("--batch", "-f", "chapter.txt", "-o", "chapter.wav", "--segments-dir", "parts",
-                   "--voice", "en-male", *extra, tmp_path=tmp_path)  # fmt: skip
+                   "--voice", "en-male", tmp_path=tmp_path, tokens=tokens)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     expected = split_text(CHAPTER)
     parts = sorted((tmp_path / "parts").glob("*.wav"))
@@ -63,16 +69,24 @@ def check_book(tmp_path: Path, *extra: str) -> subprocess.CompletedProcess:
 
 def test_batch_of_a_2000_character_chapter(tmp_path: Path) -> None:
     assert len(CHAPTER) == 2000
-    check_book(tmp_path, "--force-tokens", "10")
+    check_book(tmp_path, tokens=10)
 
 
 @pytest.mark.slow
 def test_batch_chapter_without_forced_tokens(tmp_path: Path) -> None:
-    check_book(tmp_path)
+    check_book(tmp_path, tokens=None)
 
 
+@pytest.fixture()
+def ten_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every sentence of an in-process ``main`` is 10 speech tokens long."""
+    settings = batch.settings
+    monkeypatch.setattr(batch, "settings", lambda args: replace(settings(args), force_tokens=10))
+
+
+@pytest.mark.usefixtures("ten_tokens")
 def test_text_from_stdin_argument_and_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    common = ["--model-dir", str(TINY), "--threads", "1", "--seed", "1", "--force-tokens", "10"]
+    common = ["--model-dir", str(TINY), "--threads", "1", "--seed", "1"]
     monkeypatch.setattr(sys, "stdin", io.StringIO("Hello from standard input."))
     assert batch.main(["-o", str(tmp_path / "stdin.wav"), *common]) == 0
     assert batch.main(["Hello from the argument.", "-o", str(tmp_path / "arg.wav"), *common]) == 0
@@ -83,10 +97,11 @@ def test_text_from_stdin_argument_and_file(tmp_path: Path, monkeypatch: pytest.M
         assert n > 0 and any(pcm)
 
 
+@pytest.mark.usefixtures("ten_tokens")
 def test_wav_to_stdout(
     monkeypatch: pytest.MonkeyPatch, capsysbinary: pytest.CaptureFixture
 ) -> None:
-    args = ["Hi there.", "-o", "-", "--model-dir", str(TINY), "--force-tokens", "10", "--seed", "0"]
+    args = ["Hi there.", "-o", "-", "--model-dir", str(TINY), "--seed", "0"]
     assert batch.main(args) == 0
     n, _ = frames(io.BytesIO(capsysbinary.readouterr().out))
     assert n > 0

@@ -114,13 +114,6 @@ def test_no_streaming_applies_to_the_selected_profile() -> None:
     assert config.profiles["realtime"].streaming  # others untouched
 
 
-def test_force_tokens_is_a_command_line_only_benchmark_knob() -> None:
-    assert cli().force_tokens is None
-    assert cli("--force-tokens", "50").force_tokens == 50
-    with pytest.raises(ConfigError, match="--force-tokens"):
-        cli("--force-tokens", "0")
-
-
 def test_every_value_can_be_set_by_dotted_key() -> None:
     config = cli(
         "--set", "limits.max_text_chars=100",

@@ -117,6 +117,8 @@ def test_disconnect_at_every_stage_leaves_nothing_behind(
 
 
 SERVER = [sys.executable, "-m", "wyoming_cosyvoice"]
+# The server's command line plus --force-tokens (the benchmark's launcher).
+FIXED_TOKENS_SERVER = [sys.executable, "-m", "wyoming_cosyvoice.bench.server"]
 STAND_IN_SERVER = [sys.executable, str(ROOT / "tests" / "stand_in_server.py")]
 
 
@@ -188,7 +190,8 @@ def test_sigterm_while_synthesizing_exits_cleanly(wy: SimpleNamespace) -> None:
             "3000",
             "--seed",
             "0",
-        ]  # fmt: skip
+        ],  # fmt: skip
+        FIXED_TOKENS_SERVER,
     )
     closed, log = _sigterm_mid_sentence(process, port)
     assert process.returncode == 0, log[-2000:]

@@ -214,7 +214,7 @@ def test_real_server_binds_only_the_uri_and_writes_only_its_prepared_weights(
     env.update(HOME=str(home), TMPDIR=str(tmp), PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1")
     env["PYTHONDONTWRITEBYTECODE"] = "1"  # bytecode caches belong to the code, not the data
     process = subprocess.Popen(
-        [sys.executable, "-m", "wyoming_cosyvoice", "--uri", f"tcp://127.0.0.1:{port}",
+        [sys.executable, "-m", "wyoming_cosyvoice.bench.server", "--uri", f"tcp://127.0.0.1:{port}",
          "--data-dir", str(data), "--threads", "1", "--force-tokens", "5", "--seed", "0"],
         cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip

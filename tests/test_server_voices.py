@@ -89,7 +89,7 @@ class Server:
         self.port, self.log_path = free_port(), log
         self._log = log.open("w")
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "wyoming_cosyvoice", "--uri", f"tcp://127.0.0.1:{self.port}",
+            [sys.executable, "-m", "wyoming_cosyvoice.bench.server", "--uri", f"tcp://127.0.0.1:{self.port}",
              "--model-dir", str(model_dir), "--voices-dir", str(voices_dir), "--offline",
              "--threads", "1", "--seed", "0", "--no-warmup", "--force-tokens", str(FORCE_TOKENS),
              "--set", f"server.voices_rescan_s={RESCAN_S}"],

@@ -156,7 +156,7 @@ def test_soak(wy: SimpleNamespace, tmp_path: Path) -> None:
     log_path = tmp_path / "server.log"
     with log_path.open("w") as log_file:
         process = subprocess.Popen(
-            [sys.executable, "-m", "wyoming_cosyvoice", "--uri", f"tcp://127.0.0.1:{port}",
+            [sys.executable, "-m", "wyoming_cosyvoice.bench.server", "--uri", f"tcp://127.0.0.1:{port}",
              "--model-dir", str(wy.TINY_MODEL), "--threads", "1", "--seed", "0",
              "--force-tokens", str(FORCE_TOKENS)],
             cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"},

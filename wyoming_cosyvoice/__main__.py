@@ -15,7 +15,6 @@ import logging
 import os
 import signal
 import sys
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -69,12 +68,6 @@ def build_parser() -> argparse.ArgumentParser:
     add("--hub-endpoint", help="Hugging Face hub URL (default: HF_ENDPOINT or huggingface.co)")
     add("--offline", action="store_true", help="never download a model")
     add("--no-warmup", action="store_true", help="skip the warm-up synthesis after loading")
-    add(
-        "--force-tokens",
-        type=int,
-        metavar="N",
-        help="benchmarks only: exactly N speech tokens per sentence (random-weight models)",
-    )
     add("--set", action="append", default=[], metavar="KEY=VALUE", help="override any config key")
     add("--debug", action="store_true", help="log DEBUG messages")
     add("--log-format", help="logging format string")
@@ -129,12 +122,6 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         profile = dict(overrides).get("server.profile") or load_config(args.config).profile.name
         overrides.append((f"profiles.{profile}.streaming", False))
     config = load_config(args.config, overrides)
-    if args.force_tokens is not None:
-        if args.force_tokens <= 0:
-            raise ConfigError(
-                "--force-tokens", f"must be a positive integer, not {args.force_tokens}"
-            )
-        config = replace(config, force_tokens=args.force_tokens)
     return config
 
 

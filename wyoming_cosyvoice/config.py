@@ -168,8 +168,9 @@ class ServerConfig:
     log_format: str
     limits: Limits
     profiles: dict[str, ProfileConfig]
-    # Benchmarks only (command line, not settings.yaml): speech tokens per sentence, so that a
-    # random-weight model, which never ends an utterance by itself, gives fixed-length audio.
+    # Benchmarks and tests only, set in code by their launchers (wyoming_cosyvoice.bench.server),
+    # never by a user: speech tokens per sentence, so that a random-weight model, which never
+    # ends an utterance by itself, gives fixed-length audio.
     force_tokens: int | None = None
 
     @property

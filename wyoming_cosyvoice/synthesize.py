@@ -65,7 +65,6 @@ def build_parser() -> argparse.ArgumentParser:
     add("--offline", action="store_true", help="never download a model")
     add("--threads", type=int, help="CPU threads for the engine")
     add("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
-    add("--force-tokens", type=int, help="fix the speech tokens per segment (tests, benchmarks)")
     add("--quiet", action="store_true", help="no progress bar")
     add("--debug", action="store_true", help="log DEBUG messages")
     return p
@@ -176,7 +175,7 @@ async def speak(config: ServerConfig, model_dir: Path, segments: list[Sentence],
         except EngineError as err:
             _LOGGER.error("%s", err)
             return 1
-        settings = SpeechSettings(config.profile, config.seed, args.force_tokens)
+        settings = SpeechSettings(config.profile, config.seed, config.force_tokens)
         speech = Speech(scheduler, settings, voices, config.limits, client=output.name,
                         skip_failed=args.batch)  # fmt: skip
         for segment in segments:

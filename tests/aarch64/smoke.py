@@ -230,7 +230,7 @@ def check_server() -> None:
         [
             sys.executable,
             "-m",
-            "wyoming_cosyvoice",
+            "wyoming_cosyvoice.bench.server",  # the server's command line plus --force-tokens
             "--config",
             str(CONFIG),
             "--model-dir",
