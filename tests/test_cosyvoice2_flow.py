@@ -11,7 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.cosyvoice2.flow import CausalFlow, build_flow, int8_layer_names, load_flow
+from engine.cosyvoice2.flow import (
+    CausalFlow,
+    FlowStream,
+    build_flow,
+    int8_layer_names,
+    load_flow,
+)
 from engine.cosyvoice2.flow_args import (
     NOISE_FRAMES,
     CausalFlowArgs,
@@ -356,3 +362,56 @@ def test_incremental_stream_matches_the_official_chunks(
             _close(mel[0], want, MEL_TOL, "last chunk (chunk attention)")
     # Each estimator pass covered only its chunk's new frames (the prompt's in the first).
     assert stream.frames_per_step() == [40 + 60, 100, 20]
+
+
+# --- prompt reuse and the narrower cache -----------------------------------------------------
+
+
+def _push_all(stream: FlowStream, tokens: torch.Tensor, ends: list[int]) -> list[torch.Tensor]:
+    out, sent = [], 0
+    for end in ends:
+        out.append(stream.push(tokens[:, sent:end]))
+        sent = end
+    out.append(stream.push(tokens[:, sent:], finalize=True))
+    return out
+
+
+def test_fork_of_a_primed_prompt_continues_like_a_fresh_stream(flow: CausalFlow) -> None:
+    prompt = _prompt(50)
+    tokens = torch.randint(0, 6561, (1, 90), generator=torch.Generator().manual_seed(4))
+    ends = [28, 78]  # hops of 25 and 50, each with its 3 look-ahead tokens
+    fresh = _push_all(flow.stream(*prompt), tokens, ends)
+
+    base = flow.stream(*prompt)
+    assert base.push([]).shape == (1, 80, 0)  # the prompt's first chunk: its look-ahead is known
+    assert base.frames_per_step() == [50]
+    first = base.fork()
+    forked = _push_all(first, tokens, ends)
+    # The fork's first chunk: the prompt's last chunk and the answer's first, nothing before.
+    assert first.frames_per_step() == [50, 50 + 50, 100, 2 * 15]
+    for got, want in zip(forked, fresh, strict=True):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+    other = base.fork()  # the base is untouched by its first fork
+    again = _push_all(other, tokens, ends)
+    for got, want in zip(again, forked, strict=True):
+        assert torch.equal(got, want)
+    with pytest.raises(ValueError, match="finalized"):
+        other.fork()
+
+
+def test_float16_cache_halves_the_estimator_memory(flow: CausalFlow) -> None:
+    prompt = _prompt(25)
+    tokens = torch.randint(0, 6561, (1, 80), generator=torch.Generator().manual_seed(5))
+    exact_stream = flow.stream(*prompt)
+    narrow_stream = flow.stream(*prompt, cache_dtype=torch.float16)
+    exact = _push_all(exact_stream, tokens, [28, 78])
+    narrow = _push_all(narrow_stream, tokens, [28, 78])
+
+    def estimator_bytes(stream: FlowStream) -> int:
+        return stream.cache_bytes - stream.encoder_state.kv_bytes
+
+    assert 2 * estimator_bytes(narrow_stream) == estimator_bytes(exact_stream)
+    assert torch.equal(narrow[0], exact[0])  # the first chunk attends only to itself
+    for got, want in zip(narrow[1:], exact[1:], strict=True):
+        torch.testing.assert_close(got, want, atol=1e-2, rtol=0)

@@ -18,6 +18,7 @@ from engine.cosyvoice2.streaming import (
     FlowPrompt,
     GeneratorNoise,
     SpeechStream,
+    chunk_aligned,
     official_hops,
     stream_audio,
     whole_audio,
@@ -201,3 +202,17 @@ def test_whole_utterance_equals_the_official_non_streaming_call(
     torch.testing.assert_close(
         audio[0], CASES["prompt17/nonstream/chunk0/speech_out"], atol=AUDIO_ATOL, rtol=0
     )
+
+
+def test_a_chunk_aligned_prompt_gives_audio_after_25_tokens_and_the_look_ahead(
+    flow: CausalFlow, hift: HiFTGenerator
+) -> None:
+    prompt = chunk_aligned(_prompt(60))
+    assert prompt.tokens.shape == (1, 50) and prompt.feat.shape == (1, 100, 80)
+    assert torch.equal(prompt.tokens, _prompt(60).tokens[:, 10:])
+    assert chunk_aligned(_prompt(20)).tokens.shape == (1, 20)  # shorter than a chunk: kept
+    speech = SpeechStream(flow, hift, prompt, GeneratorNoise(torch.Generator().manual_seed(0)))
+    tokens = _tokens(40)
+    for n in range(1, 28):
+        assert speech.push(tokens[n - 1 : n]).shape[1] == 0, n
+    assert speech.push(tokens[27:28]).shape[1] == 25 * 2 * 480 - 8 * 480

@@ -84,6 +84,11 @@ class _PositionRows:
     def __init__(self) -> None:
         self.ahead: Tensor | None = None  # (M, d): projections of positions 0 … M-1
 
+    def copy(self) -> _PositionRows:
+        twin = _PositionRows()
+        twin.ahead = self.ahead  # replaced, never written, when it grows
+        return twin
+
     def rows(self, linear_pos: nn.Linear, length: int, queries: int) -> Tensor:
         """(length + queries − 1, d): positions length−1 … −(queries−1), in that order."""
         w = linear_pos.weight
@@ -137,6 +142,11 @@ class _Stack:
     def empty(cls, layers: int) -> _Stack:
         return cls([KVBuffer() for _ in range(layers)], [_PositionRows() for _ in range(layers)])
 
+    def copy(self) -> _Stack:
+        return _Stack(
+            [kv.copy() for kv in self.kv], [p.copy() for p in self.positions], self.length
+        )
+
 
 @dataclass
 class EncoderState:
@@ -150,6 +160,15 @@ class EncoderState:
     @property
     def kv_bytes(self) -> int:
         return sum(kv.nbytes for stack in (self.tokens, self.frames) for kv in stack.kv)
+
+    def copy(self) -> EncoderState:
+        """A state that goes on from here on its own (what it holds so far is shared)."""
+        return EncoderState(
+            self.tokens.copy(),
+            self.frames.copy(),
+            self.lookahead_tail.copy(),
+            self.upsample_tail.copy(),
+        )
 
 
 class UpsampleConformerEncoder(nn.Module):

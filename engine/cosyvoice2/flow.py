@@ -19,6 +19,7 @@ Two ways to run it:
 
 from __future__ import annotations
 
+import copy
 import logging
 from collections.abc import Callable, Mapping
 from typing import NamedTuple
@@ -332,6 +333,22 @@ class FlowStream:
         self.encoded = end
         _LOGGER.debug("flow stream: frames %d-%d (%d steps)", first, last, self.n_timesteps)
         return mel[:, :, max(0, prompt_frames - first) :]
+
+    def fork(self) -> FlowStream:
+        """A stream that goes on from this one's tokens on its own.
+
+        Everything computed so far is shared, not copied (a chunk's state is never written
+        again). The use: a voice's prompt computed once — ``push([])`` computes every prompt
+        chunk whose look-ahead lies inside the prompt — and each utterance a fork of it, whose
+        first chunk then computes only the prompt's last chunk and its own.
+        """
+        if self.finished:
+            raise ValueError("a finalized stream cannot be forked")
+        twin = copy.copy(self)
+        twin.tokens = list(self.tokens)
+        twin.encoder_state = self.encoder_state.copy()
+        twin.step_states = [state.copy() for state in self.step_states]
+        return twin
 
     def frames_per_step(self) -> list[int]:
         """Frames the estimator computed in each call so far (the same for every step)."""

@@ -60,12 +60,24 @@ class KVBuffer:
             k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in self.pages
         )
 
+    def copy(self) -> KVBuffer:
+        """A buffer that goes on from here on its own; the pages so far are shared (they are
+        never written)."""
+        twin = KVBuffer(self.dtype)
+        twin.pages, twin.length = list(self.pages), self.length
+        return twin
+
 
 class ConvTail:
     """The last ``kernel − 1`` inputs of one left-padded convolution (zeros before the start)."""
 
     def __init__(self) -> None:
         self.frames: Tensor | None = None  # (rows, C, kernel - 1)
+
+    def copy(self) -> ConvTail:
+        twin = ConvTail()
+        twin.frames = self.frames  # replaced, never written, by the next call
+        return twin
 
     def conv(self, conv: nn.Conv1d, x: Tensor) -> Tensor:
         """``conv`` (built without padding) over x (rows, C, t) continued from earlier calls."""

@@ -112,6 +112,15 @@ class EstimatorState:
     def kv_bytes(self) -> int:
         return sum(buffer.nbytes for buffer in self.kv)
 
+    def copy(self) -> EstimatorState:
+        """A state that goes on from here on its own (what it holds so far is shared)."""
+        return EstimatorState(
+            [tail.copy() for tail in self.tails],
+            [buffer.copy() for buffer in self.kv],
+            self.frames,
+            list(self.computed),
+        )
+
 
 # The entries of the decoder's ModuleLists (ModuleList itself is untyped).
 _Level = tuple[CausalResnetBlock1D, nn.ModuleList, nn.Conv1d]

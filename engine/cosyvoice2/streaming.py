@@ -115,6 +115,8 @@ class SpeechStream:
     non-streaming flow call over the whole utterance (every frame attends to every other) of
     which the new frames are kept. That call redoes all earlier chunks' work; by default the
     last chunk is one more incremental chunk (chunk attention, its own frames only).
+    ``flow_stream``: a fork of the voice's primed prompt stream (:meth:`FlowStream.fork`) to
+    go on from, instead of a fresh stream that computes the prompt's frames in its first chunk.
     """
 
     def __init__(
@@ -128,18 +130,21 @@ class SpeechStream:
         cfg_rate: float | None = None,
         full_attention_last: bool = False,
         cache_dtype: torch.dtype | None = None,
+        flow_stream: FlowStream | None = None,
         threads: ThreadBudget | None = None,
     ) -> None:
         self.prompt, self.threads = prompt, threads
         self.full_attention_last = full_attention_last
-        self.flow: FlowStream = flow.stream(
-            prompt.tokens,
-            prompt.feat,
-            prompt.embedding,
-            n_timesteps=n_timesteps,
-            cfg_rate=cfg_rate,
-            cache_dtype=cache_dtype,
-        )
+        if flow_stream is None:
+            flow_stream = flow.stream(
+                prompt.tokens,
+                prompt.feat,
+                prompt.embedding,
+                n_timesteps=n_timesteps,
+                cfg_rate=cfg_rate,
+                cache_dtype=cache_dtype,
+            )
+        self.flow: FlowStream = flow_stream
         self.vocoder = VocoderStream(hift, noise, threads=threads)
 
     @property
@@ -176,6 +181,22 @@ class SpeechStream:
             cfg_rate=stream.cfg_rate,
         )
         return mel[:, :, max(0, done) :]
+
+
+def chunk_aligned(prompt: FlowPrompt, chunk: int = TOKEN_HOP) -> FlowPrompt:
+    """The prompt less its first (tokens mod ``chunk``) tokens and their mel frames.
+
+    Attention chunks are counted from the first prompt token, so a prompt of whole chunks lets
+    the first hop be ``chunk`` tokens (audio after 25 tokens and the look-ahead) instead of up
+    to twice that. The flow then hears up to 0.96 s less of the prompt's start (the LM's prompt
+    is not affected). A prompt shorter than one chunk is kept whole.
+    """
+    tokens = prompt.tokens.shape[1]
+    drop = tokens % chunk
+    if drop == 0 or tokens < chunk:
+        return prompt
+    ratio = prompt.feat.shape[1] // tokens
+    return FlowPrompt(prompt.embedding, prompt.tokens[:, drop:], prompt.feat[:, ratio * drop :])
 
 
 def official_hops(prompt_tokens: int) -> Iterator[int]:
