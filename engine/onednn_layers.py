@@ -9,8 +9,8 @@ which it reorders on every call; on a reordered weight a single k3 conv over 35-
 23-35 % less (:class:`OneDnnConv1d`), a whole float32 pass 3-5 % less. Same float32 maths;
 only the summation order differs (≈1e-6 relative).
 
-The reordered weight is a copy in oneDNN's blocked layout, so the checkpoint's float32 pages
-are no longer read and are fenced off with the rest (engine.weights): no second resident copy.
+The reordered weight is a copy in oneDNN's blocked layout; the float32 pages it was read from
+go with the load's mapping of the prepared file (engine.prepared): no second resident copy.
 Where torch was built without oneDNN the layers stay ``nn.Linear`` and ``nn.Conv1d``.
 """
 
@@ -62,7 +62,7 @@ class OneDnnLinear(nn.Module):
         self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(
             weight.detach(), _EXPECTED_ROWS
         )
-        # A copy: the layer must not keep a view into the mapped checkpoint (fenced off later).
+        # A copy: the layer must not keep the load's mapping of the prepared file alive.
         self.bias = None if bias is None else bias.detach().clone()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

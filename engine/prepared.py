@@ -20,9 +20,9 @@ Loading maps the file (safetensors opens it with ``mmap``), builds the model on 
 device and assigns the mapped tensors in place. Three exceptions keep the memory of a loaded
 model to what it reads:
 
-* The int8 layers' parts are read as private copies (``pread``) and packed for the CPU's int8
-  kernels in the background (engine.quantize): the packed layers are copies, and these copies
-  are freed right after.
+* The int8 layers' parts are packed for the CPU's int8 kernels in the background
+  (engine.quantize), a few layers at a time, each group through a mapping of its own: the
+  packed layers are copies, and a group's mapping goes (with its pages) once it is packed.
 * Small tensors (norms, biases) are read as copies too: where the page cache holds large folios
   (ext4, Linux 6.16 and later) touching 1 KB of a mapped file maps the 2 MiB around it.
 * Once the engine has replaced what it replaces at load (oneDNN re-lays the flow estimator's
@@ -238,6 +238,7 @@ class _Checked:
 
     path: Path
     layouts: dict[str, list[int]]
+    tensors: Spec  # name → (shape, dtype) of each tensor it holds
 
 
 # The names safetensors gives the dtypes a prepared file holds.
@@ -282,7 +283,7 @@ def _open_checked(path: Path, key: dict[str, str], expected: Spec) -> _Checked:
     problems = _mismatches(found, expected)
     if problems:
         raise _Unusable(problems, damaged=True)
-    return _Checked(path, layouts)
+    return _Checked(path, layouts, expected)
 
 
 def _mismatches(found: Mapping[str, tuple[tuple[int, ...], str]], expected: Spec) -> str:
@@ -332,11 +333,17 @@ def _prepare(
 
 
 def ensure_prepared(
-    model_dir: Path, args: ModelArgs, part: str, weights: str, cache_dir: Path | None = None
+    model_dir: Path,
+    args: ModelArgs,
+    part: str,
+    weights: str,
+    cache_dir: Path | None = None,
+    module: nn.Module | None = None,
 ) -> tuple[_Checked, bool]:
     """The usable prepared file of one model and format; prepared first when it is missing,
-    out of date or damaged (then the second value is True)."""
-    module = run_module_on_meta(args, part, weights)
+    out of date or damaged (then the second value is True). ``module``: the model as
+    :func:`run_module_on_meta` builds it, if the caller has it."""
+    module = module if module is not None else run_module_on_meta(args, part, weights)
     expected = expected_tensors(module, _int8_names(module, part, weights))
     key = source_key(model_dir, part, weights)
     dirs = prepared_dirs(model_dir, cache_dir)
@@ -415,13 +422,13 @@ class _PartLoad:
 
         def read(names: list[str]) -> dict[str, torch.Tensor]:
             keys = [key for name in names for key in parts_of[name]]
-            return _read(path, keys, layouts, copies=True)
+            return _read(path, keys, layouts, copies=False)  # a mapping of their own
 
         self.packing = Int8Packing(self.int8_names, read)
 
-    def assign(self, expected: Spec) -> None:
+    def assign(self) -> None:
         """Assign the float tensors: the large ones mapped in place, small ones as copies."""
-        path, layouts = self.file.path, self.file.layouts
+        path, layouts, expected = self.file.path, self.file.layouts, self.file.tensors
         part_names = set(int8_part_specs(self.module, self.int8_names))
         floats = [name for name in expected if name not in part_names]
         small = [name for name in floats if _is_small(*expected[name])]
@@ -490,7 +497,6 @@ class PreparedLoad:
         self.args = read_model_args(self.model_dir)
         self.prepared_now: list[str] = []
         self._parts: dict[str, _PartLoad] = {}
-        self._expected: dict[str, Spec] = {}
         try:
             for part in PARTS:
                 self._open(part, formats.of(part), cache_dir)
@@ -500,20 +506,21 @@ class PreparedLoad:
         self.speakers = load_speakers(self.model_dir / SPEAKER_FILE)
 
     def _open(self, part: str, weights: str, cache_dir: Path | None) -> None:
-        checked, prepared_now = ensure_prepared(self.model_dir, self.args, part, weights, cache_dir)
+        module = run_module_on_meta(self.args, part, weights)
+        checked, prepared_now = ensure_prepared(
+            self.model_dir, self.args, part, weights, cache_dir, module
+        )
         if prepared_now:
             self.prepared_now.append(f"{part}.{weights}")
-        module = run_module_on_meta(self.args, part, weights)
         names = _int8_names(module, part, weights)
         load = _PartLoad(module, checked, names)
         load.start_packing(int8_part_specs(module, names))
         self._parts[part] = load
-        self._expected[part] = expected_tensors(module, names)
 
     def models(self) -> LoadedModels:
         """The models with their float tensors assigned (int8 layers still to come)."""
-        for part, load in self._parts.items():
-            load.assign(self._expected[part])
+        for load in self._parts.values():
+            load.assign()
         llm, flow, hift = (self._parts[part].module for part in PARTS)
         return LoadedModels.of(self.model_dir, self.args, (llm, flow, hift), self.speakers)
 

@@ -312,8 +312,8 @@ def _pack_workers() -> int:
 class Int8Packing:
     """The int8 layers ``names`` packed by background workers while the rest of a model loads.
 
-    ``read(names)`` returns those layers' plain parts (private copies: packing copies them again,
-    and they are freed right after). Packing costs ~7 ns per weight and releases the GIL: one
+    ``read(names)`` returns those layers' plain parts; packing copies them, and they are
+    dropped right after. Packing costs ~7 ns per weight and releases the GIL: one
     worker per core (at most four) halves it. :meth:`layers` waits for them.
     """
 

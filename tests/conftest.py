@@ -350,9 +350,9 @@ def single_torch_thread() -> Iterator[None]:
 
 @pytest.fixture(scope="session", autouse=True)
 def _user_cache_in_tmp(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    """Int8 engines cache their LM weights under $XDG_CACHE_HOME by default (e.g. the HTTP-only
-    server): keep that out of the real ~/.cache. Session-wide, so that servers started by
-    module-scoped fixtures inherit it too."""
+    """The engine writes the prepared weights of a model directory it cannot write under
+    $XDG_CACHE_HOME by default: keep that out of the real ~/.cache. Session-wide, so that
+    servers started by module-scoped fixtures inherit it too."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("xdg-cache")))
         yield

@@ -238,6 +238,16 @@ def test_a_mapping_that_served_replaced_weights_is_dropped(model: Path) -> None:
     assert models.llm.text_embedding.weight.data_ptr() == llm_at_load
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/maps")
+def test_the_mappings_int8_layers_were_packed_from_are_dropped(model: Path) -> None:
+    """Packed layers are copies: what stays mapped of the int8 file is the load's one mapping,
+    for the float tensors the model reads in place."""
+    engine = load(model, lm_int8=True, flow_int8=True)
+    assert any(type(m).__name__ == "Int8Linear" for m in engine.models.llm.modules())
+    for name in ("llm.int8.safetensors", "flow.int8.safetensors"):
+        assert _mappings((model / PREPARED_DIR / name).resolve()) == 1, name
+
+
 def test_the_prepare_command_reports_a_bad_model_dir_in_one_line(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
