@@ -2,7 +2,7 @@
 
 The engine is a plain synchronous generator API (no asyncio, no wyoming). Callers drive
 ``synthesize()`` from any thread; once a streamed segment's first chunk is out, the LM goes on
-in a helper thread so it overlaps with the flow and vocoder (engine.tokens).
+in a helper thread so it overlaps with the flow and vocoder (engine.lm_thread).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from engine.onednn_layers import use_onednn_convs, use_onednn_linears
 from engine.start_policy import GAPLESS, estimate_speech_seconds, hold_until_gapless
 from engine.streaming import ChunkVocoder, FlowPrompt, GeneratorNoise, stream_audio, whole_audio
 from engine.thread_budget import configure_threads
-from engine.tokens import LmTokens
+from engine.lm_thread import LmTokens
 from engine.types import (
     AudioChunk,
     SynthesisCancelled,
@@ -335,7 +335,7 @@ class CosyVoiceEngine:
             )
 
         # The first chunk's tokens (all tokens when not streaming) come from this thread; an LM
-        # thread takes over once that chunk is out (engine.tokens says why).
+        # thread takes over once that chunk is out (engine.lm_thread says why).
         first_chunk = options.schedule.first_hop + options.schedule.overlap
         tokens = LmTokens(
             make_tokens,

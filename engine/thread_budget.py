@@ -6,7 +6,7 @@ side one each; without a budget, the process's configured count (``configure_thr
 cores other processes leave free (engine.cpu_share): never more threads than that, because a
 multi-thread OpenMP team sharing its cores with a busy neighbour waits on its descheduled member
 at every operation. And one OpenMP team at a time inside this process: once the first chunk is
-out, the LM runs in a thread beside the vocoder (engine.tokens), and two teams of N threads on N
+out, the LM runs in a thread beside the vocoder (engine.lm_thread), and two teams of N threads on N
 cores wait on each other's descheduled members the same way. While the vocoder computes a chunk,
 the LM thread beside it runs one thread and the vocoder the rest; while the vocoder waits for
 tokens, the LM takes every free core. Asking between steps, not only between audio chunks,

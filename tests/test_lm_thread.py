@@ -1,4 +1,4 @@
-"""engine.tokens.LmTokens: the first tokens inline, the rest from a background LM thread."""
+"""engine.lm_thread.LmTokens: the first tokens inline, the rest from a background LM thread."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from engine import thread_budget
-from engine.tokens import LmTokens
+from engine.lm_thread import LmTokens
 
 
 def _consume(run: Callable[[], object]) -> None:
