@@ -25,11 +25,11 @@ import torch
 from engine import cpu
 from engine.constants import SAMPLE_RATE
 from engine.flow_estimator import TransformerBlock
+from engine.lm_thread import LmTokens
 from engine.onednn_layers import use_onednn_convs, use_onednn_linears
 from engine.start_policy import GAPLESS, estimate_speech_seconds, hold_until_gapless
 from engine.streaming import ChunkVocoder, FlowPrompt, GeneratorNoise, stream_audio, whole_audio
 from engine.thread_budget import configure_threads
-from engine.lm_thread import LmTokens
 from engine.types import (
     AudioChunk,
     SynthesisCancelled,
