@@ -415,3 +415,9 @@ def test_float16_cache_halves_the_estimator_memory(flow: CausalFlow) -> None:
     assert torch.equal(narrow[0], exact[0])  # the first chunk attends only to itself
     for got, want in zip(narrow[1:], exact[1:], strict=True):
         torch.testing.assert_close(got, want, atol=1e-2, rtol=0)
+
+
+def test_a_token_outside_the_speech_vocabulary_is_refused(flow: CausalFlow) -> None:
+    stream = flow.stream(*_prompt(0))
+    with pytest.raises(ValueError, match="speech token 6561 is not below the flow's 6561"):
+        stream.push([1, 2, 6561], finalize=True)

@@ -155,7 +155,13 @@ class CausalFlow(nn.Module):
 
     def embed(self, tokens: Tensor) -> Tensor:
         """Token ids (1, n) → (1, n, input_size); negative ids read row 0, as upstream."""
-        return self.input_embedding(tokens.long().clamp(min=0))
+        ids = tokens.long()
+        if ids.numel() and int(ids.max()) >= self.args.vocab_size:
+            raise ValueError(
+                f"speech token {int(ids.max())} is not below the flow's {self.args.vocab_size} "
+                "(the LM's stop tokens are not speech)"
+            )
+        return self.input_embedding(ids.clamp(min=0))
 
     def encode(
         self,
