@@ -37,6 +37,7 @@ import json
 import logging
 import math
 import os
+import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -213,7 +214,8 @@ def write_prepared(path: Path, tensors: Mapping[str, torch.Tensor], key: dict[st
             tensor = tensor.permute(order)
         stored[name] = tensor.contiguous()
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    # One name per writer: two loads (processes or threads) may prepare the same file at once.
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     try:
         save_file(stored, tmp, metadata={**key, "layouts": json.dumps(layouts)})
         os.chmod(tmp, 0o644)  # as the model files: readable by whoever may run the model
@@ -315,8 +317,9 @@ def _prepare(
     label = name.removesuffix(".safetensors")
     _LOGGER.info("Preparing %s for %s (%s)…", label, model_dir, reason)
     start = time.perf_counter()
-    key = source_key(model_dir, part, weights)  # taken first: a checkpoint changed meanwhile
-    module = _in_run_dtype(read_part(model_dir, args, part), part, weights)  # is prepared again
+    # The key is taken first: a checkpoint that changes meanwhile is prepared again next time.
+    key = source_key(model_dir, part, weights)
+    module = _in_run_dtype(read_part(model_dir, args, part), part, weights)
     tensors = run_tensors(module, _int8_names(module, part, weights))
     errors = []
     for directory in dirs:
@@ -500,10 +503,10 @@ class PreparedLoad:
         try:
             for part in PARTS:
                 self._open(part, formats.of(part), cache_dir)
+            self.speakers = load_speakers(self.model_dir / SPEAKER_FILE)
         except BaseException:
             self.cancel()
             raise
-        self.speakers = load_speakers(self.model_dir / SPEAKER_FILE)
 
     def _open(self, part: str, weights: str, cache_dir: Path | None) -> None:
         module = run_module_on_meta(self.args, part, weights)
