@@ -47,9 +47,9 @@ _LOGGER = logging.getLogger(__name__)
 
 
 # oneDNN keeps every convolution it JIT-compiles, one set per input length, up to 1024 by
-# default. A server vocodes chunks of ever-new lengths: measured over 37 lengths,
-# HiFT's memory in use grew by 156 MB, by 73 MB with 256 (50 MB with no cache, but 10-15 %
-# slower passes); 256 is as fast as the default when a length repeats.
+# default. A server vocodes chunks of ever-new lengths, so HiFT's memory would keep growing;
+# 256 halves that growth, is as fast as the default when a length repeats, and unlike no cache
+# at all does not slow every pass (docs/dev/performance-notes.md).
 _ONEDNN_CACHE_CAPACITY = "256"
 
 
@@ -185,17 +185,16 @@ class CosyVoiceEngine:
         # Prepares what is missing, then packs the int8 layers in the background.
         loading = PreparedLoad(model_dir, formats, Path(cache_dir) if cache_dir else None)
         # While the int8 layers are packed on every core, an OpenMP region here would wait for
-        # a free core (measured on the HiFT weight-norm fold: 120-290 ms instead of 45 ms).
+        # a free core, several times slower than one thread alone.
         packing = lm_int8 or flow_int8
         single = _one_torch_thread() if packing else contextlib.nullcontext()
         try:
             with single:
                 models = loading.models()
                 # A float32 estimator runs its transformer layers on oneDNN (engine.onednn_layers:
-                # 15-27 % faster passes), and every estimator runs its convolutions there.
-                # Reordered here, on this thread while the int8 layers are packed: the Linears
-                # +0.1 s of load, against +0.2-0.4 s after the packing or on a thread of its
-                # own; the 53 convolutions 33-39 ms on one thread.
+                # faster passes), and every estimator runs its convolutions there. Reordered
+                # here, on this thread while the int8 layers are packed, where it adds the least
+                # to the load time.
                 estimator = models.flow.decoder.estimator
                 packed = use_onednn_convs(estimator)
                 if not flow_int8:

@@ -101,7 +101,7 @@ def scheduler_for_config(
         engine_factory = engine_loader(config)
     # Sentences share the cores (every core for one alone, one thread each side by side)
     # unless the user set a thread count: on every core each, two sentences oversubscribe the
-    # cores (measured: 0.19 instead of 0.27 audio-s/s for two at once, docs/performance.md).
+    # cores and make less audio per second together than one thread each.
     load = config.load
     shared_cores = load.threads is None and load.parallel_sentences > 1
     return Scheduler(
