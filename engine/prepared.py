@@ -39,17 +39,16 @@ import math
 import os
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from engine.hparams import ModelArgs
 from engine.quantize import (
     Int8Packing,
     flow_int8_layer_names,
@@ -85,6 +84,38 @@ WEIGHT_FORMATS = {"llm": ("fp32", "int8"), "flow": ("fp32", "int8"), "hift": ("f
 _COPY_BYTES = 64 << 10
 
 Spec = dict[str, tuple[tuple[int, ...], torch.dtype]]
+
+
+def _v1_int8_names(module: nn.Module, part: str) -> list[str]:
+    if part == "hift":
+        return []
+    return int8_layer_names(module) if part == "llm" else flow_int8_layer_names(module)
+
+
+@dataclass(frozen=True)
+class ModelParts:
+    """How one model family's directory becomes its three models (``llm``, ``flow``, ``hift``,
+    each in ``<part>.pt``): what preparing and loading need to know of the family."""
+
+    read_args: Callable[[Path], Any]  # checks the directory, reads its config
+    build_on_meta: Callable[[Any, str], nn.Module]  # (args, part)
+    read_part: Callable[[Path, Any, str], nn.Module]  # from the checkpoint, float32
+    int8_names: Callable[[nn.Module, str], list[str]]  # the layers its int8 format swaps
+    # State-dict keys a prepared file leaves out (a tied copy of another tensor), per part.
+    left_out: Mapping[str, Collection[str]] = field(default_factory=dict)
+    # After a part's tensors are assigned (e.g. tie the left-out tensors back).
+    finish: Callable[[nn.Module, str], None] = lambda module, part: None
+    # The built-in speakers' embeddings, read from the directory.
+    read_speakers: Callable[[Path], dict[str, torch.Tensor]] = lambda model_dir: {}
+
+
+V1_PARTS = ModelParts(
+    read_args=read_model_args,
+    build_on_meta=build_on_meta,
+    read_part=read_part,
+    int8_names=_v1_int8_names,
+    read_speakers=lambda model_dir: load_speakers(model_dir / SPEAKER_FILE),
+)
 
 
 @dataclass(frozen=True)
@@ -146,10 +177,8 @@ def source_key(model_dir: Path, part: str, weights: str) -> dict[str, str]:
 # --- what a prepared file holds ---------------------------------------------------------------
 
 
-def _int8_names(module: nn.Module, part: str, weights: str) -> list[str]:
-    if weights != "int8":
-        return []
-    return int8_layer_names(module) if part == "llm" else flow_int8_layer_names(module)
+def _int8_names(module: nn.Module, part: str, weights: str, parts: ModelParts) -> list[str]:
+    return parts.int8_names(module, part) if weights == "int8" else []
 
 
 def _in_run_dtype(module: nn.Module, part: str, weights: str) -> nn.Module:
@@ -158,14 +187,18 @@ def _in_run_dtype(module: nn.Module, part: str, weights: str) -> nn.Module:
     return module
 
 
-def run_module_on_meta(args: ModelArgs, part: str, weights: str) -> nn.Module:
+def run_module_on_meta(
+    args: Any, part: str, weights: str, parts: ModelParts = V1_PARTS
+) -> nn.Module:
     """The model as the engine runs it in ``weights``, built on meta (no memory for weights)."""
-    return _in_run_dtype(build_on_meta(args, part), part, weights)
+    return _in_run_dtype(parts.build_on_meta(args, part), part, weights)
 
 
-def expected_tensors(module: nn.Module, int8_names: list[str]) -> Spec:
+def expected_tensors(
+    module: nn.Module, int8_names: list[str], left_out: Collection[str] = ()
+) -> Spec:
     """Name → (shape, dtype) of every tensor a prepared file of ``module`` holds."""
-    replaced = replaced_float_keys(module, int8_names)
+    replaced = replaced_float_keys(module, int8_names) | set(left_out)
     floats = {
         name: (tuple(t.shape), t.dtype)
         for name, t in module.state_dict(keep_vars=True).items()
@@ -174,9 +207,11 @@ def expected_tensors(module: nn.Module, int8_names: list[str]) -> Spec:
     return floats | int8_part_specs(module, int8_names)
 
 
-def run_tensors(module: nn.Module, int8_names: list[str]) -> dict[str, torch.Tensor]:
+def run_tensors(
+    module: nn.Module, int8_names: list[str], left_out: Collection[str] = ()
+) -> dict[str, torch.Tensor]:
     """The tensors of a loaded model that a prepared file holds (the int8 ones quantised)."""
-    replaced = replaced_float_keys(module, int8_names)
+    replaced = replaced_float_keys(module, int8_names) | set(left_out)
     floats = {k: v for k, v in module.state_dict().items() if k not in replaced}
     return floats | int8_parts(module, int8_names)
 
@@ -310,7 +345,13 @@ def _mismatches(found: Mapping[str, tuple[tuple[int, ...], str]], expected: Spec
 
 
 def _prepare(
-    model_dir: Path, args: ModelArgs, part: str, weights: str, dirs: list[Path], reason: str
+    model_dir: Path,
+    args: Any,
+    part: str,
+    weights: str,
+    dirs: list[Path],
+    reason: str,
+    parts: ModelParts = V1_PARTS,
 ) -> Path:
     """Write the prepared file of one model and format to the first of ``dirs`` that takes it."""
     name = file_name(part, weights)
@@ -319,8 +360,9 @@ def _prepare(
     start = time.perf_counter()
     # The key is taken first: a checkpoint that changes meanwhile is prepared again next time.
     key = source_key(model_dir, part, weights)
-    module = _in_run_dtype(read_part(model_dir, args, part), part, weights)
-    tensors = run_tensors(module, _int8_names(module, part, weights))
+    module = _in_run_dtype(parts.read_part(model_dir, args, part), part, weights)
+    left_out = parts.left_out.get(part, ())
+    tensors = run_tensors(module, _int8_names(module, part, weights, parts), left_out)
     errors = []
     for directory in dirs:
         path = directory / name
@@ -337,17 +379,19 @@ def _prepare(
 
 def ensure_prepared(
     model_dir: Path,
-    args: ModelArgs,
+    args: Any,
     part: str,
     weights: str,
     cache_dir: Path | None = None,
     module: nn.Module | None = None,
+    parts: ModelParts = V1_PARTS,
 ) -> tuple[_Checked, bool]:
     """The usable prepared file of one model and format; prepared first when it is missing,
     out of date or damaged (then the second value is True). ``module``: the model as
     :func:`run_module_on_meta` builds it, if the caller has it."""
-    module = module if module is not None else run_module_on_meta(args, part, weights)
-    expected = expected_tensors(module, _int8_names(module, part, weights))
+    module = module if module is not None else run_module_on_meta(args, part, weights, parts)
+    names = _int8_names(module, part, weights, parts)
+    expected = expected_tensors(module, names, parts.left_out.get(part, ()))
     key = source_key(model_dir, part, weights)
     dirs = prepared_dirs(model_dir, cache_dir)
     reason = "first use of this model and format"
@@ -363,7 +407,7 @@ def ensure_prepared(
                 reason = f"{path.name} was damaged"
             else:
                 reason = f"changed since it was prepared: {err}"
-    path = _prepare(model_dir, args, part, weights, dirs, reason)
+    path = _prepare(model_dir, args, part, weights, dirs, reason, parts)
     try:
         return _open_checked(path, key, expected), True
     except _Unusable as err:  # just written: the checkpoint changed meanwhile, or a bug
@@ -371,18 +415,27 @@ def ensure_prepared(
 
 
 def prepare_model(
-    model_dir: Path, formats: Mapping[str, list[str]], cache_dir: Path | None = None
+    model_dir: Path,
+    formats: Mapping[str, list[str]],
+    cache_dir: Path | None = None,
+    parts: ModelParts | None = None,
 ) -> list[tuple[str, Path, bool]]:
     """Make sure the prepared files of ``model_dir`` exist for the given formats of each part.
 
+    ``parts``: the model family's (None: the one the directory's config file names).
     Returns (model.format, file, whether it was prepared now) per file.
     """
+    from engine.family import model_family
+
     model_dir = Path(model_dir)
-    args = read_model_args(model_dir)
+    parts = parts or model_family(model_dir).model_parts()
+    args = parts.read_args(model_dir)
     done = []
     for part, choices in formats.items():
         for weights in choices:
-            checked, prepared_now = ensure_prepared(model_dir, args, part, weights, cache_dir)
+            checked, prepared_now = ensure_prepared(
+                model_dir, args, part, weights, cache_dir, parts=parts
+            )
             done.append((f"{part}.{weights}", checked.path, prepared_now))
     return done
 
@@ -411,6 +464,8 @@ class _PartLoad:
     module: nn.Module
     file: _Checked
     int8_names: list[str]
+    part: str = ""
+    parts: ModelParts = V1_PARTS
     packing: Int8Packing | None = None
     mapped: dict[str, torch.Tensor] = field(default_factory=dict)
 
@@ -439,9 +494,11 @@ class _PartLoad:
         self.mapped = _read(path, [n for n in floats if n not in copies], layouts, copies=False)
         result = self.module.load_state_dict(copies | self.mapped, strict=False, assign=True)
         replaced = replaced_float_keys(self.module, self.int8_names)
+        replaced |= set(self.parts.left_out.get(self.part, ()))
         if set(result.missing_keys) != replaced or result.unexpected_keys:  # checked on opening
             raise ModelLoadError(f"{path}: internal error, keys do not fit the model")
         finish_assigned(self.module)
+        self.parts.finish(self.module, self.part)
 
     def finish(self) -> None:
         """Put the packed int8 layers in, then map the file afresh for what the model reads."""
@@ -494,38 +551,48 @@ class PreparedLoad:
     """
 
     def __init__(
-        self, model_dir: Path, formats: WeightFormats, cache_dir: Path | None = None
+        self,
+        model_dir: Path,
+        formats: WeightFormats,
+        cache_dir: Path | None = None,
+        parts: ModelParts = V1_PARTS,
     ) -> None:
         self.model_dir = Path(model_dir)
-        self.args = read_model_args(self.model_dir)
+        self.parts = parts
+        self.args = parts.read_args(self.model_dir)
         self.prepared_now: list[str] = []
         self._parts: dict[str, _PartLoad] = {}
         try:
             for part in PARTS:
                 self._open(part, formats.of(part), cache_dir)
-            self.speakers = load_speakers(self.model_dir / SPEAKER_FILE)
+            self.speakers = parts.read_speakers(self.model_dir)
         except BaseException:
             self.cancel()
             raise
 
     def _open(self, part: str, weights: str, cache_dir: Path | None) -> None:
-        module = run_module_on_meta(self.args, part, weights)
+        module = run_module_on_meta(self.args, part, weights, self.parts)
         checked, prepared_now = ensure_prepared(
-            self.model_dir, self.args, part, weights, cache_dir, module
+            self.model_dir, self.args, part, weights, cache_dir, module, self.parts
         )
         if prepared_now:
             self.prepared_now.append(f"{part}.{weights}")
-        names = _int8_names(module, part, weights)
-        load = _PartLoad(module, checked, names)
+        names = _int8_names(module, part, weights, self.parts)
+        load = _PartLoad(module, checked, names, part, self.parts)
         load.start_packing(int8_part_specs(module, names))
         self._parts[part] = load
 
-    def models(self) -> LoadedModels:
-        """The models with their float tensors assigned (int8 layers still to come)."""
+    def modules(self) -> tuple[nn.Module, nn.Module, nn.Module]:
+        """The three models (``PARTS`` order) with their float tensors assigned (int8 layers
+        still to come)."""
         for load in self._parts.values():
             load.assign()
         llm, flow, hift = (self._parts[part].module for part in PARTS)
-        return LoadedModels.of(self.model_dir, self.args, (llm, flow, hift), self.speakers)
+        return llm, flow, hift
+
+    def models(self) -> LoadedModels:
+        """A CosyVoice v1 directory's models, as :meth:`modules`, with its speakers."""
+        return LoadedModels.of(self.model_dir, self.args, self.modules(), self.speakers)
 
     def finish(self) -> None:
         for load in self._parts.values():

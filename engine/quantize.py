@@ -45,6 +45,13 @@ _LOGGER = logging.getLogger(__name__)
 
 _QKV = ("linear_q", "linear_k", "linear_v")
 FUSED_QKV = "linear_qkv"  # one int8 layer for the three projections of a decoder block
+# A fused int8 layer -> the float layers whose rows it stacks, in this order: v1's q/k/v, and
+# the Qwen2 blocks' q/k/v and gate/up of CosyVoice2's LM (engine.cosyvoice2.qwen2).
+FUSED_SOURCES: dict[str, tuple[str, ...]] = {
+    FUSED_QKV: _QKV,
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+}
 # The plain parts of int8 layer NAME: NAME.weight (int8, out x in), NAME.weight_scale (float64,
 # one per output channel; the weights are symmetric, so no zero points) and NAME.bias (float32).
 WEIGHT, SCALE, BIAS = "weight", "weight_scale", "bias"
@@ -70,11 +77,11 @@ def _int8_names(block: nn.Module) -> list[str]:
 
 
 def _source_names(name: str) -> list[str]:
-    """The float Linear layers behind one int8 layer name (three for a fused q/k/v)."""
+    """The float Linear layers behind one int8 layer name (several for a fused one)."""
     parent, _, attr = name.rpartition(".")
-    if attr != FUSED_QKV:
+    if attr not in FUSED_SOURCES:
         return [name]
-    return [f"{parent}.{a}" if parent else a for a in _QKV]
+    return [f"{parent}.{a}" if parent else a for a in FUSED_SOURCES[attr]]
 
 
 def _float_sources(model: nn.Module, name: str) -> list[nn.Linear]:
@@ -255,15 +262,14 @@ def int8_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Int8L
 
 
 def install_int8_layers(model: nn.Module, layers: Mapping[str, nn.Module]) -> None:
-    """Put packed int8 layers in place; a fused q/k/v replaces the block's three projections."""
+    """Put packed int8 layers in place; a fused layer replaces the layers it stacks."""
     for name, module in layers.items():
         parent, _, attr = name.rpartition(".")
         owner = model.get_submodule(parent) if parent else model
         module.train(owner.training)
         setattr(owner, attr, module)
-        if attr == FUSED_QKV:
-            for source in _QKV:
-                delattr(owner, source)
+        for source in FUSED_SOURCES.get(attr, ()):
+            delattr(owner, source)
 
 
 def quantize_int8(model: nn.Module, names: list[str]) -> nn.Module:
