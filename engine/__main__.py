@@ -71,10 +71,12 @@ def _synthesize(args: argparse.Namespace) -> int:
 
 
 def _prepare(args: argparse.Namespace) -> int:
+    from engine.family import model_family
     from engine.prepared import prepare_model
 
     formats = {"llm": args.lm, "flow": args.flow, "hift": args.hift}
-    for label, path, prepared_now in prepare_model(args.model_dir, formats, args.cache_dir):
+    parts = model_family(args.model_dir).model_parts()
+    for label, path, prepared_now in prepare_model(args.model_dir, formats, args.cache_dir, parts):
         _LOGGER.info("%s: %s (%s)", label, path, "prepared" if prepared_now else "up to date")
     return 0
 

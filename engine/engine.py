@@ -8,15 +8,11 @@ in a helper thread so it overlaps with the flow and vocoder (engine.lm_thread).
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import functools
 import logging
-import os
 import random
-import sys
 import threading
 import time
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Generator, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -27,9 +23,9 @@ from engine.constants import SAMPLE_RATE
 from engine.flow_estimator import TransformerBlock
 from engine.lm_thread import LmTokens
 from engine.onednn_layers import use_onednn_convs, use_onednn_linears
+from engine.runtime import give_back_free_heap, one_torch_thread, setup_cpu
 from engine.start_policy import GAPLESS, estimate_speech_seconds, hold_until_gapless
 from engine.streaming import ChunkVocoder, FlowPrompt, GeneratorNoise, stream_audio, whole_audio
-from engine.thread_budget import configure_threads
 from engine.types import (
     AudioChunk,
     SynthesisCancelled,
@@ -44,54 +40,6 @@ if TYPE_CHECKING:
     from engine.text.frontend import Segment, TextFrontend
 
 _LOGGER = logging.getLogger(__name__)
-
-
-# oneDNN keeps every convolution it JIT-compiles, one set per input length, up to 1024 by
-# default. A server vocodes chunks of ever-new lengths, so HiFT's memory would keep growing;
-# 256 halves that growth, is as fast as the default when a length repeats, and unlike no cache
-# at all does not slow every pass (docs/dev/performance-notes.md).
-_ONEDNN_CACHE_CAPACITY = "256"
-
-
-def _bound_onednn_cache() -> None:
-    """Cap oneDNN's primitive cache unless the user set it (either of oneDNN's two names).
-
-    oneDNN reads the setting when it creates its first primitive: this only takes effect in a
-    process that has not run a convolution yet (the server, the benchmark, the batch CLI).
-    """
-    if "DNNL_PRIMITIVE_CACHE_CAPACITY" not in os.environ:
-        os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", _ONEDNN_CACHE_CAPACITY)
-
-
-@functools.cache
-def _malloc_trim() -> Callable[[int], int] | None:
-    """glibc's ``malloc_trim`` (None elsewhere: musl has none, nor have other systems)."""
-    if not sys.platform.startswith("linux"):
-        return None
-    return getattr(ctypes.CDLL(None), "malloc_trim", None)
-
-
-def _give_back_free_heap() -> None:
-    """Return the memory malloc holds free to the kernel, once a chunk's passes are done.
-
-    glibc keeps what a flow and vocoder pass frees: over a streamed `fastest` request of six
-    chunks the free heap grew from 40 to 115 MB, all of it still resident. A trim costs a few
-    milliseconds against the 0.4–3 s a chunk takes.
-    """
-    trim = _malloc_trim()
-    if trim is not None:
-        trim(0)
-
-
-@contextlib.contextmanager
-def _one_torch_thread() -> Iterator[None]:
-    """Run torch ops of this block on one thread (the setting is process-wide, then restored)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 def detect_model_kind(model_dir: Path) -> str:
@@ -158,36 +106,19 @@ class CosyVoiceEngine:
         ``$XDG_CACHE_HOME/cosyvoice-engine``). A file missing or out of date is prepared
         first, which takes seconds; ``prepared_at_load`` on the engine names those prepared.
         """
-        from engine.prepared import PreparedLoad, WeightFormats
+        from engine.prepared import PreparedLoad
         from engine.text.frontend import TextFrontend
 
-        # Capped before any torch op: past the ceiling the first multi-threaded op would crash.
-        threads = cpu.capped_threads(threads, cpu.thread_ceiling())
-        configure_threads(threads)
-        choices = cpu.detect()
-        _LOGGER.info("CPU %s", choices.describe())
-        if choices.int8_kernels is not None:
-            torch.backends.quantized.engine = choices.int8_kernels
-        elif lm_int8 or flow_int8:
-            _LOGGER.warning("No int8 kernel works on this CPU: the LM and flow run float32")
-            lm_int8 = flow_int8 = False
-        if hift_bf16 and not choices.bfloat16:
-            _LOGGER.warning("This CPU has no fast bfloat16 convolutions: HiFT stays float32")
-            hift_bf16 = False
-        formats = WeightFormats(
-            llm="int8" if lm_int8 else "fp32",
-            flow="int8" if flow_int8 else "fp32",
-            hift="bf16" if hift_bf16 else "fp32",
-        )
-        _bound_onednn_cache()
+        setup = setup_cpu(threads, lm_int8=lm_int8, flow_int8=flow_int8, hift_bf16=hift_bf16)
+        threads, choices, formats = setup.threads, setup.choices, setup.formats
         start = time.perf_counter()
         model_dir = Path(model_dir)
         # Prepares what is missing, then packs the int8 layers in the background.
         loading = PreparedLoad(model_dir, formats, Path(cache_dir) if cache_dir else None)
         # While the int8 layers are packed on every core, an OpenMP region here would wait for
         # a free core, several times slower than one thread alone.
-        packing = lm_int8 or flow_int8
-        single = _one_torch_thread() if packing else contextlib.nullcontext()
+        packing = "int8" in (formats.llm, formats.flow)
+        single = one_torch_thread() if packing else contextlib.nullcontext()
         try:
             with single:
                 models = loading.models()
@@ -197,7 +128,7 @@ class CosyVoiceEngine:
                 # to the load time.
                 estimator = models.flow.decoder.estimator
                 packed = use_onednn_convs(estimator)
-                if not flow_int8:
+                if formats.flow != "int8":
                     packed += use_onednn_linears(estimator, TransformerBlock)
                 frontend = TextFrontend()  # built while the int8 layers are still being packed
             loading.finish()
@@ -361,7 +292,7 @@ class CosyVoiceEngine:
                     raise SynthesisCancelled("synthesis cancelled")
                 chunk = AudioChunk(wave.reshape(-1).float().numpy().copy())
                 del wave
-                _give_back_free_heap()
+                give_back_free_heap()
                 yield chunk
         finally:
             chunks.close()

@@ -418,17 +418,14 @@ def prepare_model(
     model_dir: Path,
     formats: Mapping[str, list[str]],
     cache_dir: Path | None = None,
-    parts: ModelParts | None = None,
+    parts: ModelParts = V1_PARTS,
 ) -> list[tuple[str, Path, bool]]:
     """Make sure the prepared files of ``model_dir`` exist for the given formats of each part.
 
-    ``parts``: the model family's (None: the one the directory's config file names).
+    ``parts``: the model family's (``engine.family`` knows which a directory holds).
     Returns (model.format, file, whether it was prepared now) per file.
     """
-    from engine.family import model_family
-
     model_dir = Path(model_dir)
-    parts = parts or model_family(model_dir).model_parts()
     args = parts.read_args(model_dir)
     done = []
     for part, choices in formats.items():

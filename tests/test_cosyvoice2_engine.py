@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from engine.__main__ import main
 from engine.cosyvoice2.model_dir import PARTS, CosyVoice2Models, load_model_dir
 from engine.family import model_family
 from engine.prepared import PREPARED_DIR, PreparedLoad, WeightFormats, prepare_model
@@ -92,13 +93,13 @@ def test_prepared_int8_lm_equals_quantising_the_float_lm(
 
 
 def test_prepare_command_prepares_a_cosyvoice2_directory(model: Path) -> None:
-    done = prepare_model(model, {"llm": ["int8"], "flow": ["fp32"], "hift": ["bf16"]})
-    assert [(label, prepared_now) for label, _, prepared_now in done] == [
-        ("llm.int8", True),
-        ("flow.fp32", True),
-        ("hift.bf16", True),
+    assert main(["prepare", "--model-dir", str(model), "--lm", "int8", "--hift", "bf16"]) == 0
+    assert sorted(p.name for p in (model / PREPARED_DIR).iterdir()) == [
+        "flow.fp32.safetensors",
+        "hift.bf16.safetensors",
+        "llm.int8.safetensors",
     ]
-    again = prepare_model(model, {"llm": ["int8"]})
+    again = prepare_model(model, {"llm": ["int8"]}, parts=PARTS)
     assert [prepared_now for _, _, prepared_now in again] == [False]
 
 
