@@ -190,18 +190,38 @@ def resample(wave_: torch.Tensor, orig_freq: int, new_freq: int) -> torch.Tensor
     return y[:, :target].reshape(*shape[:-1], -1)
 
 
-def load_prompt_16k(
+@dataclass(frozen=True)
+class PromptRecording:
+    """A prompt WAV mixed to mono, at the file's own rate."""
+
+    mono: torch.Tensor  # float32 (1, N)
+    info: WavInfo
+
+    def at(self, rate: int) -> torch.Tensor:
+        """float32 (1, M) at ``rate`` Hz (resampled from the file's rate, as the reference does)."""
+        return resample(self.mono, self.info.sample_rate, rate)
+
+
+def load_prompt(
     path: Path | str, max_seconds: float | None = None, min_rate: int = 16000
-) -> tuple[torch.Tensor, WavInfo]:
-    """A prompt WAV as float32 (1, N) mono at 16 kHz (what CAM++ and the tokenizer read)."""
+) -> PromptRecording:
+    """A prompt WAV as mono float32; VoiceError if unusable or below ``min_rate``."""
     samples, info = read_wav(path, max_seconds)
     if info.sample_rate < min_rate:
         raise VoiceError(
             f"sample rate {info.sample_rate} Hz is too low; record at "
             f"{min_rate} Hz or more (44100 or 48000 is fine)"
         )
-    mono = to_mono(samples)
-    if info.sample_rate != 16000:
-        _LOGGER.debug("Resampling %s from %d Hz to 16000 Hz", Path(path).name, info.sample_rate)
-        mono = resample(mono, info.sample_rate, 16000)
-    return mono, info
+    return PromptRecording(to_mono(samples), info)
+
+
+def load_prompt_16k(
+    path: Path | str, max_seconds: float | None = None, min_rate: int = 16000
+) -> tuple[torch.Tensor, WavInfo]:
+    """A prompt WAV as float32 (1, N) mono at 16 kHz (what CAM++ and the tokenizer read)."""
+    recording = load_prompt(path, max_seconds, min_rate)
+    if recording.info.sample_rate != 16000:
+        _LOGGER.debug(
+            "Resampling %s from %d Hz to 16000 Hz", Path(path).name, recording.info.sample_rate
+        )
+    return recording.at(16000), recording.info

@@ -1,7 +1,7 @@
-"""The three prompt feature extractors of the v1 frontend (tests/data/zero_shot/README.md §3).
+"""The three prompt feature extractors of the frontend (tests/data/zero_shot/README.md §3).
 
-* :func:`prompt_mel` — the flow's 80-bin log-mel of 22050 Hz audio (matcha ``mel_spectrogram``
-  with the v1 yaml parameters), layout (1, T, 80);
+* :func:`prompt_mel` — the flow's 80-bin log-mel (matcha ``mel_spectrogram``) with a model
+  family's yaml parameters (:class:`MelSpec`: v1 22050 Hz, v2 24 kHz), layout (1, T, 80);
 * :func:`kaldi_fbank` / :func:`campplus_input` — 80-bin Kaldi fbank of 16 kHz audio in [-1, 1]
   (torchaudio ``compliance.kaldi.fbank`` defaults), mean-normalised for CAM++;
 * :func:`whisper_log_mel` — whisper's 128-bin log-mel of 16 kHz audio for the speech tokenizer.
@@ -13,14 +13,28 @@ from __future__ import annotations
 
 import functools
 import math
+from dataclasses import dataclass
 from typing import overload
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-# v1 yaml feat_extractor parameters.
-MEL_SR, MEL_N_FFT, MEL_HOP, MEL_BINS, MEL_FMAX = 22050, 1024, 256, 80, 8000.0
+
+@dataclass(frozen=True)
+class MelSpec:
+    """A yaml's ``feat_extractor``: window = n_fft, fmin 0, no centring (reflect padding)."""
+
+    sample_rate: int
+    n_fft: int
+    hop: int
+    n_mels: int = 80
+    fmax: float = 8000.0
+
+
+V1_PROMPT_MEL = MelSpec(sample_rate=22050, n_fft=1024, hop=256)
+V2_PROMPT_MEL = MelSpec(sample_rate=24000, n_fft=1920, hop=480)
+
 # Kaldi defaults at 16 kHz: 25 ms window, 10 ms shift, FFT rounded up to a power of two.
 FBANK_WIN, FBANK_SHIFT, FBANK_FFT, FBANK_BINS, FBANK_LOW_HZ = 400, 160, 512, 80, 20.0
 PREEMPH, POVEY_POWER = 0.97, 0.85
@@ -50,7 +64,7 @@ def _mel_to_hz(mel: np.ndarray) -> np.ndarray:
     return hz
 
 
-@functools.lru_cache(maxsize=4)
+@functools.lru_cache(maxsize=8)
 def slaney_mel_filters(
     sr: int, n_fft: int, n_mels: int, fmin: float = 0.0, fmax: float | None = None
 ) -> torch.Tensor:
@@ -80,27 +94,30 @@ def slaney_mel_filters(
 # --- prompt mel for the flow ------------------------------------------------------------------
 
 
-def prompt_mel(wave_22k: torch.Tensor) -> torch.Tensor:
-    """float32 (1, N) audio at 22050 Hz -> (1, T, 80) natural-log mel, T = (N - 256)//256 + 1."""
-    y = wave_22k.reshape(1, -1).to(torch.float32)
-    pad = (MEL_N_FFT - MEL_HOP) // 2
+def prompt_mel(wave: torch.Tensor, spec: MelSpec = V1_PROMPT_MEL) -> torch.Tensor:
+    """float32 (1, N) audio at ``spec.sample_rate`` -> (1, T, n_mels) natural-log mel.
+
+    T = (N - hop) // hop + 1: the signal is reflect-padded by (n_fft - hop) / 2 on each side.
+    """
+    y = wave.reshape(1, -1).to(torch.float32)
+    pad = (spec.n_fft - spec.hop) // 2
     if y.shape[1] <= pad:
         raise ValueError(f"prompt too short for the mel extractor ({y.shape[1]} samples)")
     y = F.pad(y.unsqueeze(1), (pad, pad), mode="reflect").squeeze(1)
-    spec = torch.stft(
+    stft = torch.stft(
         y,
-        MEL_N_FFT,
-        hop_length=MEL_HOP,
-        win_length=MEL_N_FFT,
-        window=torch.hann_window(MEL_N_FFT),
+        spec.n_fft,
+        hop_length=spec.hop,
+        win_length=spec.n_fft,
+        window=torch.hann_window(spec.n_fft),
         center=False,
         normalized=False,
         onesided=True,
         return_complex=True,
     )
-    spec = torch.view_as_real(spec)
-    mag = torch.sqrt(spec.pow(2).sum(-1) + 1e-9)
-    basis = slaney_mel_filters(MEL_SR, MEL_N_FFT, MEL_BINS, 0.0, MEL_FMAX)
+    parts = torch.view_as_real(stft)
+    mag = torch.sqrt(parts.pow(2).sum(-1) + 1e-9)
+    basis = slaney_mel_filters(spec.sample_rate, spec.n_fft, spec.n_mels, 0.0, spec.fmax)
     mel = torch.matmul(basis, mag)
     return torch.log(torch.clamp(mel, min=1e-5)).transpose(1, 2)
 

@@ -1,18 +1,21 @@
-"""CAM++ speaker embedding and the v1 speech tokenizer, run with onnxruntime.
+"""CAM++ speaker embedding and a model family's speech tokenizer, run with onnxruntime.
 
 onnxruntime is an optional extra (``pip install wyoming-cosyvoice[voices]``): it is imported only
 when a prompt actually has to be extracted, so SFT/Instruct users and cached custom voices never
 load it. Calls follow the official frontend's contract (tests/data/zero_shot/README.md §4): inputs
 are looked up by *position* (the tokenizer's input names are not known), output 0 is flattened, the
 embedding comes back as float32 (1, 192) and the tokens as int32 (1, T') whatever dtype the model
-returns.
+returns. Both tokenizers read the same 128-bin whisper log-mel (100 frames/s); v1's gives 50
+tokens a second from a 4096-entry codebook, v2's 25 a second from 6561 (:class:`SpeechTokenizer`).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,9 +27,28 @@ from engine.prompt.errors import PromptModelError
 _LOGGER = logging.getLogger(__name__)
 
 CAMPPLUS_FILE = "campplus.onnx"
-TOKENIZER_FILE = "speech_tokenizer_v1.onnx"
 EMBEDDING_DIM = 192
-MAX_TOKENIZER_SECONDS = 30.0  # the v1 tokenizer's guard (whisper-style 30 s window)
+MAX_TOKENIZER_SECONDS = 30.0  # the tokenizers' guard (whisper-style 30 s window)
+LOG_MEL_FRAMES_PER_SECOND = 100
+
+
+@dataclass(frozen=True)
+class SpeechTokenizer:
+    """What is known of a family's speech tokenizer file."""
+
+    file: str
+    frames_per_token: int  # whisper log-mel frames a token covers
+    codebook: int  # token ids are 0 .. codebook - 1
+    ships_with: str  # where a user finds the file (for error messages)
+
+    def expected_tokens(self, frames: int) -> int:
+        return math.ceil(frames / self.frames_per_token)
+
+
+V1_SPEECH_TOKENIZER = SpeechTokenizer(
+    "speech_tokenizer_v1.onnx", 2, 4096, "the FunAudioLLM/CosyVoice-300M model repositories"
+)
+TOKENIZER_FILE = V1_SPEECH_TOKENIZER.file
 
 
 def _onnxruntime() -> Any:
@@ -43,18 +65,32 @@ def _onnxruntime() -> Any:
 class PromptModels:
     """The two prompt ONNX models, with sessions opened on first use (thread-safe)."""
 
-    def __init__(self, campplus: Path | str, tokenizer: Path | str, *, threads: int = 1) -> None:
+    def __init__(
+        self,
+        campplus: Path | str,
+        tokenizer: Path | str,
+        *,
+        threads: int = 1,
+        kind: SpeechTokenizer = V1_SPEECH_TOKENIZER,
+    ) -> None:
         self.campplus_path = Path(campplus)
         self.tokenizer_path = Path(tokenizer)
         self.threads = threads
+        self.kind = kind
         self._sessions: dict[str, Any] = {}
         self._lock = threading.Lock()
 
     @classmethod
-    def from_model_dir(cls, model_dir: Path | str, *, threads: int = 1) -> PromptModels:
-        """``campplus.onnx`` and ``speech_tokenizer_v1.onnx`` of an official model directory."""
+    def from_model_dir(
+        cls,
+        model_dir: Path | str,
+        *,
+        threads: int = 1,
+        kind: SpeechTokenizer = V1_SPEECH_TOKENIZER,
+    ) -> PromptModels:
+        """``campplus.onnx`` and the family's speech tokenizer of an official model directory."""
         model_dir = Path(model_dir)
-        return cls(model_dir / CAMPPLUS_FILE, model_dir / TOKENIZER_FILE, threads=threads)
+        return cls(model_dir / CAMPPLUS_FILE, model_dir / kind.file, threads=threads, kind=kind)
 
     def identity(self) -> dict[str, object]:
         """What a cached prompt depends on (name + size; hashing 500 MB at start-up is not ok)."""
@@ -75,7 +111,7 @@ class PromptModels:
             raise PromptModelError(
                 "custom voices need "
                 + " and ".join(str(p) for p in missing)
-                + " (they ship with the FunAudioLLM/CosyVoice-300M model repositories)"
+                + f" (they ship with {self.kind.ships_with})"
             )
 
     def _session(self, path: Path) -> Any:
@@ -120,9 +156,10 @@ class PromptModels:
         return torch.from_numpy(out.astype(np.float32)).reshape(1, EMBEDDING_DIM)
 
     def speech_tokens(self, log_mel: torch.Tensor) -> torch.Tensor:
-        """(1, 128, T) whisper log-mel -> int32 (1, T') speech tokens (T' = ceil(T/2), 50 Hz)."""
+        """(1, 128, T) whisper log-mel -> int32 (1, T') speech tokens (T' = ceil(T / 2) for v1,
+        ceil(T / 4) for v2); PromptModelError when the model is not the expected tokenizer."""
         frames = log_mel.shape[-1]
-        if frames / 100.0 > MAX_TOKENIZER_SECONDS:
+        if frames / LOG_MEL_FRAMES_PER_SECOND > MAX_TOKENIZER_SECONDS:
             raise PromptModelError(
                 f"the speech tokenizer takes at most {MAX_TOKENIZER_SECONDS:g} s of audio"
             )
@@ -133,5 +170,23 @@ class PromptModels:
             inputs[1].name: np.array([frames], dtype=np.int32),  # no padding: length = T
         }
         out = np.asarray(session.run(None, feed)[0]).reshape(-1)
-        # The output dtype is the model's business (int64 in the stand-in); ids are < 4096.
+        self._check_tokens(out, frames)
+        # The output dtype is the model's business (int64 in the stand-ins).
         return torch.from_numpy(out.astype(np.int32)).reshape(1, -1)
+
+    def _check_tokens(self, tokens: np.ndarray, frames: int) -> None:
+        # A tokenizer of another family (50 instead of 25 tokens a second, or ids past the
+        # codebook) would condition the model with tokens it never saw: refuse it.
+        name, kind = self.tokenizer_path.name, self.kind
+        expected = kind.expected_tokens(frames)
+        if abs(tokens.size - expected) > 1:
+            raise PromptModelError(
+                f"{name} returned {tokens.size} tokens for {frames / 100:.2f} s of audio, "
+                f"expected {expected}: it is not the speech tokenizer this model needs "
+                f"({kind.file})"
+            )
+        if tokens.size and (tokens.min() < 0 or tokens.max() >= kind.codebook):
+            raise PromptModelError(
+                f"{name} returned token ids outside 0..{kind.codebook - 1}: it is not the "
+                f"speech tokenizer this model needs ({kind.file})"
+            )

@@ -1,9 +1,10 @@
 """Custom voices from a folder: ``NAME.wav`` + ``NAME.txt`` (+ ``NAME.instruct.txt``).
 
 The prompt is extracted once (both ONNX models + the mel) and cached next to the files as
-``NAME.prompt.pt`` (a plain dict, loadable with ``torch.load(weights_only=True)``). The cache
-records size, mtime and sha256 of the WAV and the transcript plus the ONNX models' identity; it
-is used only when the sizes and hashes still match (mtime alone is not trusted: copies and
+``NAME`` + the model family's cache suffix (``NAME.prompt.pt`` for v1, a plain dict, loadable
+with ``torch.load(weights_only=True)``). The cache records the family, size, mtime and sha256 of
+the WAV and the transcript plus the ONNX models' identity; it is used only by the family that
+wrote it and when the sizes and hashes still match (mtime alone is not trusted: copies and
 restores keep or reset it arbitrarily). Voices that fail validation are skipped with a log
 message and listed with the reason; the caller keeps running.
 """
@@ -23,10 +24,11 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from engine.prompt.audio import load_prompt_16k
+from engine.prompt.audio import load_prompt
 from engine.prompt.errors import PromptModelError, VoiceError
-from engine.prompt.extract import PromptFeatures, extract_features
+from engine.prompt.extract import PROMPT_RATE, PromptFeatures, extract_features
 from engine.prompt.onnx_models import PromptModels
+from engine.prompt.recipe import CACHE_ENDING, COSYVOICE1, PromptRecipe
 from engine.prompt.validate import (
     MAX_SECONDS,
     check_audio,
@@ -41,10 +43,12 @@ if TYPE_CHECKING:
 
 _LOGGER = logging.getLogger(__name__)
 
-CACHE_SUFFIX = ".prompt.pt"
+CACHE_SUFFIX = COSYVOICE1.cache_suffix
 INSTRUCT_SUFFIX = ".instruct.txt"
 # Bump when extraction changes, so old caches are re-extracted.
 CACHE_FORMAT = 1
+# Caches written before the family was recorded are v1's (v1 was the only family).
+_UNMARKED_FAMILY = COSYVOICE1.family
 _OTHER_AUDIO = (".mp3", ".flac", ".ogg", ".oga", ".opus", ".m4a", ".aac", ".wma", ".aiff")
 # Languages that share a script and whose transcript still helps the LM (zero-shot, not
 # cross-lingual): Cantonese transcripts are detected as 'yue' only by a few characters.
@@ -63,6 +67,7 @@ class CustomVoice:
     instruct: str | None = None
     source: str = "extracted"  # or "cache"
     load_seconds: float = 0.0
+    family: str = COSYVOICE1.family  # the model family the prompt features are for
 
 
 @dataclass
@@ -100,12 +105,15 @@ def _same_file(old: object, new: object) -> bool:
     )
 
 
-def _key(wav: Path, txt: Path, models: PromptModels | None) -> dict[str, object]:
+def _key(
+    wav: Path, txt: Path, models: PromptModels | None, recipe: PromptRecipe
+) -> dict[str, object]:
     # Models that are not there (deleted after extraction to save space) cannot have changed:
     # any cache that matches the files is then good.
     present = models is not None and models.files_present()
     return {
         "format": CACHE_FORMAT,
+        "family": recipe.family,
         "wav": file_record(wav),
         "txt": file_record(txt),
         "models": models.identity() if present and models is not None else None,
@@ -115,6 +123,8 @@ def _key(wav: Path, txt: Path, models: PromptModels | None) -> dict[str, object]
 def _cache_matches(state: dict[str, object], key: dict[str, object]) -> bool:
     if state.get("format") != CACHE_FORMAT:
         return False
+    if state.get("family", _UNMARKED_FAMILY) != key["family"]:
+        return False  # another family's features: never fed to this model
     if not (_same_file(state.get("wav"), key["wav"]) and _same_file(state.get("txt"), key["txt"])):
         return False
     # Without the models at hand (no onnxruntime / files) any matching cache is good.
@@ -147,10 +157,16 @@ def _read_cache(path: Path) -> dict[str, object] | None:
     return state if isinstance(state, dict) else None
 
 
-def load_voice(voices_dir: Path, name: str, models: PromptModels | None) -> CustomVoice:
+def load_voice(
+    voices_dir: Path,
+    name: str,
+    models: PromptModels | None,
+    recipe: PromptRecipe = COSYVOICE1,
+) -> CustomVoice:
     """Validate and prepare ``NAME`` from ``voices_dir``; VoiceError with the reason if unusable.
 
-    Uses ``NAME.prompt.pt`` when it matches the current files, else extracts and rewrites it.
+    Uses the family's cache (``NAME.prompt.pt`` for v1) when it matches the current files, else
+    extracts and rewrites it.
     """
     start = time.perf_counter()
     files = _voice_files(voices_dir).get(name, {})
@@ -169,8 +185,8 @@ def load_voice(voices_dir: Path, name: str, models: PromptModels | None) -> Cust
             instruct = read_transcript(files["instruct"], what="instruction")
         except VoiceError as err:  # optional file: the voice still works without it
             _LOGGER.warning("Custom voice %r: ignoring its instruction: %s", name, err)
-    cache = voices_dir / f"{name}{CACHE_SUFFIX}"
-    key = _key(wav, txt, models)
+    cache = voices_dir / f"{name}{recipe.cache_suffix}"
+    key = _key(wav, txt, models, recipe)
     state = _read_cache(cache)
     if state is not None and _cache_matches(state, key):
         try:
@@ -188,17 +204,19 @@ def load_voice(voices_dir: Path, name: str, models: PromptModels | None) -> Cust
                 instruct,
                 "cache",
                 time.perf_counter() - start,
+                recipe.family,
             )
     if models is None:
         raise VoiceError(
             "its prompt is not extracted yet and the prompt models "
-            "(campplus.onnx, speech_tokenizer_v1.onnx) are not available"
+            f"(campplus.onnx, {recipe.tokenizer.file}) are not available"
         )
-    wave_16k, info = load_prompt_16k(wav, max_seconds=MAX_SECONDS)
+    recording = load_prompt(wav, max_seconds=MAX_SECONDS)
+    wave_16k = recording.at(PROMPT_RATE)
     duration = check_audio(wave_16k, name)
     check_transcript_length(transcript, duration, name)
     try:
-        prompt = extract_features(wave_16k, models)
+        prompt = extract_features(wave_16k, models, recipe, recording=recording)
     except PromptModelError as err:
         raise VoiceError(str(err)) from err
     _write_cache(
@@ -207,7 +225,7 @@ def load_voice(voices_dir: Path, name: str, models: PromptModels | None) -> Cust
             **key,
             "duration_s": duration,
             "transcript": transcript,
-            "source_rate": info.sample_rate,
+            "source_rate": recording.info.sample_rate,
             **prompt.to_state(),
         },
     )
@@ -228,13 +246,14 @@ def load_voice(voices_dir: Path, name: str, models: PromptModels | None) -> Cust
         instruct,
         "extracted",
         seconds,
+        recipe.family,
     )
 
 
 def _split(fname: str) -> tuple[str, str] | None:
     """(NAME, kind) for a voice file name, kind in wav/txt/instruct/other; None otherwise."""
     low = fname.lower()
-    if fname.startswith(".") or low.endswith(CACHE_SUFFIX):
+    if fname.startswith(".") or low.endswith(CACHE_ENDING):  # every family's cache
         return None
     for suffix, kind in ((INSTRUCT_SUFFIX, "instruct"), (".wav", "wav"), (".txt", "txt")):
         if low.endswith(suffix):
@@ -260,7 +279,11 @@ def voice_names(voices_dir: Path) -> list[str]:
 
 
 def scan_voices(
-    voices_dir: Path | str, models: PromptModels | None, *, reserved: Collection[str] = ()
+    voices_dir: Path | str,
+    models: PromptModels | None,
+    *,
+    reserved: Collection[str] = (),
+    recipe: PromptRecipe = COSYVOICE1,
 ) -> ScanResult:
     """Load every voice of ``voices_dir``; bad ones are logged and listed, never raised."""
     voices_dir = Path(voices_dir)
@@ -272,7 +295,7 @@ def scan_voices(
         try:
             if name in reserved:
                 raise VoiceError("the name is already used by a built-in speaker; rename it")
-            result.voices[name] = load_voice(voices_dir, name, models)
+            result.voices[name] = load_voice(voices_dir, name, models, recipe)
         except (VoiceError, PromptModelError) as err:
             result.rejected[name] = str(err)
             _LOGGER.warning("Custom voice %r skipped: %s", name, err)
@@ -298,10 +321,12 @@ class VoiceLibrary:
         *,
         reserved: Collection[str] = (),
         release_models: bool = True,
+        recipe: PromptRecipe = COSYVOICE1,
     ) -> None:
         self.voices_dir = Path(voices_dir)
         self.models = models
         self.reserved = frozenset(reserved)
+        self.recipe = recipe
         # Drop the ONNX sessions after a scan: the real tokenizer holds ~0.5 GB.
         self.release_models = release_models
         self._lock = threading.Lock()
@@ -309,7 +334,9 @@ class VoiceLibrary:
 
     def scan(self) -> ScanResult:
         """Re-read the folder (cheap for unchanged voices: their caches are reused)."""
-        result = scan_voices(self.voices_dir, self.models, reserved=self.reserved)
+        result = scan_voices(
+            self.voices_dir, self.models, reserved=self.reserved, recipe=self.recipe
+        )
         if self.release_models and self.models is not None:
             self.models.close()
         with self._lock:
@@ -385,6 +412,8 @@ def to_engine_voice(
     """
     from engine.streaming import FlowPrompt
 
+    if voice.family != COSYVOICE1.family:
+        raise ValueError(f"voice {voice.name!r} was prepared for {voice.family}, not cosyvoice1")
     emb = voice.prompt.embedding
     instruction = instruct or voice.instruct
     if instruction and kind == "instruct":
