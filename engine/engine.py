@@ -177,6 +177,7 @@ class CosyVoiceEngine:
             kind=self.kind,
             instruct=options.instruct,
             text_ids=segment.token_ids,
+            language=options.language,
         )
         return plan.text_ids or segment.token_ids, plan.voice
 
@@ -213,7 +214,7 @@ class CosyVoiceEngine:
         custom = self._custom_voice(options.speaker)
         # Built-in voices are resolved first so an unknown name fails before any work.
         builtin = None if custom is not None else self.voice(options.speaker, options.instruct)
-        segments = self.frontend.segments(text)
+        segments = self.frontend.segments(text, split=options.split, language=options.language)
         seed = options.seed if options.seed is not None else random.randrange(2**31)
 
         def chunks() -> Iterator[AudioChunk]:

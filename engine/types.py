@@ -66,6 +66,12 @@ class SynthesisOptions:
     # 'eager': release audio as soon as it exists; 'gapless': hold the first chunks until
     # playback from then on will not starve (see engine.start_policy).
     start_policy: str = "eager"
+    # The caller's split: False when ``text`` is one sentence the caller has already split off,
+    # so the engine normalises it as one segment instead of splitting it again.
+    split: bool = True
+    # The text's language as the caller detected it ("zh", "en", ...; None: detected here per
+    # segment): chooses a custom voice's cross-lingual mode and the language tag.
+    language: str | None = None
     # Asked before each LM token and flow step: torch threads from then on (None: leave the
     # calling thread's count). engine.thread_budget says why.
     threads: Callable[[], int] | None = field(default=None, compare=False, repr=False)

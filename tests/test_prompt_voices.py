@@ -225,6 +225,15 @@ def test_voice_modes(engine, voices_dir: Path, models) -> None:
     assert to_engine_voice(voice, engine.frontend, "Hi.", instruct="x").mode == "zero_shot"
 
 
+def test_a_language_given_by_the_caller_chooses_the_mode(engine, voices_dir: Path, models) -> None:
+    voice = load_voice(voices_dir, "anna", models)  # an English transcript
+    text = "Good morning."
+    assert to_engine_voice(voice, engine.frontend, text).mode == "zero_shot"
+    told = to_engine_voice(voice, engine.frontend, text, text_ids=[7], language="zh")
+    assert told.mode == "cross_lingual"
+    assert told.text_ids == [engine.frontend.tokenizer.language_id("zh"), 7]
+
+
 def test_custom_voice_synthesizes_through_the_engine(engine, voices_dir: Path, models) -> None:
     from engine.constants import HOP, tokens_to_frames
     from engine.types import SynthesisOptions

@@ -237,3 +237,25 @@ def test_audio_at_another_sample_rate_is_an_engine_error() -> None:
                 await drain(speech_of(sched, "The RATE is wrong."))
 
     run(main())
+
+
+class OptionsEngine(FakeEngine):
+    """Keeps the options of every call."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.options: list[Any] = []
+
+    def synthesize(self, text: str, options: Any, cancel: Any = None) -> Any:
+        self.options.append(options)
+        return super().synthesize(text, options, cancel)
+
+
+def test_each_sentence_reaches_the_engine_already_split_with_its_language() -> None:
+    async def main() -> list[Any]:
+        async with scheduler(OptionsEngine) as sched:
+            await drain(speech_of(sched, "Good morning to you. 早上好，今天天气不错。"))
+            return sched.engine.options
+
+    options = run(main())
+    assert [(o.split, o.language) for o in options] == [(False, "en"), (False, "zh")]

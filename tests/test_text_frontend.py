@@ -35,6 +35,19 @@ def test_language_tags_on_every_segment() -> None:
     assert all(s.token_ids[0] == 50259 for s in segs)
 
 
+def test_a_sentence_split_by_the_caller_stays_one_segment(frontend: TextFrontend) -> None:
+    text = "Hello there, this is a long sentence. " * 30
+    assert len(frontend.segments(text)) > 1
+    (whole,) = frontend.segments(text, split=False)
+    assert whole.token_ids == frontend.tokenizer.encode(whole.text)
+
+
+def test_a_language_given_by_the_caller_tags_the_segments() -> None:
+    fe = TextFrontend(language_tags=True)
+    (seg,) = fe.segments("Hello there.", language="zh")
+    assert seg.text.startswith("<|zh|>")
+
+
 def test_instruct_ids_append_v1_suffix(frontend: TextFrontend) -> None:
     ids = frontend.instruct_ids("A happy girl, speaking at 2x speed")
     assert ids[-6:] == ENDOFPROMPT_IDS

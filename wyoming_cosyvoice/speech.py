@@ -32,7 +32,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from engine.constants import SAMPLE_RATE
@@ -98,10 +98,12 @@ class SpeechSettings:
     seed: int | None
     force_tokens: int | None = None
 
-    def options(self, voice: Voice, instruct: str | None) -> SynthesisOptions:
-        return self.profile.options(
+    def options(self, voice: Voice, instruct: str | None, sentence: Sentence) -> SynthesisOptions:
+        """The engine options for one sentence: already split, its language already known."""
+        options = self.profile.options(
             speaker=voice.speaker, seed=self.seed, instruct=instruct, force_tokens=self.force_tokens
         )
+        return replace(options, split=False, language=sentence.language)
 
 
 def split_instruction(
@@ -322,7 +324,7 @@ class Speech:
         try:
             await scheduler.synthesize(
                 sentence.text,
-                self.settings.options(voice, instruct),
+                self.settings.options(voice, instruct, sentence),
                 self.cancel_event,
                 self._on_chunk,
                 load_timeout=limits.load_wait_s,

@@ -372,9 +372,10 @@ def _family(language: str) -> str:
     return _SAME_FAMILY.get(language, language)
 
 
-def is_cross_lingual(voice: CustomVoice, text: str) -> bool:
-    """True when ``text`` is in another language than the voice's transcript."""
-    return _family(detect_language(text)) != _family(voice.language)
+def is_cross_lingual(voice: CustomVoice, text: str, language: str | None = None) -> bool:
+    """True when ``text`` (in ``language``, else detected) is in another language than the
+    voice's transcript."""
+    return _family(language or detect_language(text)) != _family(voice.language)
 
 
 @functools.lru_cache(maxsize=64)
@@ -382,12 +383,14 @@ def _prompt_ids(frontend: TextFrontend, transcript: str) -> tuple[int, ...]:
     return tuple(frontend.prompt_text_ids(transcript))
 
 
-def _tagged(frontend: TextFrontend, text: str, text_ids: list[int] | None) -> list[int] | None:
+def _tagged(
+    frontend: TextFrontend, text: str, text_ids: list[int] | None, language: str | None
+) -> list[int] | None:
     # Official v1 cross-lingual use puts the target language tag (<|en|>, <|zh|> ...) in front
     # of the text: without a transcript it is the LM's only hint of the language to speak.
     if text_ids is None or text.lstrip().startswith("<|"):
         return text_ids
-    return [frontend.tokenizer.language_id(detect_language(text)), *text_ids]
+    return [frontend.tokenizer.language_id(language or detect_language(text)), *text_ids]
 
 
 def to_engine_voice(
@@ -398,8 +401,11 @@ def to_engine_voice(
     kind: str = "base",
     instruct: str | None = None,
     text_ids: list[int] | None = None,
+    language: str | None = None,
 ) -> VoiceInput:
     """The engine ``Voice`` for speaking ``text`` (one segment) with a custom voice.
+
+    ``language``: the text's language as the caller detected it (None: detected here).
 
     * zero-shot (text in the transcript's language): LM gets transcript ids + CAM++ embedding +
       prompt speech tokens; the flow gets prompt tokens + mel + embedding;
@@ -432,11 +438,11 @@ def to_engine_voice(
             "Voice %r: instruction ignored (the %s model has no instruct mode)", voice.name, kind
         )
     flow_prompt = FlowPrompt(emb, voice.prompt.speech_tokens, voice.prompt.speech_feat)
-    if is_cross_lingual(voice, text):
+    if is_cross_lingual(voice, text, language):
         return VoiceInput(
             Voice(voice.name, emb, emb, flow_prompt=flow_prompt),
             "cross_lingual",
-            _tagged(frontend, text, text_ids),
+            _tagged(frontend, text, text_ids, language),
         )
     return VoiceInput(
         Voice(

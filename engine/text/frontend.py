@@ -63,13 +63,19 @@ class TextFrontend:
         wetext_backend.warm_up()
         self.segments("Hello, 21.5°C. 你好，7:30。")
 
-    def segments(self, text: str) -> list[Segment]:
-        """Segments to synthesise; ``[]`` when nothing speakable is left."""
+    def segments(
+        self, text: str, *, split: bool = True, language: str | None = None
+    ) -> list[Segment]:
+        """Segments to synthesise; ``[]`` when nothing speakable is left.
+
+        ``split=False``: ``text`` is one sentence already split off by the caller, normalised
+        as one segment. ``language``: the caller's detection, used for the language tags.
+        """
         text = _check(text, "text")
         out = []
-        for seg in normalize(text, split=True):
+        for seg in normalize(text, split=split):
             if self.language_tags and not seg.startswith("<|"):
-                seg = f"<|{detect_language(seg)}|>{seg}"
+                seg = f"<|{language or detect_language(seg)}|>{seg}"
             out.append(Segment(seg, self.tokenizer.encode(seg)))
         _LOGGER.debug("frontend: %d chars -> %d segments", len(text), len(out))
         return out
