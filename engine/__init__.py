@@ -1,11 +1,14 @@
-"""CosyVoice v1 (CosyVoice-300M, -SFT, -Instruct) text-to-speech in PyTorch.
+"""CosyVoice text-to-speech in PyTorch: v1 (CosyVoice-300M, -SFT, -Instruct) and CosyVoice2-0.5B.
 
 Public surface::
 
-    from engine import CosyVoiceEngine, SynthesisOptions
-    engine = CosyVoiceEngine.load("data/CosyVoice-300M-SFT")
+    from engine import SynthesisOptions, load_engine
+    engine = load_engine("data/CosyVoice-300M-SFT")  # the family is read from the directory
     for chunk in engine.synthesize("你好。", SynthesisOptions(speaker="中文女")):
-        play(chunk.pcm16)
+        play(chunk.pcm16)  # at chunk.sample_rate (engine.sample_rate): 22050 or 24000 Hz
+
+``CosyVoiceEngine`` (v1) and ``CosyVoice2Engine`` have the same surface; ``model_family``
+says which one a directory needs.
 
 Names are imported lazily so that light users (the text frontend, the server's start-up)
 do not pay for importing torch.
@@ -18,6 +21,9 @@ from typing import Any
 
 _EXPORTS = {
     "CosyVoiceEngine": "engine.engine",
+    "CosyVoice2Engine": "engine.cosyvoice2.engine",
+    "load_engine": "engine.family",
+    "model_family": "engine.family",
     "AudioChunk": "engine.types",
     "SynthesisOptions": "engine.types",
     "StreamSchedule": "engine.types",

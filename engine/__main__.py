@@ -33,9 +33,16 @@ def write_wav(path: Path, samples: np.ndarray, sample_rate: int) -> None:
 
 
 def _synthesize(args: argparse.Namespace) -> int:
-    from engine.engine import CosyVoiceEngine
+    from engine.family import load_engine
 
-    engine = CosyVoiceEngine.load(args.model_dir, threads=args.threads)
+    engine = load_engine(args.model_dir, threads=args.threads)
+    if args.voices_dir is not None:
+        engine.enable_custom_voices(args.voices_dir)  # rejected voices are logged
+    elif not engine.speakers:
+        raise EngineError(
+            f"{args.model_dir} has no built-in speakers: give it a voice with --voices-dir DIR "
+            "(a recording NAME.wav and its transcript NAME.txt) and --speaker NAME"
+        )
     schedule = OFFICIAL_SCHEDULE if args.schedule == "official" else LOW_LATENCY_SCHEDULE
     options = SynthesisOptions(
         speaker=args.speaker,
@@ -113,9 +120,23 @@ def build_parser() -> argparse.ArgumentParser:
         "--model-dir", type=Path, required=True, help="model directory in the official layout"
     )
     synth.add_argument("--text", required=True)
-    synth.add_argument("--out", type=Path, required=True, help="output WAV (22050 Hz mono)")
-    synth.add_argument("--speaker", help="built-in speaker name (default: the first)")
-    synth.add_argument("--instruct", help="instruction text (-Instruct model)")
+    synth.add_argument(
+        "--out",
+        type=Path,
+        required=True,
+        help="output WAV, mono at the model's rate (v1: 22050 Hz, CosyVoice2: 24000 Hz)",
+    )
+    synth.add_argument(
+        "--speaker", help="built-in speaker or custom voice name (default: the first)"
+    )
+    synth.add_argument(
+        "--voices-dir",
+        type=Path,
+        help="custom voices: NAME.wav + NAME.txt (CosyVoice2 has no built-in speakers)",
+    )
+    synth.add_argument(
+        "--instruct", help="instruction text (-Instruct model; CosyVoice2: with any voice)"
+    )
     synth.add_argument("--seed", type=int, help="seed for a reproducible voice")
     synth.add_argument(
         "--stream",

@@ -33,6 +33,7 @@ class Family:
     """One model family: its config file, engine class and model parts ("module:name")."""
 
     name: str
+    label: str  # for people
     config_file: str
     engine: str
     parts: str
@@ -47,10 +48,15 @@ class Family:
 
 FAMILIES = (
     Family(
-        "cosyvoice", "cosyvoice.yaml", "engine.engine:CosyVoiceEngine", "engine.prepared:V1_PARTS"
+        "cosyvoice",
+        "CosyVoice v1",
+        "cosyvoice.yaml",
+        "engine.engine:CosyVoiceEngine",
+        "engine.prepared:V1_PARTS",
     ),
     Family(
         "cosyvoice2",
+        "CosyVoice2",
         "cosyvoice2.yaml",
         "engine.cosyvoice2.engine:CosyVoice2Engine",
         "engine.cosyvoice2.model_dir:PARTS",
@@ -77,8 +83,8 @@ def model_family(model_dir: Path | str) -> Family:
     for config, name in _UNSUPPORTED.items():
         if (model_dir / config).is_file():
             raise ModelLoadError(f"{model_dir}: {name} models ({config}) are not supported yet")
-    expected = " or ".join(family.config_file for family in FAMILIES)
-    raise ModelLoadError(f"{model_dir} is not a model directory: it has no {expected}")
+    expected = " or ".join(f"{family.config_file} ({family.label})" for family in FAMILIES)
+    raise ModelLoadError(f"model directory {model_dir} is incomplete: missing {expected}")
 
 
 def load_engine(model_dir: Path | str, **options: Any) -> Any:

@@ -4,18 +4,32 @@ synthesis (streamed and whole) against the official orchestration's audio."""
 from __future__ import annotations
 
 import copy
+import math
 import shutil
+import threading
+import wave
+from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 from engine.__main__ import main
+from engine.cosyvoice2.engine import CosyVoice2Engine
 from engine.cosyvoice2.model_dir import PARTS, CosyVoice2Models, load_model_dir
-from engine.family import model_family
+from engine.family import load_engine, model_family
 from engine.prepared import PREPARED_DIR, PreparedLoad, WeightFormats, prepare_model
+from engine.prompt.extract import PromptFeatures
+from engine.prompt.voices import CustomVoice
 from engine.quantize import Int8Linear
-from engine.types import ModelLoadError
+from engine.types import (
+    OFFICIAL_SCHEDULE,
+    ModelLoadError,
+    SynthesisCancelled,
+    SynthesisOptions,
+    UnknownSpeakerError,
+)
 
 DATA = Path(__file__).parent / "data" / "cosyvoice2"
 TINY = DATA / "tiny"
@@ -130,5 +144,303 @@ def test_the_family_is_picked_by_the_config_file(tmp_path: Path) -> None:
         model_family(tmp_path)
     with pytest.raises(ModelLoadError, match="does not exist"):
         model_family(tmp_path / "absent")
-    with pytest.raises(ModelLoadError, match="no cosyvoice.yaml or cosyvoice2.yaml"):
+    with pytest.raises(
+        ModelLoadError, match=r"missing cosyvoice\.yaml \(CosyVoice v1\) or cosyvoice2\.yaml"
+    ):
         model_family(DATA)
+
+
+# --- synthesis ---------------------------------------------------------------------------------
+
+AUDIO_ATOL = 1e-4  # as the orchestration tests (tests/test_cosyvoice2_streaming.py)
+SAMPLES_PER_TOKEN = 2 * 480  # two mel frames a token, 480 samples a frame
+HELD_BACK = 8 * 480  # the cross-fade tail each streamed chunk keeps for the next
+CASES = torch.load(DATA / "stream_cases.pt", weights_only=True)
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory: pytest.TempPathFactory) -> CosyVoice2Engine:
+    target = tmp_path_factory.mktemp("v2") / "CosyVoice2-0.5B"
+    shutil.copytree(TINY, target, ignore=shutil.ignore_patterns(PREPARED_DIR))
+    torch.set_num_threads(1)
+    loaded = load_engine(target, threads=1)
+    assert isinstance(loaded, CosyVoice2Engine)
+    loaded.add_voice(_voice("tester", 60))
+    return loaded
+
+
+@pytest.fixture
+def fresh(engine: CosyVoice2Engine) -> Iterator[CosyVoice2Engine]:
+    """The engine, with whatever a test replaces or adds (forced tokens, injected noise,
+    voices) put back."""
+    generate, noise = engine.models.llm.generate, engine.hift_noise
+    voices, speakers = dict(engine.voices), list(engine.speakers)
+    yield engine
+    engine.models.llm.generate, engine.hift_noise = generate, noise  # type: ignore[method-assign]
+    engine.voices, engine.speakers = voices, speakers
+
+
+def _voice(name: str, n_tokens: int, seed: int = 0) -> CustomVoice:
+    g = torch.Generator().manual_seed(seed)
+    features = PromptFeatures(
+        torch.randn(1, 192, generator=g),
+        torch.randint(0, 6561, (1, n_tokens), generator=g, dtype=torch.int32),
+        torch.randn(1, 2 * n_tokens, 80, generator=g),
+    )
+    return CustomVoice(name, "Hello there, my friend.", "en", features, 2.0, family="cosyvoice2")
+
+
+def _random_tokens(n: int, seed: int = 1) -> list[int]:
+    return torch.randint(0, 6561, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+class ForcedTokens:
+    """Stands in for the LM's ``generate``: yields planned tokens, counting them."""
+
+    def __init__(self, tokens: list[int]) -> None:
+        self.tokens, self.yielded = tokens, 0
+
+    def __call__(self, *args: object, **kwargs: object) -> Iterator[int]:
+        for token in self.tokens:
+            self.yielded += 1
+            yield token
+
+
+def _force(engine: CosyVoice2Engine, tokens: list[int]) -> ForcedTokens:
+    forced = ForcedTokens(tokens)
+    engine.models.llm.generate = forced  # type: ignore[method-assign]
+    return forced
+
+
+def expand(codes: torch.Tensor, shape: tuple[int, ...], scale: float) -> torch.Tensor:
+    """An injected draw: the stored codes repeated over the row-major shape, scaled."""
+    n = math.prod(shape)
+    return (codes.to(torch.float32).repeat(-(-n // codes.numel()))[:n] * scale).view(shape)
+
+
+class ReplayNoise:
+    """One official run's recorded HiFT draws, chunk by chunk (tests/data/cosyvoice2/README)."""
+
+    def __init__(self, run: str) -> None:
+        self.run, self.chunk = run, 0
+
+    def hift_noise(self, n_samples: int) -> tuple[torch.Tensor, torch.Tensor]:
+        prefix = f"{self.run}/chunk{self.chunk}/"
+        self.chunk += 1
+        phase = expand(CASES[prefix + "rng_phase_rand_codes"], (1, 9), 1 / 256)
+        sine = expand(CASES[prefix + "rng_sine_noise_codes"], (1, n_samples, 9), 1 / 32)
+        return phase.view(1, 9, 1), sine.transpose(1, 2)
+
+
+def _official_voice(scenario: str) -> CustomVoice:
+    """The scenario's flow prompt as a voice (the LM's part is moot: its tokens are forced)."""
+    embedding = CASES[f"{scenario}/in_flow_embedding"]
+    tokens = CASES.get(f"{scenario}/in_flow_prompt_speech_token", torch.zeros(1, 0))
+    feat = CASES.get(f"{scenario}/in_prompt_speech_feat", torch.zeros(1, 0, 80))
+    features = PromptFeatures(embedding, tokens.to(torch.int32), feat)
+    return CustomVoice(scenario, "Hello.", "en", features, 1.0, family="cosyvoice2")
+
+
+def _official_chunks(run: str) -> list[torch.Tensor]:
+    count = len({k.split("/")[2] for k in CASES if k.startswith(run + "/chunk")})
+    return [CASES[f"{run}/chunk{i}/speech_out"] for i in range(count)]
+
+
+@pytest.mark.parametrize("scenario", ["prompt17", "noprompt180"])
+def test_streamed_audio_equals_the_official_stream(fresh: CosyVoice2Engine, scenario: str) -> None:
+    """The official schedule through the engine: the official runtime's chunks, for the same
+    tokens and HiFT draws, chunk for chunk."""
+    fresh.add_voice(_official_voice(scenario))
+    _force(fresh, CASES[f"{scenario}/in_source_speech_token"][0].tolist())
+    run = f"{scenario}/stream"
+    fresh.hift_noise = lambda seed: ReplayNoise(run)
+    options = SynthesisOptions(speaker=scenario, stream=True, schedule=OFFICIAL_SCHEDULE, seed=0)
+    chunks = list(fresh.synthesize("Hello.", options))
+    expected = _official_chunks(run)
+    assert [len(c.samples) for c in chunks] == [len(e) for e in expected]
+    for i, (got, want) in enumerate(zip(chunks, expected, strict=True)):
+        assert got.sample_rate == 24000
+        torch.testing.assert_close(
+            torch.from_numpy(got.samples), want, atol=AUDIO_ATOL, rtol=0, msg=f"chunk {i}"
+        )
+
+
+def test_whole_audio_equals_the_official_non_streaming_call(fresh: CosyVoice2Engine) -> None:
+    fresh.add_voice(_official_voice("prompt17"))
+    _force(fresh, CASES["prompt17/in_source_speech_token"][0].tolist())
+    fresh.hift_noise = lambda seed: ReplayNoise("prompt17/nonstream")
+    chunks = list(fresh.synthesize("Hello.", SynthesisOptions(speaker="prompt17", stream=False)))
+    (want,) = _official_chunks("prompt17/nonstream")
+    assert len(chunks) == 1
+    torch.testing.assert_close(torch.from_numpy(chunks[0].samples), want, atol=AUDIO_ATOL, rtol=0)
+
+
+def test_low_latency_stream_starts_after_one_chunk_and_the_look_ahead(
+    fresh: CosyVoice2Engine,
+) -> None:
+    """The default schedule: the 60-token prompt is cut to two whole chunks, so the first
+    chunk needs 25 tokens plus 3 of look-ahead; then hops of 50 and 100."""
+    forced = _force(fresh, _random_tokens(190))
+    stream = fresh.synthesize("Hello.", SynthesisOptions(speaker="tester", seed=3))
+    first = next(stream)
+    assert forced.yielded == 25 + 3
+    rest = list(stream)
+    lengths = [len(c.samples) for c in [first, *rest]]
+    tokens = [25, 50, 100, 15]
+    held = [-HELD_BACK, 0, 0, HELD_BACK]
+    assert lengths == [n * SAMPLES_PER_TOKEN + h for n, h in zip(tokens, held, strict=True)]
+
+
+def test_a_seed_gives_the_same_audio_and_streams_share_the_primed_prompt(
+    fresh: CosyVoice2Engine,
+) -> None:
+    """Twice the same request: the second forks the prompt stream the first computed."""
+    tokens = _random_tokens(80)
+
+    def audio() -> np.ndarray:
+        _force(fresh, tokens)
+        options = SynthesisOptions(speaker="tester", seed=5)
+        return np.concatenate([c.samples for c in fresh.synthesize("Hello.", options)])
+
+    first = audio()
+    assert list(fresh._primed) == [("tester", 10, 0.7)]
+    np.testing.assert_array_equal(audio(), first)
+    assert len(first) == 80 * SAMPLES_PER_TOKEN
+
+
+def test_a_new_request_stops_at_a_set_cancel_event(fresh: CosyVoice2Engine) -> None:
+    forced = _force(fresh, _random_tokens(400))
+    cancel = threading.Event()
+    stream = fresh.synthesize("Hello.", SynthesisOptions(speaker="tester", seed=0), cancel)
+    next(stream)
+    cancel.set()
+    with pytest.raises(SynthesisCancelled):
+        list(stream)
+    assert forced.yielded < 400  # the LM stopped too
+
+
+def test_cancellation_is_checked_per_token(fresh: CosyVoice2Engine) -> None:
+    """Set before the first chunk is complete: no audio at all."""
+    cancel = threading.Event()
+    tokens = _random_tokens(400)
+
+    def set_midway(*args: object, **kwargs: object) -> Iterator[int]:
+        for index, token in enumerate(tokens):
+            if index == 10:
+                cancel.set()
+            yield token
+
+    fresh.models.llm.generate = set_midway  # type: ignore[method-assign]
+    with pytest.raises(SynthesisCancelled):
+        next(fresh.synthesize("Hello.", SynthesisOptions(speaker="tester"), cancel))
+
+
+def test_the_real_lm_speaks_every_mode(fresh: CosyVoice2Engine) -> None:
+    """Zero-shot (English text, English transcript), cross-lingual and instruct2, whole and
+    streamed, on the tiny LM with a fixed token count."""
+    for text, instruct, stream in (
+        ("Hello world.", None, True),
+        ("你好，世界。", None, False),
+        ("你好，世界。", "用四川话说这句话", True),
+    ):
+        options = SynthesisOptions(
+            speaker="tester", stream=stream, seed=1, force_tokens=40, instruct=instruct
+        )
+        audio = np.concatenate([c.samples for c in fresh.synthesize(text, options)])
+        assert len(audio) == 40 * SAMPLES_PER_TOKEN
+        assert np.isfinite(audio).all() and np.abs(audio).max() > 0
+
+
+def test_a_voice_must_be_known(fresh: CosyVoice2Engine, tmp_path: Path) -> None:
+    with pytest.raises(UnknownSpeakerError, match="unknown voice 'nobody'; available: tester$"):
+        next(fresh.synthesize("Hello.", SynthesisOptions(speaker="nobody")))
+    bare = CosyVoice2Engine(fresh.models, frontend=fresh.frontend)
+    with pytest.raises(UnknownSpeakerError, match="no built-in speakers and no voice was given"):
+        next(bare.synthesize("Hello."))
+    bare.warmup()  # nothing to warm up with: skipped, not an error
+
+
+def test_the_engine_is_picked_by_the_model_directory() -> None:
+    from engine.engine import CosyVoiceEngine
+
+    assert model_family(TINY).engine_class() is CosyVoice2Engine
+    assert model_family(V1_TINY).engine_class() is CosyVoiceEngine
+    with pytest.raises(
+        ModelLoadError, match=r"missing cosyvoice\.yaml \(CosyVoice v1\) or cosyvoice2\.yaml"
+    ):
+        load_engine(DATA)
+
+
+class RecordingLM:
+    """Stands in for the LM's ``generate``: records its inputs, yields planned tokens."""
+
+    def __init__(self, tokens: list[int]) -> None:
+        self.tokens = tokens
+        self.calls: list[tuple[list[int], list[int], list[int]]] = []
+
+    def __call__(
+        self, text_ids: list[int], prompt_text_ids: list[int], prompt_speech: list[int], **_: object
+    ) -> Iterator[int]:
+        self.calls.append((list(text_ids), list(prompt_text_ids), list(prompt_speech)))
+        yield from self.tokens
+
+
+def test_the_callers_split_and_language_are_used(fresh: CosyVoice2Engine) -> None:
+    """A sentence the caller split off is one segment; the caller's language chooses the mode
+    (the voice's transcript is English: zero-shot for English, cross-lingual otherwise)."""
+    lm = RecordingLM(_random_tokens(30))
+    fresh.models.llm.generate = lm  # type: ignore[method-assign]
+    text = (
+        "The first sentence is here, and it is a rather long one with many words in it. And "
+        "the second one follows it, also with plenty of words to make it long enough. A third "
+        "sentence closes the paragraph with a few more words than needed."
+    )
+    list(fresh.synthesize(text, SynthesisOptions(speaker="tester", stream=False)))
+    list(fresh.synthesize(text, SynthesisOptions(speaker="tester", stream=False, split=False)))
+    assert len(lm.calls) == 3  # split in two, then kept whole
+    zero_shot = lm.calls[-1]
+    assert zero_shot[1] and zero_shot[2]  # transcript ids and prompt speech tokens
+    lm.calls.clear()
+    options = SynthesisOptions(speaker="tester", stream=False, split=False, language="zh")
+    list(fresh.synthesize(text, options))
+    (cross_lingual,) = lm.calls
+    assert cross_lingual[1:] == ([], [])
+
+
+# --- the synthesize command --------------------------------------------------------------------
+
+ONNX = Path(__file__).parent / "data" / "zero_shot" / "onnx"
+PROMPT_16K = Path(__file__).parent / "data" / "zero_shot" / "prompt16k_pcm16.wav"
+
+
+def test_synthesize_without_a_voice_says_how_to_give_one(
+    model: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    out = model.parent / "out.wav"
+    argv = ["synthesize", "--model-dir", str(model), "--text", "Hello.", "--out", str(out)]
+    assert main(argv) == 2
+    assert "has no built-in speakers: give it a voice with --voices-dir" in caplog.text
+    assert not out.exists()
+
+
+def test_synthesize_speaks_with_a_voice_from_a_recording(model: Path) -> None:
+    """The tiny model with stand-in prompt models: a voices folder, a 24 kHz WAV."""
+    pytest.importorskip("onnxruntime")
+    shutil.copy(ONNX / "tiny_campplus.onnx", model / "campplus.onnx")
+    shutil.copy(ONNX / "tiny_speech_tokenizer_v2.onnx", model / "speech_tokenizer_v2.onnx")
+    voices = model.parent / "voices"
+    voices.mkdir()
+    with wave.open(str(PROMPT_16K), "rb") as recording:
+        pcm, params = recording.readframes(recording.getnframes()), recording.getparams()
+    with wave.open(str(voices / "anna.wav"), "wb") as doubled:  # 5 s: long enough for a voice
+        doubled.setparams(params)
+        doubled.writeframes(pcm + pcm)
+    (voices / "anna.txt").write_text("希望你以后能够做的比我还好呦。", encoding="utf-8")
+    out = model.parent / "out.wav"
+    argv = ["synthesize", "--model-dir", str(model), "--voices-dir", str(voices)]
+    argv += ["--speaker", "anna", "--text", "你好。", "--out", str(out), "--seed", "1", "--stream"]
+    assert main(argv) == 0
+    with wave.open(str(out)) as wav:
+        assert (wav.getnchannels(), wav.getframerate()) == (1, 24000)
+        assert wav.getnframes() > 0
+    assert (voices / "anna.cosyvoice2.prompt.pt").is_file()

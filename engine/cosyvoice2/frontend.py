@@ -189,10 +189,14 @@ class CosyVoice2TextFrontend:
         wetext_backend.warm_up()
         self.segments("Hello, 21.5°C. 你好，7:30。")
 
-    def segments(self, text: str) -> list[Segment]:
-        """Segments to synthesise; ``[]`` when nothing speakable is left."""
+    def segments(self, text: str, *, split: bool = True) -> list[Segment]:
+        """Segments to synthesise; ``[]`` when nothing speakable is left.
+
+        ``split=False``: ``text`` is one sentence already split off by the caller, normalised
+        as one segment.
+        """
         text = _check(text, "text")
-        pieces = normalize(text, split=True, token_len=self._token_len)
+        pieces = normalize(text, split=split, token_len=self._token_len)
         out = [Segment(piece, self.tokenizer.encode(piece)) for piece in pieces]
         _LOGGER.debug("frontend: %d chars -> %d segments", len(text), len(out))
         return out

@@ -92,14 +92,7 @@ def read_args(model_dir: Path) -> CosyVoice2Args:
         )
     try:
         doc = read_model_yaml(model_dir / CONFIG_FILE)
-        if "llm" not in doc:
-            raise ModelConfigError(f"{CONFIG_FILE}: missing top-level section 'llm'")
-        backbone = Qwen2Config.read(model_dir / BACKBONE_DIR)
-        args = CosyVoice2Args(
-            lm=speech_lm_args(doc["llm"], backbone, CONFIG_FILE),
-            flow=flow_args_from_doc(doc, CONFIG_FILE),
-            hift=hift_args_from_doc(doc, CONFIG_FILE),
-        )
+        args = args_from(doc, Qwen2Config.read(model_dir / BACKBONE_DIR))
     except ModelConfigError as err:
         raise ModelLoadError(f"{model_dir}: {err}") from err
     if args.flow.vocab_size != args.lm.speech_token_size:
@@ -108,6 +101,19 @@ def read_args(model_dir: Path) -> CosyVoice2Args:
             f"the LM writes {args.lm.speech_token_size}"
         )
     return args
+
+
+def args_from(
+    doc: dict[str, Any], backbone: Qwen2Config, source: str = CONFIG_FILE
+) -> CosyVoice2Args:
+    """The numbers of a parsed ``cosyvoice2.yaml`` and the backbone's config."""
+    if "llm" not in doc:
+        raise ModelConfigError(f"{source}: missing top-level section 'llm'")
+    return CosyVoice2Args(
+        lm=speech_lm_args(doc["llm"], backbone, source),
+        flow=flow_args_from_doc(doc, source),
+        hift=hift_args_from_doc(doc, source),
+    )
 
 
 def build_on_meta(args: CosyVoice2Args, part: str) -> nn.Module:

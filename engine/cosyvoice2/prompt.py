@@ -100,11 +100,13 @@ def conditioning(
     text: str,
     *,
     instruct: str | None = None,
+    language: str | None = None,
 ) -> VoiceConditioning:
     """The conditioning for speaking ``text`` (one segment) with a v2 custom voice.
 
     ``instruct`` (else the voice's own instruction) selects instruct2; otherwise the segment's
-    language against the transcript's chooses zero-shot or cross-lingual.
+    language (``language`` as the caller detected it, else detected here) against the
+    transcript's chooses zero-shot or cross-lingual.
     """
     if voice.family != COSYVOICE2.family:
         raise ValueError(f"voice {voice.name!r} was prepared for {voice.family}, not cosyvoice2")
@@ -114,7 +116,7 @@ def conditioning(
         return VoiceConditioning(
             voice.name, INSTRUCT2, frontend.instruct_ids(instruction), [], flow
         )
-    if is_cross_lingual(voice, text):
+    if is_cross_lingual(voice, text, language):
         return VoiceConditioning(voice.name, CROSS_LINGUAL, [], [], flow)
     return VoiceConditioning(
         voice.name,

@@ -1,0 +1,439 @@
+"""CosyVoice2Engine: text in, 24 kHz audio chunks out, for a CosyVoice2-0.5B model directory.
+
+The same public surface as v1's :class:`engine.engine.CosyVoiceEngine` (``load``,
+``synthesize``, ``warmup``, ``speakers``, ``kind``, ``sample_rate``, custom voices), so a caller
+picks the engine by the model directory (:func:`engine.family.load_engine`) and drives either.
+
+Per text segment: the v2 frontend's ids → the speech LM (the first chunk's tokens in the
+caller's thread, the rest in the LM thread of :mod:`engine.lm_thread`) → the incremental flow
+(:class:`~engine.cosyvoice2.flow.FlowStream`: each chunk's frames computed once) → HiFT at 24 kHz
+→ :class:`~engine.types.AudioChunk`.
+
+v2 ships no built-in speakers: it speaks in the voice of a prompt recording. A voice is a
+:class:`~engine.prompt.voices.CustomVoice` with v2 features — from a voices folder
+(:meth:`CosyVoice2Engine.enable_custom_voices`) or added as a built-in one
+(:meth:`CosyVoice2Engine.add_voice`). Per segment, the voice conditions the LM in zero-shot,
+cross-lingual or instruct2 mode (:func:`engine.cosyvoice2.prompt.conditioning`).
+
+Streaming schedules:
+
+* ``low_latency`` (the default): the prompt is cut to whole 25-token attention chunks
+  (:func:`~engine.cosyvoice2.streaming.chunk_aligned`), so the first chunk goes out after 25
+  tokens and the 3-token look-ahead; hops grow per the schedule in whole chunks. The prompt's
+  own chunks are computed once per voice and shared by its utterances (a primed stream,
+  :meth:`FlowStream.fork`); the last chunk is computed like the others (chunk attention).
+* ``official``: the official orchestration — the whole prompt, the first hop padded to whole
+  chunks, hops 25·2ⁿ up to 100 and the last chunk in full attention — its audio equals the
+  official runtime's for the same tokens and noise.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import random
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Generator, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from engine import cpu
+from engine.cosyvoice2.flow import FlowStream
+from engine.cosyvoice2.frontend import CosyVoice2TextFrontend
+from engine.cosyvoice2.lm import BACKBONE_DIR
+from engine.cosyvoice2.model_dir import PARTS, CosyVoice2Models
+from engine.cosyvoice2.prompt import COSYVOICE2, VoiceConditioning, conditioning, flow_prompt
+from engine.cosyvoice2.streaming import (
+    FlowPrompt,
+    GeneratorNoise,
+    HiftNoiseSource,
+    SpeechStream,
+    chunk_aligned,
+    official_hops,
+    stream_audio,
+    whole_audio,
+)
+from engine.lm_thread import LmTokens
+from engine.prepared import PreparedLoad
+from engine.runtime import give_back_free_heap, one_torch_thread, setup_cpu
+from engine.start_policy import GAPLESS, estimate_speech_seconds, hold_until_gapless
+from engine.thread_budget import apply_thread_budget, vocoder_busy
+from engine.types import (
+    OFFICIAL_SCHEDULE,
+    AudioChunk,
+    StreamSchedule,
+    SynthesisCancelled,
+    SynthesisOptions,
+    UnknownSpeakerError,
+)
+
+if TYPE_CHECKING:
+    from engine.prompt.voices import CustomVoice, ScanResult, VoiceLibrary
+
+_LOGGER = logging.getLogger(__name__)
+
+KIND = "cosyvoice2"
+# Voices whose prompt chunks are kept computed (their flow state: about 4.6 MB a mel frame
+# at full size in float32, so a 5 s prompt holds most of a gigabyte). The last one used stays.
+PRIMED_VOICES = 1
+# The HiFT noise generator's seed is the request's seed plus this (independent of the LM's).
+_NOISE_SEED_OFFSET = 1_000_003
+
+
+def seeded_noise(seed: int) -> HiftNoiseSource:
+    """HiFT's random draws for a request of this seed (a generator of its own)."""
+    return GeneratorNoise(torch.Generator().manual_seed(seed + _NOISE_SEED_OFFSET))
+
+
+def chunk_hops(schedule: StreamSchedule, chunk: int) -> Iterator[int]:
+    """The schedule's hops in whole attention chunks of ``chunk`` tokens: ``first_hop`` rounded
+    up to a chunk, growing by ``growth`` up to ``max_hop`` (rounded down, at least one chunk)."""
+    limit = max(chunk, schedule.max_hop // chunk * chunk)
+    hop = float(max(1, schedule.first_hop))
+    while True:
+        yield min(limit, -(-round(hop) // chunk) * chunk)
+        hop *= max(1.0, schedule.growth)
+
+
+@dataclass
+class _Primed:
+    """A voice's flow stream with its prompt chunks computed, for one set of flow settings."""
+
+    voice: CustomVoice
+    stream: FlowStream
+
+
+class CosyVoice2Engine:
+    """A loaded CosyVoice2 model directory plus its text frontend and voices."""
+
+    def __init__(
+        self,
+        models: CosyVoice2Models,
+        *,
+        threads: int | None = None,
+        frontend: CosyVoice2TextFrontend | None = None,
+        flow_cache_dtype: torch.dtype | None = None,
+    ) -> None:
+        self.models = models
+        self.model_dir = models.model_dir
+        self.kind = KIND
+        self.threads = threads
+        self.sample_rate = models.args.sample_rate
+        self.token_rate = models.args.token_rate
+        self.frontend = frontend or CosyVoice2TextFrontend(models.model_dir / BACKBONE_DIR)
+        # The type the flow keeps its keys and values in between chunks (None: float32).
+        self.flow_cache_dtype = flow_cache_dtype
+        # Voices offered without a voices folder (none ship with the model).
+        self.voices: dict[str, CustomVoice] = {}
+        self.speakers: list[str] = []
+        self.custom_voices: VoiceLibrary | None = None
+        self.prepared_at_load: tuple[str, ...] = ()
+        self.cpu_choices: cpu.CpuChoices | None = None
+        # Where each segment's HiFT draws come from, by its seed (parity tests inject the
+        # official run's draws here).
+        self.hift_noise: Callable[[int], HiftNoiseSource] = seeded_noise
+        self._primed: OrderedDict[tuple[str, int, float], _Primed] = OrderedDict()
+        self._primed_lock = threading.Lock()
+
+    @classmethod
+    def load(
+        cls,
+        model_dir: Path | str,
+        *,
+        threads: int | None = None,
+        lm_int8: bool = False,
+        flow_int8: bool = False,
+        hift_bf16: bool = False,
+        cache_dir: Path | str | None = None,
+        flow_cache_dtype: torch.dtype | None = None,
+    ) -> CosyVoice2Engine:
+        """Load a CosyVoice2 directory in the official layout (raises ModelLoadError).
+
+        The options are v1's (:meth:`engine.engine.CosyVoiceEngine.load`): int8 LM and flow
+        layers, a bfloat16 HiFT, the threads and where prepared files go when the model
+        directory cannot be written. ``flow_cache_dtype``: what the incremental flow keeps its
+        keys and values in (None: float32, exact; ``torch.float16`` halves that memory).
+        """
+        setup = setup_cpu(threads, lm_int8=lm_int8, flow_int8=flow_int8, hift_bf16=hift_bf16)
+        start = time.perf_counter()
+        model_dir = Path(model_dir)
+        loading = PreparedLoad(
+            model_dir, setup.formats, Path(cache_dir) if cache_dir else None, PARTS
+        )
+        # While the int8 layers are packed on every core, run the rest on one thread.
+        packing = "int8" in (setup.formats.llm, setup.formats.flow)
+        try:
+            with one_torch_thread() if packing else contextlib.nullcontext():
+                modules = loading.modules()
+                frontend = CosyVoice2TextFrontend(model_dir / BACKBONE_DIR)
+            loading.finish()
+        except BaseException:
+            loading.cancel()
+            raise
+        models = CosyVoice2Models.of(model_dir, loading.args, modules)
+        _LOGGER.info("Loaded %s in %.2f s", model_dir, time.perf_counter() - start)
+        engine = cls(
+            models, threads=setup.threads, frontend=frontend, flow_cache_dtype=flow_cache_dtype
+        )
+        engine.prepared_at_load = tuple(loading.prepared_now)
+        engine.cpu_choices = setup.choices
+        return engine
+
+    @property
+    def hift_dtype(self) -> str:
+        """``float32`` or ``bfloat16``: what HiFT's filter runs in."""
+        return str(self.models.hift.filter_dtype).removeprefix("torch.")
+
+    # --- voices ---------------------------------------------------------------------------
+
+    def add_voice(self, voice: CustomVoice) -> None:
+        """Offer ``voice`` (v2 prompt features) as a built-in speaker, by its name."""
+        if voice.family != COSYVOICE2.family:
+            raise ValueError(f"voice {voice.name!r} was prepared for {voice.family}, not {KIND}")
+        if voice.name not in self.voices:
+            self.speakers.append(voice.name)
+        self.voices[voice.name] = voice
+
+    def enable_custom_voices(self, voices_dir: Path | str) -> ScanResult:
+        """Use NAME.wav + NAME.txt voices from ``voices_dir`` (call again to re-scan)."""
+        from engine.cosyvoice2.prompt import prompt_models, voice_library
+
+        if self.custom_voices is None or self.custom_voices.voices_dir != Path(voices_dir):
+            self.custom_voices = voice_library(
+                voices_dir, prompt_models(self.model_dir), reserved=self.speakers
+            )
+        return self.custom_voices.scan()
+
+    def _voice(self, name: str | None) -> CustomVoice:
+        """The voice a request names (None: the first built-in one, else the first custom)."""
+        custom = self.custom_voices
+        if name:
+            found = custom.get(name) if custom is not None else None
+            found = found or self.voices.get(name)
+            if found is not None:
+                return found
+            names = [*self.speakers, *(custom.names() if custom is not None else [])]
+            available = ", ".join(names) or "none"
+            raise UnknownSpeakerError(f"unknown voice {name!r}; available: {available}")
+        if self.speakers:
+            return self.voices[self.speakers[0]]
+        first = custom.names()[:1] if custom is not None else []
+        if first and custom is not None and (voice := custom.get(first[0])) is not None:
+            return voice
+        raise UnknownSpeakerError(
+            f"model {self.model_dir.name} has no built-in speakers and no voice was given: "
+            "it speaks in the voice of a prompt recording (a voices folder with NAME.wav + "
+            "NAME.txt)"
+        )
+
+    # --- synthesis ------------------------------------------------------------------------
+
+    def synthesize(
+        self,
+        text: str,
+        options: SynthesisOptions | None = None,
+        cancel: threading.Event | None = None,
+    ) -> Iterator[AudioChunk]:
+        """Yield audio for ``text``: per streamed chunk, or one chunk per segment."""
+        options = options or SynthesisOptions()
+        voice = self._voice(options.speaker)  # an unknown name fails before any work
+        if options.instruct:
+            self.frontend.instruct_ids(options.instruct)  # so does an empty instruction
+        segments = self.frontend.segments(text, split=options.split)
+        seed = options.seed if options.seed is not None else random.randrange(2**31)
+
+        def chunks() -> Iterator[AudioChunk]:
+            for index, segment in enumerate(segments):
+                cond = conditioning(
+                    voice,
+                    self.frontend,
+                    segment.text,
+                    instruct=options.instruct,
+                    language=options.language,
+                )
+                yield from self._segment(
+                    segment.token_ids, voice, cond, options, seed + index, cancel
+                )
+
+        if options.stream and options.start_policy == GAPLESS:
+            expected = sum(self._expected_seconds(s.text, options.force_tokens) for s in segments)
+            yield from hold_until_gapless(chunks(), expected)
+        else:
+            yield from chunks()
+
+    def _expected_seconds(self, text: str, forced_tokens: int | None) -> float:
+        if forced_tokens is not None:
+            return forced_tokens / self.token_rate
+        return estimate_speech_seconds(text)
+
+    def _segment(
+        self,
+        text_ids: list[int],
+        voice: CustomVoice,
+        cond: VoiceConditioning,
+        options: SynthesisOptions,
+        seed: int,
+        cancel: threading.Event | None,
+    ) -> Iterator[AudioChunk]:
+        # Separate generators: the LM thread and the vocoder never share an RNG stream, so a
+        # seed reproduces the same audio whatever the thread timing.
+        lm_generator = torch.Generator().manual_seed(seed)
+        noise = self.hift_noise(seed)
+
+        def make_tokens() -> Iterator[int]:
+            return self.models.llm.generate(
+                text_ids,
+                cond.prompt_text_ids,
+                cond.llm_prompt_tokens,
+                generator=lm_generator,
+                max_tokens=options.force_tokens,
+                cancel=cancel,
+            )
+
+        speech, hops = self._speech_stream(voice, cond.flow_prompt, options, noise)
+        # The first chunk's tokens (all tokens when not streaming) come from this thread; the LM
+        # thread takes over once that chunk is out (engine.lm_thread says why).
+        first = next(hops) if speech is not None else 0
+        inline = first + self.models.flow.args.pre_lookahead_len if speech is not None else None
+        tokens = LmTokens(make_tokens, cancel, inline=inline, threads=options.threads)
+
+        def waves() -> Generator[torch.Tensor, None, None]:
+            if speech is not None:
+                yield from stream_audio(tokens, speech, _starting_with(first, hops))
+                return
+            received = list(tokens)
+            if received:
+                with vocoder_busy():
+                    apply_thread_budget(options.threads)
+                    yield whole_audio(
+                        self.models.flow,
+                        self.models.hift,
+                        cond.flow_prompt,
+                        received,
+                        noise,
+                        n_timesteps=options.n_timesteps,
+                        cfg_rate=options.cfg_rate,
+                    )
+
+        chunks = waves()
+        try:
+            while True:
+                # inference_mode is thread-local and callers may resume us on any thread.
+                with torch.inference_mode():
+                    wave = next(chunks, None)
+                if wave is None:
+                    break
+                if cancel is not None and cancel.is_set():
+                    raise SynthesisCancelled("synthesis cancelled")
+                chunk = AudioChunk(wave.reshape(-1).float().numpy().copy(), self.sample_rate)
+                del wave
+                give_back_free_heap()
+                yield chunk
+        finally:
+            chunks.close()
+            tokens.close()
+
+    def _speech_stream(
+        self,
+        voice: CustomVoice,
+        prompt: FlowPrompt,
+        options: SynthesisOptions,
+        noise: HiftNoiseSource,
+    ) -> tuple[SpeechStream | None, Iterator[int]]:
+        """The flow + vocoder stream of one streamed segment and its hops (None: not streamed)."""
+        if not options.stream:
+            return None, iter(())
+        flow, chunk = self.models.flow, self.models.flow.args.encoder.static_chunk_size
+
+        def speech_stream(
+            prompt: FlowPrompt, *, official: bool, primed: FlowStream | None = None
+        ) -> SpeechStream:
+            return SpeechStream(
+                flow,
+                self.models.hift,
+                prompt,
+                noise,
+                n_timesteps=options.n_timesteps,
+                cfg_rate=options.cfg_rate,
+                full_attention_last=official,
+                cache_dtype=self.flow_cache_dtype,
+                flow_stream=primed,
+                threads=options.threads,
+            )
+
+        if options.schedule.name == OFFICIAL_SCHEDULE.name:
+            return speech_stream(prompt, official=True), official_hops(prompt.tokens.shape[1])
+        aligned = chunk_aligned(prompt, chunk)
+        primed = self._primed_stream(voice, aligned, options).fork()
+        speech = speech_stream(aligned, official=False, primed=primed)
+        return speech, chunk_hops(options.schedule, chunk)
+
+    def _primed_stream(
+        self, voice: CustomVoice, prompt: FlowPrompt, options: SynthesisOptions
+    ) -> FlowStream:
+        """The voice's flow stream with every prompt chunk computed that the prompt alone
+        allows, for these flow settings: computed on first use, then shared by forks."""
+        key = (voice.name, options.n_timesteps, float(options.cfg_rate))
+        with self._primed_lock:
+            primed = self._primed.get(key)
+            if primed is not None and primed.voice is voice:
+                self._primed.move_to_end(key)
+                return primed.stream
+            stream = self.models.flow.stream(
+                prompt.tokens,
+                prompt.feat,
+                prompt.embedding,
+                n_timesteps=options.n_timesteps,
+                cfg_rate=options.cfg_rate,
+                cache_dtype=self.flow_cache_dtype,
+            )
+            with vocoder_busy():
+                apply_thread_budget(options.threads)
+                stream.push([])
+            self._primed[key] = _Primed(voice, stream)
+            self._primed.move_to_end(key)
+            while len(self._primed) > PRIMED_VOICES:
+                self._primed.popitem(last=False)
+            return stream
+
+    def prime_voice(self, options: SynthesisOptions | None = None) -> None:
+        """Compute the prompt chunks of ``options.speaker``'s voice (None: the default voice)
+        for the flow settings of ``options`` now, rather than in its first streamed request."""
+        options = options or SynthesisOptions()
+        voice = self._voice(options.speaker)
+        prompt = chunk_aligned(
+            flow_prompt(voice.prompt), self.models.flow.args.encoder.static_chunk_size
+        )
+        with torch.inference_mode():
+            self._primed_stream(voice, prompt, options)
+
+    def warmup(self) -> None:
+        """Run one short synthesis so the first real request is not slower than later ones,
+        and prime the default voice for the default flow settings."""
+        try:
+            voice = self._voice(None)
+        except UnknownSpeakerError:
+            _LOGGER.info("No voice yet: warm-up skipped")
+            return
+        start = time.perf_counter()
+        # Two streamed chunks and a final one: every code path runs once, at low cost.
+        tokens = 2 * self.models.flow.args.encoder.static_chunk_size + 10
+        options = SynthesisOptions(
+            speaker=voice.name, stream=True, seed=0, force_tokens=tokens, n_timesteps=2
+        )
+        for _ in self.synthesize("Hello.", options):
+            pass
+        with self._primed_lock:
+            self._primed.clear()  # the warm-up's steps are not the requests'
+        self.prime_voice(SynthesisOptions(speaker=voice.name))
+        _LOGGER.info("Warm-up took %.2f s", time.perf_counter() - start)
+
+
+def _starting_with(first: int, rest: Iterator[int]) -> Iterator[int]:
+    yield first
+    yield from rest
