@@ -1,6 +1,7 @@
 """``python -m engine.bench``: how fast the engine is on this machine, and how far from its limits.
 
     python -m engine.bench --synthetic 300m                # full-size model, random weights
+    python -m engine.bench --synthetic cosyvoice2          # CosyVoice2-0.5B, random weights
     python -m engine.bench --model-dir DIR --json          # real weights, one JSON object
 
 The engine alone knows the profiles ``realtime`` and ``quality``. ``python -m
@@ -23,11 +24,12 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from engine.bench.profiles import BUILTIN_PROFILES, DEFAULT_PROFILE, BenchProfile, get_profile
+from engine.types import EngineError
 
 _LOGGER = logging.getLogger("engine.bench")
 
 REFERENCE_TEXT = "您好，您咨询的iPhone15 Pro壳子有现货，支持顺丰次日达，现在下单还送钢化膜。"
-DEFAULT_TOKENS = 400  # 8 s of audio at 50 tokens/s
+DEFAULT_AUDIO_S = 8  # forced tokens per request: this many seconds of audio
 SERVER_BENCH = "python -m wyoming_cosyvoice.bench"
 # What the server's benchmark took along: the server's profiles and the runs through the server.
 MOVED_OPTIONS = ("--concurrency", "--server-arg", "--config")
@@ -50,8 +52,9 @@ def build_parser(
     model = parser.add_mutually_exclusive_group(required=True)
     model.add_argument(
         "--synthetic",
-        choices=("300m",),
-        help="build (once) and benchmark a full-size model with random weights",
+        choices=("300m", "cosyvoice2"),
+        help="build (once) and benchmark a full-size model with random weights: "
+        "CosyVoice-300M-SFT or CosyVoice2-0.5B",
     )
     model.add_argument("--model-dir", type=Path, help="a model directory in the official layout")
     parser.add_argument(
@@ -63,9 +66,9 @@ def build_parser(
     parser.add_argument(
         "--tokens",
         type=int,
-        default=DEFAULT_TOKENS,
         help="speech tokens per request, forced (random weights never emit EOS); "
-        "0 = until EOS (default: %(default)s = 8 s of audio)",
+        f"0 = until EOS (default: {DEFAULT_AUDIO_S} s of audio: 400 tokens for v1, "
+        "200 for CosyVoice2)",
     )
     parser.add_argument("--text", default=REFERENCE_TEXT, help="text to synthesize")
     parser.add_argument("--profile", default=DEFAULT_PROFILE, help=profile_help)
@@ -224,12 +227,12 @@ def run_cli(
 ) -> int:
     """Check the counts, measure the model beside its neighbours, print; the exit code."""
     configure_logging(args.debug)
-    if args.repeats < 1 or args.tokens < 0 or args.neighbours < 0:
+    if args.repeats < 1 or (args.tokens or 0) < 0 or args.neighbours < 0:
         _LOGGER.error("--repeats must be >= 1, --tokens and --neighbours >= 0")
         return 2
     try:
         result = measure_beside_neighbours(args, measure)
-    except (OSError, ValueError, RuntimeError) as err:
+    except (OSError, ValueError, RuntimeError, EngineError) as err:
         _LOGGER.error("%s", err)
         return 1
     if args.json:
@@ -247,12 +250,18 @@ def measure_beside_neighbours(
     """``measure`` of the model the arguments name, with their neighbours running throughout."""
     from engine.bench.neighbours import running
 
-    if args.synthetic:
+    if args.synthetic == "cosyvoice2":
+        from engine.bench.synthetic import ensure_synthetic_cosyvoice2
+
+        model_dir = ensure_synthetic_cosyvoice2(args.cache_dir)
+    elif args.synthetic:
         from engine.bench.synthetic import ensure_synthetic_model
 
         model_dir = ensure_synthetic_model(args.cache_dir)
     else:
         model_dir = args.model_dir
+    if args.tokens is None:
+        args.tokens = default_tokens(model_dir)
     with running(args.neighbours, args.neighbour_kind):
         if args.neighbours:
             _LOGGER.info(
@@ -261,6 +270,18 @@ def measure_beside_neighbours(
         result = measure(model_dir)
     result["neighbours"] = {"count": args.neighbours, "kind": args.neighbour_kind}
     return result
+
+
+def default_tokens(model_dir: Path) -> int:
+    """Speech tokens for ``DEFAULT_AUDIO_S`` seconds of audio of the directory's model."""
+    from engine.constants import TOKEN_RATE
+    from engine.family import model_family
+
+    if model_family(model_dir).name == "cosyvoice2":
+        from engine.cosyvoice2.model_dir import read_args
+
+        return DEFAULT_AUDIO_S * read_args(model_dir).token_rate
+    return DEFAULT_AUDIO_S * TOKEN_RATE
 
 
 def moved_option(argv: list[str]) -> str | None:

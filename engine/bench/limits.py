@@ -33,7 +33,6 @@ import torch
 from torch import nn
 
 from engine.bench.timers import StageEvent, StageTimer
-from engine.constants import HOP, SAMPLE_RATE
 from engine.onednn_layers import OneDnnLinear, onednn_linear_available
 
 _LOGGER = logging.getLogger(__name__)
@@ -181,9 +180,11 @@ def _module_bytes(module: nn.Module) -> int:
 def lm_weight_bytes_per_token(llm: nn.Module) -> int:
     """Weight bytes one decode step must read: the LM decoder stack, its input layer and head.
 
-    Counted on the official sub-modules ``llm`` (14 layers + input layer) and ``llm_decoder``.
-    ``linear_pos`` is left out: its projection depends only on positions, so an efficient
-    engine reads a precomputed table instead (like the K cache, not a per-token weight read).
+    Counted on the official sub-modules ``llm`` (v1: 14 layers + input layer; CosyVoice2: the
+    Qwen2 stack) and ``llm_decoder``. ``linear_pos`` is left out: its projection depends only on
+    positions, so an efficient engine reads a precomputed table instead (like the K cache, not a
+    per-token weight read). So is CosyVoice2's ``lm_head``: the backbone's text head, which the
+    speech LM never computes.
     Positional tables and other buffers that are not module weights are not counted either.
     """
     parts = [m for name in ("llm", "llm_decoder") if (m := getattr(llm, name, None)) is not None]
@@ -193,7 +194,7 @@ def lm_weight_bytes_per_token(llm: nn.Module) -> int:
     total = 0
     for part in parts:
         for name, module in part.named_modules():
-            if name.split(".")[-1] == "linear_pos" or id(module) in seen:
+            if name.split(".")[-1] in ("linear_pos", "lm_head") or id(module) in seen:
                 continue
             seen.add(id(module))
             if isinstance(module, (nn.Linear, nn.LayerNorm)) or hasattr(module, "_packed_params"):
@@ -278,7 +279,7 @@ def count_stage_flops(
     (flow1, hift1), (flow2, _) = runs[1], runs[2]
     per_step = flow2.flops - flow1.flops
     encoder = flow1.flops - per_step
-    frames = flow1.audio_s * SAMPLE_RATE / HOP
+    frames = flow1.audio_s * timer.sample_rate / timer.samples_per_frame
     return StageFlops(
         flow_gflop_per_audio_s=(encoder + n_timesteps * per_step) / flow1.audio_s / 1e9,
         hift_gflop_per_audio_s=hift1.flops / hift1.audio_s / 1e9,

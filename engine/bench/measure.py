@@ -7,11 +7,12 @@ would see it, with a warm page cache (``engine.bench`` reads the model files jus
 
 What a run measures:
 
-* ``load_s``: ``CosyVoiceEngine.load`` of the model directory (with ``--lm-int8``,
+* ``load_s``: the engine's load of the model directory (with ``--lm-int8``,
   ``lm_int8_cache_hit`` says whether the int8 weights were already prepared: engine.prepared).
 * streaming request: ``first_audio_ms`` (request → first audio chunk), its parts
   (``first_audio_*_ms``, from the stage timers) and ``stall_ms`` (playing from the first chunk
-  in real time, the total time playback waits for the next chunk).
+  in real time, the total time playback waits for the next chunk); the flow's cost per chunk
+  (``stream_flow_ms_per_audio_s_by_chunk``: flat if no chunk redoes earlier chunks' work).
 * both requests: CPU seconds of this process per audio second (``stream_cpu_s_per_audio_s``,
   ``cpu_s_per_audio_s``): what the audio costs the machine, whatever else runs on it.
 * non-streaming request: ``total_ms`` and ``rtf``; the stages then run one after the other, so
@@ -36,11 +37,13 @@ import torch
 from engine.bench.limits import count_stage_flops, lm_weight_bytes_per_token
 from engine.bench.profiles import BenchProfile
 from engine.bench.timers import StageTimer
-from engine.constants import SAMPLE_RATE, SPEECH_VOCAB
+from engine.constants import SPEECH_VOCAB, TOKEN_RATE
 
 _LOGGER = logging.getLogger(__name__)
 FLOP_COUNT_TOKENS = 50  # fallback window when the request made no tokens to size it by
 SEED = 0
+# The transcript of a CosyVoice2 run's synthetic prompt voice (engine.bench.cosyvoice2).
+PROMPT_TRANSCRIPT = "今天的会议改到下午三点，请大家准时参加，不要迟到。"
 
 
 @dataclass(frozen=True)
@@ -90,7 +93,7 @@ def playback_stall_s(arrivals: list[float], durations: list[float]) -> float:
 
 def _stream_request(
     engine: Any, text: str, options: Any, timer: StageTimer
-) -> dict[str, float | int]:
+) -> dict[str, float | int | list[int]]:
     arrivals: list[float] = []
     durations: list[float] = []
     cpu_start = time.process_time()
@@ -102,7 +105,14 @@ def _stream_request(
     cpu_s = time.process_time() - cpu_start
     if not arrivals:
         raise RuntimeError("the streaming request produced no audio")
-    held = replay_gapless(arrivals, durations, options.force_tokens, text)
+    if options.force_tokens is not None:
+        expected = options.force_tokens / getattr(engine, "token_rate", TOKEN_RATE)
+    else:
+        from engine.start_policy import estimate_speech_seconds
+
+        expected = estimate_speech_seconds(text)
+    held = replay_gapless(arrivals, durations, expected, engine.sample_rate)
+    flow_calls = sorted(timer.of("flow"), key=lambda event: event.start)
     first_audio = start + arrivals[0]  # a perf_counter time, like the stage timers'
     return {
         **timer.first_audio_parts(start, first_audio),
@@ -113,18 +123,22 @@ def _stream_request(
         "stream_total_ms": arrivals[-1] * 1000,
         "chunks": len(arrivals),
         "stream_cpu_s_per_audio_s": cpu_s / sum(durations),
+        # Flat when each chunk's flow computes its own frames only, however long the answer.
+        "stream_flow_ms_per_audio_s_by_chunk": [
+            round(event.seconds * 1000 / event.audio_s) for event in flow_calls if event.audio_s
+        ],
     }
 
 
 def replay_gapless(
-    arrivals: list[float], durations: list[float], forced_tokens: int | None, text: str
+    arrivals: list[float], durations: list[float], expected_s: float, sample_rate: int
 ) -> list[float]:
     """When each chunk would reach the listener under the engine's gapless start policy.
 
     The policy only delays delivery (compute is unchanged), so replaying the eager run's
     timings through it with a fake clock gives its exact behaviour on this run.
     """
-    from engine.start_policy import estimate_speech_seconds, hold_until_gapless
+    from engine.start_policy import hold_until_gapless
     from engine.types import AudioChunk
 
     now = [0.0]
@@ -132,10 +146,10 @@ def replay_gapless(
     def timed_chunks():
         for arrival, duration in zip(arrivals, durations, strict=True):
             now[0] = arrival
-            yield AudioChunk(np.zeros(round(duration * SAMPLE_RATE), dtype=np.float32))
+            samples = np.zeros(round(duration * sample_rate), dtype=np.float32)
+            yield AudioChunk(samples, sample_rate)
 
-    expected = estimate_speech_seconds(text, forced_tokens)
-    return [now[0] for _ in hold_until_gapless(timed_chunks(), expected, clock=lambda: now[0])]
+    return [now[0] for _ in hold_until_gapless(timed_chunks(), expected_s, clock=lambda: now[0])]
 
 
 def _whole_request(engine: Any, text: str, options: Any) -> dict[str, float]:
@@ -191,13 +205,14 @@ def _stage_flops(
 
 def run(config: RunConfig) -> dict[str, Any]:
     """Measure one configuration in this process; returns the worker's JSON object."""
-    from engine.engine import CosyVoiceEngine
+    from engine.family import load_engine, model_family
     from engine.types import SynthesisOptions
 
     profile = BenchProfile.from_json(config.profile)
+    cosyvoice2 = model_family(config.model_dir).name == "cosyvoice2"
     start = time.perf_counter()
     flow_int8 = profile.flow_weights == "int8"
-    engine = CosyVoiceEngine.load(
+    engine = load_engine(
         config.model_dir,
         threads=config.threads,
         lm_int8=config.lm_int8,
@@ -219,8 +234,13 @@ def run(config: RunConfig) -> dict[str, Any]:
         result["lm_int8_cache_hit"] = "llm.int8" not in engine.prepared_at_load
     if flow_int8:
         result["flow_int8_cache_hit"] = "flow.int8" not in engine.prepared_at_load
-    timer = StageTimer()
+    timer = StageTimer(engine.sample_rate, engine.models.hift.upp)
     timer.install(engine.models)
+    speaker = None
+    if cosyvoice2:  # no built-in speakers: a prompt voice, as a server has one
+        from engine.bench.cosyvoice2 import add_bench_voice
+
+        speaker = add_bench_voice(engine, PROMPT_TRANSCRIPT)
 
     if config.warmup and hasattr(engine, "warmup"):
         start = time.perf_counter()
@@ -228,6 +248,7 @@ def run(config: RunConfig) -> dict[str, Any]:
         result["warmup_s"] = time.perf_counter() - start
 
     options = SynthesisOptions(
+        speaker=speaker,
         stream=True,
         schedule=profile.schedule,
         seed=SEED,
@@ -235,6 +256,8 @@ def run(config: RunConfig) -> dict[str, Any]:
         cfg_rate=profile.cfg_rate,
         force_tokens=config.tokens,
     )
+    if cosyvoice2:  # its prompt chunks computed at the profile's settings, before the request
+        engine.prime_voice(options)
     timer.reset()
     result.update(_stream_request(engine, config.text, options, timer))
     # What a streaming server holds: load, warm-up and streamed chunks. The whole request below
@@ -243,6 +266,7 @@ def run(config: RunConfig) -> dict[str, Any]:
 
     timer.reset()
     whole = SynthesisOptions(
+        speaker=speaker,
         stream=False,
         schedule=profile.schedule,
         seed=SEED,
@@ -268,7 +292,17 @@ def run(config: RunConfig) -> dict[str, Any]:
     result["peak_rss_mb"] = peak_rss_mb()
 
     result["lm_weight_bytes_per_token"] = lm_weight_bytes_per_token(engine.models.llm)
-    if config.count_flops:
+    if config.count_flops and cosyvoice2:
+        from engine.bench import cosyvoice2 as v2
+
+        steps, cfg = profile.n_timesteps, profile.cfg_rate
+        result.update(asdict(v2.stage_flops(engine, timer, steps, cfg, flow_window)))
+        result.update(
+            v2.deviations(
+                engine, steps, cfg, config.text, lm_int8=config.lm_int8, flow_int8=flow_int8
+            )
+        )
+    elif config.count_flops:
         result.update(
             _stage_flops(engine, timer, profile.n_timesteps, profile.cfg_rate, flow_window)
         )

@@ -50,6 +50,7 @@ FACTS = (
     "tokens",
     "chunks",
     "first_chunk_tokens",
+    "stream_flow_ms_per_audio_s_by_chunk",
     "lm_weight_bytes_per_token",
     "flow_gflop_per_audio_s",
     "hift_gflop_per_audio_s",
@@ -219,6 +220,10 @@ def print_table(result: dict[str, Any], out: TextIO) -> None:
             f"{fmt(result.get(ratio_key), 2) if ratio_key else '':>8}\n"
         )
     _print_first_audio_parts(result, out)
+    by_chunk = result.get("stream_flow_ms_per_audio_s_by_chunk")
+    if by_chunk:
+        cells = ", ".join(f"{value:,}" for value in by_chunk)
+        out.write(f"flow per streamed chunk (first run): {cells} ms/audio-s\n")
     for part, label in (("lm", "LM"), ("flow", "flow")):  # a miss quantises: load_s differs
         loads = [
             (run.get(f"{part}_int8_cache_hit"), run.get("load_s")) for run in result.get("runs", [])

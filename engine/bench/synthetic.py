@@ -1,4 +1,5 @@
-"""A full-size CosyVoice-300M with random weights, saved once in the official file layout.
+"""Full-size models with random weights, saved once in the official file layout: CosyVoice-300M
+(``--synthetic 300m``) and CosyVoice2-0.5B (``--synthetic cosyvoice2``).
 
 Speed does not depend on weight values, so random weights give honest timings — but only if the
 engine reads them from real files exactly as it reads the released checkpoints: the load time, the
@@ -13,6 +14,19 @@ engine's own modules built on the ``meta`` device from the official config, i.e.
 loader checks the real checkpoints against; ``hift.pt`` uses the legacy ``weight_g``/``weight_v``
 layout of the released files. The LM's EOS logit is biased far down so that, as the benchmark
 assumes, the random model never ends an utterance before the forced number of tokens.
+
+CosyVoice2 (:func:`ensure_synthetic_cosyvoice2`)::
+
+    <cache-dir>/CosyVoice2-0.5B/{cosyvoice2.yaml, llm.pt, flow.pt, hift.pt,
+                                 CosyVoice-BlankEN/{config.json, vocab.json, merges.txt, ...}}
+
+Keys and shapes are the released files' (``tests/data/cosyvoice2/manifest_full.json``, made from
+the official code; ``hift.pt`` in the legacy weight-norm layout), the yaml is the official one
+and ``config.json`` the released Qwen2 backbone's. Its three stop classes are biased down like
+v1's EOS. The tokenizer is the tiny test model's (1,000 BPE ids and the special tokens): Qwen2's
+151,643-id vocabulary is not in the repository. Token ids fit the full embedding either way;
+the difference is how many ids a text makes (more, as the small vocabulary splits Chinese into
+bytes), which lengthens the LM's prefill a little, not its decode steps.
 """
 
 from __future__ import annotations
@@ -94,7 +108,9 @@ def legacy_hift_specs(specs: dict[str, torch.Size]) -> dict[str, torch.Size]:
     return out
 
 
-def random_tensor(key: str, shape: torch.Size, generator: torch.Generator) -> torch.Tensor:
+def random_tensor(
+    key: str, shape: torch.Size, generator: torch.Generator, stop_classes: int = 1
+) -> torch.Tensor:
     """A plausible random value: PyTorch-default-like uniform weights, unit norms, zero biases.
 
     The scale matters even though values do not: 1/sqrt(fan_in) keeps activations O(1) through
@@ -105,7 +121,7 @@ def random_tensor(key: str, shape: torch.Size, generator: torch.Generator) -> to
         # steps after min_len, so requests would end early at random lengths. A very negative
         # EOS bias keeps it out of the top-k: the LM runs exactly to the forced token count.
         bias = torch.zeros(shape)
-        bias[-1] = EOS_BIAS
+        bias[-stop_classes:] = EOS_BIAS
         return bias
     if key.endswith("bias") or len(shape) == 0:
         return torch.zeros(shape)
@@ -118,12 +134,13 @@ def random_tensor(key: str, shape: torch.Size, generator: torch.Generator) -> to
 def _random_state(
     specs: dict[str, torch.Size],
     generator: torch.Generator,
+    stop_classes: int = 1,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     values: dict[str, torch.Tensor] = {}
     for key, shape in specs.items():
         if key.endswith(".weight_g"):
             continue  # written together with its weight_v below
-        value = random_tensor(key.replace(".weight_v", ".weight"), shape, generator)
+        value = random_tensor(key.replace(".weight_v", ".weight"), shape, generator, stop_classes)
         if key.endswith(".weight_v"):
             # g = ‖v‖ per output channel makes the folded weight g·v/‖v‖ equal to v itself.
             stem = key[: -len(".weight_v")]
@@ -186,5 +203,113 @@ def ensure_synthetic_model(cache_dir: Path = DEFAULT_CACHE_DIR, config: Path | N
     _save(model_dir / "spk2info.pt", speakers)
     # Written last: its presence means every file above is complete.
     marker.write_text(json.dumps(_marker(config_text)), encoding="utf-8")
+    _LOGGER.info("Synthetic model ready after %.1f s", time.perf_counter() - start)
+    return model_dir
+
+
+# --- CosyVoice2-0.5B ---------------------------------------------------------------------------
+
+COSYVOICE2_DIR_NAME = "CosyVoice2-0.5B"
+COSYVOICE2_FORMAT_VERSION = 1
+COSYVOICE2_STOP_CLASSES = 3  # EOS and the two other stop tokens after the 6561 speech tokens
+BACKBONE_DIR = "CosyVoice-BlankEN"
+TOKENIZER_FILES = ("vocab.json", "merges.txt", "tokenizer_config.json")
+_TIED_HEAD = "llm.model.lm_head.weight"  # the same tensor as the token embedding
+_TIED_TO = "llm.model.model.embed_tokens.weight"
+
+
+def cosyvoice2_data_dir() -> Path:
+    """``tests/data/cosyvoice2`` of this repository: the official yaml, the released backbone's
+    config (in the manifest) and the tiny tokenizer."""
+    path = Path(__file__).resolve().parents[2] / "tests" / "data" / "cosyvoice2"
+    if not (path / "manifest_full.json").is_file():
+        raise FileNotFoundError(
+            f"{path}/manifest_full.json not found: --synthetic needs a source checkout of "
+            "wyoming-cosyvoice (or benchmark a real model with --model-dir)"
+        )
+    return path
+
+
+def cosyvoice2_specs(config: Path, backbone: dict[str, Any]) -> dict[str, dict[str, torch.Size]]:
+    """{file: {key: shape}} of the three CosyVoice2 checkpoints, as the engine expects them
+    (both keys of the tied text head; HiFT in the released file's weight-norm layout)."""
+    from engine.cosyvoice2.model_dir import PARTS, args_from
+    from engine.cosyvoice2.qwen2 import Qwen2Config
+    from engine.hparams import read_model_yaml
+
+    args = args_from(read_model_yaml(config), Qwen2Config.from_dict(backbone), config.name)
+    specs = {}
+    for part in ("llm", "flow", "hift"):
+        module = PARTS.build_on_meta(args, part)
+        specs[f"{part}.pt"] = {k: v.shape for k, v in module.state_dict(keep_vars=True).items()}
+    specs["hift.pt"] = legacy_hift_specs(specs["hift.pt"])
+    return specs
+
+
+def _cosyvoice2_marker(config_text: str, backbone: dict[str, Any]) -> dict[str, object]:
+    return {
+        "format_version": COSYVOICE2_FORMAT_VERSION,
+        "seed": SEED,
+        "config_sha256": hashlib.sha256(config_text.encode()).hexdigest(),
+        "backbone": backbone,
+    }
+
+
+def _write_backbone_folder(folder: Path, backbone: dict[str, Any], tokenizer: Path) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(backbone, indent=2), encoding="utf-8")
+    for name in TOKENIZER_FILES:
+        shutil.copyfile(tokenizer / name, folder / name)
+
+
+def ensure_synthetic_cosyvoice2(
+    cache_dir: Path = DEFAULT_CACHE_DIR,
+    config: Path | None = None,
+    backbone: dict[str, Any] | None = None,
+) -> Path:
+    """The synthetic CosyVoice2 directory, generated first if it is missing or stale.
+
+    ``config`` / ``backbone`` default to the official full-size ``cosyvoice2.yaml`` and the
+    released Qwen2 ``config.json`` (tests pass the tiny model's).
+    """
+    data = cosyvoice2_data_dir()
+    config = config or data / "cosyvoice2_0.5b.yaml"
+    if backbone is None:
+        manifest = json.loads((data / "manifest_full.json").read_text(encoding="utf-8"))
+        backbone = {**manifest["qwen2_config"], "torch_dtype": "float32"}
+    config_text = config.read_text(encoding="utf-8")
+    model_dir = Path(cache_dir).expanduser() / COSYVOICE2_DIR_NAME
+    marker = model_dir / MARKER_FILE
+    expected = _cosyvoice2_marker(config_text, backbone)
+    try:
+        if json.loads(marker.read_text(encoding="utf-8")) == expected:
+            _LOGGER.info("Using the synthetic model in %s", model_dir)
+            return model_dir
+    except (OSError, ValueError):
+        pass
+    start = time.perf_counter()
+    _LOGGER.info(
+        "Generating a synthetic CosyVoice2 model in %s (once; full size ~2.6 GB)", model_dir
+    )
+    _LOGGER.info(
+        "  its tokenizer is the tiny test model's (1,000 BPE ids + special tokens), not Qwen2's"
+    )
+    if model_dir.exists():
+        shutil.rmtree(model_dir)
+    model_dir.mkdir(parents=True)
+    shutil.copyfile(config, model_dir / "cosyvoice2.yaml")
+    _write_backbone_folder(model_dir / BACKBONE_DIR, backbone, data / "tiny" / BACKBONE_DIR)
+    generator = torch.Generator().manual_seed(SEED)
+    for name, file_specs in cosyvoice2_specs(config, backbone).items():
+        tied = file_specs.pop(_TIED_HEAD, None)
+        # One checkpoint in memory at a time (the LM is 2 GB); freed before the next one.
+        state = dict(_random_state(file_specs, generator, COSYVOICE2_STOP_CLASSES))
+        if tied is not None:  # one storage under both keys, as in the released file
+            state[_TIED_HEAD] = state[_TIED_TO]
+        _save(model_dir / name, state)
+        del state
+        _LOGGER.info("  wrote %s (%.0f MB)", name, (model_dir / name).stat().st_size / 1e6)
+    # Written last: its presence means every file above is complete.
+    marker.write_text(json.dumps(expected), encoding="utf-8")
     _LOGGER.info("Synthetic model ready after %.1f s", time.perf_counter() - start)
     return model_dir

@@ -2,7 +2,9 @@
 
 The engine calls three model methods: ``llm.generate`` (a token generator, run in the LM thread),
 ``flow.inference`` (tokens → mel) and ``hift.inference`` (mel → audio). The timer replaces them
-with instance attributes that call the original and record a :class:`StageEvent`. In a
+with instance attributes that call the original and record a :class:`StageEvent`. CosyVoice2's
+flow is called as ``flow.encode`` then ``flow.decoder.solve``, once per streamed chunk and once
+for a whole answer: the pair is one flow event, whose audio is the frames after the prompt's. In a
 non-streaming request the stages run one after the other (the vocoder waits for the last token),
 so their times are clean per-stage costs; in a streaming request they overlap on the two cores
 once the first chunk is out (before, they run in turn: :meth:`StageTimer.first_audio_parts`).
@@ -53,9 +55,11 @@ def _first_tensor(result: Any) -> torch.Tensor:
 
 
 class StageTimer:
-    """Records every LM, flow and HiFT call of a loaded model set."""
+    """Records every LM, flow and HiFT call of a loaded model set (audio seconds at
+    ``sample_rate``, ``samples_per_frame`` samples a mel frame)."""
 
-    def __init__(self) -> None:
+    def __init__(self, sample_rate: int = SAMPLE_RATE, samples_per_frame: int = HOP) -> None:
+        self.sample_rate, self.samples_per_frame = sample_rate, samples_per_frame
         self.events: list[StageEvent] = []
         self.counter: Any = None  # a torch FlopCounterMode while counting FLOPs
         self._lock = threading.Lock()  # the LM thread records concurrently
@@ -68,15 +72,52 @@ class StageTimer:
             self.events.append(event)
 
     def install(self, models: Any) -> None:
-        """Wrap ``models.llm.generate``, ``models.flow.inference`` and ``models.hift.inference``."""
+        """Wrap ``models.llm.generate``, the flow's entry points and ``models.hift.inference``."""
         models.llm.generate = self._wrap_generator(models.llm.generate)
-        # mel (1, 80, frames) → HOP samples per frame; audio (1, samples) → samples.
-        models.flow.inference = self._wrap_call(
-            "flow", models.flow.inference, lambda out: out.shape[-1] * HOP / SAMPLE_RATE
-        )
+        if hasattr(models.flow, "stream"):  # CosyVoice2's causal flow
+            self._wrap_causal_flow(models.flow)
+        else:
+            # mel (1, 80, frames) → samples_per_frame samples per frame.
+            models.flow.inference = self._wrap_call(
+                "flow", models.flow.inference, lambda out: self._seconds(out.shape[-1])
+            )
         models.hift.inference = self._wrap_call(
-            "hift", models.hift.inference, lambda out: out.shape[-1] / SAMPLE_RATE
+            "hift", models.hift.inference, lambda out: out.shape[-1] / self.sample_rate
         )
+
+    def _seconds(self, frames: int) -> float:
+        return frames * self.samples_per_frame / self.sample_rate
+
+    def _wrap_causal_flow(self, flow: Any) -> None:
+        """One flow event per ``encode`` + ``decoder.solve`` pair (a thread's encode is always
+        followed by its solve); its audio: the solved frames after the prompt's."""
+        pending = threading.local()
+        encode, solve = flow.encode, flow.decoder.solve
+
+        @functools.wraps(encode)
+        def timed_encode(*args: Any, **kwargs: Any) -> Any:
+            pending.flops, pending.start = self._flops(), time.perf_counter()
+            return encode(*args, **kwargs)
+
+        @functools.wraps(solve)
+        def timed_solve(z: Any, mu: Any, spks: Any, cond: Any, **kwargs: Any) -> Any:
+            result = solve(z, mu, spks, cond, **kwargs)
+            end = time.perf_counter()
+            # cond holds the prompt's mel in the prompt frames, zeros after them.
+            frames = result.shape[-1] - int((cond[0].abs().sum(dim=0) > 0).sum())
+            self._record(
+                StageEvent(
+                    "flow",
+                    pending.start,
+                    end,
+                    audio_s=self._seconds(frames),
+                    flops=self._flops() - pending.flops,
+                )
+            )
+            return result
+
+        flow.encode = timed_encode
+        flow.decoder.solve = timed_solve
 
     def _wrap_call(
         self, stage: str, method: Callable[..., Any], seconds_of: Callable[[torch.Tensor], float]
@@ -161,7 +202,12 @@ class StageTimer:
         if not (lm and flow and hift):
             return {}
         first_lm = min(lm, key=lambda e: e.start)
-        first_flow = min(flow, key=lambda e: e.start)
+        # A flow pass before the first token (a voice's prompt computed for later forks) is
+        # part of getting the request ready, not of the first chunk.
+        chunk_flow = [e for e in flow if e.start >= first_lm.token_times[0]]
+        if not chunk_flow:
+            return {}
+        first_flow = min(chunk_flow, key=lambda e: e.start)
         first_hift = min(hift, key=lambda e: e.start)
         seconds = (
             first_lm.start - request_start,
