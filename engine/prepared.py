@@ -5,7 +5,8 @@ layers that the fast profiles run in int8, a pickle to parse. ``python -m engine
 the engine's first load of a model in a weight format) turns each model into the tensors the
 engine reads, in the formats it reads them: int8 layers as int8 weights with per-channel scales
 and their float biases, HiFT's weight norm folded and its convolution weights laid out
-channels-last (in bfloat16 for ``hift.bf16``). Nothing the engine would replace or drop at load.
+channels-last (in bfloat16 for ``hift.bf16``), the LM's positional rows computed (its causal
+layers' ``pos_rows``: engine.transformer). Nothing the engine would replace or drop at load.
 
 The files go to a ``prepared/`` folder beside the model files (``llm.int8.safetensors``,
 ``flow.fp32.safetensors``, ``hift.fp32.safetensors``, ...), or, when the model directory cannot be
@@ -58,6 +59,7 @@ from engine.quantize import (
     int8_parts,
     replaced_float_keys,
 )
+from engine.transformer import store_position_rows
 from engine.types import ModelLoadError
 from engine.weights import (
     PARTS,
@@ -78,7 +80,7 @@ if TYPE_CHECKING:
 _LOGGER = logging.getLogger(__name__)
 
 PREPARED_DIR = "prepared"
-FILE_FORMAT = "1"  # bump when what a prepared file holds, or how, changes
+FILE_FORMAT = "2"  # bump when what a prepared file holds, or how, changes
 WEIGHT_FORMATS = {"llm": ("fp32", "int8"), "flow": ("fp32", "int8"), "hift": ("fp32", "bf16")}
 # Tensors up to this size, and every 1-D one, are read as copies rather than mapped (see above).
 _COPY_BYTES = 64 << 10
@@ -184,6 +186,7 @@ def _int8_names(module: nn.Module, part: str, weights: str, parts: ModelParts) -
 def _in_run_dtype(module: nn.Module, part: str, weights: str) -> nn.Module:
     if part == "hift" and weights == "bf16":
         cast("HiFTGenerator", module).use_bfloat16()
+    store_position_rows(module)  # the LM's causal layers: their rows are read, not linear_pos
     return module
 
 

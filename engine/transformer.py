@@ -7,11 +7,13 @@ names equal the official state-dict keys so ``load_state_dict(strict=True)`` wor
 
 Relative positions: score bias ``bd[i, j] = (q_i + pos_bias_v) · P[m]`` with ``m = pos(i) - pos(j)``
 and ``P = linear_pos(pe)``, ``pe`` the interleaved sin/cos table. Causal encoders (the LM, its text
-encoder) only ever attend to m >= 0: P for those is computed once per layer and cached
-(``linear_pos`` has no bias and the table is constant), so a decode step only slices the last L
-rows, which removes the O(L·d²) per-step cost of the official code, and ``linear_pos`` is not read
-again until the rows grow. The bidirectional flow encoder recomputes P over the 2T-1
-positions at every pass.
+encoder) only ever attend to m >= 0: their rows of P are computed once per layer, in blocks of
+256 positions, and shared (``linear_pos`` has no bias and the table is constant), so a decode step
+only reads the rows of its L positions, which removes the O(L·d²) per-step cost of the official
+code. A prepared file holds each causal layer's first blocks (:func:`store_position_rows`): a
+request then reads the blocks its positions fall in, and ``linear_pos`` is read only when a
+sequence grows past them. The bidirectional flow encoder recomputes P over the 2T-1 positions at
+every pass.
 """
 
 from __future__ import annotations
@@ -34,6 +36,14 @@ _MIN_TABLE_LEN = 512
 _OFFICIAL_TABLE_LEN = 5000
 _tables: dict[int, tuple[Tensor, Tensor]] = {}
 _tables_lock = threading.Lock()
+
+# A causal layer's positional rows come in blocks of this many relative positions: a sequence of
+# length L reads ceil(L / ROW_BLOCK) of them, and no more of a prepared file's pages.
+ROW_BLOCK = 256
+# The relative positions whose rows a prepared file holds per causal layer: the LM's longest
+# sequence for a built-in voice (one segment of at most 80 text tokens: up to 20 speech tokens
+# each after about 85 input positions) fits. Changing it changes what a prepared file holds.
+STORED_POSITIONS = 2048
 
 
 def _rel_pos_tables(d: int, n: int) -> tuple[Tensor, Tensor]:
@@ -70,6 +80,23 @@ def rel_pos_table(d: int, length: int) -> Tensor:
     """(2L-1, d) encodings of relative positions L-1, L-2, …, -(L-1) (official slice order)."""
     pos, neg = _rel_pos_tables(d, length)
     return torch.cat([pos[:length].flip(0), neg[1:length]], dim=0)
+
+
+def position_row_block(weight: Tensor, heads: int, block: int) -> Tensor:
+    """(h, B, d_k) = linear_pos(pe) / sqrt(d_k) of relative positions (block+1)·B-1 … block·B,
+    B = ``ROW_BLOCK``, for the ``linear_pos`` weight ``weight`` (d, d), in its dtype."""
+    d_k = weight.shape[0] // heads
+    first, end = block * ROW_BLOCK, (block + 1) * ROW_BLOCK
+    pos, _ = _rel_pos_tables(weight.shape[1], end)
+    with torch.no_grad():
+        rows = F.linear(pos[first:end].flip(0).to(dtype=weight.dtype, device=weight.device), weight)
+        rows = rows * (1.0 / math.sqrt(d_k))  # pre-scaled: saves a per-step multiply
+    return rows.view(ROW_BLOCK, heads, d_k).transpose(0, 1).contiguous()
+
+
+def _joined(scores: list[Tensor], dim: int) -> Tensor:
+    """Scores computed block by block, joined along ``dim`` (one block: no copy)."""
+    return scores[0] if len(scores) == 1 else torch.cat(scores, dim)
 
 
 def _skew(raw: Tensor, t: int, length: int) -> Tensor:
@@ -151,6 +178,11 @@ class _FeedForward(nn.Module):
 class RelPosAttention(nn.Module):
     """ESPnet relative-position multi-head self-attention (``self_attn``)."""
 
+    # The positional rows this layer holds (a prepared file's: store_position_rows), or None:
+    # (blocks, h, ROW_BLOCK, d_k), block j those of relative positions (j+1)·B-1 … j·B. A buffer,
+    # so that a state dict that holds them also holds the linear_pos weight they come from.
+    pos_rows: Tensor | None
+
     def __init__(self, d: int, heads: int) -> None:
         super().__init__()
         self.h, self.d_k = heads, d // heads
@@ -165,8 +197,10 @@ class RelPosAttention(nn.Module):
         nn.init.xavier_uniform_(self.pos_bias_v)
         # The int8 LM puts q, k and v in one layer here (engine.quantize) and drops the three.
         self.linear_qkv: nn.Module | None = None
-        # (weight key, (h, N, d_k) projections of relative positions N-1 … 0): see _pos_rows
-        self._pos_cache: tuple[tuple, Tensor] | None = None
+        self.register_buffer("pos_rows", None)
+        # (weight keys, blocks of positional rows in position order, each (h, B, d_k)): see
+        # _row_blocks
+        self._pos_cache: tuple[tuple, list[Tensor]] | None = None
         # (weight keys, (2, h, d_k) stack of pos_bias_u and pos_bias_v): see _uv_biases
         self._uv_cache: tuple[tuple, Tensor] | None = None
 
@@ -206,31 +240,35 @@ class RelPosAttention(nn.Module):
         out = F.scaled_dot_product_attention(q + self.pos_bias_u.unsqueeze(1), k, v, attn_mask=bias)
         return self.linear_out(out.transpose(1, 2).flatten(2))
 
-    def _pos_rows(self, length: int) -> Tensor:
-        """(h, L, d_k) = linear_pos(pe) / sqrt(d_k) of relative positions L-1 … 0, cached.
+    def _row_blocks(self, count: int) -> list[Tensor]:
+        """At least ``count`` blocks of positional rows, in position order; shared by all
+        requests.
 
-        Shared by all requests. Extended by only the missing rows (capacity rounded up to 256
-        positions) and rebuilt when the weight changes (load_state_dict copies in place and
-        bumps the version counter; assign=True swaps the storage).
+        The held rows (``pos_rows``) serve as they are; blocks past them are computed from
+        ``linear_pos`` and cached. Rebuilt when the weight or the held rows change
+        (load_state_dict copies in place and bumps the version counter; assign=True swaps the
+        storage).
         """
-        w = self.linear_pos.weight
-        key = _weight_key(w)
+        w, held = self.linear_pos.weight, self.pos_rows
+        key = (_weight_key(w), None if held is None else _weight_key(held))
         cached = self._pos_cache
         if cached is None or cached[0] != key:
-            cached = (key, w.new_empty(self.h, 0, self.d_k))
-        have = cached[1].shape[1]
-        if have < length:
-            cap = -(-length // 256) * 256
-            pos, _ = _rel_pos_tables(w.shape[1], cap)
-            with torch.no_grad():  # rows for m = cap-1 … have, prepended (storage is reversed)
-                new = F.linear(pos[have:cap].flip(0).to(dtype=w.dtype, device=w.device), w)
-                new = new * (1.0 / math.sqrt(self.d_k))  # pre-scaled: saves a per-step multiply
-            new = new.view(cap - have, self.h, self.d_k).transpose(0, 1)
-            cached = (key, torch.cat([new, cached[1]], dim=1))
+            cached = (key, [] if held is None else list(held.unbind(0)))
+        have = len(cached[1])
+        if have < count:
+            new = [position_row_block(w, self.h, block) for block in range(have, count)]
+            cached = (key, cached[1] + new)
         if cached is not self._pos_cache:
             self._pos_cache = cached  # one assignment: concurrent readers see old or new
-        rows = cached[1]
-        return rows[:, rows.shape[1] - length :]
+        return cached[1]
+
+    def _pos_rows(self, length: int) -> list[Tensor]:
+        """The rows of relative positions L-1 … 0 in consecutive pieces, highest first: the
+        blocks they fall in, the first cut to the positions used; each (h, n, d_k)."""
+        count = -(-length // ROW_BLOCK)
+        pieces = self._row_blocks(count)[:count][::-1]
+        pieces[0] = pieces[0][:, count * ROW_BLOCK - length :]
+        return pieces
 
     def forward_cached(
         self, x: Tensor, cache: KVCache, layer: int, start: int, mask: Tensor | None
@@ -244,10 +282,10 @@ class RelPosAttention(nn.Module):
         vc[:, :, start:length] = v
         qv = q + self.pos_bias_v.unsqueeze(1)
         if t == 1:  # batched decode: (h, L, d_k) @ (h, d_k, B) streams the rows contiguously
-            rows = self._pos_rows(length)  # (h, L, d_k)
             b = x.shape[0]
-            raw = torch.bmm(rows, qv.view(b, self.h, self.d_k).permute(1, 2, 0))  # (h, L, B)
-            raw = raw.permute(2, 0, 1).unsqueeze(2)  # (B, h, 1, L)
+            queries = qv.view(b, self.h, self.d_k).permute(1, 2, 0)  # (h, d_k, B)
+            raw = _joined([torch.bmm(rows, queries) for rows in self._pos_rows(length)], 1)
+            raw = raw.permute(2, 0, 1).unsqueeze(2)  # (h, L, B) -> (B, h, 1, L)
             bias = _skew(raw, t, length)  # already scaled by 1/sqrt(d_k) through the rows
         else:
             bias = self._causal_pos_bias(qv, t, length)
@@ -260,10 +298,13 @@ class RelPosAttention(nn.Module):
 
     def _causal_pos_bias(self, qv: Tensor, t: int, length: int) -> Tensor:
         """(B, h, T, L) scaled position scores of T queries at L-T … L-1 under a causal mask."""
-        rows = self._pos_rows(length)  # (h, L, d_k), relative positions L-1 … 0
+        # (B, h, T, L): columns for relative positions L-1 … 0
+        raw = _joined(
+            [torch.matmul(qv, rows.transpose(1, 2)) for rows in self._pos_rows(length)], -1
+        )
         # Negative relative positions (later keys) get -inf columns: causal even without a mask,
         # and they keep the skew in range.
-        raw = F.pad(torch.matmul(qv, rows.transpose(1, 2)), (0, t - 1), value=float("-inf"))
+        raw = F.pad(raw, (0, t - 1), value=float("-inf"))
         return _skew(raw, t, length)  # already scaled by 1/sqrt(d_k) through the rows
 
     def _uv_biases(self) -> Tensor:
@@ -299,7 +340,8 @@ class RelPosAttention(nn.Module):
             new_kv[1].copy_(self.linear_v(x).view(h, d_k))
         qu, qv = (q + self._uv_biases()).view(2, h, 1, d_k).unbind(0)  # (h, 1, d_k) each
         # (h, L, d_k) @ (h, d_k, 1): the rows are pre-scaled by 1/sqrt(d_k)
-        pos_scores = torch.bmm(self._pos_rows(length), qv.transpose(1, 2))
+        query = qv.transpose(1, 2)
+        pos_scores = _joined([torch.bmm(rows, query) for rows in self._pos_rows(length)], 1)
         scores = torch.baddbmm(
             pos_scores.view(h, 1, length), qu, keys.transpose(1, 2), alpha=1.0 / math.sqrt(d_k)
         )  # (h, 1, L)
@@ -383,11 +425,6 @@ class RelPosEncoder(nn.Module):
             x = layer(x, mask)
         return self.after_norm(x)
 
-    def reserve_positions(self, max_len: int) -> None:
-        """Precompute the positional projections for sequences up to ``max_len`` (warm-up)."""
-        for layer in self._layers():
-            layer.self_attn._pos_rows(max_len)
-
     def new_cache(
         self,
         batch: int,
@@ -464,3 +501,17 @@ class RelPosEncoder(nn.Module):
             x = layer.decode_position(x, slot, k, v, length)
         cache.length = length
         return self.after_norm(x)
+
+
+def store_position_rows(module: nn.Module, positions: int = STORED_POSITIONS) -> None:
+    """Give each causal layer under ``module`` the positional rows of its first ``positions``
+    relative positions (a multiple of ``ROW_BLOCK``) as its ``pos_rows`` buffer, computed as at
+    run time: from then on they are part of its state dict (on the meta device, their shapes)."""
+    for encoder in module.modules():
+        if isinstance(encoder, RelPosEncoder) and encoder.args.causal:
+            for layer in encoder._layers():
+                attention = layer.self_attn
+                weight = attention.linear_pos.weight
+                blocks = range(positions // ROW_BLOCK)
+                rows = [position_row_block(weight, attention.h, block) for block in blocks]
+                attention.pos_rows = torch.stack(rows)

@@ -32,6 +32,7 @@ from engine.prepared import (
     prepared_dirs,
 )
 from engine.quantize import quantize_flow_int8, quantize_lm_int8
+from engine.transformer import ROW_BLOCK, STORED_POSITIONS, RelPosAttention
 from engine.types import SynthesisOptions
 from engine.weights import load_model_dir
 
@@ -91,6 +92,87 @@ def test_the_files_hold_the_tensors_in_their_run_formats(model: Path) -> None:
     hift_bf16, _ = stored(model / PREPARED_DIR / "hift.bf16.safetensors")
     assert hift_bf16["conv_pre.weight"].dtype == torch.bfloat16
     assert hift_bf16["f0_predictor.classifier.weight"].dtype == torch.float32
+
+
+def _causal_attentions(llm: torch.nn.Module) -> dict[str, RelPosAttention]:
+    """The LM's attention layers that score with stored rows (its two causal encoders)."""
+    return {
+        name: module
+        for name, module in llm.named_modules()
+        if isinstance(module, RelPosAttention) and name.startswith(("llm.", "text_encoder."))
+    }
+
+
+@pytest.mark.parametrize("weights", ["fp32", "int8"])
+def test_the_lm_file_holds_the_positional_rows_computed_at_run_time(
+    model: Path, weights: str
+) -> None:
+    """Each causal layer's rows of its first relative positions, bit for bit the rows the LM
+    loaded from its checkpoint computes when it needs them; the flow's layers have none."""
+    prepare_model(model, {"llm": [weights], "flow": ["fp32"]})
+    llm, _ = stored(model / PREPARED_DIR / f"llm.{weights}.safetensors")
+    flow, _ = stored(model / PREPARED_DIR / "flow.fp32.safetensors")
+    assert not any(name.endswith("pos_rows") for name in flow)
+    attentions = _causal_attentions(load_model_dir(model).llm)
+    assert len(attentions) == 3 and {n for n in llm if n.endswith("pos_rows")} == {
+        f"{name}.pos_rows" for name in attentions
+    }
+    blocks = STORED_POSITIONS // ROW_BLOCK
+    for name, attention in attentions.items():
+        rows = llm[f"{name}.pos_rows"]
+        assert rows.shape == (blocks, attention.h, ROW_BLOCK, attention.d_k)
+        assert rows.dtype == torch.float32
+        with torch.inference_mode():
+            assert torch.equal(rows, torch.stack(attention._row_blocks(blocks))), name
+
+
+def test_a_file_of_the_previous_format_is_prepared_again(
+    model: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A file written before the LM's positional rows were stored is out of date, not damaged."""
+    load(model)
+    path = model / PREPARED_DIR / "llm.fp32.safetensors"
+    tensors, key = stored(path)
+    older = {name: t for name, t in tensors.items() if not name.endswith("pos_rows")}
+    save_file(older, path, metadata={**key, "file_format": "1"})
+    with caplog.at_level(logging.INFO, logger="engine.prepared"):
+        engine = load(model)
+    assert engine.prepared_at_load == ("llm.fp32",)
+    assert "file_format" in caplog.text
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+def _mapped_ranges(path: Path) -> list[tuple[int, int]]:
+    """The address ranges of this process's mappings of ``path`` (from /proc/self/maps)."""
+    ranges = []
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            if line.rstrip("\n").endswith(str(path)):
+                start, end = line.split()[0].split("-")
+                ranges.append((int(start, 16), int(end, 16)))
+    return ranges
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/maps")
+@pytest.mark.parametrize("lm_int8", [False, True], ids=["fp32", "int8"])
+def test_the_lm_reads_its_positional_rows_from_the_file_not_linear_pos(
+    model: Path, lm_int8: bool
+) -> None:
+    """The rows are mapped from the prepared file; a synthesis within them never reads
+    linear_pos (poisoned here: the audio is the same)."""
+    engine = load(model, lm_int8=lm_int8)
+    expected = synthesize_all(engine, "Hello there.", _OPTIONS)
+    file = (model / PREPARED_DIR / f"llm.{'int8' if lm_int8 else 'fp32'}.safetensors").resolve()
+    ranges = _mapped_ranges(file)
+    for name, attention in _causal_attentions(engine.models.llm).items():
+        rows = attention.pos_rows
+        assert rows is not None, name
+        assert any(start <= rows.data_ptr() < end for start, end in ranges), name
+        weight = attention.linear_pos.weight
+        attention.linear_pos.weight = torch.nn.Parameter(
+            torch.full_like(weight, float("nan")), requires_grad=False
+        )
+    assert torch.equal(synthesize_all(engine, "Hello there.", _OPTIONS), expected)
 
 
 def test_a_second_load_uses_the_prepared_files(model: Path) -> None:

@@ -7,10 +7,17 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from engine import transformer
 from engine.hparams import load_model_args
-from engine.transformer import RelPosEncoder, rel_pos_table
+from engine.transformer import (
+    ROW_BLOCK,
+    STORED_POSITIONS,
+    RelPosEncoder,
+    rel_pos_table,
+    store_position_rows,
+)
 
 DATA = Path(__file__).parent / "data"
 CASES = ("sft", "zero_shot", "instruct")
@@ -114,7 +121,7 @@ def test_causal_pass_uses_the_cached_rows_and_agrees_with_all_positions(args, ll
         every_position = attention(x, mask)
         cached = attention(x, mask, causal=True)
     torch.testing.assert_close(cached, every_position, atol=1e-5, rtol=0)
-    assert attention._pos_cache is not None and attention._pos_cache[1].shape[1] >= t
+    assert attention._pos_cache is not None and len(attention._pos_cache[1]) == 1  # one block
 
 
 @pytest.mark.parametrize("case", ["tok40_noprompt", "tok60_prompt15"])
@@ -226,7 +233,7 @@ def test_batched_left_padded_cache(args):
 
 
 def test_positional_cache_grows_across_capacity(args):
-    """Decoding past the 256-position capacity step extends the cached rows correctly."""
+    """Decoding past the first 256-position block extends the cached rows correctly."""
     torch.manual_seed(3)
     enc = RelPosEncoder(args.llm.llm).eval()
     x = torch.randn(1, 262, args.llm.llm.input_size)
@@ -235,7 +242,7 @@ def test_positional_cache_grows_across_capacity(args):
         outs = [enc.forward_cached(x[:, :250], cache)]
         outs += [enc.forward_cached(x[:, i : i + 1], cache) for i in range(250, 262)]
         expect = enc(x)
-    assert enc.encoders[0].self_attn._pos_cache[1].shape[1] == 512
+    assert len(enc.encoders[0].self_attn._pos_cache[1]) == 2  # blocks of 256 positions
     torch.testing.assert_close(torch.cat(outs, 1), expect, atol=1e-5, rtol=0)
 
 
@@ -260,3 +267,101 @@ def test_unwritten_cache_positions_are_never_read(args, batch: int):
         clean, poisoned = run(False), run(True)
     assert torch.isfinite(poisoned).all()
     torch.testing.assert_close(poisoned, clean, atol=0, rtol=0)
+
+
+# --- positional rows held by the layers (what a prepared file stores) -------------------------
+
+
+def _loaded(args, llm_sd, held_positions: int | None) -> RelPosEncoder:
+    """The tiny LM encoder with the checkpoint's weights, holding the positional rows of its
+    first ``held_positions`` relative positions (None: none, computed at run time)."""
+    enc = RelPosEncoder(args.llm.llm).eval()
+    enc.load_state_dict(_sub(llm_sd, "llm."), strict=True)
+    if held_positions is not None:
+        store_position_rows(enc, held_positions)
+    return enc
+
+
+def test_held_rows_equal_the_rows_computed_at_run_time(args, llm_sd):
+    """Bit for bit: a layer's held rows are what a layer without them computes when it needs
+    them, and what one F.linear over every position computes (the reversed, pre-scaled rows)."""
+    held = _loaded(args, llm_sd, STORED_POSITIONS)
+    computing = _loaded(args, llm_sd, None)
+    blocks = STORED_POSITIONS // ROW_BLOCK
+    for layer, other in zip(held.encoders, computing.encoders, strict=True):
+        attention = layer.self_attn
+        rows = attention.pos_rows
+        assert rows is not None and rows.dtype == attention.linear_pos.weight.dtype
+        assert rows.shape == (blocks, attention.h, ROW_BLOCK, attention.d_k)
+        with torch.inference_mode():
+            at_run_time = torch.stack(other.self_attn._row_blocks(blocks))
+        assert torch.equal(rows, at_run_time)
+        pos, _ = transformer._rel_pos_tables(attention.linear_pos.in_features, STORED_POSITIONS)
+        w = attention.linear_pos.weight
+        with torch.no_grad():  # relative positions STORED_POSITIONS-1 … 0
+            whole = F.linear(pos[:STORED_POSITIONS].flip(0), w) * (1.0 / math.sqrt(attention.d_k))
+        whole = whole.view(STORED_POSITIONS, attention.h, attention.d_k).transpose(0, 1)
+        for block in range(blocks):
+            end = STORED_POSITIONS - block * ROW_BLOCK
+            assert torch.equal(rows[block], whole[:, end - ROW_BLOCK : end]), block
+
+
+def _decode(enc: RelPosEncoder, x: torch.Tensor, prefill: int) -> torch.Tensor:
+    """Prefill ``prefill`` positions, then one decode step per position of ``x``."""
+    cache = enc.new_cache(x.shape[0], x.shape[1])
+    outs = [enc.forward_cached(x[:, :prefill], cache)]
+    outs += [enc.forward_cached(x[:, i : i + 1], cache) for i in range(prefill, x.shape[1])]
+    return torch.cat(outs, 1)
+
+
+def test_held_rows_serve_without_reading_linear_pos(args, llm_sd):
+    """Within the held positions the layers read their rows, never linear_pos: with linear_pos
+    poisoned, full passes and decode steps still equal those of a layer computing its rows."""
+    x = torch.randn(1, 40, args.llm.llm.input_size, generator=torch.Generator().manual_seed(7))
+    held = _loaded(args, llm_sd, ROW_BLOCK)
+    for layer in held.encoders:
+        weight = layer.self_attn.linear_pos.weight
+        layer.self_attn.linear_pos.weight = torch.nn.Parameter(
+            torch.full_like(weight, float("nan")), requires_grad=False
+        )
+    computing = _loaded(args, llm_sd, None)
+    with torch.inference_mode():
+        assert torch.equal(held(x), computing(x))
+        assert torch.equal(_decode(held, x, 30), _decode(computing, x, 30))
+        batch = x.expand(2, -1, -1).contiguous()  # the batched decode step
+        assert torch.equal(_decode(held, batch, 30), _decode(computing, batch, 30))
+
+
+def test_past_the_held_rows_they_are_computed_from_linear_pos(args, llm_sd):
+    """A sequence longer than the held rows reads linear_pos for the blocks past them only: the
+    held block is used in place, and every output equals that of a layer computing all rows."""
+    x = torch.randn(1, 262, args.llm.llm.input_size, generator=torch.Generator().manual_seed(8))
+    held = _loaded(args, llm_sd, ROW_BLOCK)
+    computing = _loaded(args, llm_sd, None)
+    with torch.inference_mode():
+        assert torch.equal(_decode(held, x, 250), _decode(computing, x, 250))
+        assert torch.equal(held(x), computing(x))
+    attention = held.encoders[0].self_attn
+    assert attention._pos_cache is not None and attention.pos_rows is not None
+    blocks = attention._pos_cache[1]
+    assert len(blocks) == 2 and blocks[0].data_ptr() == attention.pos_rows.data_ptr()
+
+
+def test_held_rows_are_part_of_the_state_dict(args, llm_sd):
+    """Rows and the weight they come from travel together: the state dict of a layer holding
+    rows has them (an official one does not), and a reload replaces both."""
+    plain = _loaded(args, llm_sd, None)
+    assert set(plain.state_dict()) == set(_sub(llm_sd, "llm."))
+    held = _loaded(args, llm_sd, ROW_BLOCK)
+    extra = set(held.state_dict()) - set(plain.state_dict())
+    assert extra == {f"encoders.{i}.self_attn.pos_rows" for i in range(len(held.encoders))}
+    with pytest.raises(RuntimeError, match="pos_rows"):  # a state dict without them
+        held.load_state_dict(plain.state_dict(), strict=True)
+    torch.manual_seed(9)
+    other = RelPosEncoder(args.llm.llm).eval()
+    store_position_rows(other, ROW_BLOCK)
+    x = torch.randn(1, 12, args.llm.llm.input_size)
+    with torch.inference_mode():
+        _decode(held, x, 5)  # rows of the first weights in use
+        held.load_state_dict(other.state_dict())
+        assert torch.equal(_decode(held, x, 5), _decode(other, x, 5))
