@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from torch import nn
 
 from engine.__main__ import main
 from engine.cosyvoice2.engine import CosyVoice2Engine
@@ -444,3 +445,21 @@ def test_synthesize_speaks_with_a_voice_from_a_recording(model: Path) -> None:
         assert (wav.getnchannels(), wav.getframerate()) == (1, 24000)
         assert wav.getnframes() > 0
     assert (voices / "anna.cosyvoice2.prompt.pt").is_file()
+
+
+def test_the_float_estimator_runs_its_transformer_layers_on_onednn(
+    engine: CosyVoice2Engine,
+) -> None:
+    """As v1's: every Linear of its transformer blocks, where torch has oneDNN's matmul (the
+    official-stream test above holds with them)."""
+    from engine.flow_estimator import TransformerBlock
+    from engine.onednn_layers import OneDnnLinear, onednn_linear_available
+
+    blocks = [
+        m for m in engine.models.flow.decoder.estimator.modules() if isinstance(m, TransformerBlock)
+    ]
+    layers = [
+        m for block in blocks for m in block.modules() if isinstance(m, (nn.Linear, OneDnnLinear))
+    ]
+    assert blocks and layers
+    assert all(isinstance(m, OneDnnLinear) == onednn_linear_available() for m in layers)

@@ -38,7 +38,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 
@@ -58,7 +58,9 @@ from engine.cosyvoice2.streaming import (
     stream_audio,
     whole_audio,
 )
+from engine.flow_estimator import TransformerBlock
 from engine.lm_thread import LmTokens
+from engine.onednn_layers import use_onednn_linears
 from engine.prepared import PreparedLoad
 from engine.runtime import give_back_free_heap, one_torch_thread, setup_cpu
 from engine.start_policy import GAPLESS, estimate_speech_seconds, hold_until_gapless
@@ -73,6 +75,7 @@ from engine.types import (
 )
 
 if TYPE_CHECKING:
+    from engine.cosyvoice2.flow import CausalFlow
     from engine.prompt.voices import CustomVoice, ScanResult, VoiceLibrary
 
 _LOGGER = logging.getLogger(__name__)
@@ -170,6 +173,11 @@ class CosyVoice2Engine:
         try:
             with one_torch_thread() if packing else contextlib.nullcontext():
                 modules = loading.modules()
+                if setup.formats.flow != "int8":
+                    # A float32 estimator's transformer layers run on oneDNN, as v1's
+                    # (engine.onednn_layers); its convolutions stay: the chunk caches read them.
+                    estimator = cast("CausalFlow", modules[1]).decoder.estimator
+                    use_onednn_linears(estimator, TransformerBlock)
                 frontend = CosyVoice2TextFrontend(model_dir / BACKBONE_DIR)
             loading.finish()
         except BaseException:
