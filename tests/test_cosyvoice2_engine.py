@@ -4,6 +4,7 @@ synthesis (streamed and whole) against the official orchestration's audio."""
 from __future__ import annotations
 
 import copy
+import itertools
 import math
 import shutil
 import threading
@@ -17,7 +18,7 @@ import torch
 from torch import nn
 
 from engine.__main__ import main
-from engine.cosyvoice2.engine import CosyVoice2Engine
+from engine.cosyvoice2.engine import CosyVoice2Engine, chunk_hops
 from engine.cosyvoice2.model_dir import PARTS, CosyVoice2Models, load_model_dir
 from engine.family import load_engine, model_family
 from engine.prepared import PREPARED_DIR, PreparedLoad, WeightFormats, prepare_model
@@ -25,8 +26,10 @@ from engine.prompt.extract import PromptFeatures
 from engine.prompt.voices import CustomVoice
 from engine.quantize import Int8Linear
 from engine.types import (
+    LOW_LATENCY_SCHEDULE,
     OFFICIAL_SCHEDULE,
     ModelLoadError,
+    StreamSchedule,
     SynthesisCancelled,
     SynthesisOptions,
     UnknownSpeakerError,
@@ -463,3 +466,23 @@ def test_the_float_estimator_runs_its_transformer_layers_on_onednn(
     ]
     assert blocks and layers
     assert all(isinstance(m, OneDnnLinear) == onednn_linear_available() for m in layers)
+
+
+def test_hops_are_whole_attention_chunks() -> None:
+    low_latency = chunk_hops(LOW_LATENCY_SCHEDULE, 25)
+    assert list(itertools.islice(low_latency, 5)) == [25, 50, 100, 100, 100]
+    custom = StreamSchedule(first_hop=60, growth=1.5, max_hop=140)
+    assert list(itertools.islice(chunk_hops(custom, 25), 4)) == [75, 100, 125, 125]
+
+
+def test_a_gapless_start_holds_chunks_back_but_changes_no_sample(
+    fresh: CosyVoice2Engine,
+) -> None:
+    tokens = _random_tokens(120)
+
+    def audio(policy: str) -> np.ndarray:
+        _force(fresh, tokens)
+        options = SynthesisOptions(speaker="tester", seed=2, start_policy=policy)
+        return np.concatenate([c.samples for c in fresh.synthesize("Hello.", options)])
+
+    np.testing.assert_array_equal(audio("gapless"), audio("eager"))
