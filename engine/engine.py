@@ -1,4 +1,7 @@
-"""CosyVoiceEngine: text in, audio chunks out — the engine's one public entry point.
+"""CosyVoiceEngine: text in, audio chunks out, for a CosyVoice v1 model directory.
+
+CosyVoice2 has its own engine with the same surface (engine.cosyvoice2.engine);
+``engine.load_engine`` picks one by the model directory.
 
 The engine is a plain synchronous generator API (no asyncio, no wyoming). Callers drive
 ``synthesize()`` from any thread; once a streamed segment's first chunk is out, the LM goes on
