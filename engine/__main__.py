@@ -35,7 +35,7 @@ def write_wav(path: Path, samples: np.ndarray, sample_rate: int) -> None:
 def _synthesize(args: argparse.Namespace) -> int:
     from engine.family import load_engine
 
-    engine = load_engine(args.model_dir, threads=args.threads)
+    engine = load_engine(args.model_dir, threads=args.threads, lm_int8=args.lm_weights == "int8")
     if args.voices_dir is not None:
         engine.enable_custom_voices(args.voices_dir)  # rejected voices are logged
     elif not engine.speakers:
@@ -50,7 +50,6 @@ def _synthesize(args: argparse.Namespace) -> int:
         schedule=schedule,
         seed=args.seed,
         instruct=args.instruct,
-        force_tokens=args.tokens,
     )
     start = time.perf_counter()
     pieces = []
@@ -145,7 +144,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     synth.add_argument("--schedule", choices=("low_latency", "official"), default="low_latency")
     synth.add_argument("--threads", type=int, help="torch CPU threads")
-    synth.add_argument("--tokens", type=int, help="force this many speech tokens (benchmarks)")
+    synth.add_argument(
+        "--lm-weights",
+        choices=("int8", "fp32"),
+        default="int8",
+        help="LM decoder weights: int8 (default, as the server's) or fp32 (the official maths)",
+    )
 
     prep = sub.add_parser(
         "prepare",

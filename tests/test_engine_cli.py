@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import subprocess
@@ -11,16 +12,23 @@ from pathlib import Path
 
 import pytest
 
-from engine.__main__ import main
+from engine import __main__ as cli
+from engine.__main__ import build_parser, main
+from engine.types import SynthesisOptions
+from wyoming_cosyvoice.config import load_config
 
 DATA = Path(__file__).parent / "data"
 
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_synthesize_writes_a_wav(
-    tmp_path: Path, stream: bool, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, stream: bool, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     caplog.set_level(logging.INFO)
+    # Random weights never end an utterance: 60 speech tokens make the length exact.
+    monkeypatch.setattr(
+        cli, "SynthesisOptions", functools.partial(SynthesisOptions, force_tokens=60)
+    )
     out = tmp_path / "out.wav"
     argv = [
         "synthesize",
@@ -34,8 +42,6 @@ def test_synthesize_writes_a_wav(
         str(out),
         "--seed",
         "1",
-        "--tokens",
-        "60",
     ]
     assert main(argv + (["--stream"] if stream else [])) == 0
     with wave.open(str(out)) as wav:
@@ -44,6 +50,13 @@ def test_synthesize_writes_a_wav(
     assert frames == 103 * 256  # 60 tokens → floor(60·22050/256/50) = 103 mel frames
     if stream:
         assert "chunk 0 ready after" in caplog.text
+
+
+def test_lm_weights_default_as_the_server() -> None:
+    args = build_parser().parse_args(
+        ["synthesize", "--model-dir", ".", "--text", "x", "--out", "o"]
+    )
+    assert args.lm_weights == load_config(None).load.weights.lm == "int8"
 
 
 def test_bad_model_dir_is_a_clear_error(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
