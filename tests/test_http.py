@@ -317,7 +317,7 @@ def test_openai_instructions_reach_an_instruct_model() -> None:
             "/v1/audio/speech",
             {"input": "Hi.", "instructions": "Whisper."},
             400,
-            "'instructions' needs the CosyVoice-300M-Instruct model",
+            "'instructions' needs the CosyVoice2-0.5B or CosyVoice-300M-Instruct model",
         ),
         ("/v1/audio/speech", {"input": "Hi.", "instructions": 3}, 400, "must be a string"),
     ],

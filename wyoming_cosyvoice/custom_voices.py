@@ -5,19 +5,20 @@ the request queue's turn (``Scheduler.run_on_engine``), and the good voices join
 catalog that ``describe`` and the HTTP API read. Every ``server.voices_rescan_s`` seconds a cheap
 fingerprint of the folder (names, sizes, modification times) is taken off the event loop; only
 when it changed is the folder scanned again, so a voice dropped in later appears without a
-restart and an idle server does no work. The engine reuses each voice's ``NAME.prompt.pt``, so a
-re-scan only analyses new or changed recordings.
+restart and an idle server does no work. The engine reuses each voice's prompt cache
+(``NAME.prompt.pt`` for v1, ``NAME.cosyvoice2.prompt.pt`` for CosyVoice2), so a re-scan only
+analyses new or changed recordings.
 
-The prompt models (``campplus.onnx``, ``speech_tokenizer_v1.onnx``, ~550 MB) are downloaded
+The prompt models (``campplus.onnx`` and the family's speech tokenizer, ~550 MB) are downloaded
 only when a voice actually needs them (a valid recording without an up-to-date cache), not for
 every add-on user: the add-on always passes a voices folder. The download runs in a daemon
 thread, so built-in voices keep speaking meanwhile and a shutdown never waits for it (an
 interrupted download resumes next time). Without them, cached voices still work and the others
 are skipped with a message; the server keeps running whatever the folder holds.
 
-Per request, Wyoming's ``voice.speaker`` carries an instruction for the -Instruct model when it
-names no voice (see :func:`wyoming_cosyvoice.speech.split_instruction` and
-docs/custom-voices.md).
+Per request, Wyoming's ``voice.speaker`` carries an instruction for the -Instruct model and
+CosyVoice2 (instruct2, with any voice) when it names no voice (see
+:func:`wyoming_cosyvoice.speech.split_instruction` and docs/custom-voices.md).
 """
 
 from __future__ import annotations
@@ -32,21 +33,39 @@ from pathlib import Path
 from typing import Any
 
 from wyoming_cosyvoice.config import ServerConfig
-from wyoming_cosyvoice.download import VOICE_FILES
+from wyoming_cosyvoice.download import FAMILY_MODELS, MODELS
 from wyoming_cosyvoice.scheduler import Scheduler
-from wyoming_cosyvoice.voice_catalog import VoiceCatalog, describe_custom_voice
+from wyoming_cosyvoice.voice_catalog import INSTRUCT_KINDS, VoiceCatalog, describe_custom_voice
 
 _LOGGER = logging.getLogger(__name__)
 
-PROMPT_MODELS = VOICE_FILES  # campplus.onnx, speech_tokenizer_v1.onnx
-CACHE_SUFFIX = ".prompt.pt"  # written by the engine next to the voice: not a user change
+CACHE_SUFFIX = ".prompt.pt"  # ends every cache the engine writes next to a voice
+# The cache file of each family's voices (engine.prompt.recipe's PromptRecipe.cache_suffix).
+CACHE_SUFFIXES = {"cosyvoice": CACHE_SUFFIX, "cosyvoice2": ".cosyvoice2.prompt.pt"}
 DOWNLOAD_RETRY_S = 600.0  # a failed download is tried again on a folder change, not sooner
 
 Fingerprint = tuple[tuple[str, int, int], ...]
 _NEVER = object()  # no fingerprint taken yet: the first check always scans
 
 
-def folder_fingerprint(voices_dir: Path, model_dir: Path) -> Fingerprint | None:
+def voice_model_name(config: ServerConfig, model_dir: Path) -> str:
+    """The model whose repository completes ``model_dir`` with its prompt models: the
+    configured one, unless the directory (``--model-dir``) is of another family."""
+    from wyoming_cosyvoice.model import model_family_name
+
+    family = model_family_name(model_dir)
+    configured = MODELS.get(config.model)
+    return config.model if configured and configured.family == family else FAMILY_MODELS[family]
+
+
+def prompt_model_files(config: ServerConfig, model_dir: Path) -> tuple[str, ...]:
+    """The ONNX files voices of ``model_dir``'s family are extracted with."""
+    return MODELS[voice_model_name(config, model_dir)].voice_files
+
+
+def folder_fingerprint(
+    voices_dir: Path, model_dir: Path, prompt_models: tuple[str, ...] = ()
+) -> Fingerprint | None:
     """What a re-scan depends on: the voice files and the prompt models; None if no folder."""
     try:
         entries = [
@@ -59,7 +78,7 @@ def folder_fingerprint(voices_dir: Path, model_dir: Path) -> Fingerprint | None:
         ]
     except OSError:  # no folder (yet), or it vanished while listed: scan and let it say so
         return None
-    for name in PROMPT_MODELS:  # placed by hand later: voices waiting for them become usable
+    for name in prompt_models:  # placed by hand later: voices waiting for them become usable
         path = model_dir / name
         entries.append((f"model:{name}", path.stat().st_size if path.is_file() else -1, 0))
     return tuple(sorted(entries))
@@ -104,6 +123,9 @@ class CustomVoices:
         assert config.voices_dir is not None
         self.config, self.scheduler, self.model_dir = config, scheduler, model_dir
         self.voices_dir = config.voices_dir
+        self.model_name = voice_model_name(config, model_dir)
+        self.prompt_models = MODELS[self.model_name].voice_files
+        self.cache_suffix = CACHE_SUFFIXES[MODELS[self.model_name].family]
         self.scans = 0
         self._seen: object = _NEVER
         self._offered: set[str] = set()
@@ -134,7 +156,9 @@ class CustomVoices:
         )
         while True:
             try:
-                seen = await asyncio.to_thread(folder_fingerprint, self.voices_dir, self.model_dir)
+                seen = await asyncio.to_thread(
+                    folder_fingerprint, self.voices_dir, self.model_dir, self.prompt_models
+                )
                 if seen != self._seen:
                     self._seen = seen
                     await self.scan(engine)
@@ -148,7 +172,8 @@ class CustomVoices:
         """Scan on the engine thread (fetching the prompt models first if a voice needs them)."""
         scan = partial(engine.enable_custom_voices, self.voices_dir)
         result = await self.scheduler.run_on_engine(scan)
-        waiting = [n for n, why in result.rejected.items() if any(m in why for m in PROMPT_MODELS)]
+        models = self.prompt_models
+        waiting = [n for n, why in result.rejected.items() if any(m in why for m in models)]
         if waiting and await self._fetch_prompt_models(waiting):
             result = await self.scheduler.run_on_engine(scan)
         self.scans += 1
@@ -165,7 +190,7 @@ class CustomVoices:
                 "Custom voice(s) %s wait for %s in %s (the last download failed; it is tried "
                 "again after the next change in the folder)",
                 names,
-                " and ".join(PROMPT_MODELS),
+                " and ".join(self.prompt_models),
                 self.model_dir,
             )
             return False
@@ -177,7 +202,7 @@ class CustomVoices:
                 "Custom voice(s) %s need the prompt models %s (about 550 MB); downloading them "
                 "into %s. Built-in voices keep working meanwhile",
                 names,
-                " and ".join(PROMPT_MODELS),
+                " and ".join(self.prompt_models),
                 self.model_dir,
             )
         started = time.monotonic()
@@ -185,8 +210,8 @@ class CustomVoices:
             await _in_daemon_thread(
                 lambda: ensure_extra_files(
                     self.model_dir,
-                    self.config.model,
-                    PROMPT_MODELS,
+                    self.model_name,
+                    self.prompt_models,
                     offline=self.config.offline,
                     endpoint=self.config.hub_endpoint,
                 )
@@ -199,7 +224,7 @@ class CustomVoices:
                 "up-to-date NAME%s keep working",
                 names,
                 err,
-                CACHE_SUFFIX,
+                self.cache_suffix,
             )
             return False
         self._download_failed_at = None
@@ -225,10 +250,10 @@ class CustomVoices:
                 voice.language,
                 shown.languages[0],
                 voice.duration_s,
-                "extracted" if voice.source == "extracted" else f"from {name}{CACHE_SUFFIX}",
+                "extracted" if voice.source == "extracted" else f"from {name}{self.cache_suffix}",
                 voice.load_seconds,
             )
-            if voice.instruct and getattr(engine, "kind", None) == "instruct":
+            if voice.instruct and getattr(engine, "kind", None) in INSTRUCT_KINDS:
                 _LOGGER.info(
                     "Custom voice %r speaks with its instruction: %s", name, voice.instruct
                 )

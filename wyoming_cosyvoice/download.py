@@ -26,6 +26,18 @@ _LOGGER = logging.getLogger(__name__)
 
 MODEL_FILES = ("cosyvoice.yaml", "llm.pt", "flow.pt", "hift.pt", "spk2info.pt")
 VOICE_FILES = ("campplus.onnx", "speech_tokenizer_v1.onnx")  # custom voices (custom_voices.py)
+# CosyVoice2: the Qwen2 backbone's config and tokenizer, not its weights (they are in llm.pt).
+MODEL_FILES_V2 = (
+    "cosyvoice2.yaml",
+    "llm.pt",
+    "flow.pt",
+    "hift.pt",
+    "CosyVoice-BlankEN/config.json",
+    "CosyVoice-BlankEN/vocab.json",
+    "CosyVoice-BlankEN/merges.txt",
+    "CosyVoice-BlankEN/tokenizer_config.json",
+)
+VOICE_FILES_V2 = ("campplus.onnx", "speech_tokenizer_v2.onnx")
 _STATE_FILE = ".download.json"
 _CHUNK = 1 << 20
 
@@ -35,13 +47,24 @@ class ModelSpec:
     repo_id: str
     files: tuple[str, ...] = MODEL_FILES
     revision: str = "main"
+    voice_files: tuple[str, ...] = VOICE_FILES  # the prompt models voices are extracted with
+    family: str = "cosyvoice"  # engine.family's name for the model's family
 
 
 MODELS = {
     "CosyVoice-300M-SFT": ModelSpec("FunAudioLLM/CosyVoice-300M-SFT"),
     "CosyVoice-300M-Instruct": ModelSpec("FunAudioLLM/CosyVoice-300M-Instruct"),
     "CosyVoice-300M": ModelSpec("FunAudioLLM/CosyVoice-300M"),
+    "CosyVoice2-0.5B": ModelSpec(
+        "FunAudioLLM/CosyVoice2-0.5B",
+        files=MODEL_FILES_V2,
+        voice_files=VOICE_FILES_V2,
+        family="cosyvoice2",
+    ),
 }
+# The model of a family whose files a directory of that family is completed from.
+FAMILY_MODELS = {"cosyvoice": "CosyVoice-300M", "cosyvoice2": "CosyVoice2-0.5B"}
+SAMPLE_RATES = {"cosyvoice": 22050, "cosyvoice2": 24000}  # known before torch is imported
 
 
 class ModelNotFoundError(Exception):
@@ -60,6 +83,11 @@ def model_spec(name: str) -> ModelSpec:
             "(use --model-dir for any other directory)"
         )
     return MODELS[name]
+
+
+def family_spec(family: str) -> ModelSpec:
+    """The spec of ``family``'s base model: which files a directory of that family needs."""
+    return MODELS[FAMILY_MODELS[family]]
 
 
 def missing_files(model_dir: Path, files: tuple[str, ...] = MODEL_FILES) -> list[str]:
@@ -140,7 +168,7 @@ def ensure_model(
 def ensure_extra_files(
     model_dir: Path,
     name: str,
-    files: tuple[str, ...] = VOICE_FILES,
+    files: tuple[str, ...] | None = None,
     *,
     offline: bool = False,
     endpoint: str | None = None,
@@ -150,11 +178,12 @@ def ensure_extra_files(
 
     Each file is fetched into ``<model_dir>/.partial/`` (resumable) and moved in only once
     verified, so the model directory never holds a partial file under a real name.
+    ``files``: default, the model's prompt models.
     """
-    absent = missing_files(model_dir, files)
+    spec = model_spec(name)
+    absent = missing_files(model_dir, spec.voice_files if files is None else files)
     if not absent:
         return
-    spec = model_spec(name)
     from huggingface_hub import constants as hub_constants
 
     if offline or hub_constants.is_offline_mode():
@@ -171,6 +200,7 @@ def ensure_extra_files(
             spec, filename, staging, state, endpoint=endpoint, attempts=attempts
         )
         state_path.write_text(json.dumps(state, indent=1))
+        (model_dir / filename).parent.mkdir(parents=True, exist_ok=True)
         os.replace(staging / filename, model_dir / filename)
     state_path.unlink()
     staging.rmdir()
@@ -224,6 +254,7 @@ def _download_file(
         raise DownloadError(f"cannot reach {url} ({type(err).__name__}: {err})") from err
     etag = meta.etag or ""
     final = folder / filename
+    final.parent.mkdir(parents=True, exist_ok=True)  # a file in a subfolder of the repository
     if final.is_file() and state.get(filename) == etag and etag:
         _LOGGER.info("%s: already downloaded", filename)
         return etag

@@ -32,7 +32,6 @@ from wyoming.event import Event, async_write_event
 from wyoming.info import Attribution, Describe, Info, TtsProgram, TtsVoice
 from wyoming.tts import SynthesizeStopped
 
-from engine.constants import SAMPLE_RATE
 from engine.text.errors import TextInputError
 from engine.types import EngineError, SynthesisCancelled
 from engine.types import UnknownSpeakerError as EngineUnknownSpeaker
@@ -373,7 +372,7 @@ class EventHandler:
         block_open, blocks = False, 0
         while (event := await speech.next()) is not None:
             if isinstance(event, SentenceStart) and not block_open:
-                self._out.put_nowait(_audio_start())
+                self._out.put_nowait(_audio_start(speech.sample_rate))
                 block_open, blocks = True, blocks + 1
             elif isinstance(event, Audio):
                 self._send_audio(event, speech)
@@ -381,7 +380,7 @@ class EventHandler:
                 self._out.put_nowait(AudioStop().event())
                 block_open = False
         if not blocks:
-            self._out.put_nowait(_audio_start())
+            self._out.put_nowait(_audio_start(speech.sample_rate))
             _LOGGER.info("Nothing to speak for %s: sent an empty audio block", self._peer)
             block_open = True
         if block_open:
@@ -394,7 +393,7 @@ class EventHandler:
         for start in range(0, len(audio.pcm), step):
             piece = audio.pcm[start : start + step]
             event = WyomingAudioChunk(
-                rate=SAMPLE_RATE, width=WIDTH, channels=_CHANNELS, audio=piece
+                rate=speech.sample_rate, width=WIDTH, channels=_CHANNELS, audio=piece
             ).event()
             self._out.put_nowait(_Delivery(event, speech))
 
@@ -417,8 +416,8 @@ class EventHandler:
             self._cancel.set()  # the client is gone: stop its synthesis
 
 
-def _audio_start() -> Event:
-    return AudioStart(rate=SAMPLE_RATE, width=WIDTH, channels=_CHANNELS).event()
+def _audio_start(rate: int) -> Event:
+    return AudioStart(rate=rate, width=WIDTH, channels=_CHANNELS).event()
 
 
 def build_info(catalog: VoiceCatalog, *, streaming: bool, model: str) -> Info:

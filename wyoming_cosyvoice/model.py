@@ -21,17 +21,23 @@ _LOGGER = logging.getLogger(__name__)
 
 def resolve_model_dir(config: ServerConfig) -> Path:
     """--model-dir as given (checked), else found in the data dirs or downloaded."""
+    from engine.family import model_family
+    from engine.types import ModelLoadError
     from wyoming_cosyvoice.download import (
-        MODEL_FILES,
         ModelNotFoundError,
         ensure_model,
+        family_spec,
         missing_files,
     )
 
     if config.model_dir is not None:
         if not config.model_dir.is_dir():
             raise ModelNotFoundError(f"--model-dir {config.model_dir} is not a directory")
-        absent = missing_files(config.model_dir, MODEL_FILES)
+        try:
+            family = model_family(config.model_dir).name
+        except ModelLoadError as err:
+            raise ModelNotFoundError(f"--model-dir {err}") from err
+        absent = missing_files(config.model_dir, family_spec(family).files)
         if absent:
             raise ModelNotFoundError(
                 f"--model-dir {config.model_dir} is missing or has empty: {', '.join(absent)}"
@@ -54,10 +60,11 @@ def load_cosyvoice(
     flow_int8: bool = False,
     hift_bf16: bool = False,
 ) -> Engine:
-    """The real engine; imported here so torch loads on the engine thread, not at startup."""
-    from engine.engine import CosyVoiceEngine
+    """The engine of the directory's model family; imported here so torch loads on the engine
+    thread, not at startup."""
+    from engine.family import load_engine
 
-    return CosyVoiceEngine.load(
+    engine: Engine = load_engine(
         model_dir,
         threads=threads,
         lm_int8=lm_int8,
@@ -65,6 +72,28 @@ def load_cosyvoice(
         hift_bf16=hift_bf16,
         cache_dir=cache_dir,
     )
+    return engine
+
+
+def model_family_name(model_dir: Path) -> str:
+    """``cosyvoice`` or ``cosyvoice2``: the directory's family, read without torch.
+
+    A directory of no known family counts as v1's here: its load reports what is wrong.
+    """
+    from engine.family import model_family
+    from engine.types import ModelLoadError
+
+    try:
+        return model_family(model_dir).name
+    except ModelLoadError:
+        return "cosyvoice"
+
+
+def model_sample_rate(model_dir: Path) -> int:
+    """The rate the directory's model speaks at, known before the engine loads."""
+    from wyoming_cosyvoice.download import SAMPLE_RATES
+
+    return SAMPLE_RATES[model_family_name(model_dir)]
 
 
 def engine_cache_dir(config: ServerConfig) -> Path | None:
@@ -79,15 +108,26 @@ def engine_cache_dir(config: ServerConfig) -> Path | None:
 
 def engine_loader(config: ServerConfig) -> EngineFactory:
     """The real loader with the config's load-time weight formats (LM: a server setting, flow
-    and HiFT: the server profile's) and cache directory."""
+    and HiFT: the server profile's) and cache directory; a model without built-in speakers
+    (CosyVoice2) gets the built-in voices folder's voices."""
     weights = config.load.weights
-    return partial(
+    load = partial(
         load_cosyvoice,
         lm_int8=weights.lm == "int8",
         flow_int8=weights.flow == "int8",
         hift_bf16=weights.hift == "bf16",
         cache_dir=engine_cache_dir(config),
     )
+
+    def load_with_voices(model_dir: Path, threads: int | None) -> Engine:
+        engine = load(model_dir, threads)
+        if engine.kind == "cosyvoice2":
+            from wyoming_cosyvoice.builtin_voices import provide_builtin_voices
+
+            provide_builtin_voices(engine, config)
+        return engine
+
+    return load_with_voices
 
 
 def scheduler_for_config(
@@ -109,10 +149,24 @@ def scheduler_for_config(
         engine_factory=engine_factory,
         threads=load.threads,
         warmup=load.warmup,
-        speakers_hint=peek_speakers(model_dir),
+        speakers_hint=speakers_before_load(config, model_dir),
         parallel=load.parallel_sentences,
         shared_cores=shared_cores,
+        sample_rate=model_sample_rate(model_dir),
+        prime_options=config.profile.options(
+            speaker=None, seed=None, instruct=None, force_tokens=None
+        ),
     )
+
+
+def speakers_before_load(config: ServerConfig, model_dir: Path) -> list[str] | None:
+    """The voices ``describe`` lists while the model loads: v1's speaker table, CosyVoice2's
+    built-in voices already made."""
+    if model_family_name(model_dir) == "cosyvoice2":
+        from wyoming_cosyvoice.builtin_voices import builtin_voices_dir, cached_voice_names
+
+        return cached_voice_names(builtin_voices_dir(config)) or None
+    return peek_speakers(model_dir)
 
 
 # --- speaker names without torch ------------------------------------------------------------

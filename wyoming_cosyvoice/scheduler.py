@@ -22,6 +22,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Protocol
 
+from engine.constants import SAMPLE_RATE
 from engine.types import AudioChunk, SynthesisCancelled, SynthesisOptions
 from wyoming_cosyvoice.protocol import ServerBusyError
 from wyoming_cosyvoice.voice_catalog import VoiceCatalog
@@ -34,6 +35,8 @@ class Engine(Protocol):
 
     speakers: list[str]
     kind: str
+
+    # sample_rate (22050 or 24000) is read with getattr: test fakes may lack it.
 
     def synthesize(
         self, text: str, options: SynthesisOptions, cancel: threading.Event | None = None
@@ -126,8 +129,15 @@ class Scheduler:
         speakers_hint: list[str] | None = None,
         parallel: int = 1,
         shared_cores: bool = False,
+        sample_rate: int = SAMPLE_RATE,
+        prime_options: SynthesisOptions | None = None,
     ) -> None:
         self.model_dir = model_dir
+        # The rate of the audio the engine makes: the model family's until it has loaded.
+        self.sample_rate = sample_rate
+        # The flow settings of the server's profile: an engine that primes its default voice
+        # (CosyVoice2) does so with them after the warm-up, so the first request does not.
+        self._prime_options = prime_options
         self._factory = engine_factory
         self._threads = threads
         self._shared_cores = shared_cores and parallel > 1
@@ -166,6 +176,7 @@ class Scheduler:
             engine = await self._call(self._executor, self._factory, self.model_dir, self._threads)
             if self._warmup:
                 await self._call(self._executor, engine.warmup)
+                await self._prime(engine)
             if self._shared_cores:
                 self._all_threads = await self._call(self._executor, _torch_threads)
             _LOGGER.info(
@@ -181,9 +192,17 @@ class Scheduler:
                 self._ready.exception()  # retrieved: no "never retrieved" log; waiters see it
             raise
         self.engine = engine
+        self.sample_rate = getattr(engine, "sample_rate", self.sample_rate)
         self.catalog = VoiceCatalog(list(engine.speakers))
         self._ready.set_result(engine)
         return engine
+
+    async def _prime(self, engine: Engine) -> None:
+        """Prime the default voice for the server profile's flow settings (if it has one)."""
+        prime = getattr(engine, "prime_voice", None)
+        if prime is None or self._prime_options is None or not engine.speakers:
+            return
+        await self._call(self._executor, prime, self._prime_options)
 
     async def wait_ready(self, timeout: float) -> Engine:
         try:

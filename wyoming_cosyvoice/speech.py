@@ -35,13 +35,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-from engine.constants import SAMPLE_RATE
 from engine.types import AudioChunk, EngineError, SynthesisCancelled, SynthesisOptions
 from wyoming_cosyvoice.config import Limits, ProfileConfig
 from wyoming_cosyvoice.protocol import LimitExceededError
 from wyoming_cosyvoice.scheduler import Scheduler
 from wyoming_cosyvoice.sentences import Sentence
-from wyoming_cosyvoice.voice_catalog import Voice, VoiceCatalog
+from wyoming_cosyvoice.voice_catalog import INSTRUCT_KINDS, Voice, VoiceCatalog
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -67,7 +66,7 @@ class SentenceStart:
 
 @dataclass(frozen=True)
 class Audio:
-    """16-bit little-endian mono PCM at ``SAMPLE_RATE``, in order."""
+    """16-bit little-endian mono PCM at the engine's sample rate, in order."""
 
     pcm: bytes
 
@@ -111,14 +110,15 @@ def split_instruction(
 ) -> tuple[dict[str, str], str | None]:
     """(voice request, instruction): ``speaker`` is an instruction when it names no voice.
 
-    Only with the -Instruct model: there Wyoming's ``voice.speaker`` is the one free-text field
+    Only with a model that takes instructions (-Instruct, CosyVoice2): there Wyoming's
+    ``voice.speaker`` is the one free-text field
     Home Assistant forwards per request (``tts.speak`` options ``voice`` + ``speaker``). A
     speaker that names a voice keeps its old meaning; with other models an unknown speaker stays
     an error.
     """
     wanted = dict(request or {})
     speaker = wanted.get("speaker")
-    if kind != "instruct" or not speaker or catalog.find(speaker) is not None:
+    if kind not in INSTRUCT_KINDS or not speaker or catalog.find(speaker) is not None:
         return wanted, None
     del wanted["speaker"]
     instruction = " ".join(speaker.split())
@@ -225,7 +225,6 @@ class Speech:
         self._todo: asyncio.Queue[Sentence | None] = asyncio.Queue()
         self._events: asyncio.Queue[SpeechEvent | BaseException | None] = asyncio.Queue()
         self._undelivered = 0  # samples made but not yet delivered to the client
-        self._max_undelivered = int(limits.max_buffered_audio_s * SAMPLE_RATE)
         self._space = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._speaking = False
@@ -263,6 +262,15 @@ class Speech:
         """Nothing to say for now: no sentence waiting or being spoken (an open stream may
         get more)."""
         return self._todo.empty() and not self._speaking
+
+    @property
+    def sample_rate(self) -> int:
+        """The rate of this speech's audio: the model's (22050 or 24000 Hz)."""
+        return self.scheduler.sample_rate
+
+    @property
+    def _max_undelivered(self) -> int:
+        return int(self.limits.max_buffered_audio_s * self.sample_rate)
 
     def delivered(self, samples: int) -> None:
         """The client has ``samples`` more of the audio handed out."""
@@ -337,8 +345,10 @@ class Speech:
         self._events.put_nowait(SentenceEnd(index))
 
     async def _on_chunk(self, chunk: AudioChunk) -> None:
-        if chunk.sample_rate != SAMPLE_RATE:
-            raise EngineError(f"engine produced {chunk.sample_rate} Hz, expected {SAMPLE_RATE}")
+        if chunk.sample_rate != self.sample_rate:
+            raise EngineError(
+                f"engine produced {chunk.sample_rate} Hz, expected {self.sample_rate}"
+            )
         if self.first_audio_s is None and self._started is not None:
             self.first_audio_s = time.monotonic() - self._started
         audio = Audio(chunk.pcm16)
@@ -358,6 +368,6 @@ class Speech:
         elapsed = time.monotonic() - (self._started or time.monotonic())
         _LOGGER.info(
             "Spoke %.2f s of audio (%s) for %s with profile %s: first audio after %.2f s, "
-            "done in %.2f s", self.samples / SAMPLE_RATE, ", ".join(self._voices_used),
+            "done in %.2f s", self.samples / self.sample_rate, ", ".join(self._voices_used),
             self.client, self.settings.profile.name, self.first_audio_s or 0.0, elapsed,
         )  # fmt: skip

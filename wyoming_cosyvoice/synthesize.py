@@ -122,7 +122,7 @@ def voice_choice(args: argparse.Namespace, config: ServerConfig, segments: list[
 
 def run(args: argparse.Namespace) -> int:
     from wyoming_cosyvoice.download import ModelNotFoundError
-    from wyoming_cosyvoice.model import peek_speakers, resolve_model_dir
+    from wyoming_cosyvoice.model import resolve_model_dir, speakers_before_load
     from wyoming_cosyvoice.protocol import VoiceNotFoundError
 
     try:
@@ -140,8 +140,9 @@ def run(args: argparse.Namespace) -> int:
     except ModelNotFoundError as err:
         _LOGGER.error("%s", err)
         return 1
-    # The voices are checked before the (slow) model load: spk2info.pt names the speakers.
-    speakers = peek_speakers(model_dir)
+    # The voices are checked before the (slow) model load: spk2info.pt names the speakers
+    # (CosyVoice2: the built-in voices already made).
+    speakers = speakers_before_load(config, model_dir)
     catalog = VoiceCatalog(speakers) if speakers else None
     voices = voice_choice(args, config, segments, catalog)
     if catalog is not None:
@@ -182,7 +183,7 @@ async def speak(config: ServerConfig, model_dir: Path, segments: list[Sentence],
             speech.say(segment)
         speech.end()
         try:
-            with output.open(len(segments), args.batch and not args.quiet):
+            with output.open(len(segments), args.batch and not args.quiet, speech.sample_rate):
                 while (event := await speech.next()) is not None:
                     output.add(event)
                     if isinstance(event, Audio):
@@ -212,12 +213,10 @@ class FileOutput:
     def name(self) -> str:
         return "stdout" if self.args.output == "-" else str(self.args.output)
 
-    def open(self, segments: int, progress: bool) -> FileOutput:
+    def open(self, segments: int, progress: bool, rate: int) -> FileOutput:
         from tqdm import tqdm
 
-        from engine.constants import SAMPLE_RATE
-
-        self.rate, self.total = SAMPLE_RATE, segments
+        self.rate, self.total = rate, segments
         self._target: BinaryIO | Path = io.BytesIO() if self.args.output == "-" else Path(
             self.args.output)  # fmt: skip
         if self.args.segments_dir is not None:

@@ -139,7 +139,7 @@ async def request(port: int, text: str, *, timeout: float = REQUEST_TIMEOUT_S) -
 
     start = time.perf_counter()
     first: float | None = None
-    n_bytes, bytes_per_s = 0, 22050 * 2
+    n_bytes, bytes_per_s = 0, 0  # the format comes with audio-start
     async with AsyncTcpClient("127.0.0.1", port) as client:
         await client.write_event(Synthesize(text=text).event())
         while True:
@@ -162,7 +162,7 @@ async def request(port: int, text: str, *, timeout: float = REQUEST_TIMEOUT_S) -
     return {
         "first_audio_ms": (first - start) * 1000 if first else None,
         "total_ms": (end - start) * 1000,
-        "audio_s": n_bytes / bytes_per_s,
+        "audio_s": n_bytes / bytes_per_s if bytes_per_s else 0.0,
         "start": start,
         "end": end,
     }

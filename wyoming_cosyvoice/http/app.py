@@ -20,7 +20,6 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
 
-from engine.constants import SAMPLE_RATE
 from engine.text.errors import TextInputError
 from engine.types import EngineError, SynthesisCancelled
 from engine.types import UnknownSpeakerError as EngineUnknownSpeaker
@@ -157,7 +156,7 @@ class TtsRoutes:
             "default": self.config.voice,
             "profiles": self.config.servable_profiles,
             "default_profile": self.config.profile.name,
-            "sample_rate": SAMPLE_RATE,
+            "sample_rate": self.scheduler.sample_rate,
             "ready": self.status()[0] == "ready",
         })  # fmt: skip
 
@@ -190,9 +189,10 @@ class TtsRoutes:
             raise engine_error(err) from err
         finally:
             job.stop()
-        pcm = (first or b"") + rest
-        body = wav_header(len(pcm)) + pcm if speech.audio_format == "wav" else pcm
-        return Response(body, media_type=media_type(speech), headers=audio_headers(speech))
+        pcm, rate = (first or b"") + rest, job.speech.sample_rate
+        body = wav_header(len(pcm), rate) + pcm if speech.audio_format == "wav" else pcm
+        return Response(body, media_type=media_type(speech, rate),
+                        headers=audio_headers(speech, rate))  # fmt: skip
 
     def _speech(self, speech: SpeechRequest, request: Request) -> Speech:
         """The request's sentences, fed to the speech pipeline."""

@@ -25,7 +25,7 @@ from wyoming_cosyvoice.http.errors import HttpError
 from wyoming_cosyvoice.protocol import VoiceNotFoundError
 from wyoming_cosyvoice.sentences import Sentence, SplitterFactory, split_text, text_language
 from wyoming_cosyvoice.speech import SpeechSettings, VoiceChoice
-from wyoming_cosyvoice.voice_catalog import Voice, VoiceCatalog
+from wyoming_cosyvoice.voice_catalog import INSTRUCT_KINDS, Voice, VoiceCatalog
 
 FORMATS = ("wav", "pcm")
 _MAX_SEED = 2**32 - 1
@@ -38,7 +38,7 @@ TTS_FIELDS = ("text", "voice", "speaker", "profile", "seed", "stream", "format")
 # OpenAI's fields, then this server's extensions (the same as /tts).
 OPENAI_FIELDS = ("model", "input", "voice", "instructions", "response_format", "speed",
                  "stream_format", "profile", "seed")  # fmt: skip
-INSTRUCT_MODEL = "CosyVoice-300M-Instruct"
+INSTRUCT_MODELS = "CosyVoice2-0.5B or CosyVoice-300M-Instruct"
 
 
 @dataclass(frozen=True)
@@ -130,7 +130,7 @@ class SpeechParser:
         self.config = config
         self._catalog = catalog  # a callable: the catalog is replaced once the model loads
         self._splitter_factory = splitter_factory
-        self._model_kind = model_kind  # 'sft', 'base' or 'instruct' once loaded
+        self._model_kind = model_kind  # 'sft', 'base', 'instruct' or 'cosyvoice2' once loaded
 
     def tts(self, data: dict[str, Any]) -> SpeechRequest:
         """``POST /tts``: {text, voice?, speaker?, profile?, seed?, stream?, format?}."""
@@ -177,12 +177,13 @@ class SpeechParser:
                              instruct=instruct)  # fmt: skip
 
     def _instructions(self, data: dict[str, Any]) -> str | None:
-        """The instruction for an -Instruct model; refused by any other (it would be ignored)."""
+        """The instruction for a model that takes one (CosyVoice2, -Instruct); refused by any
+        other (it would be ignored)."""
         instruct = _optional(data, "instructions", str, "a string")
         if instruct is None or not instruct.strip():
             return None  # clients that always send the field send it empty
-        if self._model_kind() != "instruct":
-            raise HttpError(400, f"'instructions' needs the {INSTRUCT_MODEL} model; the model "
+        if self._model_kind() not in INSTRUCT_KINDS:
+            raise HttpError(400, f"'instructions' needs the {INSTRUCT_MODELS} model; the model "
                             "this server runs has no instruct mode",
                             code="instructions_unsupported", param="instructions")  # fmt: skip
         return instruct

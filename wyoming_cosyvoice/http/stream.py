@@ -22,7 +22,6 @@ from typing import Any
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from engine.constants import SAMPLE_RATE
 from engine.types import SynthesisCancelled
 from wyoming_cosyvoice.http.speech import SpeechRequest
 from wyoming_cosyvoice.speech import WIDTH, Audio, Speech
@@ -32,7 +31,7 @@ CHANNELS = 1
 _UNKNOWN = 0xFFFFFFFF  # RIFF/data size of a stream whose length is not known yet
 
 
-def wav_header(data_bytes: int | None, sample_rate: int = SAMPLE_RATE) -> bytes:
+def wav_header(data_bytes: int | None, sample_rate: int) -> bytes:
     """A 44-byte PCM WAV header; ``None`` = unknown length (the streaming convention)."""
     riff = _UNKNOWN if data_bytes is None else 36 + data_bytes
     data = _UNKNOWN if data_bytes is None else data_bytes
@@ -43,9 +42,9 @@ def wav_header(data_bytes: int | None, sample_rate: int = SAMPLE_RATE) -> bytes:
     )  # fmt: skip
 
 
-def audio_headers(request: SpeechRequest) -> dict[str, str]:
+def audio_headers(request: SpeechRequest, sample_rate: int) -> dict[str, str]:
     return {
-        "X-Sample-Rate": str(SAMPLE_RATE),
+        "X-Sample-Rate": str(sample_rate),
         "X-Sample-Width": str(WIDTH),
         "X-Channels": str(CHANNELS),
         "X-Voice": request.voice.name,
@@ -54,11 +53,11 @@ def audio_headers(request: SpeechRequest) -> dict[str, str]:
     }
 
 
-def media_type(request: SpeechRequest) -> str:
+def media_type(request: SpeechRequest, sample_rate: int) -> str:
     if request.sse:
         return "text/event-stream"
     if request.audio_format == "pcm":
-        return f"audio/pcm;rate={SAMPLE_RATE};channels={CHANNELS};bits={WIDTH * 8}"
+        return f"audio/pcm;rate={sample_rate};channels={CHANNELS};bits={WIDTH * 8}"
     return "audio/wav"
 
 
@@ -129,9 +128,9 @@ class SpeechResponse(StreamingResponse):
     def __init__(self, job: SpeechJob, first: bytes | None) -> None:
         self.job = job
         self._first = first
-        request = job.request
-        super().__init__(self._body(), media_type=media_type(request),
-                         headers=audio_headers(request))  # fmt: skip
+        request, rate = job.request, job.speech.sample_rate
+        super().__init__(self._body(), media_type=media_type(request, rate),
+                         headers=audio_headers(request, rate))  # fmt: skip
 
     async def _body(self) -> AsyncIterator[bytes]:
         request, job = self.job.request, self.job
@@ -144,7 +143,7 @@ class SpeechResponse(StreamingResponse):
                                   "total_tokens": len(request.text)}})  # fmt: skip
             return
         if request.audio_format == "wav":
-            yield wav_header(None)
+            yield wav_header(None, job.speech.sample_rate)
         async for piece in self._pieces():
             yield piece
         if job.cancel.is_set():
