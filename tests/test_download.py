@@ -23,6 +23,8 @@ import pytest
 
 from wyoming_cosyvoice.download import (
     MODEL_FILES,
+    MODEL_FILES_V2,
+    VOICE_FILES_V2,
     DownloadError,
     ModelNotFoundError,
     download_model,
@@ -32,14 +34,19 @@ from wyoming_cosyvoice.download import (
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "tests" / "data" / "tiny_model"
+TINY_V2 = ROOT / "tests" / "data" / "cosyvoice2" / "tiny"
+ONNX = ROOT / "tests" / "data" / "zero_shot" / "onnx"
 REPO = "FunAudioLLM/CosyVoice-300M-SFT"
+REPO_V2 = "FunAudioLLM/CosyVoice2-0.5B"
+NAME_V2 = "CosyVoice2-0.5B"
 NAME = "CosyVoice-300M-SFT"
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
 
 class Hub:
-    def __init__(self, files: dict[str, bytes]) -> None:
+    def __init__(self, files: dict[str, bytes], repo: str = REPO) -> None:
         self.files = files
+        self.repo = repo
         self.cut_after: dict[str, int] = {}  # file -> bytes sent per response before hanging up
         self.corrupt: set[str] = set()
         self.requests: list[tuple[str, str, str | None]] = []  # (method, path, Range)
@@ -71,7 +78,7 @@ def make_handler(hub: Hub) -> type[http.server.BaseHTTPRequestHandler]:
 
         def answer(self, body: bool) -> None:
             hub.requests.append((self.command, self.path, self.headers.get("Range")))
-            prefix = f"/{REPO}/resolve/main/"
+            prefix = f"/{hub.repo}/resolve/main/"
             if self.path.startswith(prefix):
                 name = self.path[len(prefix) :]
                 if name not in hub.files:
@@ -132,7 +139,24 @@ def make_handler(hub: Hub) -> type[http.server.BaseHTTPRequestHandler]:
 def hub() -> Iterator[Hub]:
     files = {name: (TINY / name).read_bytes() for name in MODEL_FILES}
     files["README.md"] = b"not needed"
-    hub = Hub(files)
+    yield from serve(Hub(files))
+
+
+@pytest.fixture
+def hub_v2() -> Iterator[Hub]:
+    """The tiny CosyVoice2 model as its repository holds it: every file, needed or not."""
+    files = {
+        path.relative_to(TINY_V2).as_posix(): path.read_bytes()
+        for path in TINY_V2.rglob("*")
+        if path.is_file() and "prepared" not in path.parts
+    }
+    for name in VOICE_FILES_V2:
+        files[name] = (ONNX / f"tiny_{name}").read_bytes()
+    files["README.md"] = b"not needed"
+    yield from serve(Hub(files, REPO_V2))
+
+
+def serve(hub: Hub) -> Iterator[Hub]:
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), make_handler(hub))
     hub.port = server.server_address[1]
     thread = threading.Thread(target=server.serve_forever, daemon=True)
@@ -300,3 +324,69 @@ def test_voice_files_are_added_to_a_complete_model_dir(hub: Hub, tmp_path: Path)
     assert not (model_dir / ".partial").exists()
     with pytest.raises(ModelNotFoundError, match="offline"):
         ensure_extra_files(tmp_path / "empty", NAME, offline=True)
+
+
+# --- CosyVoice2 ------------------------------------------------------------------------------
+
+
+def _files_under(folder: Path) -> set[str]:
+    return {p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file()}
+
+
+def test_cosyvoice2_downloads_only_what_the_engine_reads(hub_v2: Hub, tmp_path: Path) -> None:
+    path = ensure_model(NAME_V2, (tmp_path,), tmp_path, endpoint=endpoint(hub_v2))
+    assert path == tmp_path / NAME_V2
+    assert _files_under(path) == set(MODEL_FILES_V2)
+    for name in MODEL_FILES_V2:
+        assert (path / name).read_bytes() == (TINY_V2 / name).read_bytes(), name
+    fetched = {p.split("/resolve/main/")[-1] for m, p, _ in hub_v2.requests if m == "GET"}
+    fetched = {p.removeprefix("/cdn/") for p in fetched}
+    # Not the backbone's weights (they come from llm.pt), nor the prompt models yet.
+    assert fetched == set(MODEL_FILES_V2)
+    assert "CosyVoice-BlankEN/model.safetensors" not in fetched
+
+
+def test_cosyvoice2_resumes_a_file_in_the_backbone_folder(hub_v2: Hub, tmp_path: Path) -> None:
+    name = "CosyVoice-BlankEN/vocab.json"
+    hub_v2.cut_after[name] = 5_000
+    with pytest.raises(ModelNotFoundError, match="start again to resume"):
+        ensure_model(NAME_V2, (tmp_path,), tmp_path, endpoint=endpoint(hub_v2), attempts=1)
+    partial = tmp_path / f"{NAME_V2}.partial"
+    assert (partial / f"{name}.incomplete").stat().st_size == 5_000
+    assert find_model(NAME_V2, (tmp_path,), MODEL_FILES_V2) is None
+    hub_v2.cut_after.clear()
+    hub_v2.requests.clear()
+    path = ensure_model(NAME_V2, (tmp_path,), tmp_path, endpoint=endpoint(hub_v2))
+    assert (path / name).read_bytes() == (TINY_V2 / name).read_bytes()
+    gets = [(p, r) for m, p, r in hub_v2.requests if m == "GET"]
+    assert (f"/{REPO_V2}/resolve/main/{name}", "bytes=5000-") in gets  # continued
+    assert not partial.exists()
+
+
+def test_cosyvoice2_prompt_models_are_its_own(hub_v2: Hub, tmp_path: Path) -> None:
+    import shutil
+
+    from wyoming_cosyvoice.download import ensure_extra_files
+
+    model_dir = tmp_path / NAME_V2
+    shutil.copytree(TINY_V2, model_dir)
+    ensure_extra_files(model_dir, NAME_V2, endpoint=endpoint(hub_v2))
+    for name in VOICE_FILES_V2:
+        assert (model_dir / name).read_bytes() == hub_v2.files[name]
+    assert not (model_dir / "speech_tokenizer_v1.onnx").exists()
+
+
+def test_a_cosyvoice2_model_dir_is_checked_for_its_own_files(tmp_path: Path) -> None:
+    import shutil
+
+    from wyoming_cosyvoice.config import load_config
+    from wyoming_cosyvoice.model import model_sample_rate, resolve_model_dir
+
+    model_dir = tmp_path / "v2"
+    shutil.copytree(TINY_V2, model_dir)
+    config = load_config(overrides=[("server.model_dir", str(model_dir))])
+    assert resolve_model_dir(config) == model_dir  # no spk2info.pt asked for
+    assert model_sample_rate(model_dir) == 24000
+    (model_dir / "CosyVoice-BlankEN" / "merges.txt").unlink()
+    with pytest.raises(ModelNotFoundError, match="CosyVoice-BlankEN/merges.txt"):
+        resolve_model_dir(config)

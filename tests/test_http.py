@@ -110,7 +110,7 @@ class BackgroundServer:
         return httpx.Client(base_url=self.url, timeout=timeout)
 
 
-def parse_wav(data: bytes) -> tuple[wave._wave_params, bytes]:
+def parse_wav(data: bytes, rate: int = RATE) -> tuple[wave._wave_params, bytes]:
     """Params and PCM of a complete WAV; checks the RIFF and data sizes are exact."""
     riff, data_size = struct.unpack_from("<I", data, 4)[0], struct.unpack_from("<I", data, 40)[0]
     assert data[:4] == b"RIFF" and data[8:16] == b"WAVEfmt " and data[36:40] == b"data"
@@ -118,7 +118,7 @@ def parse_wav(data: bytes) -> tuple[wave._wave_params, bytes]:
     with wave.open(io.BytesIO(data)) as wav:
         params = wav.getparams()
         pcm = wav.readframes(params.nframes)
-    assert (params.nchannels, params.sampwidth, params.framerate) == (1, 2, RATE)
+    assert (params.nchannels, params.sampwidth, params.framerate) == (1, 2, rate)
     assert len(pcm) == params.nframes * 2 == data_size
     return params, pcm
 

@@ -1,0 +1,293 @@
+"""The server with CosyVoice2-0.5B, end to end: the tiny v2 model, its voices made on the first
+start from the tiny v1-SFT model's speakers (tiny ONNX stand-ins for the prompt models), and
+24 kHz audio over Wyoming and HTTP.
+
+One server (Wyoming listener + HTTP, one scheduler, the real loader) serves the module. Random
+weights never end a sentence by themselves, so every request makes a fixed number of speech
+tokens (``force_tokens``) and the audio length is known exactly. What the engine is asked to say
+is recorded at its LM, so instruct2 and the inline tags are checked where they take effect.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import shutil
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("starlette", reason="the http extra is not installed")
+pytest.importorskip("onnxruntime")
+
+from test_http import BackgroundServer, parse_wav  # noqa: E402
+
+from engine.types import SynthesisOptions  # noqa: E402
+
+DATA = Path(__file__).parent / "data"
+TINY_V1 = DATA / "tiny_model"
+TINY_V2 = DATA / "cosyvoice2" / "tiny"
+ONNX = DATA / "zero_shot" / "onnx"
+V2 = "CosyVoice2-0.5B"
+TOKENS = 60  # speech tokens per sentence (25 a second)
+SAMPLES = TOKENS * 2 * 480  # two mel frames a token, 480 samples a frame at 24 kHz
+# How the tiny v1 model says each built-in voice's sentence: 4 s, cheap flow steps.
+QUICK_V1 = SynthesisOptions(force_tokens=200, n_timesteps=2)
+
+
+def data_dir(root: Path, *, with_v1: bool) -> Path:
+    """A data dir holding the tiny v2 model (with its prompt models) and maybe the tiny v1-SFT."""
+    data = root / "data"
+    ignore = shutil.ignore_patterns("prepared")
+    shutil.copytree(TINY_V2, data / V2, ignore=ignore)
+    for name in ("campplus.onnx", "speech_tokenizer_v2.onnx"):
+        shutil.copy(ONNX / f"tiny_{name}", data / V2 / name)
+    if with_v1:
+        shutil.copytree(TINY_V1, data / "CosyVoice-300M-SFT", ignore=ignore)
+    return data
+
+
+class V2Server(BackgroundServer):
+    """The background server with the real loader on a CosyVoice2 data dir."""
+
+    def __init__(self, data: Path, overrides: dict[str, Any] | None = None) -> None:
+        settings = {"server.model": V2, "server.data_dirs": [str(data)], "server.offline": True,
+                    "server.threads": 1, "server.seed": 0}  # fmt: skip
+        super().__init__({**settings, **(overrides or {})}, simple_splitter=False)
+
+    async def _start(self) -> None:
+        from wyoming_cosyvoice.config import load_config
+        from wyoming_cosyvoice.http import start_http
+        from wyoming_cosyvoice.model import resolve_model_dir
+        from wyoming_cosyvoice.server import create_server
+
+        config = load_config(None, self.settings.items())
+        self.config = dataclasses.replace(config, force_tokens=TOKENS)
+        self.running = await create_server(self.config, resolve_model_dir(self.config))
+        self.http = await start_http(self.config, self.running.scheduler, "127.0.0.1", 0)
+        await asyncio.wait_for(asyncio.shield(self.running.load_task), 300)
+
+
+class LmInputs:
+    """What the engine's LM is asked for, request by request (wraps its ``generate``)."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine, self.lock, self.calls = engine, threading.Lock(), []
+        inner = engine.models.llm.generate
+
+        def generate(text_ids: list[int], prompt_text_ids: list[int],
+                     prompt_tokens: list[int], **kwargs: Any) -> Any:  # fmt: skip
+            with self.lock:
+                self.calls.append((list(text_ids), list(prompt_text_ids), list(prompt_tokens)))
+            return inner(text_ids, prompt_text_ids, prompt_tokens, **kwargs)
+
+        engine.models.llm.generate = generate
+
+    def take(self) -> list[tuple[list[int], list[int], list[int]]]:
+        with self.lock:
+            calls, self.calls = self.calls, []
+        return calls
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SimpleNamespace]:
+    data = data_dir(tmp_path_factory.mktemp("v2server"), with_v1=True)
+    handler, logger = _Capture(), logging.getLogger("wyoming_cosyvoice")
+    logger.addHandler(handler)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(logger, "level", logging.INFO)
+        patch.setattr("wyoming_cosyvoice.builtin_voices.SPEAKING_OPTIONS", QUICK_V1)
+        try:
+            with V2Server(data) as srv:
+                engine = srv.running.scheduler.engine
+                yield SimpleNamespace(
+                    srv=srv,
+                    data=data,
+                    engine=engine,
+                    log=handler.text(),
+                    lm=LmInputs(engine),
+                    port=srv.running.port,
+                    url=srv.url,
+                )
+        finally:
+            logger.removeHandler(handler)
+
+
+class _Capture(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+    def text(self) -> str:
+        return "\n".join(self.lines)
+
+
+def run(coro: Any) -> Any:
+    return asyncio.run(coro)
+
+
+# --- voices out of the box --------------------------------------------------------------------
+
+
+def test_first_start_makes_voices_from_the_v1_speakers(server: SimpleNamespace) -> None:
+    from wyoming_cosyvoice.builtin_voices import BUILTIN_VOICES_DIR
+
+    folder = server.data / BUILTIN_VOICES_DIR
+    for speaker in ("中文女", "英文男"):
+        for suffix in (".wav", ".txt", ".cosyvoice2.prompt.pt"):
+            assert (folder / f"{speaker}{suffix}").is_file(), speaker + suffix
+    assert server.engine.kind == "cosyvoice2" and server.engine.speakers == ["中文女", "英文男"]
+    assert "Built-in voice 1 of 2" in server.log and "Built-in voice 2 of 2" in server.log
+    assert f"Built-in voices from {folder}: 中文女, 英文男" in server.log
+
+
+def test_describe_lists_the_voices_before_and_after_the_load(
+    server: SimpleNamespace, wy: SimpleNamespace
+) -> None:
+    from wyoming.event import Event
+    from wyoming.info import Info
+
+    from wyoming_cosyvoice.model import speakers_before_load
+
+    async def describe() -> Info:
+        async with wy.connect(server.port) as client:
+            await client.write_event(Event("describe"))
+            reply = await wy.read_until(client, ("info",))
+        return Info.from_event(reply.events[-1])
+
+    info = run(describe())
+    assert [v.name for v in info.tts[0].voices] == ["en-male", "zh-female"]
+    # The next start lists them while the model still loads (from the folder's caches).
+    model_dir = server.srv.running.scheduler.model_dir
+    assert speakers_before_load(server.srv.config, model_dir) == ["中文女", "英文男"]
+
+
+# --- 24 kHz over Wyoming and HTTP -------------------------------------------------------------
+
+
+def test_wyoming_audio_is_24_khz(server: SimpleNamespace, wy: SimpleNamespace) -> None:
+    reply = run(wy.synthesize(server.port, "Hello there.", {"name": "en-male"}))
+    assert reply.error() is None and reply.types[0] == "audio-start"
+    assert reply.events[0].data["rate"] == 24000
+    chunks = [e for e in reply.events if e.type == "audio-chunk"]
+    assert chunks and all(c.data["rate"] == 24000 for c in chunks)
+    assert reply.samples == SAMPLES
+
+
+def test_wyoming_streaming_input_is_24_khz(server: SimpleNamespace, wy: SimpleNamespace) -> None:
+    reply = run(wy.stream(server.port, "The first one. 第二句。", voice={"name": "zh-female"}))
+    assert reply.types[-1] == "synthesize-stopped" and reply.error() is None
+    starts = [e for e in reply.events if e.type == "audio-start"]
+    assert len(starts) == 2 and all(e.data["rate"] == 24000 for e in starts)
+    assert reply.samples == 2 * SAMPLES
+
+
+def test_http_audio_is_24_khz(server: SimpleNamespace) -> None:
+    body = {"text": "Hello there.", "voice": "en-male"}
+    with httpx.Client(base_url=server.url, timeout=120) as client:
+        assert client.get("/voices").json()["sample_rate"] == 24000
+        whole = client.post("/tts", json=body)
+        assert whole.status_code == 200 and whole.headers["X-Sample-Rate"] == "24000"
+        params, pcm = parse_wav(whole.content, 24000)
+        assert params.nframes == SAMPLES
+        raw = client.post("/tts", json={**body, "format": "pcm", "stream": True})
+        assert raw.headers["content-type"].startswith("audio/pcm;rate=24000")
+        assert len(raw.content) == 2 * SAMPLES
+
+
+# --- instruct2 and the inline tags ------------------------------------------------------------
+
+INSTRUCTION = "用四川话说这句话"
+
+
+def _instruct2_calls(server: SimpleNamespace) -> list[tuple[list[int], list[int], list[int]]]:
+    calls = server.lm.take()
+    expected = server.engine.frontend.instruct_ids(INSTRUCTION)
+    assert calls and all(prompt == expected and tokens == [] for _, prompt, tokens in calls)
+    return calls
+
+
+def test_instruct2_over_wyoming(server: SimpleNamespace, wy: SimpleNamespace) -> None:
+    server.lm.take()
+    voice = {"name": "zh-female", "speaker": INSTRUCTION}
+    reply = run(wy.synthesize(server.port, "今天天气很好。", voice))
+    assert reply.error() is None and reply.samples == SAMPLES
+    _instruct2_calls(server)
+
+
+def test_instruct2_over_http(server: SimpleNamespace) -> None:
+    server.lm.take()
+    body = {"input": "今天天气很好。", "voice": "zh-female", "instructions": INSTRUCTION}
+    with httpx.Client(base_url=server.url, timeout=120) as client:
+        reply = client.post("/v1/audio/speech", json=body)
+    assert reply.status_code == 200, reply.text
+    _instruct2_calls(server)
+
+
+TAGGED = "Well [laughter] that is <strong>really</strong> funny [breath] indeed."
+
+
+def _tags_reached_the_lm(server: SimpleNamespace) -> None:
+    tokenizer = server.engine.frontend.tokenizer
+    tags = [tokenizer.token_id(t) for t in ("[laughter]", "<strong>", "</strong>", "[breath]")]
+    said = [i for text_ids, _, _ in server.lm.take() for i in text_ids]
+    assert all(tag in said for tag in tags), (tags, said)
+
+
+def test_inline_tags_over_wyoming(server: SimpleNamespace, wy: SimpleNamespace) -> None:
+    server.lm.take()
+    reply = run(wy.synthesize(server.port, TAGGED, {"name": "en-male"}))
+    assert reply.error() is None and reply.samples > 0
+    _tags_reached_the_lm(server)
+
+
+def test_inline_tags_over_http(server: SimpleNamespace) -> None:
+    server.lm.take()
+    with httpx.Client(base_url=server.url, timeout=120) as client:
+        reply = client.post("/tts", json={"text": TAGGED, "voice": "en-male"})
+    assert reply.status_code == 200, reply.text
+    _tags_reached_the_lm(server)
+
+
+# --- without voices -----------------------------------------------------------------------------
+
+
+def test_offline_without_the_v1_model_says_how_to_get_voices(
+    tmp_path: Path, wy: SimpleNamespace, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO)
+    data = data_dir(tmp_path, with_v1=False)
+    with V2Server(data, {"server.warmup": False}) as srv:
+        assert srv.running.scheduler.engine.speakers == []
+        reply = srv.call(wy.synthesize(srv.running.port, "Hello."))
+        with httpx.Client(base_url=srv.url, timeout=30) as client:
+            voices = client.get("/voices").json()
+    assert "No built-in voices for CosyVoice2-0.5B" in caplog.text
+    assert "allow the download of CosyVoice-300M-SFT" in caplog.text
+    assert "--voices-dir" in caplog.text
+    assert reply.error() is not None and "no speakers" in reply.error().text
+    assert voices["voices"] == [] and voices["sample_rate"] == 24000
+
+
+def test_voice_caches_are_named_per_family(tmp_path: Path) -> None:
+    from engine.cosyvoice2.prompt import COSYVOICE2
+    from engine.prompt.recipe import COSYVOICE1
+    from wyoming_cosyvoice.builtin_voices import V2_CACHE_SUFFIX
+    from wyoming_cosyvoice.config import load_config
+    from wyoming_cosyvoice.custom_voices import CACHE_SUFFIXES, prompt_model_files
+
+    assert CACHE_SUFFIXES["cosyvoice"] == COSYVOICE1.cache_suffix
+    assert CACHE_SUFFIXES["cosyvoice2"] == V2_CACHE_SUFFIX == COSYVOICE2.cache_suffix
+    config = load_config(None, [("server.model", "CosyVoice-300M-SFT")])
+    # A --model-dir of another family than the configured model: its own prompt models.
+    assert prompt_model_files(config, TINY_V2) == ("campplus.onnx", "speech_tokenizer_v2.onnx")
+    assert prompt_model_files(config, TINY_V1) == ("campplus.onnx", "speech_tokenizer_v1.onnx")
