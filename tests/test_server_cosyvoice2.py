@@ -15,6 +15,8 @@ import dataclasses
 import logging
 import shutil
 import threading
+import time
+import wave
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -34,11 +36,32 @@ DATA = Path(__file__).parent / "data"
 TINY_V1 = DATA / "tiny_model"
 TINY_V2 = DATA / "cosyvoice2" / "tiny"
 ONNX = DATA / "zero_shot" / "onnx"
+PROMPT_16K = DATA / "zero_shot" / "prompt16k_pcm16.wav"
 V2 = "CosyVoice2-0.5B"
 TOKENS = 60  # speech tokens per sentence (25 a second)
 SAMPLES = TOKENS * 2 * 480  # two mel frames a token, 480 samples a frame at 24 kHz
 # How the tiny v1 model says each built-in voice's sentence: 4 s, cheap flow steps.
 QUICK_V1 = SynthesisOptions(force_tokens=200, n_timesteps=2)
+
+
+def record_voice(folder: Path, name: str) -> None:
+    """A 5 s recording and its transcript (the 2.5 s test prompt, twice)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    with wave.open(str(PROMPT_16K), "rb") as recording:
+        pcm, params = recording.readframes(recording.getnframes()), recording.getparams()
+    with wave.open(str(folder / f"{name}.wav"), "wb") as doubled:
+        doubled.setparams(params)
+        doubled.writeframes(pcm + pcm)
+    (folder / f"{name}.txt").write_text("希望你以后能够做的比我还好呦。", encoding="utf-8")
+
+
+def wait_for_voice(srv: BackgroundServer, name: str) -> None:
+    """Until the voices folder's scan offers ``name`` (a bounded wait)."""
+    for _ in range(600):
+        if srv.running.scheduler.catalog.find(name) is not None:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"voice {name!r} never offered")
 
 
 def data_dir(root: Path, *, with_v1: bool) -> Path:
@@ -63,6 +86,7 @@ class V2Server(BackgroundServer):
 
     async def _start(self) -> None:
         from wyoming_cosyvoice.config import load_config
+        from wyoming_cosyvoice.custom_voices import CustomVoices
         from wyoming_cosyvoice.http import start_http
         from wyoming_cosyvoice.model import resolve_model_dir
         from wyoming_cosyvoice.server import create_server
@@ -71,7 +95,16 @@ class V2Server(BackgroundServer):
         self.config = dataclasses.replace(config, force_tokens=TOKENS)
         self.running = await create_server(self.config, resolve_model_dir(self.config))
         self.http = await start_http(self.config, self.running.scheduler, "127.0.0.1", 0)
+        self.voices = None
+        if self.config.voices_dir is not None:  # as the command starts it
+            model_dir = self.running.scheduler.model_dir
+            self.voices = CustomVoices(self.config, self.running.scheduler, model_dir).start()
         await asyncio.wait_for(asyncio.shield(self.running.load_task), 300)
+
+    async def _stop(self) -> None:
+        if self.voices is not None:
+            await self.voices.stop()
+        await super()._stop()
 
 
 class LmInputs:
@@ -98,13 +131,14 @@ class LmInputs:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SimpleNamespace]:
     data = data_dir(tmp_path_factory.mktemp("v2server"), with_v1=True)
+    record_voice(data / "voices", "anna")
     handler, logger = _Capture(), logging.getLogger("wyoming_cosyvoice")
     logger.addHandler(handler)
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(logger, "level", logging.INFO)
         patch.setattr("wyoming_cosyvoice.builtin_voices.SPEAKING_OPTIONS", QUICK_V1)
         try:
-            with V2Server(data) as srv:
+            with V2Server(data, {"server.voices_dir": str(data / "voices")}) as srv:
                 engine = srv.running.scheduler.engine
                 yield SimpleNamespace(
                     srv=srv,
@@ -169,6 +203,16 @@ def test_describe_lists_the_voices_before_and_after_the_load(
     # The next start lists them while the model still loads (from the folder's caches).
     model_dir = server.srv.running.scheduler.model_dir
     assert speakers_before_load(server.srv.config, model_dir) == ["中文女", "英文男"]
+
+
+def test_a_recorded_voice_joins_the_built_in_ones(
+    server: SimpleNamespace, wy: SimpleNamespace
+) -> None:
+    wait_for_voice(server.srv, "anna")
+    assert (server.data / "voices" / "anna.cosyvoice2.prompt.pt").is_file()
+    assert server.srv.running.scheduler.catalog.names == ["en-male", "zh-female", "anna"]
+    reply = run(wy.synthesize(server.port, "你好。", {"name": "anna"}))
+    assert reply.error() is None and reply.samples == SAMPLES
 
 
 # --- 24 kHz over Wyoming and HTTP -------------------------------------------------------------
@@ -276,6 +320,19 @@ def test_offline_without_the_v1_model_says_how_to_get_voices(
     assert "--voices-dir" in caplog.text
     assert reply.error() is not None and "no speakers" in reply.error().text
     assert voices["voices"] == [] and voices["sample_rate"] == 24000
+
+
+def test_a_cached_voice_is_logged_with_its_cache_file(
+    server: SimpleNamespace, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    wait_for_voice(server.srv, "anna")
+    voices = tmp_path / "voices"
+    shutil.copytree(server.data / "voices", voices)
+    caplog.set_level(logging.INFO)
+    data = data_dir(tmp_path, with_v1=False)
+    with V2Server(data, {"server.warmup": False, "server.voices_dir": str(voices)}) as srv:
+        wait_for_voice(srv, "anna")
+    assert "prompt from anna.cosyvoice2.prompt.pt" in caplog.text
 
 
 def test_voice_caches_are_named_per_family(tmp_path: Path) -> None:
