@@ -24,6 +24,7 @@ from engine.cosyvoice2.flow_args import (
     flow_args_from_doc,
     load_flow_args,
 )
+from engine.cosyvoice2.flow_cache import KVBuffer
 from engine.hparams import ModelConfigError, read_model_yaml
 from engine.types import ModelLoadError
 
@@ -421,3 +422,24 @@ def test_a_token_outside_the_speech_vocabulary_is_refused(flow: CausalFlow) -> N
     stream = flow.stream(*_prompt(0))
     with pytest.raises(ValueError, match="speech token 6561 is not below the flow's 6561"):
         stream.push([1, 2, 6561], finalize=True)
+
+
+def test_kv_pages_are_read_in_place_and_attend_like_one_sequence() -> None:
+    g = torch.Generator().manual_seed(6)
+
+    def heads(frames: int) -> torch.Tensor:  # (rows, heads, t, d) as a strided view, as made
+        return torch.randn(2, frames, 4, 8, generator=g).transpose(1, 2)
+
+    buffer = KVBuffer()
+    keys, values, outs = [], [], []
+    for frames in (10, 5, 7):
+        q, k, v = heads(frames), heads(frames), heads(frames)
+        outs.append(buffer.attend(q, k, v))
+        keys.append(k)
+        values.append(v)
+        whole_k, whole_v = torch.cat(keys, dim=2), torch.cat(values, dim=2)
+        want = torch.nn.functional.scaled_dot_product_attention(q, whole_k, whole_v)
+        torch.testing.assert_close(outs[-1], want, atol=1e-6, rtol=1e-5)
+    # Stored contiguous (keys transposed): no page is copied again when it is read.
+    assert all(pk.is_contiguous() and pv.is_contiguous() for pk, pv in buffer.pages)
+    assert buffer.length == 22

@@ -19,8 +19,9 @@ from torch import Tensor, nn
 class KVBuffer:
     """Keys and values of one attention layer for every frame so far, one page per call.
 
-    A chunk's keys and values are kept as they were computed, (rows, heads, t, d) each: nothing
-    is copied when a chunk arrives and no capacity is held in reserve. ``dtype`` (e.g.
+    A chunk's keys are kept transposed, (rows, heads, d, t), and its values as (rows, heads,
+    t, d), each contiguous: copied once when the chunk arrives, read in place by every later
+    chunk, and no capacity is held in reserve. ``dtype`` (e.g.
     float16) stores the pages in a narrower type, an approximation that halves their memory;
     a chunk still attends to its own keys at full precision.
     """
@@ -34,14 +35,16 @@ class KVBuffer:
         """Add the keys and values (rows, heads, t, d) of t new positions, then
         softmax(q·Kᵀ/√d + bias)·V of their queries over every key so far; bias (…, t, length)
         additive (−inf hides a key). Returns (rows, heads, t, d)."""
-        pages = [(pk.to(q.dtype), pv.to(q.dtype)) for pk, pv in self.pages] + [(k, v)]
-        stored = (k, v) if self.dtype is None else (k.to(self.dtype), v.to(self.dtype))
-        self.pages.append(stored)
-        self.length += k.shape[2]
-        if len(pages) == 1:
+        if not self.pages:
+            self._store(k, v)
             return F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+        keys_t, values = self._store(k, v)
+        pages = [(pk.to(q.dtype), pv.to(q.dtype)) for pk, pv in self.pages[:-1]]
+        pages.append((keys_t, values))
+        # Made contiguous once: a strided operand would be copied again for every page.
+        q = q.contiguous()
         scale = 1.0 / math.sqrt(q.shape[-1])
-        scores = torch.cat([torch.matmul(q, pk.transpose(-1, -2)) for pk, _ in pages], dim=-1)
+        scores = torch.cat([torch.matmul(q, pk) for pk, _ in pages], dim=-1)
         scores = scores * scale if bias is None else torch.add(bias, scores, alpha=scale)
         weights = scores.softmax(dim=-1)
         out: Tensor | None = None
@@ -53,6 +56,18 @@ class KVBuffer:
             start = end
         assert out is not None
         return out
+
+    def _store(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Keep a page as the products read it, keys transposed (rows, heads, d, t) and values
+        (rows, heads, t, d), both contiguous: a matmul then reads a page in place, where a
+        strided one is copied on every read. Returns the page at the computed precision."""
+        keys_t, values = k.transpose(-1, -2).contiguous(), v.contiguous()
+        if self.dtype is None:
+            self.pages.append((keys_t, values))
+        else:
+            self.pages.append((keys_t.to(self.dtype), values.to(self.dtype)))
+        self.length += k.shape[2]
+        return keys_t, values
 
     @property
     def nbytes(self) -> int:
