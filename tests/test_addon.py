@@ -288,7 +288,7 @@ def test_missing_and_unknown_options_fall_back_to_defaults() -> None:
 
 @pytest.mark.parametrize(
     ("key", "value"),
-    [("model", "CosyVoice2-0.5B"), ("profile", "turbo"), ("threads", -1), ("threads", True),
+    [("model", "Fun-CosyVoice3-0.5B"), ("profile", "turbo"), ("threads", -1), ("threads", True),
      ("seed", "7"), ("streaming", "yes"), ("debug_logging", 1), ("parallel_sentences", 0)],
 )  # fmt: skip
 def test_bad_values_name_the_option(key: str, value: Any) -> None:

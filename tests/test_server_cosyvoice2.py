@@ -348,3 +348,13 @@ def test_voice_caches_are_named_per_family(tmp_path: Path) -> None:
     # A --model-dir of another family than the configured model: its own prompt models.
     assert prompt_model_files(config, TINY_V2) == ("campplus.onnx", "speech_tokenizer_v2.onnx")
     assert prompt_model_files(config, TINY_V1) == ("campplus.onnx", "speech_tokenizer_v1.onnx")
+
+
+def test_the_synthesize_command_writes_24_khz(server: SimpleNamespace, tmp_path: Path) -> None:
+    from wyoming_cosyvoice.synthesize import main
+
+    out = tmp_path / "hello.wav"
+    argv = ["Hello there.", "-o", str(out), "--model", V2, "--data-dir", str(server.data)]
+    assert main([*argv, "--offline", "--threads", "1", "--seed", "1", "--quiet"]) == 0
+    with wave.open(str(out)) as wav:
+        assert (wav.getframerate(), wav.getnchannels()) == (24000, 1) and wav.getnframes() > 0

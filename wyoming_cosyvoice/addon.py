@@ -31,7 +31,7 @@ OPTIONS_FILE = Path("/data/options.json")
 DATA_DIR = Path("/data")
 SHARE_DIR = Path("/share/cosyvoice")
 
-MODELS = ("CosyVoice-300M-SFT", "CosyVoice-300M", "CosyVoice-300M-Instruct")
+MODELS = ("CosyVoice-300M-SFT", "CosyVoice2-0.5B", "CosyVoice-300M", "CosyVoice-300M-Instruct")
 # The server's profiles, in settings.yaml's order (the manifest's list must match, a test checks).
 PROFILES = tuple(packaged_settings()["profiles"])
 
