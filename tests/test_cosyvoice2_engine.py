@@ -312,6 +312,18 @@ def test_a_seed_gives_the_same_audio_and_streams_share_the_primed_prompt(
     assert len(first) == 80 * SAMPLES_PER_TOKEN
 
 
+def test_the_default_stream_keeps_its_keys_and_values_in_half_precision(
+    fresh: CosyVoice2Engine,
+) -> None:
+    """Half the stream's largest memory by default; the deviation is bounded in
+    tests/test_cosyvoice2_flow.py."""
+    assert fresh.flow_cache_dtype == torch.float16
+    fresh.prime_voice(SynthesisOptions(speaker="tester"))
+    primed = fresh._primed[("tester", 10, 0.7)].stream
+    pages = [page for state in primed.step_states for kv in state.kv for page in kv.pages]
+    assert pages and all(k.dtype == v.dtype == torch.float16 for k, v in pages)
+
+
 def test_a_new_request_stops_at_a_set_cancel_event(fresh: CosyVoice2Engine) -> None:
     forced = _force(fresh, _random_tokens(400))
     cancel = threading.Event()

@@ -414,8 +414,9 @@ def test_float16_cache_halves_the_estimator_memory(flow: CausalFlow) -> None:
 
     assert 2 * estimator_bytes(narrow_stream) == estimator_bytes(exact_stream)
     assert torch.equal(narrow[0], exact[0])  # the first chunk attends only to itself
+    # The bound the engine's default is chosen by (measured 2.7e-4 at a peak of 5.7).
     for got, want in zip(narrow[1:], exact[1:], strict=True):
-        torch.testing.assert_close(got, want, atol=1e-2, rtol=0)
+        torch.testing.assert_close(got, want, atol=1e-3, rtol=0)
 
 
 def test_a_token_outside_the_speech_vocabulary_is_refused(flow: CausalFlow) -> None:
