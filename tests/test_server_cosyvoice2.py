@@ -358,3 +358,15 @@ def test_the_synthesize_command_writes_24_khz(server: SimpleNamespace, tmp_path:
     assert main([*argv, "--offline", "--threads", "1", "--seed", "1", "--quiet"]) == 0
     with wave.open(str(out)) as wav:
         assert (wav.getframerate(), wav.getnchannels()) == (24000, 1) and wav.getnframes() > 0
+
+
+def test_a_fast_profile_loads_cosyvoice2_in_its_weight_formats(tmp_path: Path) -> None:
+    from wyoming_cosyvoice.config import load_config
+    from wyoming_cosyvoice.model import engine_loader
+
+    data = data_dir(tmp_path, with_v1=False)
+    settings = [("server.profile", "fastest"), ("server.offline", True),
+                ("server.data_dirs", [str(data)])]  # fmt: skip
+    engine = engine_loader(load_config(None, settings))(data / V2, 1)
+    assert engine.kind == "cosyvoice2"
+    assert {"llm.int8", "flow.int8", "hift.bf16"} <= set(engine.prepared_at_load)

@@ -32,14 +32,18 @@ SHUTDOWN_GRACE_S = 5.0
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="wyoming-cosyvoice",
-        description="CosyVoice-300M text to speech over the Wyoming protocol (Home Assistant).",
+        description="CosyVoice text to speech over the Wyoming protocol (Home Assistant).",
         epilog="Defaults come from config.yaml; any value can be set with --set KEY=VALUE. "
         "`wyoming-cosyvoice synthesize --help`: text to a WAV file without a server.",
     )
     add = p.add_argument
     add("--config", type=Path, help="settings file read over the defaults (config.yaml)")
     add("--uri", help="where to listen: tcp://HOST:PORT or unix://PATH")
-    add("--model", help="CosyVoice-300M-SFT (default), CosyVoice-300M or CosyVoice-300M-Instruct")
+    add(
+        "--model",
+        help="CosyVoice-300M-SFT (default), CosyVoice2-0.5B, CosyVoice-300M or "
+        "CosyVoice-300M-Instruct",
+    )
     add("--model-dir", help="use this model directory instead of searching the data dirs")
     add("--data-dir", action="append", help="directory searched for models (repeatable)")
     add("--download-dir", help="where a missing model is downloaded (default: first data dir)")

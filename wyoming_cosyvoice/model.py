@@ -111,23 +111,26 @@ def engine_loader(config: ServerConfig) -> EngineFactory:
     and HiFT: the server profile's) and cache directory; a model without built-in speakers
     (CosyVoice2) gets the built-in voices folder's voices."""
     weights = config.load.weights
-    load = partial(
-        load_cosyvoice,
+    return partial(
+        load_with_voices,
+        config=config,
         lm_int8=weights.lm == "int8",
         flow_int8=weights.flow == "int8",
         hift_bf16=weights.hift == "bf16",
         cache_dir=engine_cache_dir(config),
     )
 
-    def load_with_voices(model_dir: Path, threads: int | None) -> Engine:
-        engine = load(model_dir, threads)
-        if engine.kind == "cosyvoice2":
-            from wyoming_cosyvoice.builtin_voices import provide_builtin_voices
 
-            provide_builtin_voices(engine, config)
-        return engine
+def load_with_voices(
+    model_dir: Path, threads: int | None, *, config: ServerConfig, **load_options: Any
+) -> Engine:
+    """:func:`load_cosyvoice`, then (CosyVoice2) the built-in voices folder's voices."""
+    engine = load_cosyvoice(model_dir, threads, **load_options)
+    if engine.kind == "cosyvoice2":
+        from wyoming_cosyvoice.builtin_voices import provide_builtin_voices
 
-    return load_with_voices
+        provide_builtin_voices(engine, config)
+    return engine
 
 
 def scheduler_for_config(
