@@ -182,6 +182,30 @@ def test_first_start_makes_voices_from_the_v1_speakers(server: SimpleNamespace) 
     assert server.engine.kind == "cosyvoice2" and server.engine.speakers == ["中文女", "英文男"]
     assert "Built-in voice 1 of 2" in server.log and "Built-in voice 2 of 2" in server.log
     assert f"Built-in voices from {folder}: 中文女, 英文男" in server.log
+    assert (folder / ".finished").is_file()
+
+
+def test_an_unfinished_voices_folder_is_finished_on_the_next_start(
+    server: SimpleNamespace, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from wyoming_cosyvoice.builtin_voices import BUILTIN_VOICES_DIR, make_missing_voices
+    from wyoming_cosyvoice.config import load_config
+
+    monkeypatch.setattr("wyoming_cosyvoice.builtin_voices.SPEAKING_OPTIONS", QUICK_V1)
+    data = data_dir(tmp_path, with_v1=True)
+    folder = data / BUILTIN_VOICES_DIR
+    shutil.copytree(server.data / BUILTIN_VOICES_DIR, folder)
+    # Interrupted after the first voice: the second one and the mark are missing.
+    for path in [*folder.glob("英文男*"), folder / ".finished"]:
+        path.unlink()
+    kept = (folder / "中文女.wav").read_bytes()
+    config = load_config(None, [("server.data_dirs", [str(data)]), ("server.offline", True)])
+    make_missing_voices(data / V2, config)
+    assert (folder / "英文男.cosyvoice2.prompt.pt").is_file() and (folder / ".finished").is_file()
+    assert (folder / "中文女.wav").read_bytes() == kept
+    # Finished: the v1 model is not needed any more.
+    shutil.rmtree(data / "CosyVoice-300M-SFT")
+    make_missing_voices(data / V2, config)
 
 
 def test_describe_lists_the_voices_before_and_after_the_load(
@@ -199,7 +223,8 @@ def test_describe_lists_the_voices_before_and_after_the_load(
         return Info.from_event(reply.events[-1])
 
     info = run(describe())
-    assert [v.name for v in info.tts[0].voices] == ["en-male", "zh-female"]
+    # The built-in voices, then the voices folder's once scanned.
+    assert [v.name for v in info.tts[0].voices][:2] == ["en-male", "zh-female"]
     # The next start lists them while the model still loads (from the folder's caches).
     model_dir = server.srv.running.scheduler.model_dir
     assert speakers_before_load(server.srv.config, model_dir) == ["中文女", "英文男"]

@@ -7,11 +7,13 @@ one sentence each, spoken by the v1 engine, extracted as v2 prompts) under the d
 directory, and offers them as the v2 engine's built-in speakers under the names users know
 (``zh-female``, ...).
 
-The first start with CosyVoice2 finds the folder empty: it finds or downloads CosyVoice-300M-SFT
-and the v2 prompt models, makes the voices (logged one by one), frees the v1 model and goes on.
-All of it runs inside the engine load, on the engine thread: the event loop keeps answering
-``describe`` meanwhile. Later starts read the folder's caches in milliseconds. Offline without
-the v1 model, a log line says how to get voices; the server still runs (a voices folder works).
+The first start with CosyVoice2 finds the folder unfinished: it finds or downloads
+CosyVoice-300M-SFT and the v2 prompt models, makes the voices (logged one by one) and frees the
+v1 model before the v2 model loads, so the two never share the memory. All of it runs inside the
+engine load, on the engine thread: the event loop keeps answering ``describe`` meanwhile. An
+interrupted start goes on where it stopped (voices already made are kept); later starts read the
+folder's caches in milliseconds. Offline without the v1 model, a log line says how to get
+voices; the server still runs (a voices folder works).
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ SOURCE_MODEL = "CosyVoice-300M-SFT"  # whose built-in speakers become the voices
 # Under the download directory; named for what it holds.
 BUILTIN_VOICES_DIR = "CosyVoice2-voices-from-CosyVoice-300M-SFT"
 V2_CACHE_SUFFIX = ".cosyvoice2.prompt.pt"  # engine.cosyvoice2.prompt.COSYVOICE2.cache_suffix
+# Written once every speaker was tried: the folder is finished (a dot file: no voice).
+FINISHED_MARK = ".finished"
 # How the v1 model says each sentence: its own defaults (the real model ends each sentence
 # by itself).
 SPEAKING_OPTIONS = SynthesisOptions()
@@ -54,29 +58,28 @@ def cached_voice_names(folder: Path) -> list[str]:
     return sorted(p.name[: -len(V2_CACHE_SUFFIX)] for p in folder.glob(f"*{V2_CACHE_SUFFIX}"))
 
 
-def provide_builtin_voices(engine: Any, config: ServerConfig) -> list[str]:
-    """Add the built-in voices folder's voices to a CosyVoice2 ``engine`` (made first when the
-    folder has none); the names added. Runs on the engine thread; never raises for a voice
-    that cannot be had, it logs why."""
+def make_missing_voices(model_dir: Path, config: ServerConfig) -> None:
+    """Make the built-in voices for the CosyVoice2 directory ``model_dir`` when the folder has
+    none; never raises for voices that cannot be had, it logs why. Runs before the v2 engine
+    loads, so the v1 model is gone before the v2 one takes its memory."""
     folder = builtin_voices_dir(config)
-    if not cached_voice_names(folder):
-        try:
-            _make_voices(engine, config, folder)
-        except (ModelNotFoundError, DownloadError, OSError) as err:
-            _LOGGER.warning(
-                "No built-in voices for %s: %s\nTo get them, allow the download of %s (no "
-                "--offline, network access) or put that model in a data dir; or give the "
-                "server your own voices with --voices-dir (NAME.wav + NAME.txt, see "
-                "docs/custom-voices.md)",
-                engine.model_dir.name,
-                err,
-                SOURCE_MODEL,
-            )
-            return []
-    return _add_voices(engine, folder)
+    if (folder / FINISHED_MARK).is_file():
+        return
+    try:
+        _make_voices(model_dir, config, folder)
+    except (ModelNotFoundError, DownloadError, OSError) as err:
+        _LOGGER.warning(
+            "No built-in voices for %s: %s\nTo get them, allow the download of %s (no "
+            "--offline, network access) or put that model in a data dir; or give the "
+            "server your own voices with --voices-dir (NAME.wav + NAME.txt, see "
+            "docs/custom-voices.md)",
+            model_dir.name,
+            err,
+            SOURCE_MODEL,
+        )
 
 
-def _make_voices(engine: Any, config: ServerConfig, folder: Path) -> None:
+def _make_voices(model_dir: Path, config: ServerConfig, folder: Path) -> None:
     from engine.cosyvoice2.builtin_voices import make_builtin_voices
     from engine.cosyvoice2.prompt import prompt_models
     from engine.engine import CosyVoiceEngine
@@ -91,9 +94,7 @@ def _make_voices(engine: Any, config: ServerConfig, folder: Path) -> None:
         offline=offline,
         endpoint=endpoint,
     )
-    ensure_extra_files(
-        engine.model_dir, FAMILY_MODELS["cosyvoice2"], offline=offline, endpoint=endpoint
-    )
+    ensure_extra_files(model_dir, FAMILY_MODELS["cosyvoice2"], offline=offline, endpoint=endpoint)
     _LOGGER.info(
         "Making CosyVoice2's built-in voices from %s's speakers into %s (once)",
         SOURCE_MODEL,
@@ -107,7 +108,7 @@ def _make_voices(engine: Any, config: ServerConfig, folder: Path) -> None:
         cache_dir=engine_cache_dir(config),
     )
     try:
-        models = prompt_models(engine.model_dir)
+        models = prompt_models(model_dir)
         speakers = list(v1.speakers)
         for number, speaker in enumerate(speakers, 1):
             _LOGGER.info("Built-in voice %d of %d: %s", number, len(speakers), speaker)
@@ -117,7 +118,17 @@ def _make_voices(engine: Any, config: ServerConfig, folder: Path) -> None:
         del v1  # the v1 model is needed no more: give its memory back
         gc.collect()
         give_back_free_heap()
+    (folder / FINISHED_MARK).write_text("every speaker of the v1 model was tried\n")
     _LOGGER.info("Built-in voices made in %.0f s", time.monotonic() - start)
+
+
+def add_builtin_voices(engine: Any, config: ServerConfig) -> list[str]:
+    """Offer the built-in voices folder's voices as the CosyVoice2 ``engine``'s speakers; the
+    names added."""
+    folder = builtin_voices_dir(config)
+    if not cached_voice_names(folder):
+        return []
+    return _add_voices(engine, folder)
 
 
 def _add_voices(engine: Any, folder: Path) -> list[str]:

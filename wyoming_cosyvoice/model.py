@@ -124,12 +124,15 @@ def engine_loader(config: ServerConfig) -> EngineFactory:
 def load_with_voices(
     model_dir: Path, threads: int | None, *, config: ServerConfig, **load_options: Any
 ) -> Engine:
-    """:func:`load_cosyvoice`, then (CosyVoice2) the built-in voices folder's voices."""
-    engine = load_cosyvoice(model_dir, threads, **load_options)
-    if engine.kind == "cosyvoice2":
-        from wyoming_cosyvoice.builtin_voices import provide_builtin_voices
+    """:func:`load_cosyvoice`; for CosyVoice2 with the built-in voices folder's voices (made
+    first, before the v2 model takes its memory, when the folder has none)."""
+    if model_family_name(model_dir) != "cosyvoice2":
+        return load_cosyvoice(model_dir, threads, **load_options)
+    from wyoming_cosyvoice.builtin_voices import add_builtin_voices, make_missing_voices
 
-        provide_builtin_voices(engine, config)
+    make_missing_voices(model_dir, config)
+    engine = load_cosyvoice(model_dir, threads, **load_options)
+    add_builtin_voices(engine, config)
     return engine
 
 
