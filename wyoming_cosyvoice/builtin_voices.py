@@ -58,15 +58,18 @@ def cached_voice_names(folder: Path) -> list[str]:
     return sorted(p.name[: -len(V2_CACHE_SUFFIX)] for p in folder.glob(f"*{V2_CACHE_SUFFIX}"))
 
 
-def make_missing_voices(model_dir: Path, config: ServerConfig) -> None:
-    """Make the built-in voices for the CosyVoice2 directory ``model_dir`` when the folder has
-    none; never raises for voices that cannot be had, it logs why. Runs before the v2 engine
-    loads, so the v1 model is gone before the v2 one takes its memory."""
+def make_missing_voices(
+    model_dir: Path, config: ServerConfig, *, cache_dir: Path | None = None
+) -> None:
+    """Make the built-in voices for the CosyVoice2 directory ``model_dir`` unless the folder is
+    finished; never raises for voices that cannot be had, it logs why. Runs before the v2
+    engine loads, so the v1 model is gone before the v2 one takes its memory. ``cache_dir``:
+    where the v1 model's prepared files go when its directory cannot be written."""
     folder = builtin_voices_dir(config)
     if (folder / FINISHED_MARK).is_file():
         return
     try:
-        _make_voices(model_dir, config, folder)
+        _make_voices(model_dir, config, folder, cache_dir)
     except (ModelNotFoundError, DownloadError, OSError) as err:
         _LOGGER.warning(
             "No built-in voices for %s: %s\nTo get them, allow the download of %s (no "
@@ -79,12 +82,13 @@ def make_missing_voices(model_dir: Path, config: ServerConfig) -> None:
         )
 
 
-def _make_voices(model_dir: Path, config: ServerConfig, folder: Path) -> None:
+def _make_voices(
+    model_dir: Path, config: ServerConfig, folder: Path, cache_dir: Path | None
+) -> None:
     from engine.cosyvoice2.builtin_voices import make_builtin_voices
     from engine.cosyvoice2.prompt import prompt_models
     from engine.engine import CosyVoiceEngine
     from engine.runtime import give_back_free_heap
-    from wyoming_cosyvoice.model import engine_cache_dir
 
     offline, endpoint = config.offline, config.hub_endpoint
     source_dir = ensure_model(
@@ -105,7 +109,7 @@ def _make_voices(model_dir: Path, config: ServerConfig, folder: Path) -> None:
         source_dir,
         threads=config.load.threads,
         lm_int8=config.load.weights.lm == "int8",
-        cache_dir=engine_cache_dir(config),
+        cache_dir=cache_dir,
     )
     try:
         models = prompt_models(model_dir)

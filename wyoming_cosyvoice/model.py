@@ -130,7 +130,7 @@ def load_with_voices(
         return load_cosyvoice(model_dir, threads, **load_options)
     from wyoming_cosyvoice.builtin_voices import add_builtin_voices, make_missing_voices
 
-    make_missing_voices(model_dir, config)
+    make_missing_voices(model_dir, config, cache_dir=engine_cache_dir(config))
     engine = load_cosyvoice(model_dir, threads, **load_options)
     add_builtin_voices(engine, config)
     return engine
