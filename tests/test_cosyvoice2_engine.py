@@ -282,15 +282,16 @@ def test_whole_audio_equals_the_official_non_streaming_call(fresh: CosyVoice2Eng
 def test_low_latency_stream_starts_after_one_chunk_and_the_look_ahead(
     fresh: CosyVoice2Engine,
 ) -> None:
-    """The default schedule: the 60-token prompt is cut to two whole chunks, so the first
-    chunk needs 25 tokens plus 3 of look-ahead; then hops of 50 and 100."""
+    """The default schedule: the 60-token prompt is cut to two whole chunks and the 3-token
+    look-ahead of the second, so the first chunk (3 prompt tokens, 22 new) needs 22 tokens plus
+    3 of look-ahead; then hops of 50 and 100."""
     forced = _force(fresh, _random_tokens(190))
     stream = fresh.synthesize("Hello.", SynthesisOptions(speaker="tester", seed=3))
     first = next(stream)
-    assert forced.yielded == 25 + 3
+    assert forced.yielded == 22 + 3
     rest = list(stream)
     lengths = [len(c.samples) for c in [first, *rest]]
-    tokens = [25, 50, 100, 15]
+    tokens = [22, 50, 100, 18]
     held = [-HELD_BACK, 0, 0, HELD_BACK]
     assert lengths == [n * SAMPLES_PER_TOKEN + h for n, h in zip(tokens, held, strict=True)]
 
@@ -485,6 +486,8 @@ def test_hops_are_whole_attention_chunks() -> None:
     assert list(itertools.islice(low_latency, 5)) == [25, 50, 100, 100, 100]
     custom = StreamSchedule(first_hop=60, growth=1.5, max_hop=140)
     assert list(itertools.islice(chunk_hops(custom, 25), 4)) == [75, 100, 125, 125]
+    # A prompt 3 tokens into its last chunk: the first hop ends on the chunk's end.
+    assert list(itertools.islice(chunk_hops(LOW_LATENCY_SCHEDULE, 25, 53), 3)) == [22, 50, 100]
 
 
 def test_a_gapless_start_holds_chunks_back_but_changes_no_sample(

@@ -216,3 +216,23 @@ def test_a_chunk_aligned_prompt_gives_audio_after_25_tokens_and_the_look_ahead(
     for n in range(1, 28):
         assert speech.push(tokens[n - 1 : n]).shape[1] == 0, n
     assert speech.push(tokens[27:28]).shape[1] == 25 * 2 * 480 - 8 * 480
+
+
+def test_a_prompt_ending_on_its_look_ahead_makes_the_first_chunk_one_chunk(
+    flow: CausalFlow, hift: HiFTGenerator
+) -> None:
+    prompt = chunk_aligned(_prompt(60), 25, lookahead=3)
+    assert prompt.tokens.shape == (1, 53) and prompt.feat.shape == (1, 106, 80)
+    assert torch.equal(prompt.tokens, _prompt(60).tokens[:, 7:])
+    assert chunk_aligned(_prompt(27), 25, lookahead=3).tokens.shape == (1, 27)  # kept whole
+    base = flow.stream(prompt.tokens, prompt.feat, prompt.embedding)
+    base.push([])
+    assert base.frames_per_step() == [100]  # both whole prompt chunks, look-ahead included
+    noise = GeneratorNoise(torch.Generator().manual_seed(0))
+    speech = SpeechStream(flow, hift, prompt, noise, flow_stream=base.fork())
+    tokens = _tokens(40)
+    for n in range(1, 25):
+        assert speech.push(tokens[n - 1 : n]).shape[1] == 0, n
+    assert speech.push(tokens[24:25]).shape[1] == 22 * 2 * 480 - 8 * 480
+    # One chunk's frames: the prompt's last 3 tokens and 22 new ones; nothing before.
+    assert speech.flow.frames_per_step() == [100, 50]

@@ -17,11 +17,12 @@ cross-lingual or instruct2 mode (:func:`engine.cosyvoice2.prompt.conditioning`).
 
 Streaming schedules:
 
-* ``low_latency`` (the default): the prompt is cut to whole 25-token attention chunks
-  (:func:`~engine.cosyvoice2.streaming.chunk_aligned`), so the first chunk goes out after 25
-  tokens and the 3-token look-ahead; hops grow per the schedule in whole chunks. The prompt's
-  own chunks are computed once per voice and shared by its utterances (a primed stream,
-  :meth:`FlowStream.fork`); the last chunk is computed like the others (chunk attention).
+* ``low_latency`` (the default): the prompt is cut to whole 25-token attention chunks and
+  the 3-token look-ahead of its last one (:func:`~engine.cosyvoice2.streaming.chunk_aligned`),
+  so every whole prompt chunk is computed once per voice and shared by its utterances (a
+  primed stream, :meth:`FlowStream.fork`), and an answer's first chunk, after 22 tokens and
+  the look-ahead, is a single attention chunk; hops end on chunk boundaries and grow per the
+  schedule. The last chunk is computed like the others (chunk attention).
 * ``official``: the official orchestration — the whole prompt, the first hop padded to whole
   chunks, hops 25·2ⁿ up to 100 and the last chunk in full attention — its audio equals the
   official runtime's for the same tokens and noise.
@@ -93,13 +94,17 @@ def seeded_noise(seed: int) -> HiftNoiseSource:
     return GeneratorNoise(torch.Generator().manual_seed(seed + _NOISE_SEED_OFFSET))
 
 
-def chunk_hops(schedule: StreamSchedule, chunk: int) -> Iterator[int]:
-    """The schedule's hops in whole attention chunks of ``chunk`` tokens: ``first_hop`` rounded
-    up to a chunk, growing by ``growth`` up to ``max_hop`` (rounded down, at least one chunk)."""
+def chunk_hops(schedule: StreamSchedule, chunk: int, prompt_tokens: int = 0) -> Iterator[int]:
+    """The schedule's hops ending on attention chunk boundaries (chunks of ``chunk`` tokens
+    counted from the first of ``prompt_tokens``): ``first_hop`` rounded up to a chunk, less the
+    prompt's tokens in its unfinished last chunk; then growing by ``growth`` up to ``max_hop``
+    (rounded down, at least one chunk)."""
     limit = max(chunk, schedule.max_hop // chunk * chunk)
     hop = float(max(1, schedule.first_hop))
+    into_chunk = prompt_tokens % chunk
     while True:
-        yield min(limit, -(-round(hop) // chunk) * chunk)
+        yield min(limit, -(-round(hop) // chunk) * chunk) - into_chunk
+        into_chunk = 0
         hop *= max(1.0, schedule.growth)
 
 
@@ -379,10 +384,10 @@ class CosyVoice2Engine:
 
         if options.schedule.name == OFFICIAL_SCHEDULE.name:
             return speech_stream(prompt, official=True), official_hops(prompt.tokens.shape[1])
-        aligned = chunk_aligned(prompt, chunk)
+        aligned = chunk_aligned(prompt, chunk, flow.args.pre_lookahead_len)
         primed = self._primed_stream(voice, aligned, options).fork()
         speech = speech_stream(aligned, official=False, primed=primed)
-        return speech, chunk_hops(options.schedule, chunk)
+        return speech, chunk_hops(options.schedule, chunk, aligned.tokens.shape[1])
 
     def _primed_stream(
         self, voice: CustomVoice, prompt: FlowPrompt, options: SynthesisOptions
@@ -417,8 +422,9 @@ class CosyVoice2Engine:
         for the flow settings of ``options`` now, rather than in its first streamed request."""
         options = options or SynthesisOptions()
         voice = self._voice(options.speaker)
+        args = self.models.flow.args
         prompt = chunk_aligned(
-            flow_prompt(voice.prompt), self.models.flow.args.encoder.static_chunk_size
+            flow_prompt(voice.prompt), args.encoder.static_chunk_size, args.pre_lookahead_len
         )
         with torch.inference_mode():
             self._primed_stream(voice, prompt, options)

@@ -183,17 +183,23 @@ class SpeechStream:
         return mel[:, :, max(0, done) :]
 
 
-def chunk_aligned(prompt: FlowPrompt, chunk: int = TOKEN_HOP) -> FlowPrompt:
-    """The prompt less its first (tokens mod ``chunk``) tokens and their mel frames.
+def chunk_aligned(prompt: FlowPrompt, chunk: int = TOKEN_HOP, lookahead: int = 0) -> FlowPrompt:
+    """The prompt less its first few tokens (and their mel frames), so that it ends
+    ``lookahead`` tokens into an attention chunk.
 
-    Attention chunks are counted from the first prompt token, so a prompt of whole chunks lets
-    the first hop be ``chunk`` tokens (audio after 25 tokens and the look-ahead) instead of up
-    to twice that. The flow then hears up to 0.96 s less of the prompt's start (the LM's prompt
-    is not affected). A prompt shorter than one chunk is kept whole.
+    Attention chunks are counted from the first prompt token. Ending ``lookahead`` tokens past
+    a chunk's end, the prompt holds its last whole chunk's look-ahead: a voice's prompt stream
+    computes every whole prompt chunk once, and an answer's first chunk is one chunk (the
+    prompt's last ``lookahead`` tokens and ``chunk − lookahead`` new ones, audio after
+    ``chunk`` tokens) instead of the prompt's last chunk and a chunk of its own. The flow then
+    hears up to 0.96 s less of the prompt's start (the LM's prompt is not affected). A prompt
+    shorter than ``chunk + lookahead`` tokens is kept whole.
     """
     tokens = prompt.tokens.shape[1]
-    drop = tokens % chunk
-    if drop == 0 or tokens < chunk:
+    if tokens < chunk + lookahead:
+        return prompt
+    drop = (tokens - lookahead) % chunk
+    if drop == 0:
         return prompt
     ratio = prompt.feat.shape[1] // tokens
     return FlowPrompt(prompt.embedding, prompt.tokens[:, drop:], prompt.feat[:, ratio * drop :])
