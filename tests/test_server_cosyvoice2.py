@@ -395,3 +395,23 @@ def test_a_fast_profile_loads_cosyvoice2_in_its_weight_formats(tmp_path: Path) -
     engine = engine_loader(load_config(None, settings))(data / V2, 1)
     assert engine.kind == "cosyvoice2"
     assert {"llm.int8", "flow.int8", "hift.bf16"} <= set(engine.prepared_at_load)
+
+
+def test_the_default_voice_is_primed_for_the_server_profile(wy: SimpleNamespace) -> None:
+    class PrimingEngine(wy.FakeEngine):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.primed: list[tuple[bool, SynthesisOptions]] = []
+
+        def prime_voice(self, options: SynthesisOptions) -> None:
+            self.primed.append((self.warmed, options))
+
+    async def start() -> Any:
+        settings = {"server.warmup": True, "server.profile": "fastest"}
+        async with wy.fake_server(settings, engine=PrimingEngine) as srv:
+            return srv.engines[0]
+
+    engine = run(start())
+    ((warmed_first, options),) = engine.primed
+    assert warmed_first and options.speaker is None  # after the warm-up, the default voice
+    assert (options.n_timesteps, options.cfg_rate) == (4, 0.0)  # fastest's flow settings
