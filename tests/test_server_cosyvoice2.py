@@ -145,6 +145,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SimpleNamespace
                     data=data,
                     engine=engine,
                     log=handler.text(),
+                    log_threads=dict(handler.threads),
                     lm=LmInputs(engine),
                     port=srv.running.port,
                     url=srv.url,
@@ -157,9 +158,11 @@ class _Capture(logging.Handler):
     def __init__(self) -> None:
         super().__init__(logging.INFO)
         self.lines: list[str] = []
+        self.threads: dict[str, str] = {}  # message -> the thread that logged it
 
     def emit(self, record: logging.LogRecord) -> None:
         self.lines.append(record.getMessage())
+        self.threads[record.getMessage()] = record.threadName or ""
 
     def text(self) -> str:
         return "\n".join(self.lines)
@@ -181,6 +184,8 @@ def test_first_start_makes_voices_from_the_v1_speakers(server: SimpleNamespace) 
             assert (folder / f"{speaker}{suffix}").is_file(), speaker + suffix
     assert server.engine.kind == "cosyvoice2" and server.engine.speakers == ["中文女", "英文男"]
     assert "Built-in voice 1 of 2" in server.log and "Built-in voice 2 of 2" in server.log
+    # Made on the engine thread, inside the load: the event loop stays free meanwhile.
+    assert server.log_threads["Built-in voice 1 of 2: 中文女"].startswith("engine")
     assert f"Built-in voices from {folder}: 中文女, 英文男" in server.log
     assert (folder / ".finished").is_file()
 
