@@ -64,16 +64,21 @@ def _rel_pos_tables(d: int, n: int) -> tuple[Tensor, Tensor]:
         while size < n:
             size *= 2
         size = min(size, max(n, _OFFICIAL_TABLE_LEN))  # no larger than the official table
-        position = torch.arange(0, size, dtype=torch.float32).unsqueeze(1)
-        div_term = torch.exp(torch.arange(0, d, 2, dtype=torch.float32) * -(math.log(10000.0) / d))
-        pos = torch.zeros(size, d)
-        neg = torch.zeros(size, d)
-        pos[:, 0::2] = torch.sin(position * div_term)
-        pos[:, 1::2] = torch.cos(position * div_term)
-        neg[:, 0::2] = torch.sin(-1 * position * div_term)
-        neg[:, 1::2] = torch.cos(-1 * position * div_term)
-        _tables[d] = (pos, neg)
-        return pos, neg
+        _tables[d] = _encodings(d, size)
+        return _tables[d]
+
+
+def _encodings(d: int, size: int) -> tuple[Tensor, Tensor]:
+    """(pos, neg), each (size, d): the tables of :func:`_rel_pos_tables`, not kept."""
+    position = torch.arange(0, size, dtype=torch.float32).unsqueeze(1)
+    div_term = torch.exp(torch.arange(0, d, 2, dtype=torch.float32) * -(math.log(10000.0) / d))
+    pos = torch.zeros(size, d)
+    neg = torch.zeros(size, d)
+    pos[:, 0::2] = torch.sin(position * div_term)
+    pos[:, 1::2] = torch.cos(position * div_term)
+    neg[:, 0::2] = torch.sin(-1 * position * div_term)
+    neg[:, 1::2] = torch.cos(-1 * position * div_term)
+    return pos, neg
 
 
 def rel_pos_table(d: int, length: int) -> Tensor:
@@ -82,12 +87,12 @@ def rel_pos_table(d: int, length: int) -> Tensor:
     return torch.cat([pos[:length].flip(0), neg[1:length]], dim=0)
 
 
-def position_row_block(weight: Tensor, heads: int, block: int) -> Tensor:
+def _row_block(weight: Tensor, heads: int, block: int, pos: Tensor) -> Tensor:
     """(h, B, d_k) = linear_pos(pe) / sqrt(d_k) of relative positions (block+1)·B-1 … block·B,
-    B = ``ROW_BLOCK``, for the ``linear_pos`` weight ``weight`` (d, d), in its dtype."""
+    B = ``ROW_BLOCK``, for the ``linear_pos`` weight ``weight`` (d, d), in its dtype; ``pos``
+    the encodings of positions 0 … (block+1)·B-1 at least."""
     d_k = weight.shape[0] // heads
     first, end = block * ROW_BLOCK, (block + 1) * ROW_BLOCK
-    pos, _ = _rel_pos_tables(weight.shape[1], end)
     with torch.no_grad():
         rows = F.linear(pos[first:end].flip(0).to(dtype=weight.dtype, device=weight.device), weight)
         rows = rows * (1.0 / math.sqrt(d_k))  # pre-scaled: saves a per-step multiply
@@ -256,7 +261,8 @@ class RelPosAttention(nn.Module):
             cached = (key, [] if held is None else list(held.unbind(0)))
         have = len(cached[1])
         if have < count:
-            new = [position_row_block(w, self.h, block) for block in range(have, count)]
+            pos, _ = _rel_pos_tables(w.shape[1], count * ROW_BLOCK)
+            new = [_row_block(w, self.h, block, pos) for block in range(have, count)]
             cached = (key, cached[1] + new)
         if cached is not self._pos_cache:
             self._pos_cache = cached  # one assignment: concurrent readers see old or new
@@ -507,11 +513,20 @@ def store_position_rows(module: nn.Module, positions: int = STORED_POSITIONS) ->
     """Give each causal layer under ``module`` the positional rows of its first ``positions``
     relative positions (a multiple of ``ROW_BLOCK``) as its ``pos_rows`` buffer, computed as at
     run time: from then on they are part of its state dict (on the meta device, their shapes)."""
+    blocks = positions // ROW_BLOCK
+    tables: dict[int, Tensor] = {}  # not the shared tables: run time needs far fewer positions
     for encoder in module.modules():
-        if isinstance(encoder, RelPosEncoder) and encoder.args.causal:
-            for layer in encoder._layers():
-                attention = layer.self_attn
-                weight = attention.linear_pos.weight
-                blocks = range(positions // ROW_BLOCK)
-                rows = [position_row_block(weight, attention.h, block) for block in blocks]
-                attention.pos_rows = torch.stack(rows)
+        if not isinstance(encoder, RelPosEncoder) or not encoder.args.causal:
+            continue
+        for layer in encoder._layers():
+            attention = layer.self_attn
+            weight = attention.linear_pos.weight
+            if weight.is_meta:
+                shape = (blocks, attention.h, ROW_BLOCK, attention.d_k)
+                attention.pos_rows = torch.empty(shape, dtype=weight.dtype, device="meta")
+                continue
+            d = weight.shape[1]
+            if d not in tables:
+                tables[d] = _encodings(d, positions)[0]
+            rows = [_row_block(weight, attention.h, block, tables[d]) for block in range(blocks)]
+            attention.pos_rows = torch.stack(rows)
