@@ -365,3 +365,20 @@ def test_held_rows_are_part_of_the_state_dict(args, llm_sd):
         _decode(held, x, 5)  # rows of the first weights in use
         held.load_state_dict(other.state_dict())
         assert torch.equal(_decode(held, x, 5), _decode(other, x, 5))
+
+
+def test_storing_rows_keeps_no_table_of_the_stored_positions(
+    args, llm_sd, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On the meta device (what a load builds) the rows are shapes only; computing them for a
+    prepared file does not keep a sin/cos table of all stored positions for the process."""
+    monkeypatch.setattr(transformer, "_tables", {})
+    with torch.device("meta"):
+        on_meta = RelPosEncoder(args.llm.llm)
+    store_position_rows(on_meta)
+    attention = on_meta.encoders[0].self_attn
+    rows = attention.pos_rows
+    assert rows is not None and rows.is_meta
+    assert rows.shape == (STORED_POSITIONS // ROW_BLOCK, attention.h, ROW_BLOCK, attention.d_k)
+    _loaded(args, llm_sd, STORED_POSITIONS)
+    assert transformer._tables == {}
