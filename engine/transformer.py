@@ -38,7 +38,7 @@ _tables: dict[int, tuple[Tensor, Tensor]] = {}
 _tables_lock = threading.Lock()
 
 # A causal layer's positional rows come in blocks of this many relative positions: a sequence of
-# length L reads ceil(L / ROW_BLOCK) of them, and no more of a prepared file's pages.
+# length L reads ceil(L / ROW_BLOCK) of them (of a prepared file, only those blocks' pages).
 ROW_BLOCK = 256
 # The relative positions whose rows a prepared file holds per causal layer: the LM's longest
 # sequence for a built-in voice (one segment of at most 80 text tokens: up to 20 speech tokens
@@ -184,8 +184,8 @@ class RelPosAttention(nn.Module):
     """ESPnet relative-position multi-head self-attention (``self_attn``)."""
 
     # The positional rows this layer holds (a prepared file's: store_position_rows), or None:
-    # (blocks, h, ROW_BLOCK, d_k), block j those of relative positions (j+1)·B-1 … j·B. A buffer,
-    # so that a state dict that holds them also holds the linear_pos weight they come from.
+    # (blocks, h, ROW_BLOCK, d_k), block j those of relative positions (j+1)·B-1 … j·B. A buffer:
+    # saved and loaded with the linear_pos weight it comes from.
     pos_rows: Tensor | None
 
     def __init__(self, d: int, heads: int) -> None:
@@ -203,8 +203,7 @@ class RelPosAttention(nn.Module):
         # The int8 LM puts q, k and v in one layer here (engine.quantize) and drops the three.
         self.linear_qkv: nn.Module | None = None
         self.register_buffer("pos_rows", None)
-        # (weight keys, blocks of positional rows in position order, each (h, B, d_k)): see
-        # _row_blocks
+        # (weight keys, blocks of rows in position order, each (h, B, d_k)): see _row_blocks
         self._pos_cache: tuple[tuple, list[Tensor]] | None = None
         # (weight keys, (2, h, d_k) stack of pos_bias_u and pos_bias_v): see _uv_biases
         self._uv_cache: tuple[tuple, Tensor] | None = None
