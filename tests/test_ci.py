@@ -87,13 +87,22 @@ def test_a_pytest_failure_or_empty_run_fails_ci(tmp_path: Path, pytest_exit: int
     assert calls[-1] == "py -m pytest"
 
 
-LINT_STUBS = {".venv/bin/ruff": ("ruff", 0), ".venv/bin/mypy": ("mypy", 0)}
+LINT_STUBS = {
+    ".venv/bin/ruff": ("ruff", 0),
+    ".venv/bin/mypy": ("mypy", 0),
+    ".venv/bin/lint-imports": ("lint-imports", 0),
+}
 
 
-def test_lint_runs_ruff_check_ruff_format_and_mypy(tmp_path: Path) -> None:
+def test_lint_runs_ruff_check_ruff_format_mypy_and_the_import_contracts(tmp_path: Path) -> None:
     code, calls, _ = run_script(tmp_path, "script/lint", LINT_STUBS)
     assert code == 0
-    assert calls == ["ruff check .", "ruff format --check .", "mypy "]
+    assert calls == [
+        "ruff check .",
+        "ruff format --check .",
+        "mypy ",
+        "lint-imports --no-cache --no-logo",
+    ]
 
 
 def test_lint_runs_every_check_and_fails_naming_the_failed_one(tmp_path: Path) -> None:
@@ -101,7 +110,7 @@ def test_lint_runs_every_check_and_fails_naming_the_failed_one(tmp_path: Path) -
         tmp_path, "script/lint", {**LINT_STUBS, ".venv/bin/ruff": ("ruff", 1)}
     )
     assert code == 1
-    assert calls[-1] == "mypy "  # still ran after ruff failed
+    assert calls[-1] == "lint-imports --no-cache --no-logo"  # still ran after ruff failed
     assert "ruff check ." in stderr and "ruff format --check ." in stderr and "mypy" not in stderr
 
 
