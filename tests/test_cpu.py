@@ -259,7 +259,7 @@ def test_the_engine_loads_within_the_thread_ceiling(
 def test_choices_on_this_machine_are_logged_and_kept_on_the_engine(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    with caplog.at_level(logging.INFO, logger="engine.engine"):
+    with caplog.at_level(logging.INFO, logger="engine"):
         engine = CosyVoiceEngine.load(TINY_MODEL)
     assert engine.cpu_choices == cpu.detect()
     assert engine.cpu_choices.int8_kernels in cpu.INT8_ENGINES

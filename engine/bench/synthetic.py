@@ -47,7 +47,7 @@ import torch
 
 _LOGGER = logging.getLogger(__name__)
 
-DEFAULT_CACHE_DIR = Path.home() / ".cache" / "wyoming-cosyvoice" / "synthetic-300m"
+DEFAULT_CACHE_DIR = Path.home() / ".cache" / "cosyvoice-engine" / "synthetic"
 MODEL_DIR_NAME = "CosyVoice-300M-SFT"
 MARKER_FILE = "synthetic.json"
 # Bump when the generated files change, so stale caches are rebuilt.
