@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import pickle
 import zipfile
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -103,10 +103,12 @@ def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
     return dict(obj)
 
 
-def check_state_dict(module: nn.Module, state: Mapping[str, torch.Tensor], path: Path) -> None:
-    """Compare keys and shapes with what ``module`` expects; raise naming every mismatch."""
+def state_dict_problems(
+    module: nn.Module, state: Mapping[str, torch.Tensor], optional: Iterable[str] = ()
+) -> list[str]:
+    """Every missing (not ``optional``), unexpected or misshapen key, worded for an error."""
     expected = {k: tuple(v.shape) for k, v in module.state_dict(keep_vars=True).items()}
-    missing = sorted(set(expected) - set(state))
+    missing = sorted(set(expected) - set(state) - set(optional))
     unexpected = sorted(set(state) - set(expected))
     wrong = sorted(
         f"{k} {tuple(state[k].shape)} != {expected[k]}"
@@ -120,7 +122,12 @@ def check_state_dict(module: nn.Module, state: Mapping[str, torch.Tensor], path:
         problems.append(f"unexpected keys: {list_keys(unexpected)}")
     if wrong:
         problems.append(f"shape mismatches: {list_keys(wrong)}")
-    if problems:
+    return problems
+
+
+def check_state_dict(module: nn.Module, state: Mapping[str, torch.Tensor], path: Path) -> None:
+    """Compare keys and shapes with what ``module`` expects; raise naming every mismatch."""
+    if problems := state_dict_problems(module, state):
         raise ModelLoadError(f"{path} does not fit {CONFIG_FILE}: " + "; ".join(problems))
 
 

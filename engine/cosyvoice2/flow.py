@@ -32,9 +32,9 @@ from engine.cosyvoice2.encoder import EncoderState, UpsampleConformerEncoder
 from engine.cosyvoice2.flow_args import NOISE_FRAMES, NOISE_SEED, CausalFlowArgs
 from engine.cosyvoice2.flow_estimator import CausalConditionalDecoder, EstimatorState
 from engine.types import ModelLoadError
+from engine.weights import state_dict_problems
 
 _LOGGER = logging.getLogger(__name__)
-_MAX_LISTED_KEYS = 8
 
 #: Called once per Euler step with (step index, x fed to the estimator (1, 80, t), flow time t
 #: (0-d tensor), raw estimator output (rows, 80, t): row 0 conditional, row 1 unconditional).
@@ -369,30 +369,9 @@ class FlowStream:
 # --- loading ---------------------------------------------------------------------------------
 
 
-def _list_keys(keys: list[str]) -> str:
-    shown = ", ".join(keys[:_MAX_LISTED_KEYS])
-    more = len(keys) - _MAX_LISTED_KEYS
-    return shown + (f" (and {more} more)" if more > 0 else "")
-
-
 def check_state_dict(module: nn.Module, state: Mapping[str, Tensor], source: str) -> None:
     """Raise :class:`ModelLoadError` naming every missing, unexpected or misshapen key."""
-    expected = {k: tuple(v.shape) for k, v in module.state_dict(keep_vars=True).items()}
-    missing = sorted(set(expected) - set(state))
-    unexpected = sorted(set(state) - set(expected))
-    wrong = sorted(
-        f"{k} {tuple(state[k].shape)} != {expected[k]}"
-        for k in set(expected) & set(state)
-        if tuple(state[k].shape) != expected[k]
-    )
-    problems = []
-    if missing:
-        problems.append(f"missing keys: {_list_keys(missing)}")
-    if unexpected:
-        problems.append(f"unexpected keys: {_list_keys(unexpected)}")
-    if wrong:
-        problems.append(f"shape mismatches: {_list_keys(wrong)}")
-    if problems:
+    if problems := state_dict_problems(module, state):
         raise ModelLoadError(
             f"{source} does not fit {type(module).__name__}: " + "; ".join(problems)
         )

@@ -50,6 +50,7 @@ from engine.hparams import ModelConfigError, SamplingArgs, TaggedNode, _Section,
 from engine.sampling import Sampler, forced_sampler, ras_sampling
 from engine.transformer import KVCache
 from engine.types import ModelLoadError, SynthesisCancelled
+from engine.weights import state_dict_problems
 
 CONFIG_FILE = "cosyvoice2.yaml"
 BACKBONE_DIR = "CosyVoice-BlankEN"  # config.json and tokenizer files of the Qwen2 backbone
@@ -613,11 +614,6 @@ def _checked_ids(ids: TokenIds | None, vocab: int, what: str) -> list[int]:
 # --- loading ---------------------------------------------------------------------------------
 
 
-def _list_keys(keys: Sequence[str], limit: int = 8) -> str:
-    shown = ", ".join(keys[:limit])
-    return shown + (f" (+{len(keys) - limit} more)" if len(keys) > limit else "")
-
-
 def check_speech_lm_state(
     model: CosyVoice2LM, state: Mapping[str, Tensor], source: str = "llm.pt"
 ) -> None:
@@ -625,23 +621,8 @@ def check_speech_lm_state(
 
     With a tied head, ``llm.model.lm_head.weight`` may be absent (it is the embedding).
     """
-    expected = {k: tuple(v.shape) for k, v in model.state_dict(keep_vars=True).items()}
     optional = set(UNUSED_KEYS) if model.args.backbone.tie_word_embeddings else set()
-    missing = sorted(set(expected) - set(state) - optional)
-    unexpected = sorted(set(state) - set(expected))
-    wrong = sorted(
-        f"{k} {tuple(state[k].shape)} != {expected[k]}"
-        for k in set(expected) & set(state)
-        if tuple(state[k].shape) != expected[k]
-    )
-    problems = []
-    if missing:
-        problems.append(f"missing keys: {_list_keys(missing)}")
-    if unexpected:
-        problems.append(f"unexpected keys: {_list_keys(unexpected)}")
-    if wrong:
-        problems.append(f"shape mismatches: {_list_keys(wrong)}")
-    if problems:
+    if problems := state_dict_problems(model, state, optional):
         raise ModelLoadError(f"{source} does not fit the CosyVoice2 LM: " + "; ".join(problems))
 
 
