@@ -26,12 +26,11 @@ from engine.constants import SAMPLE_RATE
 from engine.flow_estimator import TransformerBlock
 from engine.lm_thread import LmTokens
 from engine.onednn_layers import use_onednn_convs, use_onednn_linears
-from engine.runtime import give_back_free_heap, one_torch_thread, setup_cpu
+from engine.runtime import audio_chunks, one_torch_thread, setup_cpu
 from engine.start_policy import GAPLESS, estimate_speech_seconds, hold_until_gapless
 from engine.streaming import ChunkVocoder, FlowPrompt, GeneratorNoise, stream_audio, whole_audio
 from engine.types import (
     AudioChunk,
-    SynthesisCancelled,
     SynthesisOptions,
     UnknownSpeakerError,
 )
@@ -286,18 +285,7 @@ class CosyVoiceEngine:
 
         chunks = waves()
         try:
-            while True:
-                # inference_mode is thread-local and callers may resume us on any thread.
-                with torch.inference_mode():
-                    wave = next(chunks, None)
-                if wave is None:
-                    break
-                if cancel is not None and cancel.is_set():
-                    raise SynthesisCancelled("synthesis cancelled")
-                chunk = AudioChunk(wave.reshape(-1).float().numpy().copy())
-                del wave
-                give_back_free_heap()
-                yield chunk
+            yield from audio_chunks(chunks, self.sample_rate, cancel)
         finally:
             chunks.close()
             tokens.close()

@@ -63,14 +63,13 @@ from engine.flow_estimator import TransformerBlock
 from engine.lm_thread import LmTokens
 from engine.onednn_layers import use_onednn_linears
 from engine.prepared import PreparedLoad
-from engine.runtime import give_back_free_heap, one_torch_thread, setup_cpu
+from engine.runtime import audio_chunks, one_torch_thread, setup_cpu
 from engine.start_policy import GAPLESS, estimate_speech_seconds, hold_until_gapless
 from engine.thread_budget import apply_thread_budget, vocoder_busy
 from engine.types import (
     OFFICIAL_SCHEDULE,
     AudioChunk,
     StreamSchedule,
-    SynthesisCancelled,
     SynthesisOptions,
     UnknownSpeakerError,
 )
@@ -337,18 +336,7 @@ class CosyVoice2Engine:
 
         chunks = waves()
         try:
-            while True:
-                # inference_mode is thread-local and callers may resume us on any thread.
-                with torch.inference_mode():
-                    wave = next(chunks, None)
-                if wave is None:
-                    break
-                if cancel is not None and cancel.is_set():
-                    raise SynthesisCancelled("synthesis cancelled")
-                chunk = AudioChunk(wave.reshape(-1).float().numpy().copy(), self.sample_rate)
-                del wave
-                give_back_free_heap()
-                yield chunk
+            yield from audio_chunks(chunks, self.sample_rate, cancel)
         finally:
             chunks.close()
             tokens.close()
