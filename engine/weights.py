@@ -53,17 +53,22 @@ def list_keys(keys: list[str]) -> str:
     return shown + (f" (and {more} more)" if more > 0 else "")
 
 
+def check_model_dir(model_dir: Path, missing: list[str], expected: str = "") -> None:
+    """Raise :class:`ModelLoadError` if ``model_dir`` does not exist or lacks ``missing``
+    (``expected``: a note on the files a complete one holds)."""
+    if not model_dir.is_dir():
+        raise ModelLoadError(f"model directory {model_dir} does not exist")
+    if missing:
+        raise ModelLoadError(
+            f"model directory {model_dir} is incomplete: missing {', '.join(missing)}{expected}"
+        )
+
+
 def read_model_args(model_dir: Path) -> ModelArgs:
     """Check that ``model_dir`` is a complete model directory and read its config."""
     model_dir = Path(model_dir)
-    if not model_dir.is_dir():
-        raise ModelLoadError(f"model directory {model_dir} does not exist")
-    missing = missing_model_files(model_dir)
-    if missing:
-        raise ModelLoadError(
-            f"model directory {model_dir} is incomplete: missing {', '.join(missing)} "
-            f"(expected {', '.join(REQUIRED_FILES)})"
-        )
+    missing = missing_model_files(model_dir) if model_dir.is_dir() else []
+    check_model_dir(model_dir, missing, f" (expected {', '.join(REQUIRED_FILES)})")
     try:
         return load_model_args(model_dir / CONFIG_FILE)
     except ModelConfigError as err:

@@ -27,7 +27,7 @@ import logging
 import resource
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -265,15 +265,7 @@ def run(config: RunConfig) -> dict[str, Any]:
     result["stream_peak_rss_mb"] = peak_rss_mb()
 
     timer.reset()
-    whole = SynthesisOptions(
-        speaker=speaker,
-        stream=False,
-        schedule=profile.schedule,
-        seed=SEED,
-        n_timesteps=profile.n_timesteps,
-        cfg_rate=profile.cfg_rate,
-        force_tokens=config.tokens,
-    )
+    whole = replace(options, stream=False)
     result.update(_whole_request(engine, config.text, whole))
     result.update(timer.lm_summary())
     if config.tokens and result["tokens"] % config.tokens:

@@ -38,7 +38,7 @@ from engine.hparams import HiFTArgs, ModelConfigError, read_model_yaml
 from engine.prepared import ModelParts
 from engine.types import ModelLoadError
 from engine.weights import PARTS as PART_NAMES
-from engine.weights import _without_init, read_state_dict
+from engine.weights import _without_init, check_model_dir, read_state_dict
 
 if TYPE_CHECKING:
     from engine.cosyvoice2.flow import CausalFlow
@@ -83,13 +83,7 @@ def missing_model_files(model_dir: Path) -> list[str]:
 def read_args(model_dir: Path) -> CosyVoice2Args:
     """Check that ``model_dir`` is a complete CosyVoice2 directory and read its numbers."""
     model_dir = Path(model_dir)
-    if not model_dir.is_dir():
-        raise ModelLoadError(f"model directory {model_dir} does not exist")
-    missing = missing_model_files(model_dir)
-    if missing:
-        raise ModelLoadError(
-            f"model directory {model_dir} is incomplete: missing {', '.join(missing)}"
-        )
+    check_model_dir(model_dir, missing_model_files(model_dir) if model_dir.is_dir() else [])
     try:
         doc = read_model_yaml(model_dir / CONFIG_FILE)
         args = args_from(doc, Qwen2Config.read(model_dir / BACKBONE_DIR))
