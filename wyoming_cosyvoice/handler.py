@@ -232,6 +232,8 @@ class EventHandler:
             return
         self._closing = True
         _LOGGER.log(level, "Refused a request from %s: %s (%s)", self._peer, err, err.code)
+        if level >= logging.WARNING:  # an error for the client, not a housekeeping close
+            self._ctx.scheduler.metrics.error_sent("wyoming", err.code)
         self._cancel.set()
         if self._worker_task is not None and self._worker_task is not asyncio.current_task():
             self._worker_task.cancel()
@@ -310,7 +312,7 @@ class EventHandler:
         config = self._config
         settings = SpeechSettings(config.profile, config.seed, config.force_tokens)
         return Speech(self._ctx.scheduler, settings, voices, self._limits, client=self._peer,
-                      cancel=self._cancel)  # fmt: skip
+                      cancel=self._cancel, front_end="wyoming")  # fmt: skip
 
     def _enqueue(self, request: _Request) -> None:
         self._requests.append(request)

@@ -24,6 +24,7 @@ from typing import Any, Protocol
 
 from engine.constants import SAMPLE_RATE
 from engine.types import AudioChunk, SynthesisCancelled, SynthesisOptions
+from wyoming_cosyvoice.metrics import ServerMetrics
 from wyoming_cosyvoice.protocol import ServerBusyError
 from wyoming_cosyvoice.voice_catalog import VoiceCatalog
 
@@ -152,7 +153,8 @@ class Scheduler:
         self._ready: asyncio.Future[Engine] = asyncio.get_running_loop().create_future()
         self.catalog = VoiceCatalog(speakers_hint or [])
         self.engine: Engine | None = None
-        self.waiting = 0  # requests queued for the engine (for the log)
+        self.waiting = 0  # sentences queued for the engine (the log, /health, /metrics)
+        self.metrics = ServerMetrics()  # what every front end's requests report
         self._calls: set[Future[Any]] = set()  # engine-thread calls that have not returned
         self._sentences: dict[object, threading.Event] = {}  # cancel event of each sentence
         self._stopping = False

@@ -37,6 +37,7 @@ from typing import Any
 
 from engine.types import AudioChunk, EngineError, SynthesisCancelled, SynthesisOptions
 from wyoming_cosyvoice.config import Limits, ProfileConfig
+from wyoming_cosyvoice.metrics import SpeechReport, speech_outcome
 from wyoming_cosyvoice.protocol import LimitExceededError
 from wyoming_cosyvoice.scheduler import Scheduler
 from wyoming_cosyvoice.sentences import Sentence
@@ -197,7 +198,8 @@ class Speech:
     Feed it with :meth:`say` (any time, as sentences complete) and :meth:`end`; read it with
     :meth:`next`, which starts the synthesis on its first call. ``skip_failed``: a sentence the
     engine or the text frontend refuses ends with ``SentenceEnd.skipped`` instead of ending the
-    speech (a long text read to a file loses one sentence, not the rest).
+    speech (a long text read to a file loses one sentence, not the rest). ``front_end``
+    ("wyoming", "http"): the speech is a server's request, reported to its metrics when it ends.
     """
 
     def __init__(
@@ -210,8 +212,10 @@ class Speech:
         client: str,
         cancel: threading.Event | None = None,
         skip_failed: bool = False,
+        front_end: str | None = None,
     ) -> None:
         self.scheduler, self.settings, self.voices = scheduler, settings, voices
+        self.front_end = front_end
         self.limits = limits
         self.client = client  # who asked, for the log
         self.cancel_event = cancel or threading.Event()  # seen by the engine thread
@@ -220,6 +224,7 @@ class Speech:
         self.stalled = False
         self.samples = 0  # made so far
         self.first_audio_s: float | None = None
+        self.engine_s = 0.0  # its sentences' time queued for and inside the engine
         self._voices_used: dict[str, None] = {}
         self._started: float | None = None
         self._todo: asyncio.Queue[Sentence | None] = asyncio.Queue()
@@ -287,20 +292,26 @@ class Speech:
     # --- the synthesis --------------------------------------------------------------------
 
     async def _run(self) -> None:
+        stopped_by: BaseException | None = None
         try:
             await self._speak_all()
             self._events.put_nowait(None)
-        except asyncio.CancelledError:
+        except asyncio.CancelledError as err:
+            stopped_by = err
             self._events.put_nowait(None)
             raise
         except ClientStalledError as err:
+            stopped_by = err
             self.stalled = True
             self.cancel_event.set()
             self._events.put_nowait(err)
             if self.on_stall is not None:
                 self.on_stall()
         except Exception as err:  # handed to the reader, which reports it
+            stopped_by = err
             self._events.put_nowait(err)
+        finally:
+            self._report(stopped_by)
 
     async def _speak_all(self) -> None:
         index = 0
@@ -329,6 +340,7 @@ class Speech:
         _LOGGER.debug("Speaking sentence %d as %s for %s (queue %d)", index + 1, voice.name,
                       self.client, scheduler.waiting)  # fmt: skip
         self._events.put_nowait(SentenceStart(index, sentence, voice))
+        engine_started = time.monotonic()
         try:
             await scheduler.synthesize(
                 sentence.text,
@@ -342,6 +354,8 @@ class Speech:
                 raise
             self._events.put_nowait(SentenceEnd(index, skipped=err))
             return
+        finally:
+            self.engine_s += time.monotonic() - engine_started
         self._events.put_nowait(SentenceEnd(index))
 
     async def _on_chunk(self, chunk: AudioChunk) -> None:
@@ -371,3 +385,13 @@ class Speech:
             "done in %.2f s", self.samples / self.sample_rate, ", ".join(self._voices_used),
             self.client, self.settings.profile.name, self.first_audio_s or 0.0, elapsed,
         )  # fmt: skip
+
+    def _report(self, stopped_by: BaseException | None) -> None:
+        """Tell the server's metrics how this request went (front ends' requests only)."""
+        if self.front_end is None:
+            return
+        self.scheduler.metrics.speech_done(SpeechReport(
+            front_end=self.front_end, outcome=speech_outcome(stopped_by, self.stalled),
+            profile=self.settings.profile.name, audio_s=self.samples / self.sample_rate,
+            engine_s=self.engine_s, first_audio_s=self.first_audio_s,
+        ))  # fmt: skip

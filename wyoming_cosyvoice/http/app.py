@@ -29,6 +29,7 @@ from wyoming_cosyvoice.http.errors import (
     http_error_handler,
     starlette_error_handler,
 )
+from wyoming_cosyvoice.http.metrics import counting_errors, metrics_routes
 from wyoming_cosyvoice.http.origin import origin_middleware
 from wyoming_cosyvoice.http.speech import (
     SpeechParser,
@@ -161,10 +162,12 @@ class TtsRoutes:
         })  # fmt: skip
 
     async def tts(self, request: Request) -> Response:
-        return await self._speak(request, self.parser.tts)
+        with counting_errors(self.scheduler.metrics):
+            return await self._speak(request, self.parser.tts)
 
     async def openai_speech(self, request: Request) -> Response:
-        return await self._speak(request, self.parser.openai)
+        with counting_errors(self.scheduler.metrics):
+            return await self._speak(request, self.parser.openai)
 
     async def _speak(
         self, request: Request, parse: Callable[[dict[str, Any]], SpeechRequest]
@@ -198,7 +201,7 @@ class TtsRoutes:
         """The request's sentences, fed to the speech pipeline."""
         client = f"{request.client.host if request.client else 'a client'} over HTTP"
         spoken = Speech(self.scheduler, speech.settings, speech.voices, self.config.limits,
-                        client=client)  # fmt: skip
+                        client=client, front_end="http")  # fmt: skip
         for sentence in speech.sentences:
             spoken.say(sentence)
         spoken.end()
@@ -226,6 +229,7 @@ def create_app(
             Route("/voices", routes.voices, methods=["GET"]),
             Route("/tts", routes.tts, methods=["POST"]),
             Route("/v1/audio/speech", routes.openai_speech, methods=["POST"]),
+            *metrics_routes(config, scheduler),
         ],
         middleware=origin_middleware(allow_origins),
         exception_handlers={

@@ -174,6 +174,7 @@ class SpeechResponse(StreamingResponse):
                             self.job.limits.stall_timeout_s)  # fmt: skip
         except Exception as err:  # the status line is gone: log, cut the body
             _LOGGER.error("Synthesis failed mid-stream: %s: %s", type(err).__name__, err)
+            self.job.speech.scheduler.metrics.error_sent("http", "synthesis_failed")
         finally:
             self.job.stop()
 
