@@ -26,10 +26,12 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable, Iterator
 
 import torch
 
+from engine.stage_times import StageListener, report
 from engine.thread_budget import ThreadBudget, apply_thread_budget, lm_beside_vocoder
 from engine.types import SynthesisCancelled
 
@@ -47,7 +49,8 @@ class LmTokens:
 
     ``inline``: how many tokens to generate in the consumer's thread before a background thread
     takes over; ``None`` generates all of them inline (no thread at all). ``threads``: the
-    caller's thread budget, applied before each token.
+    caller's thread budget, applied before each token. ``on_stage``: told what the inline
+    tokens cost (engine.stage_times: the way to the first token, then the rest per token).
     """
 
     def __init__(
@@ -57,11 +60,13 @@ class LmTokens:
         *,
         inline: int | None,
         threads: ThreadBudget | None = None,
+        on_stage: StageListener | None = None,
     ) -> None:
         self._make_tokens = make_tokens
         self._cancel = cancel or threading.Event()
         self._inline = inline
         self._budget = threads
+        self._on_stage = on_stage
         self._stop = threading.Event()
         self._source: Iterator[int] | None = None
         self._queue: queue.SimpleQueue[object] = queue.SimpleQueue()
@@ -70,14 +75,23 @@ class LmTokens:
     def __iter__(self) -> Iterator[int]:
         self._source = source = self._make_tokens()
         count = 0
+        sampling = 0.0  # seconds inside the LM for the tokens after the first
         while self._inline is None or count < self._inline:
             apply_thread_budget(self._budget)
+            start = time.perf_counter()
             token = next(source, None)
+            seconds = time.perf_counter() - start
             if token is None:
+                report(self._on_stage, "lm_token", "", sampling, count - 1)
                 return
             self._check_cancel()
             count += 1
+            if count == 1:  # the generator's first step encodes the text and the prompt
+                report(self._on_stage, "lm_prefill", "", seconds, 1)
+            else:
+                sampling += seconds
             yield token
+        report(self._on_stage, "lm_token", "", sampling, count - 1)
         # The consumer wants more: the first chunk is out, so overlapping now pays.
         self._thread = threading.Thread(
             target=self._produce, args=(source,), name="cosyvoice-lm", daemon=True

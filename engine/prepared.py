@@ -548,6 +548,8 @@ class PreparedLoad:
     Opening prepares what is missing and starts packing the int8 layers in the background;
     :meth:`models` assigns the float tensors; the caller may then replace layers (oneDNN);
     :meth:`finish` installs the int8 layers and drops every page those replacements read.
+    ``only``: load these of the three models (in ``formats``), e.g. a second flow and HiFT in
+    other formats beside a full load; then :meth:`assigned` hands them out.
     """
 
     def __init__(
@@ -556,16 +558,20 @@ class PreparedLoad:
         formats: WeightFormats,
         cache_dir: Path | None = None,
         parts: ModelParts = V1_PARTS,
+        only: Collection[str] = PARTS,
     ) -> None:
         self.model_dir = Path(model_dir)
         self.parts = parts
         self.args = parts.read_args(self.model_dir)
         self.prepared_now: list[str] = []
         self._parts: dict[str, _PartLoad] = {}
+        self.speakers: dict[str, torch.Tensor] = {}
         try:
             for part in PARTS:
-                self._open(part, formats.of(part), cache_dir)
-            self.speakers = parts.read_speakers(self.model_dir)
+                if part in only:
+                    self._open(part, formats.of(part), cache_dir)
+            if set(PARTS) <= set(only):
+                self.speakers = parts.read_speakers(self.model_dir)
         except BaseException:
             self.cancel()
             raise
@@ -582,12 +588,17 @@ class PreparedLoad:
         load.start_packing(int8_part_specs(module, names))
         self._parts[part] = load
 
-    def modules(self) -> tuple[nn.Module, nn.Module, nn.Module]:
-        """The three models (``PARTS`` order) with their float tensors assigned (int8 layers
-        still to come)."""
+    def assigned(self) -> dict[str, nn.Module]:
+        """Each loaded model by part, with its float tensors assigned (int8 layers still to
+        come)."""
         for load in self._parts.values():
             load.assign()
-        llm, flow, hift = (self._parts[part].module for part in PARTS)
+        return {part: load.module for part, load in self._parts.items()}
+
+    def modules(self) -> tuple[nn.Module, nn.Module, nn.Module]:
+        """The three models (``PARTS`` order), as :meth:`assigned`."""
+        models = self.assigned()
+        llm, flow, hift = (models[part] for part in PARTS)
         return llm, flow, hift
 
     def models(self) -> LoadedModels:

@@ -10,9 +10,9 @@ import logging
 import os
 import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from engine.prepared import WeightFormats
 
 _LOGGER = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # oneDNN keeps every convolution it JIT-compiles, one set per input length, up to 1024 by
 # default. A server vocodes chunks of ever-new lengths: measured over 37 lengths,
@@ -69,6 +70,62 @@ def setup_cpu(threads: int | None, *, lm_int8: bool, flow_int8: bool, hift_bf16:
     return CpuSetup(threads, choices, formats)
 
 
+def extra_weight_formats(extra: Iterable[str], setup: CpuSetup) -> dict[str, str]:
+    """The formats of ``extra`` ("flow.int8", "hift.bf16", ...) a load adds beside its primary
+    ones, by part: those this CPU runs (as ``setup_cpu`` falls back) that are not primary.
+
+    Only the flow and HiFT have extras (a request chooses between them, engine.types'
+    ``SynthesisOptions.flow_weights``); ValueError names any other. Each part has two formats,
+    so one extra at most.
+    """
+    from engine.prepared import WEIGHT_FORMATS
+
+    chosen: dict[str, str] = {}
+    for name in extra:
+        part, _, weights = name.partition(".")
+        if part not in ("flow", "hift") or weights not in WEIGHT_FORMATS[part]:
+            raise ValueError(
+                f"extra weight format {name!r}: not one of flow.fp32, flow.int8, hift.fp32, "
+                "hift.bf16"
+            )
+        if weights == "int8" and setup.choices.int8_kernels is None:
+            continue  # as the primary formats: no int8 kernel, float32 only
+        if weights == "bf16" and not setup.choices.bfloat16:
+            continue
+        if weights != setup.formats.of(part):
+            chosen[part] = weights
+    return chosen
+
+
+def pick_weights(loaded: Mapping[str, T], wanted: str | None) -> tuple[str, T]:
+    """(format, model) of ``wanted`` if loaded, else the primary (first) one."""
+    if wanted is not None and wanted in loaded:
+        return wanted, loaded[wanted]
+    return next(iter(loaded.items()))
+
+
+def loaded_format(module: torch.nn.Module) -> str:
+    """The weight format a loaded flow or HiFT runs in: int8 (int8 layers), bf16 (a bfloat16
+    filter) or fp32."""
+    from engine.quantize import Int8Linear
+
+    if any(isinstance(sub, Int8Linear) for sub in module.modules()):
+        return "int8"
+    return "bf16" if getattr(module, "filter_dtype", None) == torch.bfloat16 else "fp32"
+
+
+def weight_pairs(flows: Iterable[str], hifts: Iterable[str]) -> list[tuple[str, str]]:
+    """(flow, HiFT) formats that run each loaded format at least once: the primary pair, then
+    each part's other format (beside the other part's, or its primary)."""
+    flow_list, hift_list = list(flows), list(hifts)
+    pairs = [(flow_list[0], hift_list[0])]
+    for index in range(1, max(len(flow_list), len(hift_list))):
+        flow = flow_list[index] if index < len(flow_list) else flow_list[0]
+        hift = hift_list[index] if index < len(hift_list) else hift_list[0]
+        pairs.append((flow, hift))
+    return pairs
+
+
 def bound_onednn_cache() -> None:
     """Cap oneDNN's primitive cache unless the user set it (either of oneDNN's two names).
 
@@ -112,6 +169,8 @@ def audio_chunks(
             return
         if cancel is not None and cancel.is_set():
             raise SynthesisCancelled("synthesis cancelled")
+        if wave.numel() == 0:  # a chunk whose frames the speed's resampling still holds
+            continue
         chunk = AudioChunk(wave.reshape(-1).float().numpy().copy(), sample_rate)
         del wave
         give_back_free_heap()
