@@ -230,7 +230,7 @@ class CosyVoiceEngine:
 
         if options.stream and options.start_policy == GAPLESS:
             expected = sum(estimate_speech_seconds(s.text, options.force_tokens) for s in segments)
-            yield from hold_until_gapless(chunks(), expected)
+            yield from hold_until_gapless(chunks(), expected / options.speed)
         else:
             yield from chunks()
 
@@ -255,6 +255,7 @@ class CosyVoiceEngine:
             n_timesteps=options.n_timesteps,
             cfg_rate=options.cfg_rate,
             threads=options.threads,
+            speed=options.speed,
         )
 
         def make_tokens() -> Iterator[int]:

@@ -10,6 +10,9 @@ chunks share ``TOKEN_OVERLAP`` tokens; the seams are hidden exactly as the offic
   over those 5120 samples, and the first 5120 output samples are cross-faded with the previous
   chunk's held-back tail.
 
+A speed other than 1 resamples the mel in time between the fade and HiFT (engine.speed), chunk
+by chunk as the whole mel would be.
+
 A :class:`~engine.types.StreamSchedule` decides where chunks are cut: the official schedule (hop
 100, so first audio after 120 tokens) or our low-latency one (small first hop, growing hops).
 """
@@ -24,6 +27,7 @@ import numpy as np
 import torch
 
 from engine.constants import HOP, MEL_CACHE, MEL_OVERLAP, N_MELS, SOURCE_CACHE, TOKEN_OVERLAP
+from engine.speed import MelStretcher
 from engine.thread_budget import ThreadBudget, apply_thread_budget, vocoder_busy
 from engine.types import StreamSchedule
 
@@ -98,6 +102,7 @@ class ChunkVocoder:
         n_timesteps: int = 10,
         cfg_rate: float = 0.7,
         threads: ThreadBudget | None = None,
+        speed: float = 1.0,
     ) -> None:
         self.flow, self.hift, self.prompt, self.noise = flow, hift, prompt, noise
         self.n_timesteps, self.cfg_rate = n_timesteps, cfg_rate
@@ -107,6 +112,8 @@ class ChunkVocoder:
         self.hift_mel: torch.Tensor | None = None  # (1, 80, 20) left context for HiFT
         self.hift_source: torch.Tensor | None = None  # (1, 1, 5120) pinned source samples
         self.hift_speech: torch.Tensor | None = None  # (1, 5120) held-back output tail
+        # HiFT's first chunk must hold the 20 frames of context the next one starts with.
+        self.stretcher = MelStretcher(speed, min_first=MEL_CACHE) if speed != 1.0 else None
 
     def _flow(self, tokens: torch.Tensor) -> torch.Tensor:
         prompt_frames = self.prompt.feat.shape[1]
@@ -150,14 +157,18 @@ class ChunkVocoder:
         mel = self._flow(tokens)
         if self.mel_overlap is not None:
             mel = fade_in_out(mel, self.mel_overlap, _MEL_WINDOW)
+        if not finalize:  # a chunk has more frames than the overlap (check_schedule)
+            self.mel_overlap = mel[:, :, -MEL_OVERLAP:]
+            mel = mel[:, :, :-MEL_OVERLAP]
+        if self.stretcher is not None:
+            mel = self.stretcher.push(mel, finalize=finalize)
         if self.hift_mel is not None and self.hift_source is not None:  # set together
             mel = torch.cat([self.hift_mel, mel], dim=2)
             cache_source = self.hift_source
         else:
             cache_source = torch.zeros(1, 1, 0)
-        if not finalize:
-            self.mel_overlap = mel[:, :, -MEL_OVERLAP:]
-            mel = mel[:, :, :-MEL_OVERLAP]
+        if mel.shape[2] == 0:  # the stretcher holds the first frames back
+            return torch.zeros(1, 0)
         speech, source = self._hift(mel, cache_source)
         if self.hift_speech is not None:
             speech = fade_in_out(speech, self.hift_speech, _SPEECH_WINDOW)

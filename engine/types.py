@@ -27,6 +27,16 @@ class SynthesisCancelled(EngineError):
     """The caller's cancel event was set while synthesizing."""
 
 
+class InvalidOptionError(EngineError, ValueError):
+    """A synthesis option is outside the range the engine supports."""
+
+
+# The speaking speeds the engine takes: the mel is resampled in time, and past these limits the
+# vocoder's output degrades audibly (smeared at 0.5, clipped syllables past 2).
+MIN_SPEED = 0.5
+MAX_SPEED = 2.0
+
+
 @dataclass(frozen=True)
 class StreamSchedule:
     """How the token stream is cut into audio chunks.
@@ -75,6 +85,18 @@ class SynthesisOptions:
     # Asked before each LM token and flow step: torch threads from then on (None: leave the
     # calling thread's count). engine.thread_budget says why.
     threads: Callable[[], int] | None = field(default=None, compare=False, repr=False)
+    # Speaking speed: 1.0 as the model speaks, 1.25 a quarter faster (the mel is resampled in
+    # time before the vocoder, engine.speed); MIN_SPEED..MAX_SPEED.
+    speed: float = 1.0
+
+    def __post_init__(self) -> None:
+        speed = self.speed
+        if isinstance(speed, bool) or not isinstance(speed, (int, float)):
+            raise InvalidOptionError(f"speed must be a number, not {speed!r}")
+        if not MIN_SPEED <= speed <= MAX_SPEED:  # NaN fails too
+            raise InvalidOptionError(
+                f"speed {speed} is out of range: use {MIN_SPEED} to {MAX_SPEED} (1.0 = normal)"
+            )
 
 
 @dataclass(frozen=True, eq=False)

@@ -276,7 +276,7 @@ class CosyVoice2Engine:
 
         if options.stream and options.start_policy == GAPLESS:
             expected = sum(self._expected_seconds(s.text, options.force_tokens) for s in segments)
-            yield from hold_until_gapless(chunks(), expected)
+            yield from hold_until_gapless(chunks(), expected / options.speed)
         else:
             yield from chunks()
 
@@ -332,6 +332,7 @@ class CosyVoice2Engine:
                         noise,
                         n_timesteps=options.n_timesteps,
                         cfg_rate=options.cfg_rate,
+                        speed=options.speed,
                     )
 
         chunks = waves()
@@ -368,6 +369,7 @@ class CosyVoice2Engine:
                 cache_dtype=None if official else self.flow_cache_dtype,
                 flow_stream=primed,
                 threads=options.threads,
+                speed=options.speed,
             )
 
         if options.schedule.name == OFFICIAL_SCHEDULE.name:

@@ -8,6 +8,9 @@ on that chunk's frames only. The vocoder hides the seams as the official runtime
 * the first 3840 output samples are cross-faded (Hamming, float64) with the 3840 held back
   from the previous chunk, and every chunk but the last holds back its own last 3840.
 
+A speed other than 1 resamples the mel in time before HiFT (engine.speed), chunk by chunk as
+the whole mel would be.
+
 The official schedule: the first chunk after ``TOKEN_HOP`` (25) tokens — plus what brings the
 prompt to a whole number of 25-token chunks — and the 3-token look-ahead; then hops doubling to
 ``MAX_TOKEN_HOP`` (100). Every hop is a whole number of attention chunks.
@@ -25,6 +28,7 @@ from torch import Tensor
 
 from engine.cosyvoice2.flow import CausalFlow, FlowStream
 from engine.hift import HiftNoise
+from engine.speed import MelStretcher, stretch_mel
 from engine.streaming import fade_in_out
 from engine.thread_budget import ThreadBudget, apply_thread_budget, vocoder_busy
 
@@ -132,6 +136,7 @@ class SpeechStream:
         cache_dtype: torch.dtype | None = None,
         flow_stream: FlowStream | None = None,
         threads: ThreadBudget | None = None,
+        speed: float = 1.0,
     ) -> None:
         self.prompt, self.threads = prompt, threads
         self.full_attention_last = full_attention_last
@@ -146,6 +151,8 @@ class SpeechStream:
             )
         self.flow: FlowStream = flow_stream
         self.vocoder = VocoderStream(hift, noise, threads=threads)
+        # HiFT's first chunk must hold the frames of context the next one starts with.
+        self.stretcher = MelStretcher(speed, min_first=MEL_CACHE) if speed != 1.0 else None
 
     @property
     def lookahead(self) -> int:
@@ -159,6 +166,8 @@ class SpeechStream:
                 mel = self._full_attention_rest(tokens)
             else:
                 mel = self.flow.push(tokens, finalize=finalize)
+            if self.stretcher is not None:
+                mel = self.stretcher.push(mel, finalize=finalize)
             if mel.shape[2] == 0 and not finalize:
                 return torch.zeros(1, 0)
             return self.vocoder.push(mel, finalize=finalize)
@@ -242,8 +251,10 @@ def whole_audio(
     *,
     n_timesteps: int = 10,
     cfg_rate: float | None = None,
+    speed: float = 1.0,
 ) -> Tensor:
-    """Non-streaming, as upstream: one flow call in full attention, one HiFT call."""
+    """Non-streaming, as upstream: one flow call in full attention, one HiFT call (the mel
+    resampled to the speed in between)."""
     mel = flow.inference(
         torch.tensor([list(tokens)], dtype=torch.int64),
         prompt.tokens,
@@ -254,4 +265,4 @@ def whole_audio(
         n_timesteps=n_timesteps,
         cfg_rate=cfg_rate,
     )
-    return VocoderStream(hift, noise).push(mel, finalize=True)
+    return VocoderStream(hift, noise).push(stretch_mel(mel, speed), finalize=True)
