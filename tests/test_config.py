@@ -52,8 +52,9 @@ def test_an_installed_package_reads_the_same_config_yaml(tmp_path: Path) -> None
         else:
             shutil.copy(ROOT / copied, source / copied)
     settings = source / REPO_CONFIG.resolve().relative_to(ROOT)
+    limit = packaged_settings()["limits"]["max_text_chars"]
     settings.write_text(
-        REPO_CONFIG.read_text().replace("max_text_chars: 5000", "max_text_chars: 1234")
+        REPO_CONFIG.read_text().replace(f"max_text_chars: {limit}", "max_text_chars: 1234")
     )
     subprocess.run(
         [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",

@@ -143,6 +143,12 @@ class Limits:
     stall_timeout_s: float
     load_wait_s: float
 
+    @property
+    def max_text_bytes(self) -> int:
+        """Room for a text of ``max_text_chars`` in a JSON data block or body, even when every
+        character is sent as a \\uXXXX escape (so the text limit, not a size limit, decides)."""
+        return max(self.max_data_bytes, 6 * self.max_text_chars + 4096)
+
 
 @dataclass(frozen=True)
 class ServerConfig:

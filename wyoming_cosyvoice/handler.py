@@ -50,7 +50,12 @@ from wyoming_cosyvoice.protocol import (
     read_event,
 )
 from wyoming_cosyvoice.scheduler import Scheduler
-from wyoming_cosyvoice.sentences import SentenceStream, SplitterFactory, split_text, text_language
+from wyoming_cosyvoice.sentences import (
+    SentenceStream,
+    SplitterFactory,
+    iter_sentences,
+    opening_language,
+)
 from wyoming_cosyvoice.speech import (
     WIDTH,
     Audio,
@@ -180,7 +185,7 @@ class EventHandler:
                 event = await read_event(
                     self._reader,
                     max_header_bytes=self._limits.max_header_bytes,
-                    max_data_bytes=self._limits.max_data_bytes,
+                    max_data_bytes=self._limits.max_text_bytes,
                     max_payload_bytes=self._limits.max_payload_bytes,
                 )
             except ClientError as err:
@@ -266,11 +271,10 @@ class EventHandler:
                 return  # Home Assistant's compatibility copy of the streamed text
             text = event_text(data, "synthesize")
             self._check_length(len(text))
-            sentences = split_text(text, self._ctx.splitter_factory())
-            voices = self._voice_choice(event_voice(data), text_language(sentences))
+            voices = self._voice_choice(event_voice(data), opening_language(text))
             request = _Request(self._speech(voices), streamed=False, chars=len(text))
-            for sentence in sentences:  # none (emoji, blank): an empty WAV
-                request.speech.say(sentence)
+            # Split as spoken; no sentence (emoji, blank): an empty WAV.
+            request.speech.say_all(iter_sentences(text, self._ctx.splitter_factory()))
             request.speech.end()
             self._enqueue(request)
         elif kind == "synthesize-start":

@@ -3,12 +3,14 @@
 A whole text and a stream of fragments (Wyoming's ``synthesize-chunk``) go through the same
 splitter, the text frontend's ``IncrementalSplitter``: a sentence is released as soon as its
 end is certain, and feeding a text in any fragments gives the sentences of the whole text.
-Each sentence's language is detected once, here, and travels with it.
+Each sentence's language is detected once, here, and travels with it. A whole text is split
+as it is spoken (:func:`iter_sentences`): a long announcement's first sentence goes to the
+engine without the rest being split or detected first.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -18,6 +20,12 @@ from engine.text.segment import IncrementalSplitter
 # The order detect_language checks a text in: a text holding sentences of several languages
 # is detected as the first of theirs in this order (any kana makes it Japanese, ...).
 _LANGUAGE_ORDER = ("ja", "ko", "yue", "zh", "en")
+# A whole text is fed to the splitter in pieces of this many characters, as its sentences are
+# taken: the work before a sentence is bounded however long the text.
+FEED_CHARS = 512
+# A whole text's language (which voice speaks it) is detected from its opening characters: all
+# of a voice-pipeline answer, the beginning of a long announcement.
+OPENING_CHARS = 2000
 
 
 @dataclass(frozen=True)
@@ -64,10 +72,19 @@ class SentenceStream:
         return _sentences(self._splitter.flush())
 
 
-def split_text(text: str, splitter: Splitter | None = None) -> list[Sentence]:
-    """A complete text's sentences (none: nothing to say)."""
+def iter_sentences(text: str, splitter: Splitter | None = None) -> Iterator[Sentence]:
+    """A complete text's sentences, split and detected only as each is taken (none: nothing to
+    say). The same sentences as splitting the text at once: the splitter cuts fragments where
+    it would cut the whole."""
     stream = SentenceStream(splitter or make_splitter())
-    return [*stream.feed(text), *stream.flush()]
+    for start in range(0, len(text), FEED_CHARS):
+        yield from stream.feed(text[start : start + FEED_CHARS])
+    yield from stream.flush()
+
+
+def split_text(text: str, splitter: Splitter | None = None) -> list[Sentence]:
+    """A complete text's sentences, all at once (none: nothing to say)."""
+    return list(iter_sentences(text, splitter))
 
 
 def text_language(sentences: Iterable[Sentence]) -> str | None:
@@ -75,3 +92,11 @@ def text_language(sentences: Iterable[Sentence]) -> str | None:
     from their languages (no second detection); None for no sentence."""
     found = {sentence.language for sentence in sentences}
     return next((language for language in _LANGUAGE_ORDER if language in found), None)
+
+
+def opening_language(text: str) -> str | None:
+    """The language of a whole text for choosing its voice, detected from its opening
+    :data:`OPENING_CHARS` characters (as :func:`text_language` of their sentences would say);
+    None when they hold nothing to speak (the first sentence's language decides then)."""
+    opening = text[:OPENING_CHARS]
+    return detect_language(opening) if has_speech(opening) else None

@@ -31,7 +31,7 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -227,7 +227,7 @@ class Speech:
         self.engine_s = 0.0  # its sentences' time queued for and inside the engine
         self._voices_used: dict[str, None] = {}
         self._started: float | None = None
-        self._todo: asyncio.Queue[Sentence | None] = asyncio.Queue()
+        self._todo: asyncio.Queue[Sentence | Iterator[Sentence] | None] = asyncio.Queue()
         self._events: asyncio.Queue[SpeechEvent | BaseException | None] = asyncio.Queue()
         self._undelivered = 0  # samples made but not yet delivered to the client
         self._space = asyncio.Event()
@@ -238,6 +238,11 @@ class Speech:
 
     def say(self, sentence: Sentence) -> None:
         self._todo.put_nowait(sentence)
+
+    def say_all(self, sentences: Iterable[Sentence]) -> None:
+        """Sentences taken one at a time as the speech reaches them: a whole text given as
+        :func:`~.sentences.iter_sentences` is split as it is spoken."""
+        self._todo.put_nowait(iter(sentences))
 
     def end(self) -> None:
         """No more sentences."""
@@ -315,15 +320,16 @@ class Speech:
 
     async def _speak_all(self) -> None:
         index = 0
-        while (sentence := await self._todo.get()) is not None:
+        while (item := await self._todo.get()) is not None:
             if self._started is None:
                 self._started = time.monotonic()
             self._speaking = True
             try:
-                await self._speak(index, sentence)
+                for sentence in (item,) if isinstance(item, Sentence) else item:
+                    await self._speak(index, sentence)
+                    index += 1
             finally:
                 self._speaking = False
-            index += 1
         if index:
             self._log_done()
 

@@ -202,8 +202,7 @@ class TtsRoutes:
         client = f"{request.client.host if request.client else 'a client'} over HTTP"
         spoken = Speech(self.scheduler, speech.settings, speech.voices, self.config.limits,
                         client=client, front_end="http")  # fmt: skip
-        for sentence in speech.sentences:
-            spoken.say(sentence)
+        spoken.say_all(speech.sentences)  # split as spoken
         spoken.end()
         return spoken
 

@@ -9,7 +9,7 @@ the voice chosen and the profile's settings taken by the speech pipeline's own s
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,7 +23,13 @@ from wyoming_cosyvoice.config import (
 )
 from wyoming_cosyvoice.http.errors import HttpError
 from wyoming_cosyvoice.protocol import VoiceNotFoundError
-from wyoming_cosyvoice.sentences import Sentence, SplitterFactory, split_text, text_language
+from wyoming_cosyvoice.sentences import (
+    Sentence,
+    SplitterFactory,
+    has_speech,
+    iter_sentences,
+    opening_language,
+)
 from wyoming_cosyvoice.speech import SpeechSettings, VoiceChoice
 from wyoming_cosyvoice.voice_catalog import INSTRUCT_KINDS, Voice, VoiceCatalog
 
@@ -46,7 +52,7 @@ class SpeechRequest:
     """A validated request: what to say, how, and in which form to return it."""
 
     text: str
-    sentences: list[Sentence]
+    sentences: Iterable[Sentence]  # split as they are taken (a long text: as it is spoken)
     voice: Voice
     voices: VoiceChoice  # for the pipeline: the same voice, already chosen
     profile: ProfileConfig
@@ -58,7 +64,7 @@ class SpeechRequest:
 
 def max_body_bytes(config: ServerConfig) -> int:
     # Room for max_text_chars characters even when every one is a JSON \uXXXX escape.
-    return max(config.limits.max_data_bytes, 6 * config.limits.max_text_chars + 4096)
+    return config.limits.max_text_bytes
 
 
 def require_json(request: Request) -> None:
@@ -138,11 +144,11 @@ class SpeechParser:
         text = self._text(data, "text")
         stream = _optional(data, "stream", bool, "true or false") or False
         audio_format = self._format(data.get("format"), "format")
-        sentences = split_text(text, self._splitter_factory())
+        sentences = iter_sentences(text, self._splitter_factory())
         voice = self._voice(
             _optional(data, "voice", str, "a voice name"),
             _optional(data, "speaker", str, "a speaker name"),
-            sentences,
+            text,
         )
         return self._request(data, text, sentences, voice, stream=stream,
                              audio_format=audio_format)  # fmt: skip
@@ -169,8 +175,8 @@ class SpeechParser:
             name = _optional(data["voice"], "id", str, "a voice id")
         if name and name.casefold() in OPENAI_VOICES and self._catalog().find(name) is None:
             name = None
-        sentences = split_text(text, self._splitter_factory())
-        voice = self._voice(name, None, sentences)
+        sentences = iter_sentences(text, self._splitter_factory())
+        voice = self._voice(name, None, text)
         instruct = self._instructions(data)
         return self._request(data, text, sentences, voice, stream=stream_format is not None,
                              audio_format=audio_format, sse=stream_format == "sse",
@@ -222,10 +228,10 @@ class SpeechParser:
                             param=key)  # fmt: skip
         return str(value)
 
-    def _voice(self, name: str | None, speaker: str | None, sentences: list[Sentence]) -> Voice:
+    def _voice(self, name: str | None, speaker: str | None, text: str) -> Voice:
         """The request's one voice: asked for, else the default, else the text's language's."""
         wanted = {k: v for k, v in (("name", name), ("speaker", speaker)) if v}
-        language = text_language(sentences)
+        language = opening_language(text)
         try:
             return self._catalog().resolve(wanted, default=self.config.voice,
                                            text_language=language)  # fmt: skip
@@ -233,7 +239,7 @@ class SpeechParser:
             raise HttpError(404, str(err), code="voice_not_found",
                             param="speaker" if speaker else "voice") from err  # fmt: skip
 
-    def _request(self, data: dict[str, Any], text: str, sentences: list[Sentence], voice: Voice,
+    def _request(self, data: dict[str, Any], text: str, sentences: Iterable[Sentence], voice: Voice,
                  *, stream: bool, audio_format: str, sse: bool = False,
                  instruct: str | None = None) -> SpeechRequest:  # fmt: skip
         profile = self._profile(_optional(data, "profile", str, "a profile name"))
@@ -242,7 +248,7 @@ class SpeechParser:
             seed = self.config.seed
         elif not 0 <= seed <= _MAX_SEED:
             raise HttpError(400, f"'seed' must be between 0 and {_MAX_SEED}", param="seed")
-        if not sentences:
+        if not has_speech(text):
             raise HttpError(400, f"text {text[:40]!r} has nothing to speak", code="empty_text")
         return SpeechRequest(
             text=text,
