@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from engine.__main__ import main
-from engine.cosyvoice2.engine import CosyVoice2Engine, chunk_hops
+from engine.cosyvoice2.engine import CosyVoice2Engine, chunk_hops, prompt_tail
 from engine.cosyvoice2.model_dir import PARTS, CosyVoice2Models, load_model_dir
 from engine.family import load_engine, model_family
 from engine.prepared import PREPARED_DIR, PreparedLoad, WeightFormats, prepare_model
@@ -279,20 +279,21 @@ def test_whole_audio_equals_the_official_non_streaming_call(fresh: CosyVoice2Eng
     torch.testing.assert_close(torch.from_numpy(chunks[0].samples), want, atol=AUDIO_ATOL, rtol=0)
 
 
-def test_low_latency_stream_starts_after_one_chunk_and_the_look_ahead(
+def test_low_latency_stream_starts_after_its_first_hop_and_the_look_ahead(
     fresh: CosyVoice2Engine,
 ) -> None:
-    """The default schedule: the 60-token prompt is cut to two whole chunks and the 3-token
-    look-ahead of the second, so the first chunk (3 prompt tokens, 22 new) needs 22 tokens plus
-    3 of look-ahead; then hops of 50 and 100."""
+    """The default schedule's first hop is 21 units of 20 ms: 11 CosyVoice2 tokens. The 60-token
+    prompt is cut to one whole chunk and 14 tokens of the next, so the first chunk (14 prompt
+    tokens, 11 new) needs 11 tokens plus 3 of look-ahead; then hops end on chunk boundaries,
+    growing to the schedule's 100 units (50 tokens)."""
     forced = _force(fresh, _random_tokens(190))
     stream = fresh.synthesize("Hello.", SynthesisOptions(speaker="tester", seed=3))
     first = next(stream)
-    assert forced.yielded == 22 + 3
+    assert forced.yielded == 11 + 3
     rest = list(stream)
     lengths = [len(c.samples) for c in [first, *rest]]
-    tokens = [22, 50, 100, 18]
-    held = [-HELD_BACK, 0, 0, HELD_BACK]
+    tokens = [11, 25, 50, 50, 50, 4]
+    held = [-HELD_BACK, 0, 0, 0, 0, HELD_BACK]
     assert lengths == [n * SAMPLES_PER_TOKEN + h for n, h in zip(tokens, held, strict=True)]
 
 
@@ -308,7 +309,7 @@ def test_a_seed_gives_the_same_audio_and_streams_share_the_primed_prompt(
         return np.concatenate([c.samples for c in fresh.synthesize("Hello.", options)])
 
     first = audio()
-    assert list(fresh._primed) == [("tester", 10, 0.7)]
+    assert list(fresh._primed) == [("tester", 10, 0.7, 39)]
     np.testing.assert_array_equal(audio(), first)
     assert len(first) == 80 * SAMPLES_PER_TOKEN
 
@@ -320,7 +321,7 @@ def test_the_default_stream_keeps_its_keys_and_values_in_half_precision(
     tests/test_cosyvoice2_flow.py."""
     assert fresh.flow_cache_dtype == torch.float16
     fresh.prime_voice(SynthesisOptions(speaker="tester"))
-    primed = fresh._primed[("tester", 10, 0.7)].stream
+    primed = fresh._primed[("tester", 10, 0.7, 39)].stream
     pages = [page for state in primed.step_states for kv in state.kv for page in kv.pages]
     assert pages and all(k.dtype == v.dtype == torch.float16 for k, v in pages)
 
@@ -482,12 +483,25 @@ def test_the_float_estimator_runs_its_transformer_layers_on_onednn(
 
 
 def test_hops_are_whole_attention_chunks() -> None:
+    # In the schedule's own 20 ms units (50 a second): hops are its values, rounded to chunks.
     low_latency = chunk_hops(LOW_LATENCY_SCHEDULE, 25)
     assert list(itertools.islice(low_latency, 5)) == [25, 50, 100, 100, 100]
     custom = StreamSchedule(first_hop=60, growth=1.5, max_hop=140)
     assert list(itertools.islice(chunk_hops(custom, 25), 4)) == [75, 100, 125, 125]
     # A prompt 3 tokens into its last chunk: the first hop ends on the chunk's end.
     assert list(itertools.islice(chunk_hops(LOW_LATENCY_SCHEDULE, 25, 53), 3)) == [22, 50, 100]
+    # CosyVoice2's 25 tokens a second: the same durations in half as many tokens.
+    v2 = chunk_hops(LOW_LATENCY_SCHEDULE, 25, 39, token_rate=25)
+    assert list(itertools.islice(v2, 5)) == [11, 25, 50, 50, 50]
+
+
+def test_the_prompt_keeps_what_the_first_hop_does_not_fill() -> None:
+    """The first chunk holds the first hop's new tokens; the prompt fills the rest of it, and
+    at least the look-ahead of its last whole chunk."""
+    assert prompt_tail(LOW_LATENCY_SCHEDULE, 25, 3, token_rate=25) == 25 - 11
+    assert prompt_tail(StreamSchedule(first_hop=44), 25, 3, token_rate=25) == 3  # 22 new tokens
+    assert prompt_tail(StreamSchedule(first_hop=46), 25, 3, token_rate=25) == 3  # 23: one chunk on
+    assert prompt_tail(StreamSchedule(first_hop=1), 25, 3, token_rate=25) == 24
 
 
 def test_a_gapless_start_holds_chunks_back_but_changes_no_sample(

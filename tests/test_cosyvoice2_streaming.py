@@ -221,10 +221,10 @@ def test_a_chunk_aligned_prompt_gives_audio_after_25_tokens_and_the_look_ahead(
 def test_a_prompt_ending_on_its_look_ahead_makes_the_first_chunk_one_chunk(
     flow: CausalFlow, hift: HiFTGenerator
 ) -> None:
-    prompt = chunk_aligned(_prompt(60), 25, lookahead=3)
+    prompt = chunk_aligned(_prompt(60), 25, tail=3)
     assert prompt.tokens.shape == (1, 53) and prompt.feat.shape == (1, 106, 80)
     assert torch.equal(prompt.tokens, _prompt(60).tokens[:, 7:])
-    assert chunk_aligned(_prompt(27), 25, lookahead=3).tokens.shape == (1, 27)  # kept whole
+    assert chunk_aligned(_prompt(27), 25, tail=3).tokens.shape == (1, 27)  # kept whole
     base = flow.stream(prompt.tokens, prompt.feat, prompt.embedding)
     base.push([])
     assert base.frames_per_step() == [100]  # both whole prompt chunks, look-ahead included
@@ -236,3 +236,31 @@ def test_a_prompt_ending_on_its_look_ahead_makes_the_first_chunk_one_chunk(
     assert speech.push(tokens[24:25]).shape[1] == 22 * 2 * 480 - 8 * 480
     # One chunk's frames: the prompt's last 3 tokens and 22 new ones; nothing before.
     assert speech.flow.frames_per_step() == [100, 50]
+
+
+def test_a_prompt_ending_further_into_a_chunk_makes_a_smaller_first_hop_of_the_same_audio(
+    flow: CausalFlow, hift: HiFTGenerator
+) -> None:
+    """14 prompt tokens in the unfinished chunk: audio after 11 new tokens and the look-ahead,
+    one attention chunk computed, and the same audio as a stream that computes the prompt
+    itself."""
+    prompt = chunk_aligned(_prompt(60), 25, tail=14)
+    assert prompt.tokens.shape == (1, 39) and torch.equal(prompt.tokens, _prompt(60).tokens[:, 21:])
+    base = flow.stream(prompt.tokens, prompt.feat, prompt.embedding)
+    base.push([])
+    assert base.frames_per_step() == [50]  # the whole prompt chunk, its look-ahead inside
+
+    def first_chunk(primed: bool) -> torch.Tensor:
+        noise = GeneratorNoise(torch.Generator().manual_seed(0))
+        fork = base.fork() if primed else None
+        speech = SpeechStream(flow, hift, prompt, noise, flow_stream=fork)
+        tokens = _tokens(40)
+        for n in range(1, 14):
+            assert speech.push(tokens[n - 1 : n]).shape[1] == 0, n
+        audio = speech.push(tokens[13:14])
+        assert speech.flow.frames_per_step() == [50, 50]  # the prompt chunk, then one chunk
+        return audio
+
+    audio = first_chunk(primed=True)
+    assert audio.shape[1] == 11 * 2 * 480 - 8 * 480
+    torch.testing.assert_close(audio, first_chunk(primed=False), atol=1e-5, rtol=0)

@@ -17,12 +17,14 @@ cross-lingual or instruct2 mode (:func:`engine.cosyvoice2.prompt.conditioning`).
 
 Streaming schedules:
 
-* ``low_latency`` (the default): the prompt is cut to whole 25-token attention chunks and
-  the 3-token look-ahead of its last one (:func:`~engine.cosyvoice2.streaming.chunk_aligned`),
-  so every whole prompt chunk is computed once per voice and shared by its utterances (a
-  primed stream, :meth:`FlowStream.fork`), and an answer's first chunk, after 22 tokens and
-  the look-ahead, is a single attention chunk; hops end on chunk boundaries and grow per the
-  schedule. The last chunk is computed like the others (chunk attention).
+* ``low_latency`` (the default): hops are the schedule's durations (in 20 ms units, as v1's)
+  ending on 25-token attention chunk boundaries. The flow prompt is cut so that it ends inside
+  an attention chunk with room for the first hop (:func:`prompt_tail`,
+  :func:`~engine.cosyvoice2.streaming.chunk_aligned`): every whole prompt chunk is computed
+  once per voice and shared by its utterances (a primed stream, :meth:`FlowStream.fork`), and
+  an answer's first chunk completes the prompt's last one — audio after the first hop (11
+  tokens for the default schedule) and the 3-token look-ahead. The last chunk is computed like
+  the others (chunk attention).
 * ``official``: the official orchestration — the whole prompt, the first hop padded to whole
   chunks, hops 25·2ⁿ up to 100 and the last chunk in full attention — its audio equals the
   official runtime's for the same tokens and noise.
@@ -32,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import random
 import threading
 import time
@@ -86,6 +89,9 @@ KIND = "cosyvoice2"
 PRIMED_VOICES = 1
 # The HiFT noise generator's seed is the request's seed plus this (independent of the LM's).
 _NOISE_SEED_OFFSET = 1_000_003
+# A schedule's hops count 20 ms units (v1's 50 Hz speech tokens) for every family, so one
+# profile asks the same audio durations of both; CosyVoice2's tokens are 40 ms.
+SCHEDULE_UNITS_PER_SECOND = 50
 
 
 def seeded_noise(seed: int) -> HiftNoiseSource:
@@ -93,18 +99,36 @@ def seeded_noise(seed: int) -> HiftNoiseSource:
     return GeneratorNoise(torch.Generator().manual_seed(seed + _NOISE_SEED_OFFSET))
 
 
-def chunk_hops(schedule: StreamSchedule, chunk: int, prompt_tokens: int = 0) -> Iterator[int]:
-    """The schedule's hops ending on attention chunk boundaries (chunks of ``chunk`` tokens
-    counted from the first of ``prompt_tokens``): ``first_hop`` rounded up to a chunk, less the
-    prompt's tokens in its unfinished last chunk; then growing by ``growth`` up to ``max_hop``
-    (rounded down, at least one chunk)."""
-    limit = max(chunk, schedule.max_hop // chunk * chunk)
-    hop = float(max(1, schedule.first_hop))
+def chunk_hops(
+    schedule: StreamSchedule,
+    chunk: int,
+    prompt_tokens: int = 0,
+    token_rate: int = SCHEDULE_UNITS_PER_SECOND,
+) -> Iterator[int]:
+    """The schedule's hops in speech tokens of ``token_rate`` per second, ending on attention
+    chunk boundaries (chunks of ``chunk`` tokens counted from the first of ``prompt_tokens``):
+    ``first_hop`` rounded up to a chunk, less the prompt's tokens in its unfinished last chunk;
+    then growing by ``growth`` up to ``max_hop`` (rounded down, at least one chunk)."""
+    scale = token_rate / SCHEDULE_UNITS_PER_SECOND
+    limit = max(chunk, int(schedule.max_hop * scale) // chunk * chunk)
+    hop = max(1.0, schedule.first_hop * scale)
     into_chunk = prompt_tokens % chunk
     while True:
-        yield min(limit, -(-round(hop) // chunk) * chunk) - into_chunk
+        yield min(limit, -(-math.ceil(hop) // chunk) * chunk) - into_chunk
         into_chunk = 0
         hop *= max(1.0, schedule.growth)
+
+
+def prompt_tail(schedule: StreamSchedule, chunk: int, lookahead: int, token_rate: int) -> int:
+    """How many prompt tokens to leave in the prompt's last, unfinished attention chunk.
+
+    The answer's first chunk completes that chunk, so it holds ``chunk − tail`` new tokens:
+    the schedule's first hop when it fits (audio after that hop and the look-ahead), else the
+    look-ahead alone stays in the prompt (the first hop then ends on a later chunk boundary).
+    The prompt's last whole chunk needs its look-ahead, hence at least ``lookahead`` tokens.
+    """
+    first = max(1, math.ceil(schedule.first_hop * token_rate / SCHEDULE_UNITS_PER_SECOND))
+    return chunk - first if first <= chunk - lookahead else lookahead
 
 
 @dataclass
@@ -145,7 +169,8 @@ class CosyVoice2Engine:
         # Where each segment's HiFT draws come from, by its seed (parity tests inject the
         # official run's draws here).
         self.hift_noise: Callable[[int], HiftNoiseSource] = seeded_noise
-        self._primed: OrderedDict[tuple[str, int, float], _Primed] = OrderedDict()
+        # (voice, flow steps, guidance, prompt tokens kept) -> the voice's primed stream
+        self._primed: OrderedDict[tuple[str, int, float, int], _Primed] = OrderedDict()
         self._primed_lock = threading.Lock()
 
     @classmethod
@@ -276,7 +301,7 @@ class CosyVoice2Engine:
 
         if options.stream and options.start_policy == GAPLESS:
             expected = sum(self._expected_seconds(s.text, options.force_tokens) for s in segments)
-            yield from hold_until_gapless(chunks(), expected / options.speed)
+            yield from hold_until_gapless(chunks(), expected)
         else:
             yield from chunks()
 
@@ -332,7 +357,6 @@ class CosyVoice2Engine:
                         noise,
                         n_timesteps=options.n_timesteps,
                         cfg_rate=options.cfg_rate,
-                        speed=options.speed,
                     )
 
         chunks = waves()
@@ -369,22 +393,29 @@ class CosyVoice2Engine:
                 cache_dtype=None if official else self.flow_cache_dtype,
                 flow_stream=primed,
                 threads=options.threads,
-                speed=options.speed,
             )
 
         if options.schedule.name == OFFICIAL_SCHEDULE.name:
             return speech_stream(prompt, official=True), official_hops(prompt.tokens.shape[1])
-        aligned = chunk_aligned(prompt, chunk, flow.args.pre_lookahead_len)
+        aligned = self._aligned_prompt(prompt, options.schedule)
         primed = self._primed_stream(voice, aligned, options).fork()
         speech = speech_stream(aligned, official=False, primed=primed)
-        return speech, chunk_hops(options.schedule, chunk, aligned.tokens.shape[1])
+        return speech, chunk_hops(options.schedule, chunk, aligned.tokens.shape[1], self.token_rate)
+
+    def _aligned_prompt(self, prompt: FlowPrompt, schedule: StreamSchedule) -> FlowPrompt:
+        """The flow prompt cut so that the answer's first chunk holds the schedule's first hop."""
+        args = self.models.flow.args
+        chunk = args.encoder.static_chunk_size
+        tail = prompt_tail(schedule, chunk, args.pre_lookahead_len, self.token_rate)
+        return chunk_aligned(prompt, chunk, tail)
 
     def _primed_stream(
         self, voice: CustomVoice, prompt: FlowPrompt, options: SynthesisOptions
     ) -> FlowStream:
         """The voice's flow stream with every prompt chunk computed that the prompt alone
-        allows, for these flow settings: computed on first use, then shared by forks."""
-        key = (voice.name, options.n_timesteps, float(options.cfg_rate))
+        allows, for these flow settings and this cut of the prompt: computed on first use, then
+        shared by forks."""
+        key = (voice.name, options.n_timesteps, float(options.cfg_rate), prompt.tokens.shape[1])
         with self._primed_lock:
             primed = self._primed.get(key)
             if primed is not None and primed.voice is voice:
@@ -412,10 +443,7 @@ class CosyVoice2Engine:
         for the flow settings of ``options`` now, rather than in its first streamed request."""
         options = options or SynthesisOptions()
         voice = self._voice(options.speaker)
-        args = self.models.flow.args
-        prompt = chunk_aligned(
-            flow_prompt(voice.prompt), args.encoder.static_chunk_size, args.pre_lookahead_len
-        )
+        prompt = self._aligned_prompt(flow_prompt(voice.prompt), options.schedule)
         with torch.inference_mode():
             self._primed_stream(voice, prompt, options)
 

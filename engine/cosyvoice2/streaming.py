@@ -8,9 +8,6 @@ on that chunk's frames only. The vocoder hides the seams as the official runtime
 * the first 3840 output samples are cross-faded (Hamming, float64) with the 3840 held back
   from the previous chunk, and every chunk but the last holds back its own last 3840.
 
-A speed other than 1 resamples the mel in time before HiFT (engine.speed), chunk by chunk as
-the whole mel would be.
-
 The official schedule: the first chunk after ``TOKEN_HOP`` (25) tokens — plus what brings the
 prompt to a whole number of 25-token chunks — and the 3-token look-ahead; then hops doubling to
 ``MAX_TOKEN_HOP`` (100). Every hop is a whole number of attention chunks.
@@ -28,7 +25,6 @@ from torch import Tensor
 
 from engine.cosyvoice2.flow import CausalFlow, FlowStream
 from engine.hift import HiftNoise
-from engine.speed import MelStretcher, stretch_mel
 from engine.streaming import fade_in_out
 from engine.thread_budget import ThreadBudget, apply_thread_budget, vocoder_busy
 
@@ -136,7 +132,6 @@ class SpeechStream:
         cache_dtype: torch.dtype | None = None,
         flow_stream: FlowStream | None = None,
         threads: ThreadBudget | None = None,
-        speed: float = 1.0,
     ) -> None:
         self.prompt, self.threads = prompt, threads
         self.full_attention_last = full_attention_last
@@ -151,8 +146,6 @@ class SpeechStream:
             )
         self.flow: FlowStream = flow_stream
         self.vocoder = VocoderStream(hift, noise, threads=threads)
-        # HiFT's first chunk must hold the frames of context the next one starts with.
-        self.stretcher = MelStretcher(speed, min_first=MEL_CACHE) if speed != 1.0 else None
 
     @property
     def lookahead(self) -> int:
@@ -166,8 +159,6 @@ class SpeechStream:
                 mel = self._full_attention_rest(tokens)
             else:
                 mel = self.flow.push(tokens, finalize=finalize)
-            if self.stretcher is not None:
-                mel = self.stretcher.push(mel, finalize=finalize)
             if mel.shape[2] == 0 and not finalize:
                 return torch.zeros(1, 0)
             return self.vocoder.push(mel, finalize=finalize)
@@ -192,22 +183,22 @@ class SpeechStream:
         return mel[:, :, max(0, done) :]
 
 
-def chunk_aligned(prompt: FlowPrompt, chunk: int = TOKEN_HOP, lookahead: int = 0) -> FlowPrompt:
-    """The prompt less its first few tokens (and their mel frames), so that it ends
-    ``lookahead`` tokens into an attention chunk.
+def chunk_aligned(prompt: FlowPrompt, chunk: int = TOKEN_HOP, tail: int = 0) -> FlowPrompt:
+    """The prompt less its first few tokens (and their mel frames), so that it ends ``tail``
+    tokens into an attention chunk.
 
-    Attention chunks are counted from the first prompt token. Ending ``lookahead`` tokens past
-    a chunk's end, the prompt holds its last whole chunk's look-ahead: a voice's prompt stream
+    Attention chunks are counted from the first prompt token. With ``tail`` at least the flow's
+    look-ahead, the prompt holds its last whole chunk's look-ahead: a voice's prompt stream
     computes every whole prompt chunk once, and an answer's first chunk is one chunk (the
-    prompt's last ``lookahead`` tokens and ``chunk − lookahead`` new ones, audio after
-    ``chunk`` tokens) instead of the prompt's last chunk and a chunk of its own. The flow then
-    hears up to 0.96 s less of the prompt's start (the LM's prompt is not affected). A prompt
-    shorter than ``chunk + lookahead`` tokens is kept whole.
+    prompt's last ``tail`` tokens and ``chunk − tail`` new ones, audio after those and the
+    look-ahead) instead of the prompt's last chunk and a chunk of its own. The flow then hears
+    up to 0.96 s less of the prompt's start (the LM's prompt is not affected). A prompt
+    shorter than ``chunk + tail`` tokens is kept whole.
     """
     tokens = prompt.tokens.shape[1]
-    if tokens < chunk + lookahead:
+    if tokens < chunk + tail:
         return prompt
-    drop = (tokens - lookahead) % chunk
+    drop = (tokens - tail) % chunk
     if drop == 0:
         return prompt
     ratio = prompt.feat.shape[1] // tokens
@@ -251,10 +242,8 @@ def whole_audio(
     *,
     n_timesteps: int = 10,
     cfg_rate: float | None = None,
-    speed: float = 1.0,
 ) -> Tensor:
-    """Non-streaming, as upstream: one flow call in full attention, one HiFT call (the mel
-    resampled to the speed in between)."""
+    """Non-streaming, as upstream: one flow call in full attention, one HiFT call."""
     mel = flow.inference(
         torch.tensor([list(tokens)], dtype=torch.int64),
         prompt.tokens,
@@ -265,4 +254,4 @@ def whole_audio(
         n_timesteps=n_timesteps,
         cfg_rate=cfg_rate,
     )
-    return VocoderStream(hift, noise).push(stretch_mel(mel, speed), finalize=True)
+    return VocoderStream(hift, noise).push(mel, finalize=True)
