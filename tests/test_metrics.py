@@ -20,7 +20,7 @@ import pytest
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("prometheus_client", reason="the http extra is not installed")
 
-from conftest import FakeEngine, connect, read_until, synthesize  # noqa: E402
+from conftest import ROOT, FakeEngine, connect, read_until, synthesize  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 from test_http import RATE, BackgroundServer  # noqa: E402
 
@@ -397,3 +397,43 @@ def test_a_failing_listener_does_not_fail_the_request() -> None:
 )
 def test_how_a_speech_ended(error: BaseException | None, stalled: bool, outcome: str) -> None:
     assert speech_outcome(error, stalled) == outcome
+
+
+# --- the documented Home Assistant sensors ----------------------------------------------------
+
+
+def documented_rest_sensors() -> list[dict[str, Any]]:
+    """The ``platform: rest`` sensors of the YAML examples in the add-on DOCS and the API docs."""
+    import re
+
+    import yaml
+
+    sensors = []
+    for doc in ("addon/DOCS.md", "docs/http-api.md"):
+        text = (ROOT / doc).read_text("utf-8")
+        for block in re.findall(r"```yaml\n(.*?)```", text, re.S):
+            if "platform: rest" in block:
+                sensors += yaml.safe_load(block)["sensor"]
+    return sensors
+
+
+def render(template: str, stats: dict[str, Any]) -> str:
+    """A template as Home Assistant renders it for a REST sensor (plain Jinja suffices here)."""
+    import jinja2
+
+    return jinja2.Environment().from_string(template).render(value_json=stats)
+
+
+def test_the_documented_home_assistant_sensors_read_stats() -> None:
+    sensors = [s for s in documented_rest_sensors() if s["resource"].endswith("/stats")]
+    assert len(sensors) >= 3  # the add-on's and the API docs' examples
+    with BackgroundServer() as srv:
+        for sensor in sensors:  # before any request: unavailable, not a made-up 0
+            assert render(sensor["availability"], stats(srv)) == "False"
+        speak_wyoming(srv, "Hello there.")
+        body = stats(srv)
+        for sensor in sensors:
+            assert render(sensor["availability"], body) == "True"
+            state = float(render(sensor["value_template"], body))
+            assert state in (body["first_audio_s"]["p50"], body["real_time_factor"]["p50"])
+            assert set(sensor.get("json_attributes", [])) <= set(body)
