@@ -7,7 +7,8 @@ fingerprint of the folder (names, sizes, modification times) is taken off the ev
 when it changed is the folder scanned again, so a voice dropped in later appears without a
 restart and an idle server does no work. The engine reuses each voice's prompt cache
 (``NAME.prompt.pt`` for v1, ``NAME.cosyvoice2.prompt.pt`` for CosyVoice2), so a re-scan only
-analyses new or changed recordings.
+analyses new or changed recordings. A voice saved from the web page asks for a check at once
+(:meth:`CustomVoices.rescan`) instead of waiting for the next one.
 
 The prompt models (``campplus.onnx`` and the family's speech tokenizer, ~550 MB) are downloaded
 only when a voice actually needs them (a valid recording without an up-to-date cache), not for
@@ -24,6 +25,7 @@ CosyVoice2 (instruct2, with any voice) when it names no voice (see
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
@@ -129,6 +131,10 @@ class CustomVoices:
         self.scans = 0
         self._seen: object = _NEVER
         self._offered: set[str] = set()
+        self.rejected: dict[str, str] = {}  # the last scan's skipped voices and why
+        self.fetching = False  # the prompt models are being downloaded
+        self._wake = asyncio.Event()
+        self._waiters: list[asyncio.Future[None]] = []
         self._download_failed_at: float | None = None
         self._task: asyncio.Task[None] | None = None
 
@@ -155,6 +161,8 @@ class CustomVoices:
             self.config.voices_rescan_s,
         )
         while True:
+            self._wake.clear()  # a rescan() asked for from here on gets a check of its own
+            waiters, self._waiters = self._waiters, []
             try:
                 seen = await asyncio.to_thread(
                     folder_fingerprint, self.voices_dir, self.model_dir, self.prompt_models
@@ -166,7 +174,33 @@ class CustomVoices:
                 raise
             except Exception:  # a bad folder must never stop the server
                 _LOGGER.exception("Scanning the custom voices in %s failed", self.voices_dir)
-            await asyncio.sleep(self.config.voices_rescan_s)
+            for waiter in waiters:
+                if not waiter.done():
+                    waiter.set_result(None)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), self.config.voices_rescan_s)
+
+    async def rescan(self) -> None:
+        """Check the folder now (a voice was just saved); returns once a check that started
+        after this call has finished, its scan included. Before the model has loaded, that is
+        the first scan."""
+        waiter = asyncio.get_running_loop().create_future()
+        self._waiters.append(waiter)
+        self._wake.set()
+        await waiter
+
+    def state(self, name: str) -> tuple[str, str | None]:
+        """("offered" | "rejected" | "waiting", why) for a voice of the folder."""
+        if name in self._offered:
+            return "offered", None
+        if name in self.rejected:
+            return "rejected", self.rejected[name]
+        if self.fetching:
+            return "waiting", (
+                f"the server is downloading the prompt models ({' and '.join(self.prompt_models)}"
+                ", about 550 MB) that a first custom voice needs"
+            )
+        return "waiting", "the server has not scanned it yet"
 
     async def scan(self, engine: Any) -> None:
         """Scan on the engine thread (fetching the prompt models first if a voice needs them)."""
@@ -206,6 +240,7 @@ class CustomVoices:
                 self.model_dir,
             )
         started = time.monotonic()
+        self.fetching = True
         try:
             await _in_daemon_thread(
                 lambda: ensure_extra_files(
@@ -227,6 +262,8 @@ class CustomVoices:
                 self.cache_suffix,
             )
             return False
+        finally:
+            self.fetching = False
         self._download_failed_at = None
         _LOGGER.info("Prompt models ready in %.0f s", time.monotonic() - started)
         return True
@@ -260,6 +297,7 @@ class CustomVoices:
         for name in sorted(self._offered - offered.keys()):
             _LOGGER.info("Custom voice %r is no longer offered", name)
         self._offered = set(offered)
+        self.rejected = {**result.rejected, **catalog.skipped}
         self.scheduler.catalog = catalog
         _LOGGER.info(
             "Custom voices offered: %s%s",

@@ -11,6 +11,7 @@ bit-exact).
 from __future__ import annotations
 
 import functools
+import io
 import logging
 import math
 import struct
@@ -124,8 +125,13 @@ def read_wav(path: Path | str, max_seconds: float | None = None) -> tuple[np.nda
         data = path.read_bytes()
     except OSError as err:
         raise VoiceError(f"cannot read {path.name}: {err.strerror or err}") from err
+    return decode_wav(data, max_seconds)
+
+
+def decode_wav(data: bytes, max_seconds: float | None = None) -> tuple[np.ndarray, WavInfo]:
+    """:func:`read_wav` for a WAV file's bytes (an upload, before it is saved)."""
     try:
-        with wave.open(str(path), "rb") as wav:
+        with wave.open(io.BytesIO(data), "rb") as wav:
             info = WavInfo(
                 wav.getframerate(),
                 wav.getnchannels(),

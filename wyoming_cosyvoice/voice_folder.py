@@ -1,0 +1,96 @@
+"""A new voice written into the voices folder: its name, its transcript, its two files.
+
+The folder's format is the one users fill by hand (docs/custom-voices.md): ``NAME.wav`` and
+``NAME.txt``. Each file is written to a dot-file first (scans ignore those) and then renamed into
+place, the transcript first: a scan that runs between the two renames sees a transcript without
+its recording, which it skips until the next check, and never half a recording.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+from engine.prompt.validate import MAX_TRANSCRIPT_CHARS
+
+MAX_NAME_CHARS = 48
+# Letters of any script, digits, spaces, '-' and '_', starting with a letter or digit. No dots:
+# NAME.instruct.txt and NAME.prompt.pt are other files of a voice.
+_NAME = re.compile(rf"[^\W_][\w\- ]{{0,{MAX_NAME_CHARS - 1}}}")
+
+
+class BadVoiceName(ValueError):
+    """A name that cannot be a voice's."""
+
+
+class BadTranscript(ValueError):
+    """A transcript the engine would refuse."""
+
+
+class VoiceExists(ValueError):
+    """The folder already has files of a voice by that name."""
+
+
+def check_name(name: str) -> str:
+    """The voice name, stripped; :class:`BadVoiceName` with what is allowed."""
+    name = name.strip()
+    if not _NAME.fullmatch(name):
+        raise BadVoiceName(
+            f"{name!r} cannot be a voice name: use 1 to {MAX_NAME_CHARS} letters (any language), "
+            "digits, spaces, '-' or '_', starting with a letter or digit"
+        )
+    return name
+
+
+def check_transcript(text: str) -> str:
+    """The transcript as the engine reads it (runs of spaces and line breaks as one space)."""
+    text = " ".join(text.split())
+    if not any(ch.isalnum() for ch in text):
+        raise BadTranscript("the transcript is empty: write exactly what is said in the recording")
+    if len(text) > MAX_TRANSCRIPT_CHARS:
+        raise BadTranscript(f"the transcript is {len(text)} characters long; the limit is "
+                            f"{MAX_TRANSCRIPT_CHARS}")  # fmt: skip
+    return text
+
+
+def file_of_voice(folder: Path, name: str) -> str | None:
+    """A file of the folder that belongs to a voice called ``name`` (any case), or None."""
+    wanted = name.casefold()
+    try:
+        entries = list(folder.iterdir())
+    except FileNotFoundError:
+        return None
+    for path in entries:
+        if not path.name.startswith(".") and path.name.split(".")[0].casefold() == wanted:
+            return path.name
+    return None
+
+
+def save_voice(folder: Path, name: str, transcript: str, wav: bytes) -> list[Path]:
+    """Write ``NAME.txt`` and ``NAME.wav``; :class:`VoiceExists` if the name is taken.
+
+    Blocking file I/O: callers on an event loop run it in a thread, one save at a time.
+    """
+    folder.mkdir(parents=True, exist_ok=True)
+    if (taken := file_of_voice(folder, name)) is not None:
+        raise VoiceExists(f"the voices folder already has {taken}: choose another name, or "
+                          "delete that voice's files first")  # fmt: skip
+    written = []
+    for suffix, data in ((".txt", (transcript + "\n").encode("utf-8")), (".wav", wav)):
+        path = folder / f"{name}{suffix}"
+        _write_atomically(path, data)
+        written.append(path)
+    return written
+
+
+def _write_atomically(path: Path, data: bytes) -> None:
+    staging = path.with_name(f".{path.name}.part")
+    try:
+        with staging.open("wb") as file:
+            file.write(data)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(staging, path)
+    finally:
+        staging.unlink(missing_ok=True)
