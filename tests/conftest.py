@@ -45,6 +45,9 @@ class FakeEngine:
     """Deterministic stand-in for CosyVoiceEngine; records every call."""
 
     SAMPLES_PER_CHAR = 441  # 20 ms of audio per input character
+    # About -18 LUFS, the server's loudness target: its voices keep unity gain, so tests can
+    # compare the audio of one request with another's byte for byte.
+    AMPLITUDE = 0.195
     CHUNK = 2205  # 100 ms per yielded chunk
 
     def __init__(self, model_dir: Path, threads: int | None = None, *, delay: float = 0.005,
@@ -97,7 +100,7 @@ class FakeEngine:
             t = (np.arange(done, done + n) / SAMPLE_RATE).astype(np.float32)
             done += n
             call.chunks += 1
-            yield AudioChunk(0.3 * np.sin(2 * np.pi * freq * t))
+            yield AudioChunk(self.AMPLITUDE * np.sin(2 * np.pi * freq * t))
         call.finished = True
 
 
