@@ -293,8 +293,8 @@ def test_errors_are_shown_in_words_for_people(browser: DevTools) -> None:
         browser.wait_for("window.tts && tts.voicesLoaded")
         for text, shown in (("   ", "Type some text to speak."),
                             ("?!…", "There is nothing to speak in this text. Type some words."),
-                            ("x" * 6000, "The text is too long. Shorten it to at most 5000 "
-                                         "characters.")):  # fmt: skip
+                            ("x" * 20001, "The text is too long. Shorten it to at most 20000 "
+                                          "characters.")):  # fmt: skip
             browser.js(f"document.getElementById('text').value = {json.dumps(text)}")
             browser.click("#speak")
             browser.wait_for("tts.error")

@@ -151,6 +151,17 @@ class Limits:
 
 
 @dataclass(frozen=True)
+class CacheConfig:
+    """The repeat cache of recently spoken sentences; see settings.yaml."""
+
+    max_mb: float  # 0 = off
+
+    @property
+    def max_bytes(self) -> int:
+        return int(self.max_mb * 1024 * 1024)
+
+
+@dataclass(frozen=True)
 class ServerConfig:
     uri: str
     model: str
@@ -174,6 +185,7 @@ class ServerConfig:
     log_format: str
     limits: Limits
     profiles: dict[str, ProfileConfig]
+    cache: CacheConfig = CacheConfig(max_mb=0)
     # Benchmarks and tests only, set in code by their launchers (wyoming_cosyvoice.bench.server),
     # never by a user: speech tokens per sentence, so that a random-weight model, which never
     # ends an utterance by itself, gives fixed-length audio.
@@ -355,7 +367,7 @@ _SERVER_KINDS = {
     "debug": "bool",
     "log_format": "str",
 }
-_SECTIONS = ("server", "profiles", "limits")
+_SECTIONS = ("server", "profiles", "limits", "cache")
 _SCHEDULE_KINDS = {"first_hop": "int+", "growth": "float+", "max_hop": "int+", "overlap": "int"}
 
 
@@ -434,6 +446,14 @@ def _limits(raw: dict[str, Any]) -> Limits:
     return Limits(**values)
 
 
+def _cache(raw: dict[str, Any]) -> CacheConfig:
+    section = _section(raw, "cache", [f.name for f in fields(CacheConfig)])
+    max_mb = section.get("max_mb")
+    if isinstance(max_mb, bool) or not isinstance(max_mb, (int, float)) or max_mb < 0:
+        raise ConfigError("cache.max_mb", f"must be a number >= 0 (0 = off), not {max_mb!r}")
+    return CacheConfig(max_mb=float(max_mb))
+
+
 def build_config(raw: dict[str, Any]) -> ServerConfig:
     """Validate a merged raw mapping into a :class:`ServerConfig`."""
     for key in raw:
@@ -471,4 +491,5 @@ def build_config(raw: dict[str, Any]) -> ServerConfig:
         profile=profiles[profile_name],
         limits=_limits(raw),
         profiles=profiles,
+        cache=_cache(raw),
     )

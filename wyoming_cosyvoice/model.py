@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from wyoming_cosyvoice.config import ServerConfig
+from wyoming_cosyvoice.repeat_cache import RepeatCache
 from wyoming_cosyvoice.scheduler import Engine, EngineFactory, Scheduler
 
 _LOGGER = logging.getLogger(__name__)
@@ -162,6 +163,7 @@ def scheduler_for_config(
         prime_options=config.profile.options(
             speaker=None, seed=None, instruct=None, force_tokens=None
         ),
+        repeat_cache=RepeatCache(config.cache.max_bytes),
     )
 
 

@@ -26,6 +26,7 @@ from engine.constants import SAMPLE_RATE
 from engine.types import AudioChunk, SynthesisCancelled, SynthesisOptions
 from wyoming_cosyvoice.metrics import ServerMetrics
 from wyoming_cosyvoice.protocol import ServerBusyError
+from wyoming_cosyvoice.repeat_cache import RepeatCache
 from wyoming_cosyvoice.voice_catalog import VoiceCatalog
 
 _LOGGER = logging.getLogger(__name__)
@@ -132,6 +133,7 @@ class Scheduler:
         shared_cores: bool = False,
         sample_rate: int = SAMPLE_RATE,
         prime_options: SynthesisOptions | None = None,
+        repeat_cache: RepeatCache | None = None,
     ) -> None:
         self.model_dir = model_dir
         # The rate of the audio the engine makes: the model family's until it has loaded.
@@ -153,6 +155,8 @@ class Scheduler:
         self._ready: asyncio.Future[Engine] = asyncio.get_running_loop().create_future()
         self.catalog = VoiceCatalog(speakers_hint or [])
         self.engine: Engine | None = None
+        # Recently spoken sentences' audio, replayed by the speeches (off unless given one).
+        self.repeat_cache = repeat_cache if repeat_cache is not None else RepeatCache(0)
         self.waiting = 0  # sentences queued for the engine (the log, /health, /metrics)
         self.metrics = ServerMetrics()  # what every front end's requests report
         self._calls: set[Future[Any]] = set()  # engine-thread calls that have not returned

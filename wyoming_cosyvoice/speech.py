@@ -348,11 +348,10 @@ class Speech:
         self._events.put_nowait(SentenceStart(index, sentence, voice))
         engine_started = time.monotonic()
         try:
-            await scheduler.synthesize(
+            await self._synthesize(
+                voice,
                 sentence.text,
                 self.settings.options(voice, instruct, sentence),
-                self.cancel_event,
-                self._on_chunk,
                 load_timeout=limits.load_wait_s,
             )
         except (EngineError, ValueError) as err:  # TextInputError is a ValueError
@@ -363,6 +362,23 @@ class Speech:
         finally:
             self.engine_s += time.monotonic() - engine_started
         self._events.put_nowait(SentenceEnd(index))
+
+    async def _synthesize(
+        self, voice: Voice, text: str, options: SynthesisOptions, *, load_timeout: float
+    ) -> None:
+        """One sentence's audio through :meth:`_on_chunk`: replayed from the repeat cache when
+        it was spoken lately, else made by the engine and kept for the next time."""
+        scheduler = self.scheduler
+        cached = scheduler.repeat_cache.lookup(text, voice, options, scheduler.catalog)
+        if cached.hit:
+            for chunk in cached.replay():
+                await self._on_chunk(chunk)
+            return
+        on_chunk = cached.record(self._on_chunk)
+        await scheduler.synthesize(text, options, self.cancel_event, on_chunk,
+                                   load_timeout=load_timeout)  # fmt: skip
+        if not self.cancel_event.is_set():  # a cancelled engine may stop without raising
+            cached.store()
 
     async def _on_chunk(self, chunk: AudioChunk) -> None:
         if chunk.sample_rate != self.sample_rate:
