@@ -35,6 +35,16 @@ def write_wav(path: Path, samples: np.ndarray, sample_rate: int) -> None:
 def _synthesize(args: argparse.Namespace) -> int:
     from engine.family import load_engine
 
+    schedule = OFFICIAL_SCHEDULE if args.schedule == "official" else LOW_LATENCY_SCHEDULE
+    # Checked before the (slow) load: a bad speed fails at once.
+    options = SynthesisOptions(
+        speaker=args.speaker,
+        stream=args.stream,
+        schedule=schedule,
+        seed=args.seed,
+        instruct=args.instruct,
+        speed=args.speed,
+    )
     engine = load_engine(args.model_dir, threads=args.threads, lm_int8=args.lm_weights == "int8")
     if args.voices_dir is not None:
         engine.enable_custom_voices(args.voices_dir)  # rejected voices are logged
@@ -43,14 +53,6 @@ def _synthesize(args: argparse.Namespace) -> int:
             f"{args.model_dir} has no built-in speakers: give it a voice with --voices-dir DIR "
             "(a recording NAME.wav and its transcript NAME.txt) and --speaker NAME"
         )
-    schedule = OFFICIAL_SCHEDULE if args.schedule == "official" else LOW_LATENCY_SCHEDULE
-    options = SynthesisOptions(
-        speaker=args.speaker,
-        stream=args.stream,
-        schedule=schedule,
-        seed=args.seed,
-        instruct=args.instruct,
-    )
     start = time.perf_counter()
     pieces = []
     for index, chunk in enumerate(engine.synthesize(args.text, options)):
@@ -137,6 +139,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--instruct", help="instruction text (-Instruct model; CosyVoice2: with any voice)"
     )
     synth.add_argument("--seed", type=int, help="seed for a reproducible voice")
+    synth.add_argument(
+        "--speed", type=float, default=1.0, help="speaking speed, 0.5 to 2.0 (default 1.0)"
+    )
     synth.add_argument(
         "--stream",
         action="store_true",

@@ -3,8 +3,10 @@ chunk while streaming, for both model families on their tiny test models."""
 
 from __future__ import annotations
 
+import functools
 import math
 import shutil
+import wave
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -271,3 +273,34 @@ def test_v2_audio_lasts_one_over_speed_as_long(v2_engine: CosyVoice2Engine, stre
     normal = samples(1.0)
     for speed in SPEEDS:
         assert abs(samples(speed) - normal / speed) <= 2 * V2_FRAME, speed
+
+
+# --- the engine's command line -------------------------------------------------------------
+
+
+def test_the_command_line_speaks_at_a_speed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import engine.__main__ as cli
+
+    # Random weights never end an utterance: 60 speech tokens (103 mel frames) fix the length.
+    monkeypatch.setattr(
+        cli, "SynthesisOptions", functools.partial(SynthesisOptions, force_tokens=60)
+    )
+    out = tmp_path / "out.wav"
+    argv = ["synthesize", "--model-dir", str(DATA / "tiny_model"), "--text", "Hello world.",
+            "--out", str(out), "--seed", "1", "--speed", "1.25"]  # fmt: skip
+    assert cli.main(argv) == 0
+    with wave.open(str(out)) as wav:
+        assert wav.getnframes() == int(103 / 1.25) * HOP
+
+
+def test_the_command_line_refuses_a_bad_speed_before_loading(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from engine.__main__ import main
+
+    argv = ["synthesize", "--model-dir", str(tmp_path / "no-model"), "--text", "Hi.",
+            "--out", str(tmp_path / "out.wav"), "--speed", "3"]  # fmt: skip
+    assert main(argv) == 2
+    assert "speed 3.0 is out of range" in caplog.text  # not the missing model: checked first
