@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from wyoming_cosyvoice.config import ServerConfig
+from wyoming_cosyvoice.loudness import VoiceLevels
 from wyoming_cosyvoice.repeat_cache import RepeatCache
 from wyoming_cosyvoice.scheduler import Engine, EngineFactory, Scheduler
 
@@ -164,7 +165,17 @@ def scheduler_for_config(
             speaker=None, seed=None, instruct=None, force_tokens=None
         ),
         repeat_cache=RepeatCache(config.cache.max_bytes),
+        levels=voice_levels(config),
     )
+
+
+def voice_levels(config: ServerConfig) -> VoiceLevels:
+    """Loudness per voice at the config's target and volume; recordings are looked up in the
+    custom voices folder and the folder of built-in voices made from recordings (CosyVoice2)."""
+    from wyoming_cosyvoice.builtin_voices import builtin_voices_dir
+
+    folders = (config.voices_dir, builtin_voices_dir(config))
+    return VoiceLevels(config.loudness, config.volume, folders)
 
 
 def speakers_before_load(config: ServerConfig, model_dir: Path) -> list[str] | None:

@@ -24,6 +24,7 @@ from typing import Any, Protocol
 
 from engine.constants import SAMPLE_RATE
 from engine.types import AudioChunk, SynthesisCancelled, SynthesisOptions
+from wyoming_cosyvoice.loudness import VoiceLevels
 from wyoming_cosyvoice.metrics import ServerMetrics
 from wyoming_cosyvoice.protocol import ServerBusyError
 from wyoming_cosyvoice.repeat_cache import RepeatCache
@@ -134,6 +135,7 @@ class Scheduler:
         sample_rate: int = SAMPLE_RATE,
         prime_options: SynthesisOptions | None = None,
         repeat_cache: RepeatCache | None = None,
+        levels: VoiceLevels | None = None,
     ) -> None:
         self.model_dir = model_dir
         # The rate of the audio the engine makes: the model family's until it has loaded.
@@ -157,6 +159,8 @@ class Scheduler:
         self.engine: Engine | None = None
         # Recently spoken sentences' audio, replayed by the speeches (off unless given one).
         self.repeat_cache = repeat_cache if repeat_cache is not None else RepeatCache(0)
+        # Each voice's measured loudness and gain (off unless given: the model's level, limited).
+        self.levels = levels if levels is not None else VoiceLevels.off()
         self.waiting = 0  # sentences queued for the engine (the log, /health, /metrics)
         self.metrics = ServerMetrics()  # what every front end's requests report
         self._calls: set[Future[Any]] = set()  # engine-thread calls that have not returned
