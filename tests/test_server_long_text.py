@@ -278,3 +278,43 @@ def test_http_over_the_limit_is_413_and_at_the_limit_streams(
     assert spoken == sentences
     assert len(pcm) == 2 * expected_samples(sentences)
     first_call_saw_little(progress, text)
+
+
+def test_a_long_text_asked_for_as_one_wav_is_not_held_in_memory(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A whole file's audio waits on disk past a small spool: the server's memory peak while
+    answering stays a fraction of the file (holding it, as a list and its join, takes twice
+    the file or more)."""
+    pytest.importorskip("httpx")
+    import tracemalloc
+
+    import test_http
+
+    from wyoming_cosyvoice.http import stream
+
+    monkeypatch.setattr(stream, "SPOOL_MEMORY_BYTES", 1 << 20)
+    text = announcement(LIMIT)
+    sentences = reference_sentences(text)
+    pcm_bytes = 2 * sum(FakeEngine.expected_samples(s) for s in sentences)
+    engine = lambda path, threads: FakeEngine(path, threads, delay=0.0)  # noqa: E731
+    # cache off: it would hold the sentences' audio itself
+    with test_http.BackgroundServer(
+        {"cache.max_mb": 0}, wyoming=False, engine_factory=engine
+    ) as srv:
+        with srv.client() as http:
+            tracemalloc.start()
+            try:
+                with http.stream("POST", "/tts", json={"text": text}) as response:
+                    assert response.status_code == 200
+                    length = int(response.headers["content-length"])
+                    head, received = b"", 0
+                    for part in response.iter_bytes():
+                        head = head or part[:44]
+                        received += len(part)
+                _, peak = tracemalloc.get_traced_memory()
+            finally:
+                tracemalloc.stop()
+    assert received == length == 44 + pcm_bytes > 16 << 20
+    assert int.from_bytes(head[40:44], "little") == pcm_bytes  # the WAV's real data size
+    assert peak < pcm_bytes // 4, f"peak {peak >> 20} MiB for {pcm_bytes >> 20} MiB of audio"

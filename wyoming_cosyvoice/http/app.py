@@ -41,10 +41,8 @@ from wyoming_cosyvoice.http.speech import (
 from wyoming_cosyvoice.http.stream import (
     SpeechJob,
     SpeechResponse,
-    audio_headers,
+    WholeAudioResponse,
     first_piece,
-    media_type,
-    wav_header,
 )
 from wyoming_cosyvoice.protocol import ClientError, ServerBusyError
 from wyoming_cosyvoice.scheduler import Scheduler
@@ -187,15 +185,12 @@ class TtsRoutes:
         if speech.stream:
             return SpeechResponse(job, first)
         try:
-            rest = await job.read_all() if first is not None else b""
+            audio = await job.read_whole(first)
         except Exception as err:
             raise engine_error(err) from err
         finally:
             job.stop()
-        pcm, rate = (first or b"") + rest, job.speech.sample_rate
-        body = wav_header(len(pcm), rate) + pcm if speech.audio_format == "wav" else pcm
-        return Response(body, media_type=media_type(speech, rate),
-                        headers=audio_headers(speech, rate))  # fmt: skip
+        return WholeAudioResponse(audio, speech, job.speech.sample_rate)
 
     def _speech(self, speech: SpeechRequest, request: Request) -> Speech:
         """The request's sentences, fed to the speech pipeline."""

@@ -4,7 +4,9 @@ A :class:`SpeechJob` reads one :class:`~wyoming_cosyvoice.speech.Speech` (which 
 sentences through the shared scheduler: HTTP and Wyoming requests take one fair queue) and
 hands its PCM to the response in order, telling the speech what was taken: the pipeline's
 backpressure and stalled-client drop then hold for HTTP as for Wyoming. A client that
-disconnects cancels its synthesis within one chunk.
+disconnects cancels its synthesis within one chunk. A whole file (not streamed) is gathered
+in a :class:`WholeAudio`, on disk past a few megabytes: a long announcement asked for as one
+WAV is not held, nor copied, in memory.
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ import json
 import logging
 import struct
 import sys
-from collections.abc import AsyncIterator
+import tempfile
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 from starlette.responses import StreamingResponse
@@ -29,6 +32,8 @@ from wyoming_cosyvoice.speech import WIDTH, Audio, Speech
 _LOGGER = logging.getLogger(__name__)
 CHANNELS = 1
 _UNKNOWN = 0xFFFFFFFF  # RIFF/data size of a stream whose length is not known yet
+SPOOL_MEMORY_BYTES = 8 << 20  # a whole file's audio past this waits on disk (3 min at 22 kHz)
+_READ_BYTES = 1 << 16  # a whole file is sent in pieces of this size
 
 
 def wav_header(data_bytes: int | None, sample_rate: int) -> bytes:
@@ -102,11 +107,18 @@ class SpeechJob:
                 self.speech.delivered(event.samples)  # taken by the response
                 return event.pcm
 
-    async def read_all(self) -> bytes:
-        parts = []
-        while (part := await self.next()) is not None:
-            parts.append(part)
-        return b"".join(parts)
+    async def read_whole(self, first: bytes | None) -> WholeAudio:
+        """All the PCM, starting with ``first`` (the piece the route already awaited)."""
+        audio = WholeAudio()
+        try:
+            piece = first
+            while piece is not None:
+                audio.write(piece)
+                piece = await self.next()
+        except BaseException:
+            audio.close()
+            raise
+        return audio
 
     async def _watch(self, receive: Receive) -> None:
         while (await receive())["type"] != "http.disconnect":
@@ -177,6 +189,53 @@ class SpeechResponse(StreamingResponse):
             self.job.speech.scheduler.metrics.error_sent("http", "synthesis_failed")
         finally:
             self.job.stop()
+
+
+class WholeAudio:
+    """A whole answer's PCM as it is made: in memory up to :data:`SPOOL_MEMORY_BYTES`, in a
+    temporary file past that."""
+
+    def __init__(self) -> None:
+        self._file = tempfile.SpooledTemporaryFile(max_size=SPOOL_MEMORY_BYTES)
+        self.size = 0
+
+    def write(self, pcm: bytes) -> None:
+        self._file.write(pcm)
+        self.size += len(pcm)
+
+    def pieces(self) -> Iterator[bytes]:
+        self._file.seek(0)
+        while piece := self._file.read(_READ_BYTES):
+            yield piece
+
+    @property
+    def on_disk(self) -> bool:
+        return bool(getattr(self._file, "_rolled", False))
+
+    def close(self) -> None:
+        self._file.close()
+
+
+class WholeAudioResponse(StreamingResponse):
+    """A whole file with its real sizes (WAV header and Content-Length), sent from a
+    :class:`WholeAudio` in pieces; the audio's file is closed however the response ends."""
+
+    def __init__(self, audio: WholeAudio, request: SpeechRequest, sample_rate: int) -> None:
+        header = wav_header(audio.size, sample_rate) if request.audio_format == "wav" else b""
+        headers = audio_headers(request, sample_rate)
+        headers["Content-Length"] = str(len(header) + audio.size)
+        super().__init__(self._body(header, audio), media_type=media_type(request, sample_rate),
+                         headers=headers)  # fmt: skip
+
+    @staticmethod
+    async def _body(header: bytes, audio: WholeAudio) -> AsyncIterator[bytes]:
+        try:
+            if header:
+                yield header
+            for piece in audio.pieces():
+                yield piece
+        finally:
+            audio.close()
 
 
 def _sse(event: dict[str, Any]) -> bytes:
