@@ -26,8 +26,14 @@ from typing import Any
 import yaml
 
 from engine.start_policy import START_POLICIES
-from engine.types import LOW_LATENCY_SCHEDULE, OFFICIAL_SCHEDULE, StreamSchedule, SynthesisOptions
-from wyoming_cosyvoice.loudness import TARGET_RANGE, VOLUME_RANGE
+from engine.types import (
+    LOW_LATENCY_SCHEDULE,
+    MAX_SPEED,
+    MIN_SPEED,
+    OFFICIAL_SCHEDULE,
+    StreamSchedule,
+    SynthesisOptions,
+)
 
 SETTINGS_FILE = "settings.yaml"  # in this package: the defaults every other layer overrides
 LM_WEIGHTS = ("int8", "fp32")
@@ -191,8 +197,7 @@ class ServerConfig:
     # never by a user: speech tokens per sentence, so that a random-weight model, which never
     # ends an utterance by itself, gives fixed-length audio.
     force_tokens: int | None = None
-    loudness: float | None = None  # LUFS every voice is brought to; None = as the model makes it
-    volume: float = 1.0  # a factor on that level
+    speed: float = 1.0  # speaking speed of a request that asks for none
 
     @property
     def effective_download_dir(self) -> Path:
@@ -369,6 +374,7 @@ _SERVER_KINDS = {
     "offline": "bool",
     "debug": "bool",
     "log_format": "str",
+    "speed": "float+",
 }
 _SECTIONS = ("server", "profiles", "limits", "cache")
 _SCHEDULE_KINDS = {"first_hop": "int+", "growth": "float+", "max_hop": "int+", "overlap": "int"}
@@ -457,26 +463,18 @@ def _cache(raw: dict[str, Any]) -> CacheConfig:
     return CacheConfig(max_mb=float(max_mb))
 
 
-def _number_in(key: str, value: Any, bounds: tuple[float, float], unit: str = "") -> Any:
-    """A number within ``bounds``; with a ``unit`` (a level), null too."""
-    if value is None and unit:
-        return None
-    low, high = bounds
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
-        allowed = f"{low:g} to {high:g} {unit} or null" if unit else f"{low:g} to {high:g}"
-        raise ConfigError(key, f"must be a number from {allowed}, not {value!r}")
-    return float(value)
-
-
 def build_config(raw: dict[str, Any]) -> ServerConfig:
     """Validate a merged raw mapping into a :class:`ServerConfig`."""
     for key in raw:
         if key not in _SECTIONS:
             raise ConfigError(key, f"unknown section (known: {', '.join(_SECTIONS)})")
-    server = _section(raw, "server", [*_SERVER_KINDS, "data_dirs", "loudness", "volume"])
+    server = _section(raw, "server", [*_SERVER_KINDS, "data_dirs"])
     values = {
         key: _check(f"server.{key}", server.get(key), kind) for key, kind in _SERVER_KINDS.items()
     }
+    if not MIN_SPEED <= values["speed"] <= MAX_SPEED:
+        raise ConfigError("server.speed", f"must be a number from {MIN_SPEED:g} to "
+                          f"{MAX_SPEED:g}, not {values['speed']!r}")  # fmt: skip
 
     data_dirs = server.get("data_dirs")
     if isinstance(data_dirs, str):
@@ -506,6 +504,4 @@ def build_config(raw: dict[str, Any]) -> ServerConfig:
         limits=_limits(raw),
         profiles=profiles,
         cache=_cache(raw),
-        loudness=_number_in("server.loudness", server.get("loudness"), TARGET_RANGE, "LUFS"),
-        volume=_number_in("server.volume", server.get("volume"), VOLUME_RANGE),
     )

@@ -23,13 +23,14 @@ import contextlib
 import logging
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from wyoming.audio import AudioChunk as WyomingAudioChunk
 from wyoming.audio import AudioStart, AudioStop
 from wyoming.error import Error
 from wyoming.event import Event, async_write_event
-from wyoming.info import Attribution, Describe, Info, TtsProgram, TtsVoice
+from wyoming.info import Attribution, Describe, Info, TtsProgram, TtsVoice, TtsVoiceSpeaker
 from wyoming.tts import SynthesizeStopped
 
 from engine.text.errors import TextInputError
@@ -56,6 +57,7 @@ from wyoming_cosyvoice.sentences import (
     iter_sentences,
     opening_language,
 )
+from wyoming_cosyvoice.speaker_presets import kind_from_name, speaker_names
 from wyoming_cosyvoice.speech import (
     WIDTH,
     Audio,
@@ -314,7 +316,8 @@ class EventHandler:
 
     def _speech(self, voices: VoiceChoice) -> Speech:
         config = self._config
-        settings = SpeechSettings(config.profile, config.seed, config.force_tokens)
+        settings = SpeechSettings(config.profile, config.seed, config.force_tokens,
+                                  speed=config.speed)  # fmt: skip
         return Speech(self._ctx.scheduler, settings, voices, self._limits, client=self._peer,
                       cancel=self._cancel, front_end="wyoming")  # fmt: skip
 
@@ -329,10 +332,13 @@ class EventHandler:
             )
 
     def _info(self) -> Info:
+        scheduler = self._ctx.scheduler
+        kind = getattr(scheduler.engine, "kind", None) or kind_from_name(scheduler.model_dir.name)
         return build_info(
-            self._ctx.scheduler.catalog,
+            scheduler.catalog,
             streaming=self._config.profile.streaming,
             model=self._config.model,
+            speakers=speaker_names(kind),
         )
 
     # --- speaking -----------------------------------------------------------------------
@@ -426,9 +432,12 @@ def _audio_start(rate: int) -> Event:
     return AudioStart(rate=rate, width=WIDTH, channels=_CHANNELS).event()
 
 
-def build_info(catalog: VoiceCatalog, *, streaming: bool, model: str) -> Info:
+def build_info(
+    catalog: VoiceCatalog, *, streaming: bool, model: str, speakers: Sequence[str] = ()
+) -> Info:
     """The ``info`` answer to ``describe``: one TTS program with one voice per catalogue entry;
-    every field Home Assistant needs is always present."""
+    every field Home Assistant needs is always present. ``speakers``: what every voice offers
+    per call (:mod:`.speaker_presets`)."""
     voices = [
         TtsVoice(
             name=voice.name,
@@ -437,7 +446,7 @@ def build_info(catalog: VoiceCatalog, *, streaming: bool, model: str) -> Info:
             installed=True,
             version=None,
             languages=list(voice.languages),
-            speakers=None,
+            speakers=[TtsVoiceSpeaker(name=name) for name in speakers] or None,
         )
         for voice in catalog.voices
     ]

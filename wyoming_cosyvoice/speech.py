@@ -9,8 +9,7 @@
       │  VoiceChoice: the voice asked for, else the server's default, else one of the
       ▼  text's language (one per request, or one per sentence)
     Speech (a task per request) ──► Scheduler.synthesize(sentence): engine thread, FIFO turn
-      │                                    │ AudioChunk (float32) ─► the sentence's gain,
-      │                                    │ fixed before it starts (loudness.py) ─► PCM16
+      │                                    │ AudioChunk (float32) ─► PCM16
       ▼                                    ▼
     Speech.next() ◄── SentenceStart · Audio … · SentenceEnd, per sentence, then None
       │
@@ -38,11 +37,11 @@ from typing import Any
 
 from engine.types import AudioChunk, EngineError, SynthesisCancelled, SynthesisOptions
 from wyoming_cosyvoice.config import Limits, ProfileConfig
-from wyoming_cosyvoice.loudness import SentenceLevel
 from wyoming_cosyvoice.metrics import SpeechReport, speech_outcome
 from wyoming_cosyvoice.protocol import LimitExceededError
 from wyoming_cosyvoice.scheduler import Scheduler
 from wyoming_cosyvoice.sentences import Sentence
+from wyoming_cosyvoice.speaker_presets import split_preset
 from wyoming_cosyvoice.voice_catalog import INSTRUCT_KINDS, Voice, VoiceCatalog
 
 _LOGGER = logging.getLogger(__name__)
@@ -99,14 +98,17 @@ class SpeechSettings:
     profile: ProfileConfig
     seed: int | None
     force_tokens: int | None = None
-    volume: float | None = None  # a factor on the server's loudness; None = the server's volume
+    speed: float = 1.0  # speaking speed, unless the request's speaker names one
 
-    def options(self, voice: Voice, instruct: str | None, sentence: Sentence) -> SynthesisOptions:
+    def options(
+        self, voice: Voice, instruct: str | None, sentence: Sentence, speed: float | None = None
+    ) -> SynthesisOptions:
         """The engine options for one sentence: already split, its language already known."""
         options = self.profile.options(
             speaker=voice.speaker, seed=self.seed, instruct=instruct, force_tokens=self.force_tokens
         )
-        return replace(options, split=False, language=sentence.language)
+        speed = self.speed if speed is None else speed
+        return replace(options, split=False, language=sentence.language, speed=speed)
 
 
 def split_instruction(
@@ -142,7 +144,8 @@ class VoiceChoice:
     one): chosen at the first sentence with ``text_language`` (the whole text's, when the
     request came whole) or else that sentence's, and kept. ``per_sentence`` (the synthesize
     command): each sentence gets a voice of its own language. ``speaker_instructs``: Wyoming's
-    ``voice.speaker`` may carry an instruction (:func:`split_instruction`). ``catalog``: choose
+    ``voice.speaker`` may name a speed or style (:mod:`.speaker_presets`; its speed is then
+    ``speed``) or carry an instruction (:func:`split_instruction`). ``catalog``: choose
     from it instead of the loaded model's (the command checks its voices before the load).
     """
 
@@ -164,6 +167,7 @@ class VoiceChoice:
         self.instruct = instruct
         self.speaker_instructs = speaker_instructs
         self.catalog = catalog
+        self.speed: float | None = None  # the speed a preset speaker names, once resolved
         self._chosen: tuple[Voice, str | None] | None = None
 
     @classmethod
@@ -182,6 +186,9 @@ class VoiceChoice:
         catalog = self.catalog or catalog
         wanted, instruct = self.request, self.instruct
         if self.speaker_instructs:
+            wanted, preset = split_preset(wanted, catalog, model_kind)
+            if preset is not None:
+                self.speed, instruct = preset.speed, instruct or preset.instruction
             wanted, from_speaker = split_instruction(wanted, catalog, model_kind)
             instruct = instruct or from_speaker
         language = sentence.language if self.per_sentence else self.text_language
@@ -236,8 +243,6 @@ class Speech:
         self._space = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._speaking = False
-        self._levels = scheduler.levels.request(settings.volume)  # each sentence's gain
-        self._level: SentenceLevel | None = None  # the sentence being spoken's
 
     # --- the front end's side -------------------------------------------------------------
 
@@ -350,14 +355,13 @@ class Speech:
             raise SynthesisCancelled("cancelled before the sentence started")
         _LOGGER.debug("Speaking sentence %d as %s for %s (queue %d)", index + 1, voice.name,
                       self.client, scheduler.waiting)  # fmt: skip
-        level = self._level = await self._levels.sentence(voice, self.sample_rate)
         self._events.put_nowait(SentenceStart(index, sentence, voice))
         engine_started = time.monotonic()
         try:
             await self._synthesize(
                 voice,
                 sentence.text,
-                self.settings.options(voice, instruct, sentence),
+                self.settings.options(voice, instruct, sentence, self.voices.speed),
                 load_timeout=limits.load_wait_s,
             )
         except (EngineError, ValueError) as err:  # TextInputError is a ValueError
@@ -368,7 +372,6 @@ class Speech:
         finally:
             self.engine_s += time.monotonic() - engine_started
         self._events.put_nowait(SentenceEnd(index))
-        await self._levels.finished(level)
 
     async def _synthesize(
         self, voice: Voice, text: str, options: SynthesisOptions, *, load_timeout: float
@@ -394,8 +397,7 @@ class Speech:
             )
         if self.first_audio_s is None and self._started is not None:
             self.first_audio_s = time.monotonic() - self._started
-        level = self._level
-        audio = Audio(level.pcm16(chunk.samples) if level is not None else chunk.pcm16)
+        audio = Audio(chunk.pcm16)
         self.samples += audio.samples
         self._undelivered += audio.samples
         self._events.put_nowait(audio)

@@ -21,8 +21,8 @@ from wyoming_cosyvoice.config import (
     ServerConfig,
     UnknownProfileError,
 )
+from wyoming_cosyvoice.http.delivery import delivery, speaker_preset
 from wyoming_cosyvoice.http.errors import HttpError
-from wyoming_cosyvoice.loudness import VOLUME_RANGE
 from wyoming_cosyvoice.protocol import VoiceNotFoundError
 from wyoming_cosyvoice.sentences import (
     Sentence,
@@ -31,6 +31,7 @@ from wyoming_cosyvoice.sentences import (
     iter_sentences,
     opening_language,
 )
+from wyoming_cosyvoice.speaker_presets import kind_from_name
 from wyoming_cosyvoice.speech import SpeechSettings, VoiceChoice
 from wyoming_cosyvoice.voice_catalog import INSTRUCT_KINDS, Voice, VoiceCatalog
 
@@ -41,10 +42,11 @@ _MAX_SEED = 2**32 - 1
 OPENAI_VOICES = frozenset(
     "alloy ash ballad coral echo fable nova onyx sage shimmer verse marin cedar".split()
 )
-TTS_FIELDS = ("text", "voice", "speaker", "profile", "seed", "stream", "format", "volume")
+TTS_FIELDS = ("text", "voice", "speaker", "profile", "seed", "stream", "format", "speed",
+              "style")  # fmt: skip
 # OpenAI's fields, then this server's extensions (the same as /tts).
 OPENAI_FIELDS = ("model", "input", "voice", "instructions", "response_format", "speed",
-                 "stream_format", "profile", "seed", "volume")  # fmt: skip
+                 "stream_format", "profile", "seed", "style")  # fmt: skip
 INSTRUCT_MODELS = "CosyVoice2-0.5B or CosyVoice-300M-Instruct"
 
 
@@ -124,16 +126,6 @@ def _optional(data: dict[str, Any], key: str, kind: type | tuple[type, ...], wha
     return value
 
 
-def _volume(data: dict[str, Any]) -> float | None:
-    """The request's ``volume`` (a factor on the server's loudness), if it gives one."""
-    volume = _optional(data, "volume", (int, float), "a number")
-    low, high = VOLUME_RANGE
-    if volume is not None and not low <= volume <= high:
-        raise HttpError(400, f"'volume' must be from {low:g} to {high:g} (1 = the server's "
-                        f"loudness), not {volume!r}", param="volume")  # fmt: skip
-    return None if volume is None else float(volume)
-
-
 class SpeechParser:
     """Checks request bodies against one server's config, voices and text splitter."""
 
@@ -150,19 +142,20 @@ class SpeechParser:
         self._model_kind = model_kind  # 'sft', 'base', 'instruct' or 'cosyvoice2' once loaded
 
     def tts(self, data: dict[str, Any]) -> SpeechRequest:
-        """``POST /tts``: {text, voice?, speaker?, profile?, seed?, stream?, format?, volume?}."""
+        """``POST /tts``: {text, voice?, speaker?, profile?, seed?, stream?, format?}."""
         _refuse_unknown(data, TTS_FIELDS)
         text = self._text(data, "text")
         stream = _optional(data, "stream", bool, "true or false") or False
         audio_format = self._format(data.get("format"), "format")
         sentences = iter_sentences(text, self._splitter_factory())
-        voice = self._voice(
-            _optional(data, "voice", str, "a voice name"),
-            _optional(data, "speaker", str, "a speaker name"),
-            text,
-        )
+        speaker, preset = speaker_preset(_optional(data, "speaker", str, "a speaker name"),
+                                         self._catalog(), self.kind())  # fmt: skip
+        voice = self._voice(_optional(data, "voice", str, "a voice name"), speaker, text)
+        speed, instruct = delivery(data, kind=self.kind(), default_speed=self.config.speed,
+                                   preset=preset)  # fmt: skip
         return self._request(data, text, sentences, voice, stream=stream,
-                             audio_format=audio_format)  # fmt: skip
+                             audio_format=audio_format, instruct=instruct,
+                             speed=speed)  # fmt: skip
 
     def openai(self, data: dict[str, Any]) -> SpeechRequest:
         """``POST /v1/audio/speech``: {model, input, voice, response_format?, stream_format?}.
@@ -178,9 +171,6 @@ class SpeechParser:
         if stream_format not in (None, "audio", "sse"):
             raise HttpError(400, f"stream_format {stream_format!r} is not supported; use "
                             "'audio' or 'sse'", param="stream_format")  # fmt: skip
-        speed = _optional(data, "speed", (int, float), "a number")
-        if speed is not None and speed != 1:
-            raise HttpError(400, "only speed 1.0 is supported", param="speed")
         name = _optional(data, "voice", str, "a voice name")
         if isinstance(data.get("voice"), dict):  # newer OpenAI clients: {"id": "..."}
             name = _optional(data["voice"], "id", str, "a voice id")
@@ -188,10 +178,11 @@ class SpeechParser:
             name = None
         sentences = iter_sentences(text, self._splitter_factory())
         voice = self._voice(name, None, text)
-        instruct = self._instructions(data)
+        speed, instruct = delivery(data, kind=self.kind(), default_speed=self.config.speed,
+                                   instructions=self._instructions(data), openai=True)  # fmt: skip
         return self._request(data, text, sentences, voice, stream=stream_format is not None,
                              audio_format=audio_format, sse=stream_format == "sse",
-                             instruct=instruct)  # fmt: skip
+                             instruct=instruct, speed=speed)  # fmt: skip
 
     def _instructions(self, data: dict[str, Any]) -> str | None:
         """The instruction for a model that takes one (CosyVoice2, -Instruct); refused by any
@@ -206,6 +197,12 @@ class SpeechParser:
         return instruct
 
     # --- the shared checks ----------------------------------------------------------------
+
+    def kind(self) -> str | None:
+        """The model's kind; before it has loaded, what its directory's name says."""
+        model_dir = self.config.model_dir
+        return self._model_kind() or kind_from_name(model_dir.name if model_dir else
+                                                    self.config.model)  # fmt: skip
 
     def _text(self, data: dict[str, Any], key: str) -> str:
         text = data.get(key)
@@ -252,7 +249,7 @@ class SpeechParser:
 
     def _request(self, data: dict[str, Any], text: str, sentences: Iterable[Sentence], voice: Voice,
                  *, stream: bool, audio_format: str, sse: bool = False,
-                 instruct: str | None = None) -> SpeechRequest:  # fmt: skip
+                 instruct: str | None = None, speed: float = 1.0) -> SpeechRequest:  # fmt: skip
         profile = self._profile(_optional(data, "profile", str, "a profile name"))
         seed = _optional(data, "seed", int, "an integer")
         if seed is None:
@@ -267,7 +264,7 @@ class SpeechParser:
             voice=voice,
             voices=VoiceChoice.chosen(voice, instruct),
             profile=profile,
-            settings=SpeechSettings(profile, seed, self.config.force_tokens, volume=_volume(data)),
+            settings=SpeechSettings(profile, seed, self.config.force_tokens, speed=speed),
             stream=stream,
             audio_format=audio_format,
             sse=sse,

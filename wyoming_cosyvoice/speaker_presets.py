@@ -1,0 +1,136 @@
+"""The speakers every voice offers per call: speeds, and speaking styles where the model takes
+instructions.
+
+Home Assistant forwards two fields per call, ``voice.name`` and ``voice.speaker`` (``tts.speak``
+options ``voice`` + ``speaker``), and ``describe`` lists each voice's ``speakers``. So a speaker
+is how a call asks for a speed or a style:
+
+* speeds, for every model: ``slow`` (0.8), ``normal`` (1.0), ``fast`` (1.25); 1.25 and its
+  inverse 0.8 are as far as speech stays natural with the mel resampled in time (engine.speed);
+* styles, for the models that take an instruction (CosyVoice-300M-Instruct, CosyVoice2-0.5B):
+  ``calm``, ``cheerful``, ``sad``, ``serious``, each an instruction in the form that model was
+  trained on (v1: an English description of the speaker; CosyVoice2: a short Chinese request,
+  as the official examples' ``用四川话说这句话``);
+* a style and a speed joined by a dash: ``calm-slow``, ``cheerful-fast`` (accepted, not listed:
+  the list stays short).
+
+A speaker that names a preset is that preset, even where a voice has the same name; any other
+speaker keeps its meaning (a voice's name, or a free-text instruction:
+:func:`wyoming_cosyvoice.speech.split_instruction`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from wyoming_cosyvoice.protocol import VoiceNotFoundError
+from wyoming_cosyvoice.voice_catalog import INSTRUCT_KINDS, VoiceCatalog
+
+SPEEDS = {"slow": 0.8, "normal": 1.0, "fast": 1.25}
+# style -> instruction, per engine kind that takes one
+STYLES: dict[str, dict[str, str]] = {
+    "calm": {
+        "instruct": "A calm speaker with a gentle, even tone.",
+        "cosyvoice2": "用平静的语气说这句话",
+    },
+    "cheerful": {
+        "instruct": "A cheerful speaker with a bright, happy tone.",
+        "cosyvoice2": "用开心的语气说这句话",
+    },
+    "sad": {
+        "instruct": "A sad speaker with a low, soft tone.",
+        "cosyvoice2": "用悲伤的语气说这句话",
+    },
+    "serious": {
+        "instruct": "A serious speaker with a firm, steady tone.",
+        "cosyvoice2": "用严肃的语气说这句话",
+    },
+}
+INSTRUCT_MODELS = "CosyVoice-300M-Instruct or CosyVoice2-0.5B"
+
+
+@dataclass(frozen=True)
+class SpeakerPreset:
+    """What a preset speaker asks for: a speed, an instruction, or both (None: not set)."""
+
+    name: str
+    speed: float | None = None
+    style: str | None = None
+    instruction: str | None = None
+
+
+class StyleUnsupportedError(VoiceNotFoundError):
+    """A speaking style asked of a model that takes no instructions."""
+
+
+def takes_styles(kind: str | None) -> bool:
+    return kind in INSTRUCT_KINDS
+
+
+def kind_from_name(model_name: str) -> str | None:
+    """The engine kind a model directory's name says, as far as styles go (before the load)."""
+    name = model_name.casefold()
+    if "cosyvoice2" in name:
+        return "cosyvoice2"
+    return "instruct" if "instruct" in name else None
+
+
+def speaker_names(kind: str | None) -> list[str]:
+    """The speakers ``describe`` lists for each voice of a model of this kind."""
+    return [*SPEEDS, *(STYLES if takes_styles(kind) else ())]
+
+
+def _parts(name: str) -> tuple[str | None, str | None] | None:
+    """(style, speed) a preset name is made of; None if it is not one."""
+    words = name.strip().casefold().split("-")
+    if len(words) > 2 or len(set(words)) < len(words):
+        return None
+    styles = [w for w in words if w in STYLES]
+    speeds = [w for w in words if w in SPEEDS]
+    if len(styles) + len(speeds) != len(words) or len(styles) > 1 or len(speeds) > 1:
+        return None
+    return (styles[0] if styles else None), (speeds[0] if speeds else None)
+
+
+def find_preset(name: str, kind: str | None) -> SpeakerPreset | None:
+    """The preset ``name`` is for a model of ``kind``; None if it is none. A style with a model
+    that takes no instructions raises :class:`StyleUnsupportedError`."""
+    parts = _parts(name)
+    if parts is None:
+        return None
+    style, speed = parts
+    instruction = None
+    if style is not None:
+        if not takes_styles(kind):
+            raise StyleUnsupportedError(
+                f"speaker {name!r} asks for the speaking style {style!r}, which needs the "
+                f"{INSTRUCT_MODELS} model; this model's speakers are {', '.join(SPEEDS)}"
+            )
+        assert kind is not None
+        instruction = STYLES[style][kind]
+    speed_value = SPEEDS[speed] if speed is not None else None
+    return SpeakerPreset(name.strip().casefold(), speed_value, style, instruction)
+
+
+def split_preset(
+    request: Mapping[str, str] | None, catalog: VoiceCatalog, kind: str | None
+) -> tuple[dict[str, str], SpeakerPreset | None]:
+    """(voice request, preset): ``speaker`` taken out of the request when it names a preset.
+
+    With a model that takes no instructions a style name that is also a voice's name stays that
+    voice (as before styles existed); otherwise it is refused with the reason.
+    """
+    wanted = dict(request or {})
+    speaker = wanted.get("speaker")
+    if not speaker:
+        return wanted, None
+    try:
+        preset = find_preset(speaker, kind)
+    except StyleUnsupportedError:
+        if catalog.find(speaker) is not None:
+            return wanted, None
+        raise
+    if preset is not None:
+        del wanted["speaker"]
+    return wanted, preset
