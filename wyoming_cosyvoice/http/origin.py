@@ -6,6 +6,12 @@ own (the ``Host`` the request was sent to) nor allowed by ``--http-allow-origin`
 with 403 before any route runs, so a page on another site cannot make its visitors' browsers
 load the CPU. Allowed foreign origins get CORS headers, preflight included, from Starlette's
 CORSMiddleware.
+
+Home Assistant's ingress (the add-on's page in the sidebar) reaches the server through two
+proxies, Home Assistant and the Supervisor, which pass the browser's ``Host`` and ``Origin`` on,
+so the page is the server's own there too. A reverse proxy in front of Home Assistant may rewrite
+``Host``; Home Assistant then forwards the host the browser used in ``X-Forwarded-Host``, which is
+trusted only on requests that come from the Supervisor's address.
 """
 
 from __future__ import annotations
@@ -25,6 +31,8 @@ _LOGGER = logging.getLogger(__name__)
 ANY = "*"
 _DEFAULT_PORTS = {"http": 80, "https": 443}
 # What a cross-origin caller may read besides the body: the audio's format and the voice used.
+# The Supervisor's address on the add-ons' network: every ingress request comes from it.
+INGRESS_PROXY = "172.30.32.2"
 EXPOSED_HEADERS = ["X-Sample-Rate", "X-Sample-Width", "X-Channels", "X-Voice", "X-Profile"]
 
 
@@ -87,10 +95,15 @@ class OriginGuard:
         self.app = app
         self.allowed = frozenset(allowed)
 
-    def permits(self, origin: str | None, host: str | None) -> bool:
+    def permits(self, origin: str | None, host: str | None, forwarded_host: str | None = None
+                ) -> bool:  # fmt: skip
         if origin is None or ANY in self.allowed:
             return True
-        return _normalise_or_none(origin) in self.allowed or is_same_origin(origin, host)
+        return (
+            _normalise_or_none(origin) in self.allowed
+            or is_same_origin(origin, host)
+            or (forwarded_host is not None and is_same_origin(origin, forwarded_host))
+        )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -98,7 +111,7 @@ class OriginGuard:
             return
         headers = Headers(scope=scope)
         origin = headers.get("origin")
-        if self.permits(origin, headers.get("host")):
+        if self.permits(origin, headers.get("host"), ingress_forwarded_host(scope, headers)):
             await self.app(scope, receive, send)
             return
         _LOGGER.info("%s %s from origin %s -> 403", scope["method"], scope["path"], origin)
@@ -109,6 +122,16 @@ class OriginGuard:
             code="origin_not_allowed",
         )
         await response(scope, receive, send)
+
+
+def ingress_forwarded_host(scope: Scope, headers: Headers) -> str | None:
+    """The host the browser used, as Home Assistant's ingress forwards it; None unless the
+    request comes from the Supervisor (anyone else could send the header)."""
+    client = scope.get("client")
+    if not client or client[0] != INGRESS_PROXY:
+        return None
+    value = headers.get("x-forwarded-host")
+    return value.split(",")[0].strip() or None if value else None
 
 
 def _normalise_or_none(origin: str) -> str | None:

@@ -8,8 +8,8 @@
 (() => {
   const $ = (id) => document.getElementById(id);
   const maker = window.voiceMaker = {
-    info: null, recording: false, seconds: 0, wav: null, checked: null, transcript: null,
-    transcribing: false, saved: null, state: null, reloaded: null, error: null,
+    info: null, recording: false, seconds: 0, peak: 0, wav: null, checked: null, quality: null,
+    transcript: null, transcribing: false, saved: null, state: null, reloaded: null, error: null,
   };
   const UNREACHABLE = "Cannot reach the server. Check that it is running, then try again.";
   const NO_MICROPHONE = "The browser allows the microphone only on pages opened over https:// " +
@@ -31,7 +31,7 @@
     for (const id of ["record", "upload", "save"]) $(id).disabled = on;
     if (!on) updateSave();
     if (!window.isSecureContext || !navigator.mediaDevices) $("record").disabled = true;
-    if (maker.info && !maker.info.voices_folder) $("save").disabled = true;
+    if (maker.info && !maker.info.saving) $("save").disabled = true;
   }
 
   // POST JSON, answer {ok, status, data}; data.error.message is written for people.
@@ -101,10 +101,21 @@
     }
     const context = new AudioContext();
     const url = URL.createObjectURL(new Blob([TAP], { type: "text/javascript" }));
-    await context.audioWorklet.addModule(url);
-    URL.revokeObjectURL(url);
-    const node = new AudioWorkletNode(context, "tap");
+    let node;
+    try {
+      await context.audioWorklet.addModule(url);
+      node = new AudioWorkletNode(context, "tap");
+    } catch (err) {
+      stream.getTracks().forEach((track) => track.stop());
+      context.close();
+      say(`This browser cannot record here (${err.message || err.name}); upload a recording ` +
+          "instead.", "error");
+      return;
+    } finally {
+      URL.revokeObjectURL(url);
+    }
     capture = { context, stream, blocks: [], frames: 0, rate: context.sampleRate };
+    maker.peak = 0;
     node.port.onmessage = (event) => {
       if (!capture) return;
       const block = mixToMono(event.data);
@@ -112,7 +123,10 @@
       capture.frames += block.length;
       let peak = 0;
       for (const s of block) peak = Math.max(peak, Math.abs(s));
-      $("level").value = peak;
+      maker.peak = Math.max(maker.peak, peak);
+      // a meter that falls back by half in about a third of a second, as level meters do
+      const fall = Math.pow(0.5, block.length / (0.3 * capture.rate));
+      $("level").value = Math.max(peak, $("level").value * fall);
       maker.seconds = capture.frames / capture.rate;
       $("rec-time").textContent = `${maker.seconds.toFixed(1)} s`;
       if (maker.seconds >= maker.info.max_seconds) stopRecording();
@@ -163,7 +177,9 @@
   // --- the server's part -------------------------------------------------------------------
 
   async function useRecording(samples, rate) {
-    Object.assign(maker, { checked: null, saved: null, state: null, error: null, reloaded: null });
+    Object.assign(maker, { checked: null, saved: null, state: null, error: null, reloaded: null,
+                           transcript: null });
+    transcriptTouched = false;  // a new recording: its own transcript
     $("after-save").hidden = true;
     const blob = wavBlob(samples, rate);
     maker.wav = await dataUrl(blob);
@@ -182,6 +198,7 @@
       `${Math.round(r.snr_db)} dB above the background. Listen to it below.`;
     say([quality, ...r.advice].join(" "), "ok");
     updateSave();
+    maker.quality = quality;
     if (maker.info.speech_to_text) await transcribe(quality);
   }
 
@@ -207,7 +224,7 @@
   }
 
   function updateSave() {
-    $("save").disabled = !(maker.checked && maker.info && maker.info.voices_folder &&
+    $("save").disabled = !(maker.checked && maker.info && maker.info.saving &&
                            $("voice-name").value.trim() && $("transcript").value.trim());
   }
 
@@ -238,8 +255,14 @@
       let response;
       try {
         response = await fetch(`voices/custom/${encodeURIComponent(state.name)}`, { cache: "no-store" });
-      } catch { continue; }
-      if (response.ok) state = await response.json();
+      } catch { continue; }  // the server restarts: ask again
+      if (response.ok) {
+        state = await response.json();
+      } else if (response.status !== 503) {
+        say(problem({ status: response.status, data: await response.json().catch(() => ({})) }),
+            "error");
+        return;
+      }
     }
   }
 
@@ -282,6 +305,9 @@
     if (!maker.info.voices_folder) {
       say("This server has no voices folder (start it with --voices-dir), so voices cannot be " +
           "saved here; recordings can still be checked.");
+    } else if (!maker.info.saving) {
+      say("Saving voices from this page is off on this server (start it with " +
+          "--web-voice-maker); recordings can still be checked.");
     } else if (!window.isSecureContext || !navigator.mediaDevices) {
       say(NO_MICROPHONE);
     }
@@ -295,6 +321,11 @@
     });
     $("transcript").addEventListener("input", () => { transcriptTouched = true; updateSave(); });
     $("voice-name").addEventListener("input", updateSave);
+    // Another language for speech-to-text: ask again, unless the user has typed meanwhile.
+    $("maker-language").addEventListener("change", () => {
+      if (maker.checked && maker.info.speech_to_text && !maker.transcribing &&
+          (!transcriptTouched || !$("transcript").value.trim())) transcribe(maker.quality);
+    });
     $("save").addEventListener("click", save);
     $("speak-with-it").addEventListener("click", speakWithIt);
     $("reload-ha").addEventListener("click", reloadHomeAssistant);
