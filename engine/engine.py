@@ -15,9 +15,9 @@ import logging
 import random
 import threading
 import time
-from collections.abc import Generator, Iterator
+from collections.abc import Generator, Iterable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 
@@ -26,7 +26,15 @@ from engine.constants import SAMPLE_RATE
 from engine.flow_estimator import TransformerBlock
 from engine.lm_thread import LmTokens
 from engine.onednn_layers import use_onednn_convs, use_onednn_linears
-from engine.runtime import audio_chunks, one_torch_thread, setup_cpu
+from engine.runtime import (
+    audio_chunks,
+    extra_weight_formats,
+    loaded_format,
+    one_torch_thread,
+    pick_weights,
+    setup_cpu,
+    weight_pairs,
+)
 from engine.start_policy import GAPLESS, estimate_speech_seconds, hold_until_gapless
 from engine.streaming import ChunkVocoder, FlowPrompt, GeneratorNoise, stream_audio, whole_audio
 from engine.types import (
@@ -38,6 +46,8 @@ from engine.voice import Voice
 from engine.weights import LoadedModels
 
 if TYPE_CHECKING:
+    from engine.flow import FlowModel
+    from engine.hift import HiFTGenerator
     from engine.prompt.voices import CustomVoice, ScanResult, VoiceLibrary
     from engine.text.frontend import Segment, TextFrontend
 
@@ -52,6 +62,16 @@ def detect_model_kind(model_dir: Path) -> str:
     if name.endswith("300m") or name.endswith("300m-base"):
         return "base"
     return "sft"
+
+
+def _estimator_on_onednn(flow: FlowModel, weights: str) -> int:
+    """Put the flow estimator's layers on oneDNN (engine.onednn_layers: faster passes): every
+    estimator's convolutions, a float32 one's transformer layers too; how many were moved."""
+    estimator = flow.decoder.estimator
+    packed = use_onednn_convs(estimator)
+    if weights != "int8":
+        packed += use_onednn_linears(estimator, TransformerBlock)
+    return packed
 
 
 class CosyVoiceEngine:
@@ -79,6 +99,10 @@ class CosyVoiceEngine:
         self.prepared_at_load: tuple[str, ...] = ()
         # What load() chose for this CPU (int8 kernels, bfloat16, thread ceiling).
         self.cpu_choices: cpu.CpuChoices | None = None
+        # The flow and HiFT by weight format: the primary ones, and any loaded beside them
+        # (``extra_formats``) for a request to choose (SynthesisOptions.flow_weights).
+        self.flows: dict[str, FlowModel] = {loaded_format(models.flow): models.flow}
+        self.hifts: dict[str, HiFTGenerator] = {loaded_format(models.hift): models.hift}
 
     @classmethod
     def load(
@@ -91,6 +115,7 @@ class CosyVoiceEngine:
         flow_int8: bool = False,
         hift_bf16: bool = False,
         cache_dir: Path | str | None = None,
+        extra_formats: Iterable[str] = (),
     ) -> CosyVoiceEngine:
         """Load a model directory in the official layout (raises ModelLoadError).
 
@@ -107,42 +132,63 @@ class CosyVoiceEngine:
         model files, or under ``cache_dir`` when the model directory cannot be written (None:
         ``$XDG_CACHE_HOME/cosyvoice-engine``). A file missing or out of date is prepared
         first, which takes seconds; ``prepared_at_load`` on the engine names those prepared.
+
+        ``extra_formats`` ("flow.int8", "hift.bf16", ...) loads the flow and HiFT in these
+        formats too, beside the primary ones, so that each request may choose
+        (``SynthesisOptions.flow_weights``, ``hift_weights``); those this CPU cannot run are
+        left out, as the primary ones fall back.
         """
-        from engine.prepared import PreparedLoad
+        from engine.prepared import PreparedLoad, WeightFormats
         from engine.text.frontend import TextFrontend
 
         setup = setup_cpu(threads, lm_int8=lm_int8, flow_int8=flow_int8, hift_bf16=hift_bf16)
         threads, choices, formats = setup.threads, setup.choices, setup.formats
+        extras = extra_weight_formats(extra_formats, setup)
         start = time.perf_counter()
         model_dir = Path(model_dir)
+        cache = Path(cache_dir) if cache_dir else None
         # Prepares what is missing, then packs the int8 layers in the background.
-        loading = PreparedLoad(model_dir, formats, Path(cache_dir) if cache_dir else None)
+        loads = [PreparedLoad(model_dir, formats, cache)]
+        if extras:
+            loads.append(
+                PreparedLoad(model_dir, WeightFormats(**extras), cache, only=tuple(extras))
+            )
         # While the int8 layers are packed on every core, an OpenMP region here would wait for
         # a free core, several times slower than one thread alone.
-        packing = "int8" in (formats.llm, formats.flow)
+        packing = "int8" in (formats.llm, formats.flow, extras.get("flow"))
         single = one_torch_thread() if packing else contextlib.nullcontext()
         try:
             with single:
-                models = loading.models()
-                # A float32 estimator runs its transformer layers on oneDNN (engine.onednn_layers:
-                # faster passes), and every estimator runs its convolutions there. Reordered
-                # here, on this thread while the int8 layers are packed, where it adds the least
-                # to the load time.
-                estimator = models.flow.decoder.estimator
-                packed = use_onednn_convs(estimator)
-                if formats.flow != "int8":
-                    packed += use_onednn_linears(estimator, TransformerBlock)
+                models = loads[0].models()
+                alternates = loads[1].assigned() if extras else {}
+                flows = {formats.flow: models.flow}
+                if "flow" in alternates:
+                    flows[extras["flow"]] = cast("FlowModel", alternates["flow"])
+                # Reordered here, on this thread while the int8 layers are packed, where it
+                # adds the least to the load time.
+                packed = sum(_estimator_on_onednn(flow, weights) for weights, flow in flows.items())
                 frontend = TextFrontend()  # built while the int8 layers are still being packed
-            loading.finish()
+            for loading in loads:
+                loading.finish()
         except BaseException:
-            loading.cancel()  # the layers still packing in the background stop
+            for loading in loads:
+                loading.cancel()  # the layers still packing in the background stop
             raise
         _LOGGER.debug("%d estimator layers on oneDNN", packed)
         _LOGGER.info("Loaded %s in %.2f s", model_dir, time.perf_counter() - start)
         engine = cls(models, kind=kind, threads=threads, frontend=frontend)
-        engine.prepared_at_load = tuple(loading.prepared_now)
+        engine.flows = flows
+        engine.hifts = {formats.hift: models.hift}
+        if "hift" in alternates:
+            engine.hifts[extras["hift"]] = cast("HiFTGenerator", alternates["hift"])
+        engine.prepared_at_load = tuple(name for load in loads for name in load.prepared_now)
         engine.cpu_choices = choices
         return engine
+
+    @property
+    def weight_formats(self) -> dict[str, tuple[str, ...]]:
+        """The loaded formats of the flow and HiFT, the primary one first."""
+        return {"flow": tuple(self.flows), "hift": tuple(self.hifts)}
 
     @property
     def hift_dtype(self) -> str:
@@ -247,15 +293,19 @@ class CosyVoiceEngine:
         lm_generator = torch.Generator().manual_seed(seed)
         noise_generator = torch.Generator().manual_seed(seed + 1_000_003)
         flow_prompt = voice.flow_prompt or FlowPrompt(voice.flow_embedding)
+        flow_weights, flow = pick_weights(self.flows, options.flow_weights)
+        hift_weights, hift = pick_weights(self.hifts, options.hift_weights)
         vocoder = ChunkVocoder(
-            self.models.flow,
-            self.models.hift,
+            flow,
+            hift,
             flow_prompt,
             GeneratorNoise(noise_generator),
             n_timesteps=options.n_timesteps,
             cfg_rate=options.cfg_rate,
             threads=options.threads,
             speed=options.speed,
+            on_stage=options.on_stage,
+            weights=(flow_weights, hift_weights),
         )
 
         def make_tokens() -> Iterator[int]:
@@ -276,6 +326,7 @@ class CosyVoiceEngine:
             cancel,
             inline=first_chunk if options.stream else None,
             threads=options.threads,
+            on_stage=options.on_stage,
         )
 
         def waves() -> Generator[torch.Tensor, None, None]:
@@ -297,8 +348,23 @@ class CosyVoiceEngine:
             _LOGGER.info("No built-in speaker: warm-up skipped")
             return
         start = time.perf_counter()
-        # One streamed chunk plus a final one: every code path runs once, at low cost.
-        options = SynthesisOptions(stream=True, seed=0, force_tokens=50, n_timesteps=2)
-        for _ in self.synthesize("Hello.", options):
-            pass
+        # One streamed chunk plus a final one: every code path runs once, at low cost, in
+        # each loaded weight format.
+        for flow_weights, hift_weights in weight_pairs(self.flows, self.hifts):
+            options = SynthesisOptions(
+                stream=True,
+                seed=0,
+                force_tokens=50,
+                n_timesteps=2,
+                flow_weights=flow_weights,
+                hift_weights=hift_weights,
+            )
+            for _ in self.synthesize("Hello.", options):
+                pass
         _LOGGER.info("Warm-up took %.2f s", time.perf_counter() - start)
+
+    def flow_prompt_frames(self, speaker: str | None) -> int:
+        """Mel frames of the voice's prompt, which the flow computes again in every chunk (a
+        custom voice's recording; 0 for a built-in speaker)."""
+        custom = self._custom_voice(speaker)
+        return 0 if custom is None else int(custom.prompt.speech_feat.shape[1])

@@ -19,6 +19,7 @@ A :class:`~engine.types.StreamSchedule` decides where chunks are cut: the offici
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
@@ -26,8 +27,17 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 import torch
 
-from engine.constants import HOP, MEL_CACHE, MEL_OVERLAP, N_MELS, SOURCE_CACHE, TOKEN_OVERLAP
+from engine.constants import (
+    HOP,
+    MEL_CACHE,
+    MEL_OVERLAP,
+    N_MELS,
+    SAMPLE_RATE,
+    SOURCE_CACHE,
+    TOKEN_OVERLAP,
+)
 from engine.speed import MelStretcher
+from engine.stage_times import StageListener, flow_units, report, since
 from engine.thread_budget import ThreadBudget, apply_thread_budget, vocoder_busy
 from engine.types import StreamSchedule
 
@@ -103,9 +113,13 @@ class ChunkVocoder:
         cfg_rate: float = 0.7,
         threads: ThreadBudget | None = None,
         speed: float = 1.0,
+        on_stage: StageListener | None = None,
+        weights: tuple[str, str] = ("fp32", "fp32"),
     ) -> None:
         self.flow, self.hift, self.prompt, self.noise = flow, hift, prompt, noise
         self.n_timesteps, self.cfg_rate = n_timesteps, cfg_rate
+        # Told what each flow and HiFT call cost, by (flow, HiFT) weight format.
+        self.on_stage, self.weights = on_stage, weights
         self.threads = threads  # applied before the flow, after each flow step and before HiFT
         self.flow_cache = torch.zeros(1, N_MELS, 0, 2)  # (1, 80, frames, [z | mu])
         self.mel_overlap: torch.Tensor | None = None  # (1, 80, 34) held back for the fade
@@ -124,6 +138,7 @@ class ChunkVocoder:
         def after_step(*_: object) -> None:
             apply_thread_budget(self.threads)
 
+        start = time.perf_counter()
         mel, self.flow_cache = self.flow.inference(
             tokens,
             self.prompt.tokens,
@@ -135,6 +150,8 @@ class ChunkVocoder:
             cfg_rate=self.cfg_rate,
             step_callback=after_step,
         )
+        units = flow_units(n_frames, self.n_timesteps, self.cfg_rate)
+        report(self.on_stage, "flow", self.weights[0], since(start), units)
         return mel
 
     def _hift(
@@ -144,9 +161,13 @@ class ChunkVocoder:
 
         phase, sine_noise = self.noise.hift_noise(mel.shape[2] * HOP)
         apply_thread_budget(self.threads)
-        return self.hift.inference(
+        start = time.perf_counter()
+        out = self.hift.inference(
             mel, cache_source, noise=HiftNoise(phase_uniform=phase, sine_noise=sine_noise)
         )
+        fed_s = mel.shape[2] * HOP / SAMPLE_RATE
+        report(self.on_stage, "hift", self.weights[1], since(start), fed_s)
+        return out
 
     def chunk(self, tokens: torch.Tensor, *, finalize: bool) -> torch.Tensor:
         """Audio (1, S) for a window of tokens (1, n); ``finalize`` on the utterance's last."""

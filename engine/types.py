@@ -9,6 +9,7 @@ from functools import cached_property
 import numpy as np
 
 from engine.constants import SAMPLE_RATE
+from engine.stage_times import StageListener
 
 
 class EngineError(Exception):
@@ -85,6 +86,13 @@ class SynthesisOptions:
     # Asked before each LM token and flow step: torch threads from then on (None: leave the
     # calling thread's count). engine.thread_budget says why.
     threads: Callable[[], int] | None = field(default=None, compare=False, repr=False)
+    # The loaded weight format the flow ('fp32', 'int8') and HiFT ('fp32', 'bf16') run in; an
+    # engine loaded with several formats (``extra_formats``) holds each. None, or a format the
+    # engine did not load (a CPU without the kernels for it): its primary format.
+    flow_weights: str | None = None
+    hift_weights: str | None = None
+    # Hears what each stage cost (engine.stage_times), on the thread that ran it.
+    on_stage: StageListener | None = field(default=None, compare=False, repr=False)
     # Speaking speed: 1.0 as the model speaks, 1.25 a quarter faster (the mel is resampled in
     # time before the vocoder, engine.speed); MIN_SPEED..MAX_SPEED.
     speed: float = 1.0

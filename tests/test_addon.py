@@ -210,7 +210,7 @@ def test_default_options_give_the_documented_command_line(config: dict[str, Any]
         "--data-dir", "/share/cosyvoice/models",
         "--download-dir", "/data/models",
         "--voices-dir", "/share/cosyvoice/voices",
-        "--profile", "realtime",
+        "--profile", "auto",
     ]  # fmt: skip
     known = server_flags()
     flags = [a for a in args if a.startswith("--")]

@@ -20,7 +20,13 @@ from typing import Any
 from urllib.parse import urlparse
 
 from wyoming_cosyvoice import __version__
-from wyoming_cosyvoice.config import ConfigError, ServerConfig, load_config, parse_override
+from wyoming_cosyvoice.config import (
+    AUTO_PROFILE,
+    ConfigError,
+    ServerConfig,
+    load_config,
+    parse_override,
+)
 from wyoming_cosyvoice.model import resolve_model_dir
 
 _LOGGER = logging.getLogger("wyoming_cosyvoice")
@@ -51,7 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--voice", help="default voice, e.g. zh-female (default: by the text's language)")
     add(
         "--profile",
-        help="settings profile from config.yaml: realtime, fast, fastest, quality, batch, ...",
+        help="auto (default: per request, the most exact profile this machine speaks in time) "
+        "or a settings profile from config.yaml: realtime, fast, fastest, quality, batch, ...",
     )
     add(
         "--lm-weights",
@@ -124,7 +131,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
     if args.no_streaming:
         # applies to whichever profile ends up selected
         profile = dict(overrides).get("server.profile") or load_config(args.config).profile.name
-        overrides.append((f"profiles.{profile}.streaming", False))
+        key = "auto.streaming" if profile == AUTO_PROFILE else f"profiles.{profile}.streaming"
+        overrides.append((key, False))
     config = load_config(args.config, overrides)
     return config
 

@@ -24,6 +24,7 @@ from typing import Any
 
 from engine.types import MAX_SPEED, MIN_SPEED
 from wyoming_cosyvoice.config import packaged_settings
+from wyoming_cosyvoice.loudness import VOLUME_RANGE
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -45,6 +46,7 @@ DEFAULT_OPTIONS: dict[str, Any] = {
     "threads": 0,
     "parallel_sentences": 1,
     "streaming": True,
+    "volume": 1.0,
     "speed": 1.0,
     "debug_logging": False,
 }
@@ -74,6 +76,14 @@ def _bool(options: Mapping[str, Any], key: str) -> bool:
     if not isinstance(value, bool):
         raise ValueError(f"option {key!r}: {value!r} is not true or false")
     return value
+
+
+def _volume(options: Mapping[str, Any]) -> float:
+    value = options.get("volume", DEFAULT_OPTIONS["volume"])
+    low, high = VOLUME_RANGE
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
+        raise ValueError(f"option 'volume': {value!r} is not a number from {low:g} to {high:g}")
+    return float(value)
 
 
 def _speed(options: Mapping[str, Any]) -> float:
@@ -130,6 +140,9 @@ def options_to_args(
         if not endpoint.startswith(("http://", "https://")):
             raise ValueError(f"option 'hub_endpoint': {endpoint!r} is not an http(s) URL")
         args += ["--hub-endpoint", endpoint.rstrip("/")]
+    volume = _volume(options)
+    if volume != 1.0:  # a factor on the loudness every voice is brought to
+        args += ["--set", f"server.volume={volume:g}"]
     speed = _speed(options)
     if speed != 1.0:  # the speed of Assist pipelines and of calls that name none
         args += ["--set", f"server.speed={speed:g}"]

@@ -34,6 +34,7 @@ from engine.types import (
     StreamSchedule,
     SynthesisOptions,
 )
+from wyoming_cosyvoice.loudness import TARGET_RANGE, VOLUME_RANGE
 
 SETTINGS_FILE = "settings.yaml"  # in this package: the defaults every other layer overrides
 LM_WEIGHTS = ("int8", "fp32")
@@ -197,6 +198,8 @@ class ServerConfig:
     # never by a user: speech tokens per sentence, so that a random-weight model, which never
     # ends an utterance by itself, gives fixed-length audio.
     force_tokens: int | None = None
+    loudness: float | None = None  # LUFS every voice is brought to; None = as the model makes it
+    volume: float = 1.0  # a factor on that level
     speed: float = 1.0  # speaking speed of a request that asks for none
 
     @property
@@ -463,12 +466,23 @@ def _cache(raw: dict[str, Any]) -> CacheConfig:
     return CacheConfig(max_mb=float(max_mb))
 
 
+def _number_in(key: str, value: Any, bounds: tuple[float, float], unit: str = "") -> Any:
+    """A number within ``bounds``; with a ``unit`` (a level), null too."""
+    if value is None and unit:
+        return None
+    low, high = bounds
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
+        allowed = f"{low:g} to {high:g} {unit} or null" if unit else f"{low:g} to {high:g}"
+        raise ConfigError(key, f"must be a number from {allowed}, not {value!r}")
+    return float(value)
+
+
 def build_config(raw: dict[str, Any]) -> ServerConfig:
     """Validate a merged raw mapping into a :class:`ServerConfig`."""
     for key in raw:
         if key not in _SECTIONS:
             raise ConfigError(key, f"unknown section (known: {', '.join(_SECTIONS)})")
-    server = _section(raw, "server", [*_SERVER_KINDS, "data_dirs"])
+    server = _section(raw, "server", [*_SERVER_KINDS, "data_dirs", "loudness", "volume"])
     values = {
         key: _check(f"server.{key}", server.get(key), kind) for key, kind in _SERVER_KINDS.items()
     }
@@ -504,4 +518,6 @@ def build_config(raw: dict[str, Any]) -> ServerConfig:
         limits=_limits(raw),
         profiles=profiles,
         cache=_cache(raw),
+        loudness=_number_in("server.loudness", server.get("loudness"), TARGET_RANGE, "LUFS"),
+        volume=_number_in("server.volume", server.get("volume"), VOLUME_RANGE),
     )

@@ -13,10 +13,12 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from wyoming_cosyvoice.auto_profile import AutoProfile
 from wyoming_cosyvoice.config import ServerConfig
 from wyoming_cosyvoice.loudness import VoiceLevels
 from wyoming_cosyvoice.repeat_cache import RepeatCache
 from wyoming_cosyvoice.scheduler import Engine, EngineFactory, Scheduler
+from wyoming_cosyvoice.stage_costs import CostMeter, free_cores_now
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -61,6 +63,7 @@ def load_cosyvoice(
     cache_dir: Path | None = None,
     flow_int8: bool = False,
     hift_bf16: bool = False,
+    extra_formats: tuple[str, ...] = (),
 ) -> Engine:
     """The engine of the directory's model family; imported here so torch loads on the engine
     thread, not at startup."""
@@ -73,6 +76,7 @@ def load_cosyvoice(
         flow_int8=flow_int8,
         hift_bf16=hift_bf16,
         cache_dir=cache_dir,
+        extra_formats=extra_formats,
     )
     return engine
 
@@ -110,8 +114,9 @@ def engine_cache_dir(config: ServerConfig) -> Path | None:
 
 def engine_loader(config: ServerConfig) -> EngineFactory:
     """The real loader with the config's load-time weight formats (LM: a server setting, flow
-    and HiFT: the server profile's) and cache directory; a model without built-in speakers
-    (CosyVoice2) gets the built-in voices folder's voices."""
+    and HiFT: the server profile's, ``auto``: those of every profile it chooses from) and
+    cache directory; a model without built-in speakers (CosyVoice2) gets the built-in voices
+    folder's voices."""
     weights = config.load.weights
     return partial(
         load_with_voices,
@@ -120,6 +125,7 @@ def engine_loader(config: ServerConfig) -> EngineFactory:
         flow_int8=weights.flow == "int8",
         hift_bf16=weights.hift == "bf16",
         cache_dir=engine_cache_dir(config),
+        extra_formats=weights.extra,
     )
 
 
@@ -166,7 +172,17 @@ def scheduler_for_config(
         ),
         repeat_cache=RepeatCache(config.cache.max_bytes),
         levels=voice_levels(config),
+        auto=auto_profile(config),
     )
+
+
+def auto_profile(config: ServerConfig) -> AutoProfile | None:
+    """The server's ``auto`` profile (None when it runs a fixed one); its costs are measured
+    with the threads a sentence gets."""
+    if config.auto is None or not config.auto_candidates:
+        return None
+    meter = CostMeter(partial(free_cores_now, config.threads))
+    return AutoProfile(config.auto, config.auto_candidates, meter)
 
 
 def voice_levels(config: ServerConfig) -> VoiceLevels:

@@ -20,7 +20,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from engine.constants import SAMPLE_RATE
 from engine.types import AudioChunk, SynthesisCancelled, SynthesisOptions
@@ -29,6 +29,9 @@ from wyoming_cosyvoice.metrics import ServerMetrics
 from wyoming_cosyvoice.protocol import ServerBusyError
 from wyoming_cosyvoice.repeat_cache import RepeatCache
 from wyoming_cosyvoice.voice_catalog import VoiceCatalog
+
+if TYPE_CHECKING:
+    from wyoming_cosyvoice.auto_profile import AutoProfile
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -136,6 +139,7 @@ class Scheduler:
         prime_options: SynthesisOptions | None = None,
         repeat_cache: RepeatCache | None = None,
         levels: VoiceLevels | None = None,
+        auto: AutoProfile | None = None,
     ) -> None:
         self.model_dir = model_dir
         # The rate of the audio the engine makes: the model family's until it has loaded.
@@ -162,6 +166,9 @@ class Scheduler:
         # Each voice's measured loudness and gain (off unless given: the model's level, limited).
         self.levels = levels if levels is not None else VoiceLevels.off()
         self.waiting = 0  # sentences queued for the engine (the log, /health, /metrics)
+        # The auto profile's choice: it hears every sentence's stage costs (None: a fixed
+        # profile, nothing measured).
+        self.auto = auto
         self.metrics = ServerMetrics()  # what every front end's requests report
         self._calls: set[Future[Any]] = set()  # engine-thread calls that have not returned
         self._sentences: dict[object, threading.Event] = {}  # cancel event of each sentence
@@ -187,6 +194,8 @@ class Scheduler:
             if self._warmup:
                 await self._call(self._executor, engine.warmup)
                 await self._prime(engine)
+                if self.auto is not None:
+                    await self._call(self._executor, self.auto.calibrate, engine)
             if self._shared_cores:
                 self._all_threads = await self._call(self._executor, _torch_threads)
             _LOGGER.info(
@@ -264,6 +273,8 @@ class Scheduler:
         budget = partial(self._shared_threads, slot) if self._shared_cores else None
         if budget is not None:
             options = replace(options, threads=budget)
+        if self.auto is not None:
+            options = replace(options, on_stage=self.auto.meter.record)
         try:
             if cancel.is_set() or self._stopping:
                 raise SynthesisCancelled("cancelled while queued")

@@ -9,7 +9,8 @@
       │  VoiceChoice: the voice asked for, else the server's default, else one of the
       ▼  text's language (one per request, or one per sentence)
     Speech (a task per request) ──► Scheduler.synthesize(sentence): engine thread, FIFO turn
-      │                                    │ AudioChunk (float32) ─► PCM16
+      │                                    │ AudioChunk (float32) ─► the sentence's gain,
+      │                                    │ fixed before it starts (loudness.py) ─► PCM16
       ▼                                    ▼
     Speech.next() ◄── SentenceStart · Audio … · SentenceEnd, per sentence, then None
       │
@@ -37,6 +38,7 @@ from typing import Any
 
 from engine.types import AudioChunk, EngineError, SynthesisCancelled, SynthesisOptions
 from wyoming_cosyvoice.config import Limits, ProfileConfig
+from wyoming_cosyvoice.loudness import SentenceLevel
 from wyoming_cosyvoice.metrics import SpeechReport, speech_outcome
 from wyoming_cosyvoice.protocol import LimitExceededError
 from wyoming_cosyvoice.scheduler import Scheduler
@@ -98,6 +100,7 @@ class SpeechSettings:
     profile: ProfileConfig
     seed: int | None
     force_tokens: int | None = None
+    volume: float | None = None  # a factor on the server's loudness; None = the server's volume
     speed: float = 1.0  # speaking speed, unless the request's speaker names one
 
     def options(
@@ -243,6 +246,8 @@ class Speech:
         self._space = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._speaking = False
+        self._levels = scheduler.levels.request(settings.volume)  # each sentence's gain
+        self._level: SentenceLevel | None = None  # the sentence being spoken's
 
     # --- the front end's side -------------------------------------------------------------
 
@@ -355,6 +360,7 @@ class Speech:
             raise SynthesisCancelled("cancelled before the sentence started")
         _LOGGER.debug("Speaking sentence %d as %s for %s (queue %d)", index + 1, voice.name,
                       self.client, scheduler.waiting)  # fmt: skip
+        level = self._level = await self._levels.sentence(voice, self.sample_rate)
         self._events.put_nowait(SentenceStart(index, sentence, voice))
         engine_started = time.monotonic()
         try:
@@ -372,6 +378,7 @@ class Speech:
         finally:
             self.engine_s += time.monotonic() - engine_started
         self._events.put_nowait(SentenceEnd(index))
+        await self._levels.finished(level)
 
     async def _synthesize(
         self, voice: Voice, text: str, options: SynthesisOptions, *, load_timeout: float
@@ -397,7 +404,8 @@ class Speech:
             )
         if self.first_audio_s is None and self._started is not None:
             self.first_audio_s = time.monotonic() - self._started
-        audio = Audio(chunk.pcm16)
+        level = self._level
+        audio = Audio(level.pcm16(chunk.samples) if level is not None else chunk.pcm16)
         self.samples += audio.samples
         self._undelivered += audio.samples
         self._events.put_nowait(audio)

@@ -22,7 +22,13 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from wyoming_cosyvoice.config import ConfigError, ServerConfig, load_config, parse_override
+from wyoming_cosyvoice.config import (
+    AUTO_PROFILE,
+    ConfigError,
+    ServerConfig,
+    load_config,
+    parse_override,
+)
 from wyoming_cosyvoice.sentences import Sentence, split_text, text_language
 from wyoming_cosyvoice.speech import (
     WIDTH,
@@ -94,8 +100,11 @@ def settings(args: argparse.Namespace) -> ServerConfig:
         overrides.append(("server.offline", True))
     config = load_config(args.config, overrides)
     name = args.profile or ("batch" if args.batch and "batch" in config.profiles else None)
-    if name is None:
+    if name is None and config.profile.name != AUTO_PROFILE:
         return config
+    if name in (None, AUTO_PROFILE) and config.auto is not None:
+        # A file has no first audio to wait for: auto's most exact profile, nothing more loaded.
+        name = config.auto.profiles[0]
     if name not in config.profiles:
         known = ", ".join(config.profiles)
         raise ConfigError("--profile", f"unknown profile {name!r} (known: {known})")

@@ -39,7 +39,7 @@ import random
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Callable, Generator, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, cast
@@ -65,8 +65,16 @@ from engine.cosyvoice2.streaming import (
 from engine.flow_estimator import TransformerBlock
 from engine.lm_thread import LmTokens
 from engine.onednn_layers import use_onednn_linears
-from engine.prepared import PreparedLoad
-from engine.runtime import audio_chunks, one_torch_thread, setup_cpu
+from engine.prepared import PreparedLoad, WeightFormats
+from engine.runtime import (
+    audio_chunks,
+    extra_weight_formats,
+    loaded_format,
+    one_torch_thread,
+    pick_weights,
+    setup_cpu,
+    weight_pairs,
+)
 from engine.start_policy import GAPLESS, estimate_speech_seconds, hold_until_gapless
 from engine.thread_budget import apply_thread_budget, vocoder_busy
 from engine.types import (
@@ -79,6 +87,7 @@ from engine.types import (
 
 if TYPE_CHECKING:
     from engine.cosyvoice2.flow import CausalFlow
+    from engine.hift import HiFTGenerator
     from engine.prompt.voices import CustomVoice, ScanResult, VoiceLibrary
 
 _LOGGER = logging.getLogger(__name__)
@@ -166,11 +175,16 @@ class CosyVoice2Engine:
         self.custom_voices: VoiceLibrary | None = None
         self.prepared_at_load: tuple[str, ...] = ()
         self.cpu_choices: cpu.CpuChoices | None = None
+        # The flow and HiFT by weight format: the primary ones, and any loaded beside them
+        # (``extra_formats``) for a request to choose (SynthesisOptions.flow_weights).
+        self.flows: dict[str, CausalFlow] = {loaded_format(models.flow): models.flow}
+        self.hifts: dict[str, HiFTGenerator] = {loaded_format(models.hift): models.hift}
         # Where each segment's HiFT draws come from, by its seed (parity tests inject the
         # official run's draws here).
         self.hift_noise: Callable[[int], HiftNoiseSource] = seeded_noise
-        # (voice, flow steps, guidance, prompt tokens kept) -> the voice's primed stream
-        self._primed: OrderedDict[tuple[str, int, float, int], _Primed] = OrderedDict()
+        # (voice, flow steps, guidance, prompt tokens kept, flow weights) -> the voice's
+        # primed stream
+        self._primed: OrderedDict[tuple[str, int, float, int, str], _Primed] = OrderedDict()
         self._primed_lock = threading.Lock()
 
     @classmethod
@@ -184,44 +198,66 @@ class CosyVoice2Engine:
         hift_bf16: bool = False,
         cache_dir: Path | str | None = None,
         flow_cache_dtype: torch.dtype | None = torch.float16,
+        extra_formats: Iterable[str] = (),
     ) -> CosyVoice2Engine:
         """Load a CosyVoice2 directory in the official layout (raises ModelLoadError).
 
         The options are v1's (:meth:`engine.engine.CosyVoiceEngine.load`): int8 LM and flow
-        layers, a bfloat16 HiFT, the threads and where prepared files go when the model
-        directory cannot be written. ``flow_cache_dtype``: what the incremental flow keeps its
-        keys and values in (the default ``torch.float16`` halves that memory for a tested
-        small deviation; None: float32, exact).
+        layers, a bfloat16 HiFT, the threads, where prepared files go when the model
+        directory cannot be written, and extra formats of the flow and HiFT for requests to
+        choose. ``flow_cache_dtype``: what the incremental flow keeps its keys and values in
+        (the default ``torch.float16`` halves that memory for a tested small deviation; None:
+        float32, exact).
         """
         setup = setup_cpu(threads, lm_int8=lm_int8, flow_int8=flow_int8, hift_bf16=hift_bf16)
+        extras = extra_weight_formats(extra_formats, setup)
         start = time.perf_counter()
         model_dir = Path(model_dir)
-        loading = PreparedLoad(
-            model_dir, setup.formats, Path(cache_dir) if cache_dir else None, PARTS
-        )
+        cache = Path(cache_dir) if cache_dir else None
+        loads = [PreparedLoad(model_dir, setup.formats, cache, PARTS)]
+        if extras:
+            loads.append(
+                PreparedLoad(model_dir, WeightFormats(**extras), cache, PARTS, only=tuple(extras))
+            )
         # While the int8 layers are packed on every core, run the rest on one thread.
-        packing = "int8" in (setup.formats.llm, setup.formats.flow)
+        packing = "int8" in (setup.formats.llm, setup.formats.flow, extras.get("flow"))
         try:
             with one_torch_thread() if packing else contextlib.nullcontext():
-                modules = loading.modules()
-                if setup.formats.flow != "int8":
-                    # A float32 estimator's transformer layers run on oneDNN, as v1's
-                    # (engine.onednn_layers); its convolutions stay: the chunk caches read them.
-                    estimator = cast("CausalFlow", modules[1]).decoder.estimator
-                    use_onednn_linears(estimator, TransformerBlock)
+                modules = loads[0].modules()
+                alternates = loads[1].assigned() if extras else {}
+                flows = {setup.formats.flow: cast("CausalFlow", modules[1])}
+                if "flow" in alternates:
+                    flows[extras["flow"]] = cast("CausalFlow", alternates["flow"])
+                for weights, flow in flows.items():
+                    if weights != "int8":
+                        # A float32 estimator's transformer layers run on oneDNN, as v1's
+                        # (engine.onednn_layers); its convolutions stay: the chunk caches read
+                        # them.
+                        use_onednn_linears(flow.decoder.estimator, TransformerBlock)
                 frontend = CosyVoice2TextFrontend(model_dir / BACKBONE_DIR)
-            loading.finish()
+            for loading in loads:
+                loading.finish()
         except BaseException:
-            loading.cancel()
+            for loading in loads:
+                loading.cancel()
             raise
-        models = CosyVoice2Models.of(model_dir, loading.args, modules)
+        models = CosyVoice2Models.of(model_dir, loads[0].args, modules)
         _LOGGER.info("Loaded %s in %.2f s", model_dir, time.perf_counter() - start)
         engine = cls(
             models, threads=setup.threads, frontend=frontend, flow_cache_dtype=flow_cache_dtype
         )
-        engine.prepared_at_load = tuple(loading.prepared_now)
+        engine.flows = flows
+        engine.hifts = {setup.formats.hift: models.hift}
+        if "hift" in alternates:
+            engine.hifts[extras["hift"]] = cast("HiFTGenerator", alternates["hift"])
+        engine.prepared_at_load = tuple(name for load in loads for name in load.prepared_now)
         engine.cpu_choices = setup.choices
         return engine
+
+    @property
+    def weight_formats(self) -> dict[str, tuple[str, ...]]:
+        """The loaded formats of the flow and HiFT, the primary one first."""
+        return {"flow": tuple(self.flows), "hift": tuple(self.hifts)}
 
     @property
     def hift_dtype(self) -> str:
@@ -339,7 +375,9 @@ class CosyVoice2Engine:
         # thread takes over once that chunk is out (engine.lm_thread says why).
         first = next(hops) if speech is not None else 0
         inline = first + self.models.flow.args.pre_lookahead_len if speech is not None else None
-        tokens = LmTokens(make_tokens, cancel, inline=inline, threads=options.threads)
+        tokens = LmTokens(
+            make_tokens, cancel, inline=inline, threads=options.threads, on_stage=options.on_stage
+        )
 
         def waves() -> Generator[torch.Tensor, None, None]:
             if speech is not None:
@@ -347,16 +385,20 @@ class CosyVoice2Engine:
                 return
             received = list(tokens)
             if received:
+                flow_weights, flow = pick_weights(self.flows, options.flow_weights)
+                hift_weights, hift = pick_weights(self.hifts, options.hift_weights)
                 with vocoder_busy():
                     apply_thread_budget(options.threads)
                     yield whole_audio(
-                        self.models.flow,
-                        self.models.hift,
+                        flow,
+                        hift,
                         cond.flow_prompt,
                         received,
                         noise,
                         n_timesteps=options.n_timesteps,
                         cfg_rate=options.cfg_rate,
+                        on_stage=options.on_stage,
+                        weights=(flow_weights, hift_weights),
                     )
 
         chunks = waves()
@@ -376,14 +418,16 @@ class CosyVoice2Engine:
         """The flow + vocoder stream of one streamed segment and its hops (None: not streamed)."""
         if not options.stream:
             return None, iter(())
-        flow, chunk = self.models.flow, self.models.flow.args.encoder.static_chunk_size
+        chunk = self.models.flow.args.encoder.static_chunk_size
+        flow_weights, flow = pick_weights(self.flows, options.flow_weights)
+        hift_weights, hift = pick_weights(self.hifts, options.hift_weights)
 
         def speech_stream(
             prompt: FlowPrompt, *, official: bool, primed: FlowStream | None = None
         ) -> SpeechStream:
             return SpeechStream(
                 flow,
-                self.models.hift,
+                hift,
                 prompt,
                 noise,
                 n_timesteps=options.n_timesteps,
@@ -393,6 +437,8 @@ class CosyVoice2Engine:
                 cache_dtype=None if official else self.flow_cache_dtype,
                 flow_stream=primed,
                 threads=options.threads,
+                on_stage=options.on_stage,
+                weights=(flow_weights, hift_weights),
             )
 
         if options.schedule.name == OFFICIAL_SCHEDULE.name:
@@ -415,13 +461,20 @@ class CosyVoice2Engine:
         """The voice's flow stream with every prompt chunk computed that the prompt alone
         allows, for these flow settings and this cut of the prompt: computed on first use, then
         shared by forks."""
-        key = (voice.name, options.n_timesteps, float(options.cfg_rate), prompt.tokens.shape[1])
+        flow_weights, flow = pick_weights(self.flows, options.flow_weights)
+        key = (
+            voice.name,
+            options.n_timesteps,
+            float(options.cfg_rate),
+            prompt.tokens.shape[1],
+            flow_weights,
+        )
         with self._primed_lock:
             primed = self._primed.get(key)
             if primed is not None and primed.voice is voice:
                 self._primed.move_to_end(key)
                 return primed.stream
-            stream = self.models.flow.stream(
+            stream = flow.stream(
                 prompt.tokens,
                 prompt.feat,
                 prompt.embedding,
@@ -456,17 +509,30 @@ class CosyVoice2Engine:
             _LOGGER.info("No voice yet: warm-up skipped")
             return
         start = time.perf_counter()
-        # Two streamed chunks and a final one: every code path runs once, at low cost.
+        # Two streamed chunks and a final one: every code path runs once, at low cost, in
+        # each loaded weight format.
         tokens = 2 * self.models.flow.args.encoder.static_chunk_size + 10
-        options = SynthesisOptions(
-            speaker=voice.name, stream=True, seed=0, force_tokens=tokens, n_timesteps=2
-        )
-        for _ in self.synthesize("Hello.", options):
-            pass
+        for flow_weights, hift_weights in weight_pairs(self.flows, self.hifts):
+            options = SynthesisOptions(
+                speaker=voice.name,
+                stream=True,
+                seed=0,
+                force_tokens=tokens,
+                n_timesteps=2,
+                flow_weights=flow_weights,
+                hift_weights=hift_weights,
+            )
+            for _ in self.synthesize("Hello.", options):
+                pass
         with self._primed_lock:
             self._primed.clear()  # the warm-up's steps are not the requests'
         self.prime_voice(SynthesisOptions(speaker=voice.name))
         _LOGGER.info("Warm-up took %.2f s", time.perf_counter() - start)
+
+    def flow_prompt_frames(self, speaker: str | None) -> int:
+        """Mel frames of a voice's prompt that the flow computes again in every chunk: none
+        (a voice's prompt chunks are computed once, when it is primed)."""
+        return 0
 
 
 def _starting_with(first: int, rest: Iterator[int]) -> Iterator[int]:

@@ -15,6 +15,7 @@ prompt to a whole number of 25-token chunks — and the 3-token look-ahead; then
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
@@ -25,6 +26,7 @@ from torch import Tensor
 
 from engine.cosyvoice2.flow import CausalFlow, FlowStream
 from engine.hift import HiftNoise
+from engine.stage_times import StageListener, flow_units, report, since
 from engine.streaming import fade_in_out
 from engine.thread_budget import ThreadBudget, apply_thread_budget, vocoder_busy
 
@@ -76,8 +78,11 @@ class VocoderStream:
         noise: HiftNoiseSource,
         *,
         threads: ThreadBudget | None = None,
+        on_stage: StageListener | None = None,
+        weights: str = "fp32",
     ) -> None:
         self.hift, self.noise, self.threads = hift, noise, threads
+        self.on_stage, self.weights = on_stage, weights  # told what each HiFT call cost
         self.source_cache = MEL_CACHE * hift.upp  # samples pinned and cross-faded
         self.window = torch.from_numpy(np.hamming(2 * self.source_cache))  # float64, as upstream
         self.mel: Tensor | None = None  # (1, 80, 8) left context
@@ -95,9 +100,12 @@ class VocoderStream:
             return torch.zeros(1, 0)
         phase, sine_noise = self.noise.hift_noise(mel.shape[2] * self.hift.upp)
         apply_thread_budget(self.threads)
+        start = time.perf_counter()
         speech, source = self.hift.inference(
             mel, cache_source, noise=HiftNoise(phase_uniform=phase, sine_noise=sine_noise)
         )
+        fed_s = mel.shape[2] * self.hift.upp / self.hift.args.sampling_rate
+        report(self.on_stage, "hift", self.weights, since(start), fed_s)
         if self.speech is not None:
             speech = fade_in_out(speech, self.speech, self.window)
         if finalize:
@@ -132,9 +140,13 @@ class SpeechStream:
         cache_dtype: torch.dtype | None = None,
         flow_stream: FlowStream | None = None,
         threads: ThreadBudget | None = None,
+        on_stage: StageListener | None = None,
+        weights: tuple[str, str] = ("fp32", "fp32"),
     ) -> None:
         self.prompt, self.threads = prompt, threads
         self.full_attention_last = full_attention_last
+        # Told what each flow and HiFT call cost, by (flow, HiFT) weight format.
+        self.on_stage, self.weights = on_stage, weights
         if flow_stream is None:
             flow_stream = flow.stream(
                 prompt.tokens,
@@ -145,7 +157,9 @@ class SpeechStream:
                 cache_dtype=cache_dtype,
             )
         self.flow: FlowStream = flow_stream
-        self.vocoder = VocoderStream(hift, noise, threads=threads)
+        self.vocoder = VocoderStream(
+            hift, noise, threads=threads, on_stage=on_stage, weights=weights[1]
+        )
 
     @property
     def lookahead(self) -> int:
@@ -155,10 +169,13 @@ class SpeechStream:
         """Audio (1, S) made computable by these new tokens (all that is left on finalize)."""
         with vocoder_busy():
             apply_thread_budget(self.threads)
+            start = time.perf_counter()
             if finalize and self.full_attention_last:
                 mel = self._full_attention_rest(tokens)
             else:
                 mel = self.flow.push(tokens, finalize=finalize)
+            units = flow_units(mel.shape[2], self.flow.n_timesteps, self.flow.cfg_rate or 0.0)
+            report(self.on_stage, "flow", self.weights[0], since(start), units)
             if mel.shape[2] == 0 and not finalize:
                 return torch.zeros(1, 0)
             return self.vocoder.push(mel, finalize=finalize)
@@ -242,8 +259,11 @@ def whole_audio(
     *,
     n_timesteps: int = 10,
     cfg_rate: float | None = None,
+    on_stage: StageListener | None = None,
+    weights: tuple[str, str] = ("fp32", "fp32"),
 ) -> Tensor:
     """Non-streaming, as upstream: one flow call in full attention, one HiFT call."""
+    start = time.perf_counter()
     mel = flow.inference(
         torch.tensor([list(tokens)], dtype=torch.int64),
         prompt.tokens,
@@ -254,4 +274,7 @@ def whole_audio(
         n_timesteps=n_timesteps,
         cfg_rate=cfg_rate,
     )
-    return VocoderStream(hift, noise).push(mel, finalize=True)
+    units = flow_units(prompt.feat.shape[1] + mel.shape[2], n_timesteps, cfg_rate or 0.0)
+    report(on_stage, "flow", weights[0], since(start), units)
+    vocoder = VocoderStream(hift, noise, on_stage=on_stage, weights=weights[1])
+    return vocoder.push(mel, finalize=True)

@@ -47,6 +47,7 @@ from wyoming_cosyvoice.http.stream import (
 from wyoming_cosyvoice.protocol import ClientError, ServerBusyError
 from wyoming_cosyvoice.scheduler import Scheduler
 from wyoming_cosyvoice.sentences import SplitterFactory, make_splitter
+from wyoming_cosyvoice.speaker_presets import speaker_names
 from wyoming_cosyvoice.speech import Speech
 
 _LOGGER = logging.getLogger(__name__)
@@ -153,6 +154,8 @@ class TtsRoutes:
                 for v in catalog.voices
             ],
             "default": self.config.voice,
+            "speakers": speaker_names(self.parser.kind()),  # speeds and styles, per request
+            "speed": self.config.speed,
             "profiles": self.config.servable_profiles,
             "default_profile": self.config.profile.name,
             "sample_rate": self.scheduler.sample_rate,

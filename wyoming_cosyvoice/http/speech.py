@@ -23,6 +23,7 @@ from wyoming_cosyvoice.config import (
 )
 from wyoming_cosyvoice.http.delivery import delivery, speaker_preset
 from wyoming_cosyvoice.http.errors import HttpError
+from wyoming_cosyvoice.loudness import VOLUME_RANGE
 from wyoming_cosyvoice.protocol import VoiceNotFoundError
 from wyoming_cosyvoice.sentences import (
     Sentence,
@@ -42,11 +43,11 @@ _MAX_SEED = 2**32 - 1
 OPENAI_VOICES = frozenset(
     "alloy ash ballad coral echo fable nova onyx sage shimmer verse marin cedar".split()
 )
-TTS_FIELDS = ("text", "voice", "speaker", "profile", "seed", "stream", "format", "speed",
-              "style")  # fmt: skip
+TTS_FIELDS = ("text", "voice", "speaker", "profile", "seed", "stream", "format", "volume",
+              "speed", "style")  # fmt: skip
 # OpenAI's fields, then this server's extensions (the same as /tts).
 OPENAI_FIELDS = ("model", "input", "voice", "instructions", "response_format", "speed",
-                 "stream_format", "profile", "seed", "style")  # fmt: skip
+                 "stream_format", "profile", "seed", "volume", "style")  # fmt: skip
 INSTRUCT_MODELS = "CosyVoice2-0.5B or CosyVoice-300M-Instruct"
 
 
@@ -126,6 +127,16 @@ def _optional(data: dict[str, Any], key: str, kind: type | tuple[type, ...], wha
     return value
 
 
+def _volume(data: dict[str, Any]) -> float | None:
+    """The request's ``volume`` (a factor on the server's loudness), if it gives one."""
+    volume = _optional(data, "volume", (int, float), "a number")
+    low, high = VOLUME_RANGE
+    if volume is not None and not low <= volume <= high:
+        raise HttpError(400, f"'volume' must be from {low:g} to {high:g} (1 = the server's "
+                        f"loudness), not {volume!r}", param="volume")  # fmt: skip
+    return None if volume is None else float(volume)
+
+
 class SpeechParser:
     """Checks request bodies against one server's config, voices and text splitter."""
 
@@ -142,7 +153,7 @@ class SpeechParser:
         self._model_kind = model_kind  # 'sft', 'base', 'instruct' or 'cosyvoice2' once loaded
 
     def tts(self, data: dict[str, Any]) -> SpeechRequest:
-        """``POST /tts``: {text, voice?, speaker?, profile?, seed?, stream?, format?}."""
+        """``POST /tts``: {text, voice?, speaker?, profile?, seed?, stream?, format?, volume?}."""
         _refuse_unknown(data, TTS_FIELDS)
         text = self._text(data, "text")
         stream = _optional(data, "stream", bool, "true or false") or False
@@ -264,7 +275,9 @@ class SpeechParser:
             voice=voice,
             voices=VoiceChoice.chosen(voice, instruct),
             profile=profile,
-            settings=SpeechSettings(profile, seed, self.config.force_tokens, speed=speed),
+            settings=SpeechSettings(
+                profile, seed, self.config.force_tokens, volume=_volume(data), speed=speed
+            ),
             stream=stream,
             audio_format=audio_format,
             sse=sse,

@@ -1,0 +1,507 @@
+"""The `auto` profile: per request, the most exact profile this machine speaks in time.
+
+The rule (wyoming_cosyvoice.auto_profile.choose_profile) is checked with made-up costs; the
+chunk plan it predicts from against the chunks the real engines cut; the measured costs
+(wyoming_cosyvoice.stage_costs) with scripted measurements; and the whole path through the
+real server: a fake engine whose reported costs make a fast, a slow and a busy machine, and
+the real engine on the tiny model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import shutil
+from collections.abc import Iterator
+from dataclasses import replace
+from functools import partial
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+from conftest import FakeEngine
+
+from engine.stage_times import StageTime
+from engine.types import SynthesisOptions
+from wyoming_cosyvoice.auto_profile import (
+    V1_GEOMETRY,
+    AutoProfile,
+    choose_profile,
+    geometry_of,
+    plan_chunks,
+    playback_stall,
+    predict,
+    speech_seconds,
+)
+from wyoming_cosyvoice.config import (
+    AUTO_PROFILE,
+    ConfigError,
+    ProfileNotLoadedError,
+    load_config,
+)
+from wyoming_cosyvoice.stage_costs import CostMeter, StageCosts
+
+DATA = Path(__file__).parent / "data"
+CONFIG = load_config(None)
+CANDIDATES = CONFIG.auto_candidates  # realtime, fast, fastest
+REALTIME, FAST, FASTEST = CANDIDATES
+
+
+def costs(scale: float = 1.0, cores: int = 2, **changes: Any) -> StageCosts:
+    """The full-size model's stage costs on the reference machine (docs/performance.md:
+    12.8 ms a token, the flow 1.45 s and HiFT 0.32 s per audio second with realtime), times
+    ``scale`` (2: a machine half as fast)."""
+    base = StageCosts(
+        lm_prefill_s=0.074 * scale,
+        lm_token_s=0.0128 * scale,
+        flow_s={"fp32": 0.00084 * scale, "int8": 0.00063 * scale},
+        hift_s={"fp32": 0.32 * scale, "bf16": 0.16 * scale},
+        cores=cores,
+    )
+    return replace(base, **changes)
+
+
+def choose(speech_s: float, stage_costs: StageCosts | None, target_s: float = 1.5) -> Any:
+    return choose_profile(CANDIDATES, stage_costs, speech_s, target_s)
+
+
+# --- the prediction ---------------------------------------------------------------------------
+
+
+def test_the_prediction_reproduces_the_reference_machines_first_audio() -> None:
+    """With the stage costs measured on the reference machine, the first audio it predicts
+    is the one the benchmark measured there: realtime 1.89 s, fastest 0.83 s."""
+    n_tokens = 400
+    realtime = predict(REALTIME, costs(), n_tokens, V1_GEOMETRY)
+    fastest = predict(FASTEST, costs(), n_tokens, V1_GEOMETRY)
+    assert realtime.first_audio_s == pytest.approx(1.89, abs=0.05)
+    assert fastest.first_audio_s == pytest.approx(0.83, abs=0.05)
+    # Slower than real time: the 8 s answer pauses, realtime's far more than fastest's.
+    assert realtime.stall_s > 5 * fastest.stall_s > 0
+
+
+def test_a_whole_request_is_every_stage_one_after_the_other() -> None:
+    batch = CONFIG.profiles["batch"]  # not streamed: one chunk
+    c = costs()
+    p = predict(batch, c, 100, V1_GEOMETRY)
+    frames = 100 * 22050 / 256 / 50
+    expected = 0.074 + 99 * 0.0128 + frames * 10 * 2 * 0.00084 + 2.0 * 0.32
+    assert p.first_audio_s == pytest.approx(expected) == p.compute_s
+    assert p.stall_s == 0 and p.audio_s == pytest.approx(2.0)
+
+
+def test_playback_stalls_when_a_chunk_is_late() -> None:
+    assert playback_stall([1.0, 1.5, 2.0], [1.0, 1.0, 1.0]) == 0.0
+    assert playback_stall([1.0, 2.5, 3.0], [1.0, 1.0, 1.0]) == pytest.approx(0.5)
+    assert playback_stall([], []) == 0.0
+
+
+def test_a_custom_voices_prompt_makes_every_v1_chunk_dearer() -> None:
+    plain = predict(REALTIME, costs(), 200, V1_GEOMETRY)
+    prompted = predict(REALTIME, costs(), 200, V1_GEOMETRY, prompt_frames=430)
+    assert prompted.first_audio_s > plain.first_audio_s + 430 * 20 * 0.00084 * 0.99
+
+
+def test_a_format_the_cpu_lacks_costs_what_the_engine_runs_instead() -> None:
+    """A CPU without bfloat16 runs HiFT in float32 whatever the profile asks."""
+    without_bf16 = {"flow": ("fp32", "int8"), "hift": ("fp32",)}
+    asked = predict(FASTEST, costs(), 200, V1_GEOMETRY, loaded=without_bf16)
+    as_fp32 = predict(replace(FASTEST, hift_weights="fp32"), costs(), 200, V1_GEOMETRY)
+    assert asked == as_fp32
+
+
+# --- the plan follows the engine's chunks -----------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def v1_engine(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    from engine.engine import CosyVoiceEngine
+
+    torch.set_num_threads(1)
+    target = tmp_path_factory.mktemp("v1") / "CosyVoice-300M-SFT"
+    shutil.copytree(DATA / "tiny_model", target, ignore=shutil.ignore_patterns("prepared"))
+    return CosyVoiceEngine.load(target, threads=1)
+
+
+def _durations(engine: Any, profile: Any, tokens: int, speaker: str | None = None) -> list[float]:
+    options = profile.options(speaker=speaker, seed=0, instruct=None, force_tokens=tokens)
+    return [chunk.duration_s for chunk in engine.synthesize("Hello.", options)]
+
+
+@pytest.mark.parametrize("tokens", [30, 41, 100, 333])
+@pytest.mark.parametrize("name", ["realtime", "fast", "quality", "batch"])
+def test_the_v1_plan_cuts_the_chunks_the_engine_cuts(
+    v1_engine: Any, name: str, tokens: int
+) -> None:
+    profile = CONFIG.profiles[name]
+    made = _durations(v1_engine, profile, tokens)
+    planned = [chunk.audio_s for chunk in plan_chunks(profile, tokens, geometry_of(v1_engine))]
+    assert len(planned) == len(made)
+    assert planned == pytest.approx(made, abs=0.025)  # a mel frame's rounding per chunk
+
+
+def test_the_cosyvoice2_plan_cuts_the_chunks_the_engine_cuts(tmp_path: Path) -> None:
+    from engine.family import load_engine
+    from engine.prompt.extract import PromptFeatures
+    from engine.prompt.voices import CustomVoice
+
+    torch.set_num_threads(1)
+    target = tmp_path / "CosyVoice2-0.5B"
+    shutil.copytree(DATA / "cosyvoice2" / "tiny", target, ignore=shutil.ignore_patterns("prepared"))
+    engine = load_engine(target, threads=1)
+    g = torch.Generator().manual_seed(0)
+    features = PromptFeatures(torch.randn(1, 192, generator=g),
+                              torch.randint(0, 6561, (1, 60), generator=g, dtype=torch.int32),
+                              torch.randn(1, 120, 80, generator=g))  # fmt: skip
+    engine.add_voice(CustomVoice("tester", "Hello.", "en", features, 2.0, family="cosyvoice2"))
+    geometry = geometry_of(engine)
+    assert geometry.family == "cosyvoice2" and geometry.token_rate == engine.token_rate
+    for profile in (REALTIME, FASTEST):
+        for tokens in (20, 90):
+            made = _durations(engine, profile, tokens, speaker="tester")
+            planned = [chunk.audio_s for chunk in plan_chunks(profile, tokens, geometry)]
+            assert planned == pytest.approx(made, abs=0.045), (profile.name, tokens)
+
+
+# --- the rule ---------------------------------------------------------------------------------
+
+
+def test_a_fast_machine_gets_the_exact_profile() -> None:
+    """Ten times the reference machine's speed keeps pace with realtime's maths."""
+    choice = choose(3.0, costs(scale=0.1))
+    assert choice.profile.name == "realtime"
+    assert "within 1.5 s and no stall" in choice.reason
+    assert set(choice.predictions) == {"realtime", "fast", "fastest"}
+
+
+def test_realtime_is_passed_over_when_its_first_audio_is_late() -> None:
+    """On the reference machine realtime's first audio (1.75 s for a short answer) misses
+    1.5 s; fast's makes it and plays through."""
+    choice = choose(0.7, costs())
+    assert choice.profile.name == "fast", choice.reason
+    assert "(realtime: first audio 1.75 s)" in choice.reason
+
+
+def test_realtime_is_passed_over_when_it_would_stall() -> None:
+    choice = choose(1.0, costs(scale=0.3))
+    assert choice.profile.name == "fast", choice.reason
+    assert "(realtime: stall 0.18 s)" in choice.reason
+
+
+def test_a_longer_answer_on_the_same_machine_takes_a_cheaper_profile() -> None:
+    """The same machine keeps pace with a short answer at fast's cost, not with a long one."""
+    short, long = choose(1.0, costs(scale=0.3)), choose(3.0, costs(scale=0.3))
+    assert (short.profile.name, long.profile.name) == ("fast", "fastest")
+
+
+def test_when_nothing_plays_through_the_least_stalling_in_time_wins() -> None:
+    choice = choose(20.0, costs(scale=1.2))
+    assert choice.profile.name == "fastest"
+    assert "without a stall" in choice.reason and "stalls least" in choice.reason
+
+
+def test_stalling_alike_the_more_exact_wins() -> None:
+    """A 1 s answer on the reference machine: fast and fastest both wait 0.18 s."""
+    choice = choose(1.0, costs())
+    stalls = [choice.predictions[name].stall_s for name in ("fast", "fastest")]
+    assert stalls == pytest.approx([0.18, 0.18], abs=0.01)
+    assert choice.profile.name == "fast"
+
+
+def test_when_nothing_is_in_time_the_soonest_wins() -> None:
+    choice = choose(2.0, costs(scale=3.0))
+    assert choice.profile.name == "fastest"
+    assert "no profile gets first audio within 1.5 s" in choice.reason
+
+
+def test_a_longer_target_lets_the_exact_profile_through() -> None:
+    assert choose(0.7, costs(), target_s=2.5).profile.name == "realtime"
+
+
+def test_unmeasured_it_runs_the_most_exact_profile() -> None:
+    choice = choose(2.0, None)
+    assert choice.profile.name == "realtime" and "not measured" in choice.reason
+
+
+def test_the_texts_length_is_its_estimated_speech() -> None:
+    assert speech_seconds("Hello there, how are you?", None, V1_GEOMETRY) == pytest.approx(1.65)
+    assert speech_seconds("你好世界", None, V1_GEOMETRY) == pytest.approx(0.88)
+    assert speech_seconds("123", None, V1_GEOMETRY) == 0.5  # counted as a short word
+    assert speech_seconds("whatever", 100, V1_GEOMETRY) == 2.0  # forced: exact
+
+
+# --- the measured costs -----------------------------------------------------------------------
+
+
+def _feed(meter: CostMeter, scale: float = 1.0, flow: str = "fp32", hift: str = "fp32") -> None:
+    meter.record(StageTime("lm_prefill", "", 0.07 * scale, 1))
+    meter.record(StageTime("lm_token", "", 0.5 * scale, 40))
+    meter.record(StageTime("flow", flow, 1.0 * scale, 1000))
+    meter.record(StageTime("hift", hift, 0.3 * scale, 1.0))
+
+
+def test_costs_are_unknown_until_every_stage_ran() -> None:
+    meter = CostMeter(lambda: 2)
+    assert meter.costs() is None
+    meter.record(StageTime("lm_prefill", "", 0.07, 1))
+    meter.record(StageTime("flow", "fp32", 1.0, 1000))
+    assert meter.costs() is None
+    meter.record(StageTime("lm_token", "", 0.5, 40))
+    meter.record(StageTime("hift", "fp32", 0.3, 1.0))
+    measured = meter.costs()
+    assert measured is not None and measured.lm_token_s == pytest.approx(0.0125)
+    assert measured.flow_s["fp32"] == pytest.approx(0.001)
+
+
+def test_a_running_average_follows_the_machine() -> None:
+    meter = CostMeter(lambda: 2, alpha=0.5)
+    _feed(meter)
+    _feed(meter, scale=3.0)
+    measured = meter.costs()
+    assert measured is not None
+    assert measured.lm_token_s == pytest.approx(0.0125 * 2)  # halfway from 1x to 3x
+
+
+def test_an_unrun_format_is_guessed_from_its_parts_other() -> None:
+    meter = CostMeter(lambda: 2)
+    _feed(meter)
+    measured = meter.costs()
+    assert measured is not None
+    assert measured.flow_s["int8"] == pytest.approx(0.001 * 0.75)
+    assert measured.hift_s["bf16"] == pytest.approx(0.3 * 0.5)
+    assert measured.estimated == ("flow.int8", "hift.bf16")
+    _feed(meter, flow="int8", hift="bf16")  # measured once it runs
+    assert meter.costs().estimated == ()  # type: ignore[union-attr]
+
+
+def test_fewer_free_cores_scale_the_costs_until_measured() -> None:
+    free = [2]
+    meter = CostMeter(lambda: free[0])
+    _feed(meter)
+    free[0] = 1  # a neighbour takes a core
+    busy = meter.costs()
+    assert busy is not None and busy.cores == 1
+    assert busy.lm_token_s == pytest.approx(0.0125 * 2)  # twice the cost: a guess
+    assert "lm_token" in busy.estimated
+    _feed(meter, scale=1.5)  # the busy box measures its own
+    assert meter.costs().lm_token_s == pytest.approx(0.0125 * 1.5)  # type: ignore[union-attr]
+    free[0] = 2
+    assert meter.costs().lm_token_s == pytest.approx(0.0125)  # type: ignore[union-attr]
+
+
+def test_a_busy_box_makes_auto_choose_a_cheaper_profile() -> None:
+    free = [2]
+    meter = CostMeter(lambda: free[0])
+    auto = AutoProfile(CONFIG.auto, CANDIDATES, meter)  # type: ignore[arg-type]
+    reference = costs(scale=0.1)
+    for weights in ("fp32", "int8"):
+        meter.record(StageTime("flow", weights, reference.flow_s[weights] * 1000, 1000))
+    for weights in ("fp32", "bf16"):
+        meter.record(StageTime("hift", weights, reference.hift_s[weights], 1))
+    meter.record(StageTime("lm_prefill", "", reference.lm_prefill_s, 1))
+    meter.record(StageTime("lm_token", "", reference.lm_token_s * 40, 40))
+    engine = SimpleNamespace(kind="sft")
+    quiet = auto.choose("Turning on the kitchen light.", engine=engine, speaker=None, client="t")
+    free[0] = 1
+    busy = auto.choose("Turning on the kitchen light.", engine=engine, speaker=None, client="t")
+    assert (quiet.name, busy.name) == ("realtime", "fast")  # twice the cost: realtime stalls
+    assert auto.report()["last_choice"]["cores"] == 1
+
+
+# --- the settings -----------------------------------------------------------------------------
+
+
+def test_auto_is_the_default_and_loads_every_format_it_chooses_from() -> None:
+    assert CONFIG.profile.name == AUTO_PROFILE and CONFIG.auto is not None
+    assert CONFIG.auto.first_audio_s == 1.5
+    assert [p.name for p in CANDIDATES] == ["realtime", "fast", "fastest"]
+    weights = CONFIG.load.weights
+    assert (weights.flow, weights.hift, weights.extra) == (
+        "fp32",
+        "fp32",
+        ("flow.int8", "hift.bf16"),
+    )
+    # Until it has chosen it runs the most exact one's settings.
+    assert replace(CONFIG.profile, name="realtime", streaming=True) == REALTIME
+    assert CONFIG.servable_profiles == ["auto", "realtime", "fast", "fastest", "quality", "batch"]
+    assert CONFIG.request_profile("fastest").name == "fastest"
+    # A fixed profile loads only its own formats and cannot be asked for auto.
+    fixed = load_config(None, [("server.profile", "fast")])
+    assert fixed.load.weights.extra == () and fixed.auto_candidates == []
+    with pytest.raises(ProfileNotLoadedError, match="--profile auto"):
+        fixed.request_profile("auto")
+
+
+def test_auto_chooses_only_from_the_profiles_it_names() -> None:
+    config = load_config(None, [("auto.profiles", ["fast", "fastest"])])
+    assert config.load.weights == replace(config.load.weights, flow="int8", hift="bf16", extra=())
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [("auto.profiles", ["realtime", "turbo"])])
+    assert err.value.key == "auto.profiles" and "turbo" in str(err.value)
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [("auto.first_audio_s", 0)])
+    assert err.value.key == "auto.first_audio_s"
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [("profiles.auto.n_timesteps", 3)])
+    assert err.value.key == "profiles.auto" and "reserved" in str(err.value)
+
+
+def test_no_streaming_applies_to_auto() -> None:
+    from wyoming_cosyvoice.__main__ import build_parser, config_from_args
+
+    config = config_from_args(build_parser().parse_args(["--no-streaming"]))
+    assert config.profile.name == AUTO_PROFILE and config.profile.streaming is False
+    assert config.profiles["realtime"].streaming  # the profiles it chooses from untouched
+
+
+def test_the_file_command_runs_autos_most_exact_profile() -> None:
+    """A WAV file has no first audio to wait for: nothing more is loaded than realtime's."""
+    from wyoming_cosyvoice.synthesize import build_parser, settings
+
+    for argv in (["hello"], ["--profile", "auto", "hello"]):
+        config = settings(build_parser().parse_args(argv))
+        assert config.profile.name == "realtime" and config.load.weights.extra == ()
+
+
+# --- end to end through the real server -------------------------------------------------------
+
+
+class CostEngine(FakeEngine):
+    """The fake engine, reporting made-up stage costs as the real one measures them: those
+    of the reference machine times ``scale``. Keeps each request's options."""
+
+    weight_formats = {"flow": ("fp32", "int8"), "hift": ("fp32", "bf16")}
+
+    def __init__(self, model_dir: Path, threads: int | None = None, *, scale: float) -> None:
+        super().__init__(model_dir, threads)
+        self.costs = costs(scale)
+        self.options: list[SynthesisOptions] = []
+
+    def synthesize(self, text: str, options: Any, cancel: Any = None) -> Iterator[Any]:
+        self.options.append(options)
+        report = options.on_stage or (lambda time: None)
+        report(StageTime("lm_prefill", "", self.costs.lm_prefill_s, 1))
+        report(StageTime("lm_token", "", self.costs.lm_token_s * 40, 40))
+        flow, hift = options.flow_weights or "fp32", options.hift_weights or "fp32"
+        report(StageTime("flow", flow, self.costs.flow_s[flow] * 1000, 1000))
+        report(StageTime("hift", hift, self.costs.hift_s[hift], 1.0))
+        speaker = options.speaker or self.speakers[0]
+        return super().synthesize(text, replace(options, speaker=speaker), cancel)
+
+
+def _serve(wy: SimpleNamespace, scale: float, texts: list[str], **settings: Any) -> Any:
+    async def main() -> tuple[list[Any], Any]:
+        engine = partial(CostEngine, scale=scale)
+        overrides = {"server.warmup": True, **settings}
+        async with wy.fake_server(overrides, engine=engine) as srv:
+            for text in texts:
+                reply = await wy.synthesize(srv.port, text)
+                assert reply.error() is None and reply.samples > 0
+            return srv.engines[0].options, srv.running.scheduler.auto
+
+    return asyncio.run(main())
+
+
+def test_the_server_measures_after_the_warm_up_and_chooses_per_request(
+    wy: SimpleNamespace, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="wyoming_cosyvoice.auto_profile")
+    options, auto = _serve(wy, 1.0, ["Hello there.", "A long announcement. " * 12])
+    # The calibration: one request per distinct pair of formats, then the two requests.
+    calibration = [(o.flow_weights, o.hift_weights) for o in options[:2]]
+    assert calibration == [("fp32", "fp32"), ("int8", "bf16")]
+    short, long = options[2], options[-1]
+    assert (short.n_timesteps, short.flow_weights, short.hift_weights) == (5, "int8", "bf16")
+    assert (long.n_timesteps, long.cfg_rate, long.flow_weights) == (4, 0.0, "int8")  # fastest
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Profile auto")]
+    assert len(lines) == 2  # one line per request, not per sentence
+    assert "fast, first audio 0.95 s" in lines[0] and "(realtime: first audio 1.65 s)" in lines[0]
+    assert "fastest, no profile plays 11.9 s of speech without a stall" in lines[1]
+    report = auto.report()
+    assert report["stage_costs"]["estimated"] == []  # both formats measured
+    assert report["last_choice"]["profile"] == "fastest"
+
+
+def test_a_fast_machine_serves_the_exact_profile(wy: SimpleNamespace) -> None:
+    options, _ = _serve(wy, 0.1, ["Turn on the kitchen light, please."])
+    request = options[-1]
+    assert (request.n_timesteps, request.cfg_rate, request.flow_weights) == (10, 0.7, "fp32")
+    assert request.hift_weights == "fp32"
+
+
+def test_a_server_without_warm_up_speaks_the_exact_profile_until_measured(
+    wy: SimpleNamespace,
+) -> None:
+    options, auto = _serve(wy, 1.0, ["Hello there.", "Hello there."], **{"server.warmup": False})
+    assert [o.n_timesteps for o in options] == [10, 5]  # the first request measured the costs
+    assert "not measured" not in auto.report()["last_choice"]["reason"]
+
+
+def test_health_shows_the_costs_and_the_last_choice() -> None:
+    pytest.importorskip("httpx")
+    pytest.importorskip("starlette", reason="the http extra is not installed")
+    from test_http import BackgroundServer
+
+    engine = partial(CostEngine, scale=1.0)
+    with BackgroundServer({"server.warmup": True}, engine_factory=engine,
+                          wyoming=False) as srv, srv.client() as http:  # fmt: skip
+        before = http.get("/health").json()["auto"]
+        assert before["last_choice"] is None and before["first_audio_target_s"] == 1.5
+        assert before["stage_costs"]["lm_token_ms"] == pytest.approx(12.8)
+        assert set(before["stage_costs"]["flow_us_per_frame_step"]) == {"fp32", "int8"}
+        spoken = http.post("/tts", json={"text": "Hello there."})
+        assert spoken.status_code == 200 and spoken.headers["x-profile"] == "auto"
+        last = http.get("/health").json()["auto"]["last_choice"]
+        assert last["profile"] == "fast" and "realtime" in last["predicted"]
+        assert http.get("/voices").json()["default_profile"] == "auto"
+        # A request may still name a fixed profile: its formats are loaded.
+        assert http.post("/tts", json={"text": "Hi.", "profile": "realtime"}).status_code == 200
+    assert srv.engines[0].options[-1].n_timesteps == 10
+
+
+def test_the_real_engine_measures_and_chooses(tmp_path: Path) -> None:
+    """The real server process on the tiny model: the warm-up measures every stage in both
+    formats, /health shows them, and a target no profile can meet makes the soonest win."""
+    pytest.importorskip("httpx")
+    import os
+    import subprocess
+    import sys
+
+    import httpx
+    from conftest import ROOT, free_port, synthesize, terminate, wait_for_port
+
+    model = tmp_path / "CosyVoice-300M-SFT"
+    shutil.copytree(DATA / "tiny_model", model, ignore=shutil.ignore_patterns("prepared"))
+    port, http_port = free_port(), free_port()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "wyoming_cosyvoice", "--uri", f"tcp://127.0.0.1:{port}",
+         "--model-dir", str(model), "--threads", "1", "--http-port", str(http_port),
+         "--http-host", "127.0.0.1", "--set", "auto.first_audio_s=0.00001"],
+        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"},
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        wait_for_port(port, process)
+        health: dict[str, Any] = {}
+        for _ in range(600):  # the load, warm-up and measurement, in the background
+            health = httpx.get(f"http://127.0.0.1:{http_port}/health", timeout=10).json()
+            if health["status"] != "loading":
+                break
+            asyncio.run(asyncio.sleep(0.1))
+        assert health["status"] == "ready", health
+        measured = health["auto"]["stage_costs"]
+        assert measured["lm_token_ms"] > 0 and measured["lm_prefill_ms"] > 0
+        expected = ["fp32", "int8"]
+        assert sorted(measured["flow_us_per_frame_step"]) == expected
+        assert [e for e in measured["estimated"] if e.startswith("flow")] == []
+        reply = asyncio.run(synthesize(port, "Hello there, this is a test."))
+        assert reply.error() is None and reply.samples > 0
+        last = httpx.get(f"http://127.0.0.1:{http_port}/health", timeout=10).json()["auto"]
+        assert last["last_choice"]["profile"] == "fastest"
+        assert "no profile gets first audio" in last["last_choice"]["reason"]
+    finally:
+        log = terminate(process)
+    assert "Measured the stage costs" in log and "Profile auto for" in log
+    assert "Traceback" not in log

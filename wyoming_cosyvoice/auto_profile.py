@@ -1,0 +1,453 @@
+"""The ``auto`` profile: per request, the most exact settings this machine speaks in time.
+
+The server runs ``auto`` with every weight format its fixed profiles need loaded (settings.yaml
+``auto.profiles``, the most exact first: realtime, fast, fastest). Per request it predicts,
+from this machine's measured cost of each stage (:mod:`.stage_costs`) and the text's length,
+when each profile's first audio would play and whether playback would stall, and picks:
+
+1. the most exact profile whose first audio comes within ``auto.first_audio_s`` and whose
+   audio never makes a real-time player wait;
+2. else, among those whose first audio comes in time, the most exact one that stalls least
+   (within ``STALL_TOLERANCE_S``);
+3. else the one whose first audio comes soonest.
+
+Until the costs are measured (a server without warm-up, before its first request) it runs the
+most exact one. :func:`choose_profile` is that rule, a pure function; :class:`AutoProfile` is
+the server's side of it: it measures the costs after the warm-up (:meth:`AutoProfile.calibrate`),
+keeps them up to date from every request, logs each choice with its reason and reports it.
+
+The prediction follows one request through its chunks (:func:`plan_chunks`, the engine's own
+hop sizes), with the stages one after the other: the LM's tokens up to a chunk, then its flow and
+HiFT. The LM thread beside the vocoder shares the same cores, so that is close on a small box
+and errs slow on a big one. The text's spoken length is the engine's rough estimate from its
+words and characters (engine.start_policy).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.stage_times import flow_units
+from engine.start_policy import estimate_speech_seconds
+from engine.types import StreamSchedule, SynthesisOptions
+from wyoming_cosyvoice.config import AutoSettings, ProfileConfig
+from wyoming_cosyvoice.stage_costs import CostMeter, StageCosts
+
+_LOGGER = logging.getLogger(__name__)
+
+# Playback that waits less than this in all counts as not stalling, and two profiles whose
+# waits differ by less stall alike: below the prediction's precision, and within what a
+# player's buffer absorbs. (The low-latency schedules' first chunk holds 0.19 s of audio, so
+# the next one is a little late on all but fast machines.)
+STALL_TOLERANCE_S = 0.1
+# The shortest speech a text is taken to need: a word or a number the estimate cannot count.
+MIN_SPEECH_S = 0.5
+# Speech tokens the calibration after the warm-up asks for (1.2 s of v1 audio): a chunk's worth
+# of LM, flow and HiFT work in each weight format, a few seconds on a small CPU.
+CALIBRATION_TOKENS = 60
+
+
+# --- how a model family cuts its work ---------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """How a model family turns speech tokens into flow work, vocoder work and audio."""
+
+    family: str  # "cosyvoice" (v1) or "cosyvoice2"
+    token_rate: float  # speech tokens per second of audio
+    frames_per_token: float  # mel frames per speech token
+    overlap_tokens: int  # tokens each streamed chunk computes again from the one before (v1)
+    lookahead_tokens: int  # tokens past a chunk's end needed before it is cut (CosyVoice2)
+    chunk_tokens: int  # attention chunk (CosyVoice2): hops end on its boundaries
+    held_back_s: float  # audio each streamed chunk keeps back for the next one's cross-fade
+    hift_context_s: float  # left context HiFT computes again in each chunk after the first
+
+    def hops(self, schedule: StreamSchedule) -> Iterator[int]:
+        """New tokens per streamed chunk, as the engine cuts them."""
+        if self.family != "cosyvoice2":
+            from engine.streaming import hop_sizes
+
+            return hop_sizes(schedule)
+        from engine.cosyvoice2.engine import chunk_hops
+        from engine.cosyvoice2.streaming import official_hops
+
+        if schedule.name == "official":
+            return official_hops(0)
+        rate = int(self.token_rate)
+        return chunk_hops(schedule, self.chunk_tokens, self.prompt_tail(schedule), rate)
+
+    def prompt_tail(self, schedule: StreamSchedule) -> int:
+        """Prompt tokens the first streamed chunk computes again (CosyVoice2: those of the
+        prompt's unfinished attention chunk; v1: none)."""
+        if self.family != "cosyvoice2" or schedule.name == "official":
+            return 0
+        from engine.cosyvoice2.engine import prompt_tail
+
+        rate = int(self.token_rate)
+        return prompt_tail(schedule, self.chunk_tokens, self.lookahead_tokens, rate)
+
+
+V1_GEOMETRY = Geometry(
+    family="cosyvoice",
+    token_rate=50,
+    frames_per_token=22050 / 256 / 50,
+    overlap_tokens=20,
+    lookahead_tokens=0,
+    chunk_tokens=1,
+    held_back_s=20 * 256 / 22050,
+    hift_context_s=20 * 256 / 22050,
+)
+
+
+def geometry_of(engine: Any) -> Geometry:
+    """The geometry of a loaded engine's model family (v1's for an engine that names none)."""
+    if getattr(engine, "kind", None) != "cosyvoice2":
+        return V1_GEOMETRY
+    args = engine.models.flow.args
+    frame_s = engine.models.hift.upp / engine.sample_rate
+    held_back_s = 8 * frame_s  # engine.cosyvoice2.streaming.MEL_CACHE frames
+    return Geometry(
+        family="cosyvoice2",
+        token_rate=engine.token_rate,
+        frames_per_token=args.token_mel_ratio,
+        overlap_tokens=0,
+        lookahead_tokens=args.pre_lookahead_len,
+        chunk_tokens=args.encoder.static_chunk_size,
+        held_back_s=held_back_s,
+        hift_context_s=held_back_s,
+    )
+
+
+@dataclass(frozen=True)
+class PlannedChunk:
+    """One chunk of a request as the engine will compute it."""
+
+    tokens: int  # speech tokens the LM must have made before it can be cut
+    flow_frames: float  # mel frames the flow computes for it
+    hift_s: float  # seconds of mel HiFT turns into audio for it
+    audio_s: float  # seconds of audio it delivers
+
+
+def plan_chunks(
+    profile: ProfileConfig, n_tokens: int, geometry: Geometry, prompt_frames: int = 0
+) -> list[PlannedChunk]:
+    """The chunks of ``n_tokens`` speech tokens under ``profile`` (one when not streamed).
+
+    ``prompt_frames``: a voice's prompt frames, which the v1 flow computes in every chunk.
+    """
+    g = geometry
+    total_s = n_tokens / g.token_rate
+    if not profile.stream_audio:
+        frames = prompt_frames + n_tokens * g.frames_per_token
+        return [PlannedChunk(n_tokens, frames, total_s, total_s)]
+    chunks: list[PlannedChunk] = []
+    covered = 0  # tokens whose audio the chunks so far deliver
+    tail = g.prompt_tail(profile.schedule)  # prompt tokens the first chunk computes again
+    extra = g.overlap_tokens + tail  # tokens a chunk computes besides its hop
+    for hop in g.hops(profile.schedule):
+        needed = covered + hop + max(g.overlap_tokens, g.lookahead_tokens)
+        if needed > n_tokens:
+            break
+        first = not chunks
+        hop_s = hop / g.token_rate
+        chunks.append(
+            PlannedChunk(
+                tokens=needed,
+                flow_frames=prompt_frames + (hop + extra) * g.frames_per_token,
+                hift_s=hop_s + (0.0 if first else g.hift_context_s),
+                audio_s=hop_s - (g.held_back_s if first else 0.0),
+            )
+        )
+        covered += hop
+        extra = g.overlap_tokens
+    rest = n_tokens - covered
+    chunks.append(
+        PlannedChunk(
+            tokens=n_tokens,
+            flow_frames=prompt_frames + (rest + (0 if chunks else tail)) * g.frames_per_token,
+            hift_s=rest / g.token_rate + (g.hift_context_s if chunks else 0.0),
+            audio_s=total_s - sum(chunk.audio_s for chunk in chunks),
+        )
+    )
+    return chunks
+
+
+# --- predicting a profile ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """One profile's predicted request: when audio starts, how long playback waits."""
+
+    first_audio_s: float
+    stall_s: float  # a real-time player's total wait after the first audio
+    compute_s: float  # until the last chunk is made
+    audio_s: float
+
+    @property
+    def rtf(self) -> float:
+        """Seconds of computing per second of audio."""
+        return self.compute_s / self.audio_s if self.audio_s > 0 else 0.0
+
+    def as_dict(self) -> dict[str, float]:
+        return {
+            "first_audio_s": round(self.first_audio_s, 3),
+            "stall_s": round(self.stall_s, 3),
+            "rtf": round(self.rtf, 3),
+        }
+
+
+def playback_stall(ready: Sequence[float], durations: Sequence[float]) -> float:
+    """The total wait of a real-time player that starts at the first chunk: chunk ``i`` is
+    ready at ``ready[i]`` and plays for ``durations[i]`` seconds."""
+    if not ready:
+        return 0.0
+    stall, plays_until = 0.0, ready[0] + durations[0]
+    for at, duration in zip(ready[1:], durations[1:], strict=True):
+        if at > plays_until:
+            stall += at - plays_until
+            plays_until = at
+        plays_until += duration
+    return stall
+
+
+def loaded_format(part: str, wanted: str, loaded: Mapping[str, Sequence[str]] | None) -> str:
+    """The format a request asking for ``wanted`` runs in: the engine's primary one when it did
+    not load that one (a CPU without the kernels for it)."""
+    formats = (loaded or {}).get(part) or ()
+    return wanted if not formats or wanted in formats else formats[0]
+
+
+def predict(
+    profile: ProfileConfig,
+    costs: StageCosts,
+    n_tokens: int,
+    geometry: Geometry,
+    *,
+    prompt_frames: int = 0,
+    loaded: Mapping[str, Sequence[str]] | None = None,
+) -> Prediction:
+    """When ``profile``'s chunks of ``n_tokens`` tokens would be ready, stage after stage."""
+    flow_s = costs.flow_s[loaded_format("flow", profile.flow_weights, loaded)]
+    hift_s = costs.hift_s[loaded_format("hift", profile.hift_weights, loaded)]
+    clock, made = costs.lm_prefill_s, 1  # the prefill gives the first token
+    ready, durations = [], []
+    for chunk in plan_chunks(profile, n_tokens, geometry, prompt_frames):
+        clock += max(0, chunk.tokens - made) * costs.lm_token_s
+        made = max(made, chunk.tokens)
+        units = flow_units(1, profile.n_timesteps, profile.cfg_rate) * chunk.flow_frames
+        clock += units * flow_s + chunk.hift_s * hift_s
+        ready.append(clock)
+        durations.append(max(0.0, chunk.audio_s))
+    return Prediction(
+        first_audio_s=ready[0],
+        stall_s=playback_stall(ready, durations),
+        compute_s=ready[-1],
+        audio_s=sum(durations),
+    )
+
+
+# --- the choice -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The profile chosen for one request, and why."""
+
+    profile: ProfileConfig
+    reason: str
+    speech_s: float
+    predictions: dict[str, Prediction] = field(default_factory=dict)
+    cores: int | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "profile": self.profile.name,
+            "reason": self.reason,
+            "speech_s": round(self.speech_s, 2),
+            "cores": self.cores,
+            "predicted": {name: p.as_dict() for name, p in self.predictions.items()},
+        }
+
+
+def speech_seconds(text: str, force_tokens: int | None, geometry: Geometry) -> float:
+    """How long ``text`` will take to say (exact when the token count is forced)."""
+    if force_tokens is not None:
+        return force_tokens / geometry.token_rate
+    return max(MIN_SPEECH_S, estimate_speech_seconds(text))
+
+
+def choose_profile(
+    candidates: Sequence[ProfileConfig],
+    costs: StageCosts | None,
+    speech_s: float,
+    target_s: float,
+    geometry: Geometry = V1_GEOMETRY,
+    *,
+    prompt_frames: int = 0,
+    loaded: Mapping[str, Sequence[str]] | None = None,
+) -> Choice:
+    """The profile for a request of ``speech_s`` seconds of speech (module docstring: the
+    rule), from ``candidates`` ordered most exact first."""
+    if not candidates:
+        raise ValueError("auto needs at least one profile to choose from")
+    if costs is None:
+        return Choice(candidates[0], "not measured yet: the most exact profile", speech_s)
+    n_tokens = max(1, math.ceil(speech_s * geometry.token_rate))
+    predictions = {
+        c.name: predict(c, costs, n_tokens, geometry, prompt_frames=prompt_frames, loaded=loaded)
+        for c in candidates
+    }
+
+    def made(profile: ProfileConfig, reason: str) -> Choice:
+        return Choice(profile, reason, speech_s, predictions, costs.cores)
+
+    in_time = [c for c in candidates if predictions[c.name].first_audio_s <= target_s]
+    smooth = [c for c in in_time if predictions[c.name].stall_s <= STALL_TOLERANCE_S]
+    if smooth:
+        chosen = smooth[0]
+        p = predictions[chosen.name]
+        passed = _passed_over(candidates[: candidates.index(chosen)], predictions, target_s)
+        reason = (
+            f"first audio {p.first_audio_s:.2f} s within {target_s:g} s and no stall "
+            f"(RTF {p.rtf:.2f}) for {speech_s:.1f} s of speech{passed}"
+        )
+        return made(chosen, reason)
+    if in_time:
+        least = min(predictions[c.name].stall_s for c in in_time)
+        chosen = next(
+            c for c in in_time if predictions[c.name].stall_s <= least + STALL_TOLERANCE_S
+        )
+        p = predictions[chosen.name]
+        reason = (
+            f"no profile plays {speech_s:.1f} s of speech without a stall here; the most exact "
+            f"that stalls least ({p.stall_s:.2f} s, RTF {p.rtf:.2f}) with first audio "
+            f"{p.first_audio_s:.2f} s within {target_s:g} s"
+        )
+        return made(chosen, reason)
+    chosen = min(candidates, key=lambda c: predictions[c.name].first_audio_s)
+    p = predictions[chosen.name]
+    reason = (
+        f"no profile gets first audio within {target_s:g} s here; this one is soonest "
+        f"({p.first_audio_s:.2f} s, stall {p.stall_s:.2f} s) for {speech_s:.1f} s of speech"
+    )
+    return made(chosen, reason)
+
+
+def _passed_over(
+    skipped: Sequence[ProfileConfig], predictions: Mapping[str, Prediction], target_s: float
+) -> str:
+    """Why each more exact profile was not chosen, for the log."""
+    notes = []
+    for profile in skipped:
+        p = predictions[profile.name]
+        if p.first_audio_s > target_s:
+            notes.append(f"{profile.name}: first audio {p.first_audio_s:.2f} s")
+        else:
+            notes.append(f"{profile.name}: stall {p.stall_s:.2f} s")
+    return f" ({'; '.join(notes)})" if notes else ""
+
+
+# --- the server's side ------------------------------------------------------------------------
+
+
+class AutoProfile:
+    """The server's ``auto`` profile: its candidates, the measured costs and the last choice."""
+
+    def __init__(
+        self, settings: AutoSettings, candidates: Sequence[ProfileConfig], meter: CostMeter
+    ) -> None:
+        self.settings = settings
+        self.candidates = list(candidates)
+        self.meter = meter
+        self.last: Choice | None = None
+        self._last_at: float | None = None
+
+    def choose(
+        self,
+        text: str,
+        *,
+        engine: Any,
+        speaker: str | None,
+        client: str,
+        force_tokens: int | None = None,
+    ) -> ProfileConfig:
+        """The profile for a request whose known text is ``text``; logs the choice and why.
+
+        Plain arithmetic on the measured costs: runs on the event loop.
+        """
+        geometry = geometry_of(engine)
+        prompt_frames = getattr(engine, "flow_prompt_frames", lambda speaker: 0)(speaker)
+        choice = choose_profile(
+            self.candidates,
+            self.meter.costs(),
+            speech_seconds(text, force_tokens, geometry),
+            self.settings.first_audio_s,
+            geometry,
+            prompt_frames=prompt_frames,
+            loaded=getattr(engine, "weight_formats", None),
+        )
+        self.last, self._last_at = choice, time.time()
+        _LOGGER.info("Profile auto for %s: %s, %s", client, choice.profile.name, choice.reason)
+        return choice.profile
+
+    def calibrate(self, engine: Any) -> None:
+        """Measure every loaded weight format once (on the engine thread, after the warm-up):
+        one short request each, not streamed, so the stages run one after the other."""
+        start = time.perf_counter()
+        runs = 0
+        for profile in self._one_per_format(getattr(engine, "weight_formats", None)):
+            options = SynthesisOptions(
+                stream=False,
+                seed=0,
+                force_tokens=CALIBRATION_TOKENS,
+                n_timesteps=profile.n_timesteps,
+                cfg_rate=profile.cfg_rate,
+                flow_weights=profile.flow_weights,
+                hift_weights=profile.hift_weights,
+                on_stage=self.meter.record,
+            )
+            try:
+                for _ in engine.synthesize("Hello.", options):
+                    pass
+            except Exception as err:  # e.g. no voice yet: the first requests measure instead
+                _LOGGER.info("Stage costs not measured before the first request: %s", err)
+                return
+            runs += 1
+        costs = self.meter.costs()
+        _LOGGER.info(
+            "Measured the stage costs in %.1f s (%d run(s)): %s",
+            time.perf_counter() - start,
+            runs,
+            costs.as_dict() if costs is not None else "incomplete",
+        )
+
+    def _one_per_format(self, loaded: Mapping[str, Sequence[str]] | None) -> list[ProfileConfig]:
+        """The first candidate of each distinct pair of (flow, HiFT) formats it runs in."""
+        seen: dict[tuple[str, str], ProfileConfig] = {}
+        for profile in self.candidates:
+            pair = (
+                loaded_format("flow", profile.flow_weights, loaded),
+                loaded_format("hift", profile.hift_weights, loaded),
+            )
+            seen.setdefault(pair, profile)
+        return list(seen.values())
+
+    def report(self) -> dict[str, Any]:
+        """For /health: the target, the candidates, the costs now and the last choice."""
+        costs = self.meter.costs()
+        last = None
+        if self.last is not None:
+            last = {**self.last.as_dict(), "at": self._last_at}
+        return {
+            "first_audio_target_s": self.settings.first_audio_s,
+            "profiles": [c.name for c in self.candidates],
+            "stage_costs": costs.as_dict() if costs is not None else None,
+            "last_choice": last,
+        }
