@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.types import MAX_SPEED, MIN_SPEED
-from wyoming_cosyvoice.config import packaged_settings
+from wyoming_cosyvoice.config import AUTO_PROFILE, packaged_settings
 from wyoming_cosyvoice.loudness import VOLUME_RANGE
 
 _LOGGER = logging.getLogger(__name__)
@@ -34,15 +34,16 @@ DATA_DIR = Path("/data")
 SHARE_DIR = Path("/share/cosyvoice")
 
 MODELS = ("CosyVoice-300M-SFT", "CosyVoice2-0.5B", "CosyVoice-300M", "CosyVoice-300M-Instruct")
-# The server's profiles, in settings.yaml's order (the manifest's list must match, a test checks).
-PROFILES = tuple(packaged_settings()["profiles"])
+# The server's profiles: auto, then settings.yaml's in its order (the manifest's list must
+# match, a test checks).
+PROFILES = (AUTO_PROFILE, *packaged_settings()["profiles"])
 
 # Must equal `options:` in addon/config.yaml (a test checks it). Used when a key is missing from
 # options.json, e.g. an add-on updated from an older version that did not have the option yet.
 DEFAULT_OPTIONS: dict[str, Any] = {
     "model": "CosyVoice-300M-SFT",
     "voice": "",
-    "profile": "realtime",
+    "profile": AUTO_PROFILE,
     "threads": 0,
     "parallel_sentences": 1,
     "streaming": True,

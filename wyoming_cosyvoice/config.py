@@ -67,6 +67,25 @@ class WeightFormats:
     lm: str  # int8 or fp32 (server.lm_weights)
     flow: str  # fp32 or int8 (the server profile's flow_weights)
     hift: str  # fp32 or bf16 (the server profile's hift_weights)
+    # Loaded beside those for a request to choose (``auto``): "flow.int8", "hift.bf16", ...
+    extra: tuple[str, ...] = ()
+
+    def holds(self, part: str, weights: str) -> bool:
+        """Whether ``part`` ("flow" or "hift") is loaded in ``weights``."""
+        return getattr(self, part) == weights or f"{part}.{weights}" in self.extra
+
+
+# The profile that chooses, per request, among fixed profiles (``auto:`` in settings.yaml).
+AUTO_PROFILE = "auto"
+
+
+@dataclass(frozen=True)
+class AutoSettings:
+    """How the ``auto`` profile chooses (wyoming_cosyvoice.auto_profile)."""
+
+    first_audio_s: float  # the first audio a request should get within
+    profiles: tuple[str, ...]  # what it chooses from, the most exact first
+    streaming: bool  # streaming text input, in the Wyoming describe answer
 
 
 @dataclass(frozen=True)
@@ -116,6 +135,8 @@ class ProfileConfig:
             instruct=instruct,
             force_tokens=force_tokens,
             start_policy=self.start_policy,
+            flow_weights=self.flow_weights,
+            hift_weights=self.hift_weights,
         )
 
     def unservable_by(self, loaded: WeightFormats, server_profile: str) -> str | None:
@@ -126,7 +147,7 @@ class ProfileConfig:
         """
         wanted = {"the flow": self.flow_weights, "HiFT": self.hift_weights}
         have = {"the flow": loaded.flow, "HiFT": loaded.hift}
-        if wanted == have:
+        if loaded.holds("flow", self.flow_weights) and loaded.holds("hift", self.hift_weights):
             return None
         needs = " and ".join(f"{part} in {fmt}" for part, fmt in wanted.items())
         runs = " and ".join(f"{part} in {fmt}" for part, fmt in have.items())
@@ -194,6 +215,7 @@ class ServerConfig:
     limits: Limits
     profiles: dict[str, ProfileConfig]
     cache: CacheConfig = CacheConfig(max_mb=0)
+    auto: AutoSettings | None = None  # the auto: section (the auto profile's choice)
     # Benchmarks and tests only, set in code by their launchers (wyoming_cosyvoice.bench.server),
     # never by a user: speech tokens per sentence, so that a random-weight model, which never
     # ends an utterance by itself, gives fixed-length audio.
@@ -209,19 +231,46 @@ class ServerConfig:
 
     @property
     def load(self) -> LoadSettings:
-        """The load-time settings: the server's own profile chooses the flow and HiFT formats."""
+        """The load-time settings: the server's own profile chooses the flow and HiFT formats
+        (``auto``: those of every profile it chooses from)."""
+        own = self.profile
+        extra = {
+            f"{part}.{weights}"
+            for candidate in self.auto_candidates
+            for part, weights in (
+                ("flow", candidate.flow_weights),
+                ("hift", candidate.hift_weights),
+            )
+            if weights != getattr(own, f"{part}_weights")
+        }
         weights = WeightFormats(
-            lm=self.lm_weights, flow=self.profile.flow_weights, hift=self.profile.hift_weights
+            lm=self.lm_weights,
+            flow=own.flow_weights,
+            hift=own.hift_weights,
+            extra=tuple(sorted(extra)),
         )
         return LoadSettings(weights, self.threads, self.parallel_sentences, self.warmup)
+
+    @property
+    def auto_candidates(self) -> list[ProfileConfig]:
+        """What the server's ``auto`` profile chooses from, the most exact first (none when the
+        server runs a fixed profile)."""
+        if self.profile.name != AUTO_PROFILE or self.auto is None:
+            return []
+        return [self.profiles[name] for name in self.auto.profiles]
 
     def request_profile(self, name: str | None) -> ProfileConfig:
         """The profile a request names (None: the server's), if this server can speak it.
 
         Raises :class:`UnknownProfileError` or :class:`ProfileNotLoadedError`.
         """
-        if name is None:
+        if name is None or name == self.profile.name:
             return self.profile
+        if name == AUTO_PROFILE:
+            raise ProfileNotLoadedError(
+                f"profile {AUTO_PROFILE!r} chooses per request among the profiles whose weights "
+                f"the server loaded for it: start it with --profile {AUTO_PROFILE} to use it"
+            )
         if name not in self.profiles:
             raise UnknownProfileError(
                 f"unknown profile {name!r}; known: {', '.join(self.profiles)}"
@@ -235,7 +284,8 @@ class ServerConfig:
     def servable_profiles(self) -> list[str]:
         """The profiles a request may name: those whose weight formats are loaded."""
         loaded, own = self.load.weights, self.profile.name
-        return [n for n, p in self.profiles.items() if p.unservable_by(loaded, own) is None]
+        servable = [n for n, p in self.profiles.items() if p.unservable_by(loaded, own) is None]
+        return [AUTO_PROFILE, *servable] if own == AUTO_PROFILE else servable
 
 
 class UnknownProfileError(ValueError):
@@ -379,7 +429,7 @@ _SERVER_KINDS = {
     "log_format": "str",
     "speed": "float+",
 }
-_SECTIONS = ("server", "profiles", "limits", "cache")
+_SECTIONS = ("server", "profiles", "limits", "cache", AUTO_PROFILE)
 _SCHEDULE_KINDS = {"first_hop": "int+", "growth": "float+", "max_hop": "int+", "overlap": "int"}
 
 
@@ -477,6 +527,36 @@ def _number_in(key: str, value: Any, bounds: tuple[float, float], unit: str = ""
     return float(value)
 
 
+def _auto(raw: dict[str, Any], profiles: dict[str, ProfileConfig]) -> AutoSettings:
+    section = _section(raw, AUTO_PROFILE, [f.name for f in fields(AutoSettings)])
+    names = section.get("profiles")
+    if not isinstance(names, list) or not names:
+        raise ConfigError("auto.profiles", "must be a non-empty list of profile names")
+    for name in names:
+        if name not in profiles:
+            raise ConfigError(
+                "auto.profiles", f"unknown profile {name!r} (known: {', '.join(profiles)})"
+            )
+    return AutoSettings(
+        first_audio_s=_check("auto.first_audio_s", section.get("first_audio_s"), "float+"),
+        profiles=tuple(str(name) for name in names),
+        streaming=_check("auto.streaming", section.get("streaming"), "bool"),
+    )
+
+
+def _server_profile(
+    name: str, profiles: dict[str, ProfileConfig], auto: AutoSettings
+) -> ProfileConfig:
+    """The server's profile; ``auto`` runs its most exact profile's settings until it has
+    chosen, and loads that one's weight formats first."""
+    if name == AUTO_PROFILE:
+        return replace(profiles[auto.profiles[0]], name=AUTO_PROFILE, streaming=auto.streaming)
+    if name not in profiles:
+        known = ", ".join([AUTO_PROFILE, *profiles])
+        raise ConfigError("server.profile", f"unknown profile {name!r} (known: {known})")
+    return profiles[name]
+
+
 def build_config(raw: dict[str, Any]) -> ServerConfig:
     """Validate a merged raw mapping into a :class:`ServerConfig`."""
     for key in raw:
@@ -500,13 +580,12 @@ def build_config(raw: dict[str, Any]) -> ServerConfig:
     profiles_raw = raw.get("profiles", {})
     if not isinstance(profiles_raw, dict) or not profiles_raw:
         raise ConfigError("profiles", "must be a non-empty mapping of profile names")
+    if AUTO_PROFILE in profiles_raw:
+        raise ConfigError(f"profiles.{AUTO_PROFILE}", "is reserved: the auto: section sets it")
     profiles = {str(name): _profile(str(name), prof) for name, prof in profiles_raw.items()}
     _one_of("server.lm_weights", values["lm_weights"], LM_WEIGHTS)
-    profile_name = values.pop("profile")
-    if profile_name not in profiles:
-        raise ConfigError(
-            "server.profile", f"unknown profile {profile_name!r} (known: {', '.join(profiles)})"
-        )
+    auto = _auto(raw, profiles)
+    profile = _server_profile(values.pop("profile"), profiles, auto)
 
     uri = values["uri"]
     if not uri.startswith(("tcp://", "unix://")):
@@ -514,7 +593,8 @@ def build_config(raw: dict[str, Any]) -> ServerConfig:
     return ServerConfig(
         **values,
         data_dirs=dirs,
-        profile=profiles[profile_name],
+        profile=profile,
+        auto=auto,
         limits=_limits(raw),
         profiles=profiles,
         cache=_cache(raw),

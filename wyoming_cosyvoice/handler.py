@@ -276,7 +276,7 @@ class EventHandler:
             voices = self._voice_choice(event_voice(data), opening_language(text))
             request = _Request(self._speech(voices), streamed=False, chars=len(text))
             # Split as spoken; no sentence (emoji, blank): an empty WAV.
-            request.speech.say_all(iter_sentences(text, self._ctx.splitter_factory()))
+            request.speech.say_all(iter_sentences(text, self._ctx.splitter_factory()), text)
             request.speech.end()
             self._enqueue(request)
         elif kind == "synthesize-start":

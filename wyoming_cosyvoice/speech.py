@@ -37,7 +37,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from engine.types import AudioChunk, EngineError, SynthesisCancelled, SynthesisOptions
-from wyoming_cosyvoice.config import Limits, ProfileConfig
+from wyoming_cosyvoice.config import AUTO_PROFILE, Limits, ProfileConfig
 from wyoming_cosyvoice.loudness import SentenceLevel
 from wyoming_cosyvoice.metrics import SpeechReport, speech_outcome
 from wyoming_cosyvoice.protocol import LimitExceededError
@@ -248,15 +248,20 @@ class Speech:
         self._speaking = False
         self._levels = scheduler.levels.request(settings.volume)  # each sentence's gain
         self._level: SentenceLevel | None = None  # the sentence being spoken's
+        self._known_text: list[str] = []  # the text given so far (auto chooses by it)
 
     # --- the front end's side -------------------------------------------------------------
 
     def say(self, sentence: Sentence) -> None:
+        self._known_text.append(sentence.text)
         self._todo.put_nowait(sentence)
 
-    def say_all(self, sentences: Iterable[Sentence]) -> None:
+    def say_all(self, sentences: Iterable[Sentence], text: str | None = None) -> None:
         """Sentences taken one at a time as the speech reaches them: a whole text given as
-        :func:`~.sentences.iter_sentences` is split as it is spoken."""
+        :func:`~.sentences.iter_sentences` is split as it is spoken. ``text``: that whole text
+        (the ``auto`` profile chooses by its length)."""
+        if text:
+            self._known_text.append(text)
         self._todo.put_nowait(iter(sentences))
 
     def end(self) -> None:
@@ -355,6 +360,8 @@ class Speech:
             scheduler.catalog, getattr(engine, "kind", None), sentence
         )
         self._voices_used[voice.name] = None
+        if index == 0:
+            self._choose_profile(engine, voice)
         await self._wait_for_space()
         if self.cancel_event.is_set():
             raise SynthesisCancelled("cancelled before the sentence started")
@@ -379,6 +386,20 @@ class Speech:
             self.engine_s += time.monotonic() - engine_started
         self._events.put_nowait(SentenceEnd(index))
         await self._levels.finished(level)
+
+    def _choose_profile(self, engine: Any, voice: Voice) -> None:
+        """``auto``: the profile of this request, chosen once by the text given so far."""
+        auto = self.scheduler.auto
+        if auto is None or self.settings.profile.name != AUTO_PROFILE:
+            return
+        profile = auto.choose(
+            " ".join(self._known_text),
+            engine=engine,
+            speaker=voice.speaker,
+            client=self.client,
+            force_tokens=self.settings.force_tokens,
+        )
+        self.settings = replace(self.settings, profile=profile)
 
     async def _synthesize(
         self, voice: Voice, text: str, options: SynthesisOptions, *, load_timeout: float

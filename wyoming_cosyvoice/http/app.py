@@ -143,6 +143,8 @@ class TtsRoutes:
             from engine.thread_budget import thread_report
 
             body["threads"] = thread_report()
+        if self.scheduler.auto is not None:  # the measured stage costs and the last choice
+            body["auto"] = self.scheduler.auto.report()
         return JSONResponse(body, status_code=200 if state == "ready" else 503)
 
     async def voices(self, request: Request) -> Response:
@@ -200,7 +202,7 @@ class TtsRoutes:
         client = f"{request.client.host if request.client else 'a client'} over HTTP"
         spoken = Speech(self.scheduler, speech.settings, speech.voices, self.config.limits,
                         client=client, front_end="http")  # fmt: skip
-        spoken.say_all(speech.sentences)  # split as spoken
+        spoken.say_all(speech.sentences, speech.text)  # split as spoken
         spoken.end()
         return spoken
 
