@@ -184,6 +184,7 @@ class CacheConfig:
     """The repeat cache of recently spoken sentences; see settings.yaml."""
 
     max_mb: float  # 0 = off
+    prepare_phrases: tuple[str, ...] = ()
 
     @property
     def max_bytes(self) -> int:
@@ -513,7 +514,13 @@ def _cache(raw: dict[str, Any]) -> CacheConfig:
     max_mb = section.get("max_mb")
     if isinstance(max_mb, bool) or not isinstance(max_mb, (int, float)) or max_mb < 0:
         raise ConfigError("cache.max_mb", f"must be a number >= 0 (0 = off), not {max_mb!r}")
-    return CacheConfig(max_mb=float(max_mb))
+    phrases = section.get("prepare_phrases") or []
+    if isinstance(phrases, str):
+        phrases = [phrases]
+    if not isinstance(phrases, list):
+        raise ConfigError("cache.prepare_phrases", "must be a list of texts")
+    texts = tuple(_check(f"cache.prepare_phrases[{i}]", p, "str") for i, p in enumerate(phrases))
+    return CacheConfig(max_mb=float(max_mb), prepare_phrases=texts)
 
 
 def _number_in(key: str, value: Any, bounds: tuple[float, float], unit: str = "") -> Any:

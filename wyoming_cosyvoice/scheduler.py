@@ -180,6 +180,11 @@ class Scheduler:
         return self.waiting == 0 and self._slots.all_free
 
     @property
+    def active_sentences(self) -> int:
+        """Sentences queued for or running on the engine."""
+        return len(self._sentences)
+
+    @property
     def ready(self) -> asyncio.Future[Engine]:
         """Resolves to the engine, or raises the load error."""
         return self._ready

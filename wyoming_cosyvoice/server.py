@@ -13,6 +13,7 @@ from urllib.parse import urlparse
 from wyoming_cosyvoice.config import ServerConfig
 from wyoming_cosyvoice.handler import ConnectionContext, EventHandler
 from wyoming_cosyvoice.model import load_cosyvoice, scheduler_for_config
+from wyoming_cosyvoice.prepared_phrases import PhrasePreparer
 from wyoming_cosyvoice.scheduler import Engine, EngineFactory, Scheduler
 from wyoming_cosyvoice.sentences import SplitterFactory, make_splitter
 
@@ -28,6 +29,7 @@ class RunningServer:
     config: ServerConfig
     load_task: asyncio.Task[Engine]
     handlers: set[asyncio.Task[None]] = field(default_factory=set)
+    preparer: PhrasePreparer | None = None  # cache.prepare_phrases, spoken when idle
 
     @property
     def port(self) -> int:
@@ -38,6 +40,8 @@ class RunningServer:
         for task in list(self.handlers):
             task.cancel()
         await asyncio.gather(*self.handlers, return_exceptions=True)
+        if self.preparer is not None:
+            await self.preparer.stop()
         if not self.load_task.done():
             self.load_task.cancel()
         self.scheduler.shutdown()
@@ -83,4 +87,5 @@ async def create_server(
         server = await asyncio.start_server(on_connect, url.hostname, url.port, limit=limit)
     _LOGGER.info("Listening on %s", config.uri)
     load_task = asyncio.create_task(scheduler.load(), name="load model")
-    return RunningServer(server, scheduler, config, load_task, handlers)
+    preparer = PhrasePreparer.start_for(config, scheduler, splitter_factory)
+    return RunningServer(server, scheduler, config, load_task, handlers, preparer)

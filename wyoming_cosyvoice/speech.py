@@ -407,7 +407,8 @@ class Speech:
         """One sentence's audio through :meth:`_on_chunk`: replayed from the repeat cache when
         it was spoken lately, else made by the engine and kept for the next time."""
         scheduler = self.scheduler
-        cached = scheduler.repeat_cache.lookup(text, voice, options, scheduler.catalog)
+        cached = scheduler.repeat_cache.lookup(text, voice, options, scheduler.catalog,
+                                               count=self.front_end is not None)  # fmt: skip
         if cached.hit:
             for chunk in cached.replay():
                 await self._on_chunk(chunk)

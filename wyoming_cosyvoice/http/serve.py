@@ -19,6 +19,7 @@ import uvicorn
 
 from wyoming_cosyvoice.config import ServerConfig
 from wyoming_cosyvoice.model import load_cosyvoice, scheduler_for_config
+from wyoming_cosyvoice.prepared_phrases import PhrasePreparer
 from wyoming_cosyvoice.scheduler import Engine, EngineFactory, Scheduler
 from wyoming_cosyvoice.sentences import SplitterFactory, make_splitter
 
@@ -100,8 +101,11 @@ class ModelOnly:
     config: ServerConfig
     load_task: asyncio.Task[Engine]
     handlers: set[Any] = field(default_factory=set)
+    preparer: PhrasePreparer | None = None  # cache.prepare_phrases, spoken when idle
 
     async def stop(self) -> None:
+        if self.preparer is not None:
+            await self.preparer.stop()
         if not self.load_task.done():
             self.load_task.cancel()
         elif not self.load_task.cancelled():
@@ -115,4 +119,5 @@ async def start_model_only(
     """Start loading the model in the background, as ``create_server`` does, without listening."""
     scheduler = scheduler_for_config(config, model_dir, engine_factory)
     load_task = asyncio.create_task(scheduler.load(), name="load model")
-    return ModelOnly(scheduler, config, load_task)
+    preparer = PhrasePreparer.start_for(config, scheduler, make_splitter)
+    return ModelOnly(scheduler, config, load_task, preparer=preparer)
