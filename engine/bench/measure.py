@@ -91,7 +91,7 @@ def playback_stall_s(arrivals: list[float], durations: list[float]) -> float:
     return stall
 
 
-def _stream_request(
+def stream_request(
     engine: Any, text: str, options: Any, timer: StageTimer
 ) -> dict[str, float | int | list[int]]:
     arrivals: list[float] = []
@@ -259,7 +259,7 @@ def run(config: RunConfig) -> dict[str, Any]:
     if cosyvoice2:  # its prompt chunks computed at the profile's settings, before the request
         engine.prime_voice(options)
     timer.reset()
-    result.update(_stream_request(engine, config.text, options, timer))
+    result.update(stream_request(engine, config.text, options, timer))
     # What a streaming server holds: load, warm-up and streamed chunks. The whole request below
     # vocodes every second of audio in one flow and HiFT pass, so it peaks higher.
     result["stream_peak_rss_mb"] = peak_rss_mb()

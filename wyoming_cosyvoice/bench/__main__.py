@@ -2,11 +2,13 @@
 simultaneous requests through the Wyoming server.
 
     python -m wyoming_cosyvoice.bench --synthetic 300m --profile fastest     # the engine's runs
+    python -m wyoming_cosyvoice.bench --synthetic 300m --profile auto        # auto and its choices
     python -m wyoming_cosyvoice.bench --synthetic 300m --concurrency 1,2,4   # through the server
 
 Without ``--concurrency`` it measures exactly what ``python -m engine.bench`` does, with any
-profile of the server's config.yaml (``--config`` for another file). Stdout is the product (a
-table, or one JSON object with ``--json``); progress goes to stderr.
+profile of the server's config.yaml (``--config`` for another file); ``--profile auto`` measures
+each profile auto chooses from, then auto itself beside them (wyoming_cosyvoice.bench.auto).
+Stdout is the product (a table, or one JSON object with ``--json``); progress goes to stderr.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from pathlib import Path
 
 from engine.bench import __main__ as engine_bench
 from engine.bench.profiles import get_profile
-from wyoming_cosyvoice.config import ConfigError
+from wyoming_cosyvoice.config import AUTO_PROFILE, ConfigError
 
 PROG = "python -m wyoming_cosyvoice.bench"
 
@@ -36,7 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = engine_bench.build_parser(
         prog=PROG,
         description=__doc__,
-        profile_help="a profile of the server's config.yaml (default: %(default)s)",
+        profile_help="auto, or a profile of the server's config.yaml (default: %(default)s)",
     )
     parser.add_argument(
         "--config", type=Path, help="server settings file with the profiles (default: the server's)"
@@ -64,7 +66,8 @@ def main(argv: list[str] | None = None) -> int:
 
     args = build_parser().parse_args(argv)
     try:
-        profile = get_profile(args.profile, server_profiles(args.config))
+        profiles = server_profiles(args.config)
+        profile = None if args.profile == AUTO_PROFILE else get_profile(args.profile, profiles)
     except (ConfigError, OSError, ValueError) as err:
         sys.stderr.write(f"{PROG}: {err}\n")
         return 2
@@ -75,13 +78,21 @@ def main(argv: list[str] | None = None) -> int:
                 model_dir,
                 text=args.text,
                 levels=args.concurrency,
-                profile=profile.name,
+                profile=args.profile,
                 threads=args.threads,
                 tokens=args.tokens or None,
                 config=args.config,
                 extra_args=args.server_arg,
             ),
             concurrency.print_table,
+        )
+    if profile is None:  # auto, beside the profiles it chooses from
+        from wyoming_cosyvoice.bench import auto
+
+        return engine_bench.run_cli(
+            args,
+            lambda model_dir: auto.run_benchmark(args, model_dir, args.config),
+            auto.print_table,
         )
     return engine_bench.run_cli(
         args, lambda model_dir: engine_bench.run_benchmark(args, model_dir, profile), print_table
