@@ -337,7 +337,7 @@ class CosyVoice2Engine:
 
         if options.stream and options.start_policy == GAPLESS:
             expected = sum(self._expected_seconds(s.text, options.force_tokens) for s in segments)
-            yield from hold_until_gapless(chunks(), expected)
+            yield from hold_until_gapless(chunks(), expected / options.speed)
         else:
             yield from chunks()
 
@@ -397,6 +397,7 @@ class CosyVoice2Engine:
                         noise,
                         n_timesteps=options.n_timesteps,
                         cfg_rate=options.cfg_rate,
+                        speed=options.speed,
                         on_stage=options.on_stage,
                         weights=(flow_weights, hift_weights),
                     )
@@ -437,6 +438,7 @@ class CosyVoice2Engine:
                 cache_dtype=None if official else self.flow_cache_dtype,
                 flow_stream=primed,
                 threads=options.threads,
+                speed=options.speed,
                 on_stage=options.on_stage,
                 weights=(flow_weights, hift_weights),
             )

@@ -8,6 +8,9 @@ on that chunk's frames only. The vocoder hides the seams as the official runtime
 * the first 3840 output samples are cross-faded (Hamming, float64) with the 3840 held back
   from the previous chunk, and every chunk but the last holds back its own last 3840.
 
+A speed other than 1 resamples the mel in time before HiFT (engine.speed), chunk by chunk as
+the whole mel would be.
+
 The official schedule: the first chunk after ``TOKEN_HOP`` (25) tokens — plus what brings the
 prompt to a whole number of 25-token chunks — and the 3-token look-ahead; then hops doubling to
 ``MAX_TOKEN_HOP`` (100). Every hop is a whole number of attention chunks.
@@ -26,6 +29,7 @@ from torch import Tensor
 
 from engine.cosyvoice2.flow import CausalFlow, FlowStream
 from engine.hift import HiftNoise
+from engine.speed import MelStretcher, stretch_mel
 from engine.stage_times import StageListener, flow_units, report, since
 from engine.streaming import fade_in_out
 from engine.thread_budget import ThreadBudget, apply_thread_budget, vocoder_busy
@@ -140,6 +144,7 @@ class SpeechStream:
         cache_dtype: torch.dtype | None = None,
         flow_stream: FlowStream | None = None,
         threads: ThreadBudget | None = None,
+        speed: float = 1.0,
         on_stage: StageListener | None = None,
         weights: tuple[str, str] = ("fp32", "fp32"),
     ) -> None:
@@ -160,6 +165,8 @@ class SpeechStream:
         self.vocoder = VocoderStream(
             hift, noise, threads=threads, on_stage=on_stage, weights=weights[1]
         )
+        # HiFT's first chunk must hold the frames of context the next one starts with.
+        self.stretcher = MelStretcher(speed, min_first=MEL_CACHE) if speed != 1.0 else None
 
     @property
     def lookahead(self) -> int:
@@ -176,6 +183,8 @@ class SpeechStream:
                 mel = self.flow.push(tokens, finalize=finalize)
             units = flow_units(mel.shape[2], self.flow.n_timesteps, self.flow.cfg_rate or 0.0)
             report(self.on_stage, "flow", self.weights[0], since(start), units)
+            if self.stretcher is not None:
+                mel = self.stretcher.push(mel, finalize=finalize)
             if mel.shape[2] == 0 and not finalize:
                 return torch.zeros(1, 0)
             return self.vocoder.push(mel, finalize=finalize)
@@ -259,10 +268,12 @@ def whole_audio(
     *,
     n_timesteps: int = 10,
     cfg_rate: float | None = None,
+    speed: float = 1.0,
     on_stage: StageListener | None = None,
     weights: tuple[str, str] = ("fp32", "fp32"),
 ) -> Tensor:
-    """Non-streaming, as upstream: one flow call in full attention, one HiFT call."""
+    """Non-streaming, as upstream: one flow call in full attention, one HiFT call (the mel
+    resampled to the speed in between)."""
     start = time.perf_counter()
     mel = flow.inference(
         torch.tensor([list(tokens)], dtype=torch.int64),
@@ -277,4 +288,4 @@ def whole_audio(
     units = flow_units(prompt.feat.shape[1] + mel.shape[2], n_timesteps, cfg_rate or 0.0)
     report(on_stage, "flow", weights[0], since(start), units)
     vocoder = VocoderStream(hift, noise, on_stage=on_stage, weights=weights[1])
-    return vocoder.push(mel, finalize=True)
+    return vocoder.push(stretch_mel(mel, speed), finalize=True)
