@@ -515,3 +515,30 @@ def test_a_gapless_start_holds_chunks_back_but_changes_no_sample(
         return np.concatenate([c.samples for c in fresh.synthesize("Hello.", options)])
 
     np.testing.assert_array_equal(audio("gapless"), audio("eager"))
+
+
+def test_the_heap_is_given_back_once_the_answers_flow_state_is_gone(
+    fresh: CosyVoice2Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The last trim of a request runs after its speech stream (the flow's keys and values) is
+    garbage, so an idle server does not hold the last answer's state."""
+    import weakref
+
+    import engine.cosyvoice2.engine as module
+
+    streams: list[weakref.ref[object]] = []
+    trims: list[bool] = []  # per trim: were all streams so far already gone?
+
+    class Recorded(module.SpeechStream):  # type: ignore[misc,name-defined]
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            super().__init__(*args, **kwargs)
+            streams.append(weakref.ref(self))
+
+    monkeypatch.setattr(module, "SpeechStream", Recorded)
+    monkeypatch.setattr(
+        module, "give_back_free_heap", lambda: trims.append(all(r() is None for r in streams))
+    )
+    _force(fresh, _random_tokens(60))
+    chunks = list(fresh.synthesize("Hello.", SynthesisOptions(speaker="tester", seed=1)))
+    assert chunks and streams
+    assert trims and trims[-1] is True

@@ -69,6 +69,7 @@ from engine.prepared import PreparedLoad, WeightFormats
 from engine.runtime import (
     audio_chunks,
     extra_weight_formats,
+    give_back_free_heap,
     loaded_format,
     one_torch_thread,
     pick_weights,
@@ -335,11 +336,18 @@ class CosyVoice2Engine:
                     segment.token_ids, voice, cond, options, seed + index, cancel
                 )
 
-        if options.stream and options.start_policy == GAPLESS:
-            expected = sum(self._expected_seconds(s.text, options.force_tokens) for s in segments)
-            yield from hold_until_gapless(chunks(), expected / options.speed)
-        else:
-            yield from chunks()
+        try:
+            if options.stream and options.start_policy == GAPLESS:
+                expected = sum(
+                    self._expected_seconds(s.text, options.force_tokens) for s in segments
+                )
+                yield from hold_until_gapless(chunks(), expected / options.speed)
+            else:
+                yield from chunks()
+        finally:
+            # The answer's flow state (hundreds of MB for a long sentence) is free by now: give
+            # it back at once rather than hold it until the next request's first chunk.
+            give_back_free_heap()
 
     def _expected_seconds(self, text: str, forced_tokens: int | None) -> float:
         if forced_tokens is not None:
