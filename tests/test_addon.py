@@ -152,6 +152,10 @@ def test_every_option_has_a_valid_schema_entry(config: dict[str, Any]) -> None:
     schema, options = config["schema"], config["options"]
     assert set(options) <= set(schema)
     for key, spec in schema.items():
+        if isinstance(spec, list):  # a list of one type, e.g. [str]
+            (item,) = spec
+            assert all(option_fits(v, item) for v in options.get(key, [])), key
+            continue
         assert _SUPERVISOR_TYPE.match(spec), (key, spec)
         if key in options:
             assert option_fits(options[key], spec), (key, options[key], spec)
@@ -163,7 +167,8 @@ def test_addon_module_agrees_with_the_manifest(config: dict[str, Any]) -> None:
     assert addon.DEFAULT_OPTIONS == config["options"]
     optional = {k for k in config["schema"] if k not in config["options"]}
     assert optional == set(addon.OPTIONAL_OPTIONS)
-    lists = {k: _SUPERVISOR_TYPE.match(v)["list"] for k, v in config["schema"].items()}
+    lists = {k: _SUPERVISOR_TYPE.match(v)["list"] for k, v in config["schema"].items()
+             if isinstance(v, str)}  # fmt: skip
     assert tuple(lists["model"].split("|")) == addon.MODELS
     assert tuple(lists["profile"].split("|")) == addon.PROFILES
 

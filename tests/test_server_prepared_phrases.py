@@ -125,3 +125,21 @@ def test_prepare_phrases_is_a_list_of_texts(value: Any, problem: str | None) -> 
     with pytest.raises(ConfigError, match=problem) as err:
         load_config(None, [("cache.prepare_phrases", value)])
     assert err.value.key.startswith("cache.prepare_phrases")
+
+
+def test_the_add_on_options_reach_the_cache_settings() -> None:
+    from wyoming_cosyvoice import addon
+    from wyoming_cosyvoice.__main__ import build_parser, config_from_args
+
+    def config_of(options: dict[str, Any]) -> Any:
+        args = addon.options_to_args({**addon.DEFAULT_OPTIONS, **options})
+        return config_from_args(build_parser().parse_args(args)).cache
+
+    default = config_of({})
+    assert default.max_mb == 64 and default.prepare_phrases == ()
+    phrases = ["Good night.", ' Say "hi": now\\n ', "晚安。", " "]
+    chosen = config_of({"repeat_cache_mb": 0, "prepared_phrases": phrases})
+    assert chosen.max_mb == 0
+    assert chosen.prepare_phrases == ("Good night.", 'Say "hi": now\\n', "晚安。")
+    with pytest.raises(ValueError, match="prepared_phrases"):
+        addon.options_to_args({"prepared_phrases": "Good night."})

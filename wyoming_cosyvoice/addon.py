@@ -49,6 +49,8 @@ DEFAULT_OPTIONS: dict[str, Any] = {
     "streaming": True,
     "volume": 1.0,
     "speed": 1.0,
+    "repeat_cache_mb": 64,
+    "prepared_phrases": [],
     "debug_logging": False,
 }
 # Optional options (schema `?`) that have no default and are simply absent when unset.
@@ -85,6 +87,13 @@ def _volume(options: Mapping[str, Any]) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
         raise ValueError(f"option 'volume': {value!r} is not a number from {low:g} to {high:g}")
     return float(value)
+
+
+def _phrases(options: Mapping[str, Any]) -> list[str]:
+    value = options.get("prepared_phrases") or []
+    if not isinstance(value, list) or not all(isinstance(p, str) for p in value):
+        raise ValueError(f"option 'prepared_phrases': {value!r} is not a list of texts")
+    return [p.strip() for p in value if p.strip()]
 
 
 def _speed(options: Mapping[str, Any]) -> float:
@@ -147,6 +156,11 @@ def options_to_args(
     speed = _speed(options)
     if speed != 1.0:  # the speed of Assist pipelines and of calls that name none
         args += ["--set", f"server.speed={speed:g}"]
+    cache_mb = _int(options, "repeat_cache_mb", DEFAULT_OPTIONS["repeat_cache_mb"])
+    if cache_mb is not None and cache_mb != DEFAULT_OPTIONS["repeat_cache_mb"]:
+        args += ["--set", f"cache.max_mb={cache_mb}"]  # 0 = off
+    if phrases := _phrases(options):  # JSON is a YAML value --set reads
+        args += ["--set", f"cache.prepare_phrases={json.dumps(phrases)}"]
     if _bool(options, "debug_logging"):
         args.append("--debug")
     return args
