@@ -54,6 +54,17 @@ def build_parser() -> argparse.ArgumentParser:
     add("--data-dir", action="append", help="directory searched for models (repeatable)")
     add("--download-dir", help="where a missing model is downloaded (default: first data dir)")
     add("--voices-dir", help="custom voices folder: NAME.wav + NAME.txt (docs/custom-voices.md)")
+    add(
+        "--web-voice-maker",
+        action="store_true",
+        help="let the web page save new voices into --voices-dir (anyone who can reach the HTTP "
+        "port can then add voices)",
+    )
+    add(
+        "--stt-uri",
+        help="Wyoming speech-to-text server that fills in a new voice's transcript on the web "
+        "page, e.g. tcp://core-whisper:10300",
+    )
     add("--voice", help="default voice, e.g. zh-female (default: by the text's language)")
     add(
         "--profile",
@@ -98,6 +109,7 @@ _FLAG_KEYS = {
     "model_dir": "server.model_dir",
     "download_dir": "server.download_dir",
     "voices_dir": "server.voices_dir",
+    "stt_uri": "server.stt_uri",
     "voice": "server.voice",
     "profile": "server.profile",
     "threads": "server.threads",
@@ -125,6 +137,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         ("debug", "server.debug", True),
         ("offline", "server.offline", True),
         ("no_warmup", "server.warmup", False),
+        ("web_voice_maker", "server.web_voice_maker", True),
     ):
         if getattr(args, flag):
             overrides.append((key, value))
@@ -168,12 +181,19 @@ async def serve(
         running: Any = await start_model_only(config, model_dir)
     else:
         running = await create_server(config, model_dir)
+    from wyoming_cosyvoice.custom_voices import CustomVoices, custom_voice_exists
+
+    # Custom voices: scanned once the model has loaded, then re-scanned when the folder changes
+    # (or when the web page saves a voice).
+    voices = None
+    if config.voices_dir is not None:
+        voices = CustomVoices(config, running.scheduler, model_dir)
     web = None
     if http is not None:
         from wyoming_cosyvoice.http import start_http
 
-        web = await start_http(config, running.scheduler, http[0], http[1], allow_origins=http[3])
-    from wyoming_cosyvoice.custom_voices import CustomVoices, custom_voice_exists
+        web = await start_http(config, running.scheduler, http[0], http[1], allow_origins=http[3],
+                               custom_voices=voices)  # fmt: skip
 
     if (
         config.voice
@@ -188,10 +208,8 @@ async def serve(
         )
         await running.stop()
         return 2
-    # Custom voices: scanned once the model has loaded, then re-scanned when the folder changes.
-    voices = None
-    if config.voices_dir is not None:
-        voices = CustomVoices(config, running.scheduler, model_dir).start()
+    if voices is not None:
+        voices.start()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -221,6 +221,8 @@ class ServerConfig:
     # never by a user: speech tokens per sentence, so that a random-weight model, which never
     # ends an utterance by itself, gives fixed-length audio.
     force_tokens: int | None = None
+    stt_uri: str | None = None  # Wyoming speech-to-text for new voices' transcripts
+    web_voice_maker: bool = False  # the web page may save new voices into voices_dir
     loudness: float | None = None  # LUFS every voice is brought to; None = as the model makes it
     volume: float = 1.0  # a factor on that level
     speed: float = 1.0  # speaking speed of a request that asks for none
@@ -415,6 +417,8 @@ _SERVER_KINDS = {
     "download_dir": "path?",
     "voices_dir": "path?",
     "voices_rescan_s": "float+",
+    "stt_uri": "str?",
+    "web_voice_maker": "bool",
     "voice": "str?",
     "profile": "str",
     "lm_weights": "str",
@@ -594,9 +598,10 @@ def build_config(raw: dict[str, Any]) -> ServerConfig:
     auto = _auto(raw, profiles)
     profile = _server_profile(values.pop("profile"), profiles, auto)
 
-    uri = values["uri"]
-    if not uri.startswith(("tcp://", "unix://")):
-        raise ConfigError("server.uri", f"must start with tcp:// or unix://, not {uri!r}")
+    for key in ("uri", "stt_uri"):
+        uri = values[key]
+        if uri is not None and not uri.startswith(("tcp://", "unix://")):
+            raise ConfigError(f"server.{key}", f"must start with tcp:// or unix://, not {uri!r}")
     return ServerConfig(
         **values,
         data_dirs=dirs,

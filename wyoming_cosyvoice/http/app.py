@@ -24,6 +24,7 @@ from engine.text.errors import TextInputError
 from engine.types import EngineError, SynthesisCancelled
 from engine.types import UnknownSpeakerError as EngineUnknownSpeaker
 from wyoming_cosyvoice.config import ServerConfig
+from wyoming_cosyvoice.custom_voices import CustomVoices
 from wyoming_cosyvoice.http.errors import (
     HttpError,
     http_error_handler,
@@ -44,6 +45,7 @@ from wyoming_cosyvoice.http.stream import (
     WholeAudioResponse,
     first_piece,
 )
+from wyoming_cosyvoice.http.voice_maker import voice_maker_routes
 from wyoming_cosyvoice.protocol import ClientError, ServerBusyError
 from wyoming_cosyvoice.scheduler import Scheduler
 from wyoming_cosyvoice.sentences import SplitterFactory, make_splitter
@@ -213,11 +215,13 @@ def create_app(
     *,
     splitter_factory: SplitterFactory = make_splitter,
     allow_origins: tuple[str, ...] = (),
+    custom_voices: CustomVoices | None = None,
 ) -> Starlette:
     """The HTTP API over ``scheduler`` (which the caller starts loading and shuts down).
 
     ``allow_origins``: web-page origins besides the server's own that may call the API
-    (normalised by :func:`.origin.parse_allowed_origins`; ``*`` = any).
+    (normalised by :func:`.origin.parse_allowed_origins`; ``*`` = any). ``custom_voices``: the
+    voices folder the page's voice maker saves into (None: no folder).
     """
     routes = TtsRoutes(config, scheduler, splitter_factory)
     app = Starlette(
@@ -229,6 +233,7 @@ def create_app(
             Route("/tts", routes.tts, methods=["POST"]),
             Route("/v1/audio/speech", routes.openai_speech, methods=["POST"]),
             *metrics_routes(config, scheduler),
+            *voice_maker_routes(config, scheduler, custom_voices),
         ],
         middleware=origin_middleware(allow_origins),
         exception_handlers={

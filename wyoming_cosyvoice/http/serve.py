@@ -18,6 +18,7 @@ from typing import Any
 import uvicorn
 
 from wyoming_cosyvoice.config import ServerConfig
+from wyoming_cosyvoice.custom_voices import CustomVoices
 from wyoming_cosyvoice.model import load_cosyvoice, scheduler_for_config
 from wyoming_cosyvoice.prepared_phrases import PhrasePreparer
 from wyoming_cosyvoice.scheduler import Engine, EngineFactory, Scheduler
@@ -61,15 +62,17 @@ async def start_http(
     *,
     splitter_factory: SplitterFactory = make_splitter,
     allow_origins: tuple[str, ...] = (),
+    custom_voices: CustomVoices | None = None,
 ) -> HttpServer:
     """Listen on ``bind:port`` (0 = any free port) in the running loop; returns once bound.
 
     ``allow_origins``: other sites' web pages that may call the API (``--http-allow-origin``).
+    ``custom_voices``: the voices folder the web page saves new voices into.
     """
     from wyoming_cosyvoice.http.app import create_app
 
     app = create_app(config, scheduler, splitter_factory=splitter_factory,
-                     allow_origins=allow_origins)  # fmt: skip
+                     allow_origins=allow_origins, custom_voices=custom_voices)  # fmt: skip
     uv_config = uvicorn.Config(
         app,
         host=bind,
