@@ -64,7 +64,7 @@ def test_a_request_pre_empts_a_phrase_being_prepared(wy: SimpleNamespace) -> Non
     phrase = "A long phrase that takes the slow engine more than a second to prepare."
 
     async def main() -> tuple[Any, list[Any], int]:
-        engine = lambda p, t: FakeEngine(p, t, delay=0.05)  # noqa: E731
+        engine = lambda p, t: FakeEngine(p, t, delay=0.1)  # noqa: E731
         async with wy.fake_server({"cache.prepare_phrases": [phrase]}, engine=engine) as srv:
             calls = srv.engines[0].calls
             await wait_for(lambda: len(calls) == 1 and calls[0].chunks > 0)
