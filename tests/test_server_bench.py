@@ -107,6 +107,7 @@ def test_the_benchmark_starts_its_server_through_the_launcher() -> None:
     command = server_command(TINY_MODEL, 10300, profile="fast", threads=2, tokens=30)
     assert command[1:5] == ["-m", "wyoming_cosyvoice.bench.server", "--force-tokens", "30"]
     assert "tcp://127.0.0.1:10300" in command
+    assert command[command.index("cache.max_mb=0") - 1] == "--set"  # no replayed repeats
     until_eos = server_command(TINY_MODEL, 10300, profile="fast", threads=None, tokens=None)
     assert "--force-tokens" not in until_eos
 

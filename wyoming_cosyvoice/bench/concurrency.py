@@ -96,6 +96,9 @@ def server_command(
         command += ["--force-tokens", str(tokens)]
     command += ["--uri", f"tcp://127.0.0.1:{port}", "--model-dir", str(model_dir)]
     command += ["--profile", profile]
+    # Every request reaches the engine: its levels repeat one text, which the repeat cache
+    # would otherwise answer from memory after the first.
+    command += ["--set", "cache.max_mb=0"]
     if config is not None:
         command += ["--config", str(config)]
     if threads:
