@@ -11,6 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import os
+import shutil
+import subprocess
+import sys
 import time
 import wave
 from collections.abc import Iterator
@@ -23,7 +27,7 @@ import pytest
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("starlette", reason="the http extra is not installed")
 
-from conftest import free_port  # noqa: E402
+from conftest import free_port, terminate, wait_for_port  # noqa: E402
 from test_http import BackgroundServer  # noqa: E402
 from voice_maker_helpers import (  # noqa: E402
     WYOMING_ENTRIES,
@@ -388,3 +392,42 @@ def test_the_saved_recording_is_the_upload_byte_for_byte(
     assert saved.read_bytes() == stereo
     with wave.open(str(saved)) as wav:
         assert (wav.getnchannels(), wav.getframerate()) == (2, 48000)
+
+
+# --- the command line, the real engine --------------------------------------------------------
+
+
+def test_the_command_line_saves_a_voice_the_real_engine_analyses(tmp_path: Path) -> None:
+    """``--voices-dir --http-port --web-voice-maker``: the CLI hands the folder's watcher to the
+    page, and the tiny model's engine extracts the saved voice's prompt (tiny ONNX models)."""
+    pytest.importorskip("onnxruntime")
+    data = Path(__file__).parent / "data"
+    model = tmp_path / "tiny_model"
+    shutil.copytree(data / "tiny_model", model)
+    shutil.copy(data / "zero_shot/onnx/tiny_campplus.onnx", model / "campplus.onnx")
+    shutil.copy(data / "zero_shot/onnx/tiny_speech_tokenizer_v1.onnx",
+                model / "speech_tokenizer_v1.onnx")  # fmt: skip
+    voices, port, http_port = tmp_path / "voices", free_port(), free_port()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "wyoming_cosyvoice", "--model-dir", str(model),
+         "--voices-dir", str(voices), "--uri", f"tcp://127.0.0.1:{port}",
+         "--http-port", str(http_port), "--http-host", "127.0.0.1", "--web-voice-maker",
+         "--offline", "--no-warmup", "--threads", "1", "--profile", "realtime"],
+        cwd=Path(__file__).parent.parent, env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        wait_for_port(http_port, process)
+        with httpx.Client(base_url=f"http://127.0.0.1:{http_port}", timeout=60) as http:
+            deadline = time.monotonic() + 60
+            while http.get("/health").json()["status"] == "loading":
+                assert time.monotonic() < deadline, "the tiny model did not load"
+                time.sleep(0.1)
+            r = save(http, "anna")
+            assert r.status_code == 201 and r.json()["state"] == "offered", r.text
+        assert "anna" in asyncio.run(describe(port))
+        assert (voices / "anna.prompt.pt").is_file()  # the engine analysed the saved recording
+    finally:
+        log = terminate(process)
+    assert "Custom voice 'anna' saved from the web page" in log
+    assert "Traceback" not in log, log[-3000:]
