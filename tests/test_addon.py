@@ -20,6 +20,7 @@ import struct
 import subprocess
 import sys
 import threading
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -119,6 +120,26 @@ def test_manifest_names_the_prebuilt_image_and_its_options(config: dict[str, Any
     assert tuple(int(p) for p in config["homeassistant"].split(".")[:2]) >= (2025, 7)
 
 
+def test_the_web_page_opens_in_the_sidebar_on_the_servers_http_port(config: dict[str, Any]) -> None:
+    schema = json.loads((SCHEMAS / "config.schema.json").read_text())["properties"]
+    assert config["ingress"] is True and config["panel_icon"].startswith("mdi:")
+    port = config.get("ingress_port", schema["ingress_port"]["default"])
+    args = addon.options_to_args(config["options"])
+    assert args[args.index("--http-port") + 1] == str(port) == str(addon.INGRESS_PORT)
+    # the page is reached through ingress only: the HTTP port is not published on the host
+    assert f"{port}/tcp" not in config["ports"]
+    # the page may reload Home Assistant's Wyoming entry for a new voice
+    assert config["homeassistant_api"] is True
+
+
+def test_stt_uri_names_a_wyoming_server() -> None:
+    args = addon.options_to_args({"stt_uri": " tcp://core-whisper:10300 "})
+    assert args[args.index("--stt-uri") + 1] == "tcp://core-whisper:10300"
+    assert "--stt-uri" not in addon.options_to_args({"stt_uri": ""})
+    with pytest.raises(ValueError, match="'stt_uri'"):
+        addon.options_to_args({"stt_uri": "http://core-whisper:10300"})
+
+
 # --- options, schema, translations --------------------------------------------------------------
 
 # The Supervisor's option types (supervisor/addons/options.py), rewritten as one expression.
@@ -216,6 +237,8 @@ def test_default_options_give_the_documented_command_line(config: dict[str, Any]
         "--download-dir", "/data/models",
         "--voices-dir", "/share/cosyvoice/voices",
         "--profile", "auto",
+        "--http-port", "8099",
+        "--web-voice-maker",
     ]  # fmt: skip
     known = server_flags()
     flags = [a for a in args if a.startswith("--")]
@@ -231,7 +254,7 @@ def test_default_options_parse_with_the_server_parser(config: dict[str, Any]) ->
     parser = build_parser()
     every = {**config["options"], "voice": "x", "threads": 2, "streaming": False, "seed": 1,
              "hub_endpoint": "https://hf-mirror.com", "debug_logging": True,
-             "parallel_sentences": 2}  # fmt: skip
+             "parallel_sentences": 2, "stt_uri": "tcp://core-whisper:10300"}  # fmt: skip
     for model in addon.MODELS:
         for profile in addon.PROFILES:
             for options in (config["options"], every):
@@ -244,6 +267,9 @@ def test_default_options_parse_with_the_server_parser(config: dict[str, Any]) ->
                 # The server's own validation of every value (profiles exist, ints, paths...).
                 server_config = config_from_args(parsed)
                 assert server_config.profile.name == profile
+                assert server_config.stt_uri == options.get("stt_uri")
+                assert parsed.http_port == addon.INGRESS_PORT
+                assert server_config.web_voice_maker is True
                 assert server_config.parallel_sentences == options["parallel_sentences"]
                 assert server_config.profile.streaming is (
                     options["streaming"] and profile != "batch"
@@ -264,6 +290,8 @@ def test_each_option_maps_to_its_flag() -> None:
         "--download-dir", "/d/models",
         "--voices-dir", "/s/voices",
         "--profile", "batch",
+        "--http-port", "8099",
+        "--web-voice-maker",
         "--voice", "zh_female",
         "--threads", "2",
         "--no-streaming",
@@ -636,14 +664,15 @@ def test_addon_start_logic_serves_audio(tmp_path: Path) -> None:
     shutil.copytree(DATA / "tiny_model", data / "models/CosyVoice-300M-SFT")
     options = {**addon.DEFAULT_OPTIONS, "threads": 1, "seed": 0}
     (data / "options.json").write_text(json.dumps(options))
-    port = free_port()
+    port, http_port = free_port(), free_port()
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}  # the model is there: nothing to download
     log_path = tmp_path / "server.log"
     with log_path.open("wb") as log:
         process = subprocess.Popen(
             [sys.executable, "-m", "wyoming_cosyvoice.addon",
              "--options", str(data / "options.json"), "--data-dir", str(data),
-             "--share-dir", str(share), "--uri", f"tcp://127.0.0.1:{port}"],
+             "--share-dir", str(share), "--uri", f"tcp://127.0.0.1:{port}",
+             "--http-port", str(http_port)],
             cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
         )  # fmt: skip
     try:
@@ -658,6 +687,10 @@ def test_addon_start_logic_serves_audio(tmp_path: Path) -> None:
             raise AssertionError(f"server log:\n{server_log[-4000:]}") from None
         assert info.tts and info.tts[0].installed and info.tts[0].voices
         assert rate == 22050 and len(audio) > 0
+        # the web page (ingress) with its voice maker, saving into the voices folder
+        maker = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{http_port}/voices/maker",
+                                                  timeout=30).read())  # fmt: skip
+        assert maker["voices_folder"] is True and maker["saving"] is True
         result = run_healthcheck(port)
         assert result.returncode == 0, result.stderr
     finally:

@@ -29,6 +29,9 @@ from wyoming_cosyvoice.loudness import VOLUME_RANGE
 _LOGGER = logging.getLogger(__name__)
 
 URI = "tcp://0.0.0.0:10200"
+# The web page and HTTP API, reached through ingress: the Supervisor's default ingress port
+# (addon/config.yaml sets no other; a test checks).
+INGRESS_PORT = 8099
 OPTIONS_FILE = Path("/data/options.json")
 DATA_DIR = Path("/data")
 SHARE_DIR = Path("/share/cosyvoice")
@@ -54,7 +57,7 @@ DEFAULT_OPTIONS: dict[str, Any] = {
     "debug_logging": False,
 }
 # Optional options (schema `?`) that have no default and are simply absent when unset.
-OPTIONAL_OPTIONS = ("seed", "hub_endpoint")
+OPTIONAL_OPTIONS = ("seed", "hub_endpoint", "stt_uri")
 
 
 def _choice(options: Mapping[str, Any], key: str, allowed: Sequence[str]) -> str:
@@ -111,6 +114,7 @@ def options_to_args(
     data_dir: Path | str = DATA_DIR,
     share_dir: Path | str = SHARE_DIR,
     uri: str = URI,
+    http_port: int = INGRESS_PORT,
 ) -> list[str]:
     """Map the add-on options (``/data/options.json``) to ``wyoming-cosyvoice`` arguments.
 
@@ -127,6 +131,9 @@ def options_to_args(
         "--download-dir", str(data / "models"),
         "--voices-dir", str(share / "voices"),
         "--profile", _choice(options, "profile", PROFILES),
+        "--http-port", str(http_port),
+        # the page that saves voices is behind Home Assistant's login (ingress)
+        "--web-voice-maker",
     ]  # fmt: skip
     voice = str(options.get("voice") or "").strip()
     if voice:
@@ -150,6 +157,13 @@ def options_to_args(
         if not endpoint.startswith(("http://", "https://")):
             raise ValueError(f"option 'hub_endpoint': {endpoint!r} is not an http(s) URL")
         args += ["--hub-endpoint", endpoint.rstrip("/")]
+    stt_uri = str(options.get("stt_uri") or "").strip()
+    if stt_uri:
+        # A Wyoming speech-to-text server for the web page's new voices, e.g. the Whisper add-on.
+        if not stt_uri.startswith(("tcp://", "unix://")):
+            raise ValueError(f"option 'stt_uri': {stt_uri!r} is not a Wyoming address such as "
+                             "tcp://core-whisper:10300")  # fmt: skip
+        args += ["--stt-uri", stt_uri]
     volume = _volume(options)
     if volume != 1.0:  # a factor on the loudness every voice is brought to
         args += ["--set", f"server.volume={volume:g}"]
@@ -234,6 +248,9 @@ def _parse_cli(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--share-dir", type=Path, default=SHARE_DIR)
     parser.add_argument("--uri", default=URI, help="overridden by tests to use a free port")
     parser.add_argument(
+        "--http-port", type=int, default=INGRESS_PORT, help="the web page's port (tests: any free)"
+    )
+    parser.add_argument(
         "--print", action="store_true", help="print the server command instead of running it"
     )
     return parser.parse_args(argv)
@@ -245,7 +262,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:%(name)s:%(message)s")
     try:
         options = read_options(cli.options)
-        args = options_to_args(options, data_dir=cli.data_dir, share_dir=cli.share_dir, uri=cli.uri)
+        args = options_to_args(options, data_dir=cli.data_dir, share_dir=cli.share_dir,
+                               uri=cli.uri, http_port=cli.http_port)  # fmt: skip
     except ValueError as err:
         _LOGGER.error("invalid add-on configuration: %s", err)
         return 2
