@@ -54,6 +54,7 @@ class BackgroundServer:
 
     async def _start(self) -> None:
         from wyoming_cosyvoice.config import load_config
+        from wyoming_cosyvoice.custom_voices import CustomVoices
         from wyoming_cosyvoice.http import start_http, start_model_only
         from wyoming_cosyvoice.sentences import make_splitter
         from wyoming_cosyvoice.server import create_server
@@ -67,13 +68,21 @@ class BackgroundServer:
         else:
             self.running = await start_model_only(self.config, TINY_MODEL,
                                                   engine_factory=self._make_engine)  # fmt: skip
+        # A voices folder is served as by the CLI: scanned, re-scanned, saved into by the page.
+        self.voices = None
+        if self.config.voices_dir is not None:
+            self.voices = CustomVoices(self.config, self.running.scheduler, TINY_MODEL)
         self.http = await start_http(self.config, self.running.scheduler, "127.0.0.1", 0,
-                                     splitter_factory=splitter,
-                                     allow_origins=self.allow_origins)  # fmt: skip
+                                     splitter_factory=splitter, allow_origins=self.allow_origins,
+                                     custom_voices=self.voices)  # fmt: skip
+        if self.voices is not None:
+            self.voices.start()
         if self.wait_ready:
             await asyncio.wait_for(asyncio.shield(self.running.load_task), 120)
 
     async def _stop(self) -> None:
+        if self.voices is not None:
+            await self.voices.stop()
         await self.http.stop()
         await self.running.stop()
 
