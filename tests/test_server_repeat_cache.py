@@ -76,6 +76,29 @@ def test_a_repeat_inside_a_text_and_across_protocols_is_a_hit() -> None:
     assert counts["hits"] == 3 and counts["misses"] == 2
 
 
+def test_the_caches_hits_and_size_are_in_the_metrics() -> None:
+    pytest.importorskip("httpx")
+    from prometheus_client.parser import text_string_to_metric_families
+    from test_http import BackgroundServer
+
+    with BackgroundServer() as srv:
+        with srv.client() as http:
+            for _ in range(3):
+                assert http.post("/tts", json={"text": "Lights off.", "format": "pcm"}).is_success
+            scrape = http.get("/metrics").text
+    values = {
+        sample.name: sample.value
+        for family in text_string_to_metric_families(scrape)
+        for sample in family.samples
+        if sample.labels.get("cache") == "repeat"
+    }
+    assert values["cosyvoice_cache_hits_total"] == 2
+    assert values["cosyvoice_cache_misses_total"] == 1
+    assert values["cosyvoice_cache_entries"] == 1
+    assert values["cosyvoice_cache_bytes"] == entry_bytes("Lights off.")
+    assert values["cosyvoice_cache_max_bytes"] == 64 * 1024 * 1024
+
+
 async def _synthesize(port: int, text: str, voice: dict[str, Any] | None = None) -> Any:
     from conftest import synthesize
 

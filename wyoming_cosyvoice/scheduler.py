@@ -170,6 +170,7 @@ class Scheduler:
         # profile, nothing measured).
         self.auto = auto
         self.metrics = ServerMetrics()  # what every front end's requests report
+        self.metrics.add_cache(self.repeat_cache)  # its hits, size and budget in /metrics
         self._calls: set[Future[Any]] = set()  # engine-thread calls that have not returned
         self._sentences: dict[object, threading.Event] = {}  # cancel event of each sentence
         self._stopping = False
