@@ -95,7 +95,8 @@ def test_benchmark_runs_on_the_tiny_cosyvoice2(tmp_path: Path) -> None:
     assert not missing, f"fields missing or null: {missing}"
     assert result["tokens"] == 200 and result["audio_s"] == pytest.approx(8.0)
     run = result["runs"][0]
-    assert run["first_chunk_tokens"] == 22 + 3  # one attention chunk after the prompt's last 3
+    # the default first hop (21 units of 20 ms: 11 tokens) and the 3-token look-ahead
+    assert run["first_chunk_tokens"] == 11 + 3
     assert sum(run[key] for key in FIRST_AUDIO_PARTS) == pytest.approx(run["first_audio_ms"])
     assert len(result["stream_flow_ms_per_audio_s_by_chunk"]) == result["chunks"]
     assert result["lm_int8_kl_mean"] > 0  # the int8 LM was compared with the float32 one
