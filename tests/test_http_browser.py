@@ -227,7 +227,8 @@ def page_state(browser: DevTools) -> dict[str, Any]:
 def test_stop_stays_enabled_until_the_audio_has_played(browser: DevTools) -> None:
     # The fake engine makes 100 ms of audio in 5 ms: the whole stream (~5 s of audio) arrives
     # long before it has played, as on a machine faster than real time.
-    text = "The page keeps its Stop button while this is still playing. " * 4
+    # Four different sentences: each reaches the engine (a repeat would be replayed).
+    text = " ".join(f"The page keeps its Stop button while part {n} plays." for n in range(4))
     with BackgroundServer(wyoming=False) as srv:
         browser.call("Page.navigate", url=srv.url + "/")
         browser.wait_for("window.tts && tts.voicesLoaded")

@@ -81,7 +81,9 @@ def server() -> Iterator[SimpleNamespace]:
     def factory(path: Path, threads: int | None) -> InstrumentedEngine:
         return InstrumentedEngine(CosyVoiceEngine.load(path, threads=threads), recorder)
 
-    settings = {"server.threads": 1, "server.seed": 0}
+    # What the engine makes, as it makes it: no loudness gain learnt between requests and no
+    # replays from the repeat cache.
+    settings = {"server.threads": 1, "server.seed": 0, "server.loudness": None, "cache.max_mb": 0}
     with BackgroundServer(settings, engine_factory=factory, simple_splitter=False) as srv:
         yield SimpleNamespace(srv=srv, rec=recorder, url=srv.url, engines=srv.engines)
 

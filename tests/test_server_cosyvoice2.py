@@ -138,7 +138,11 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SimpleNamespace
         patch.setattr(logger, "level", logging.INFO)
         patch.setattr("wyoming_cosyvoice.builtin_voices.SPEAKING_OPTIONS", QUICK_V1)
         try:
-            with V2Server(data, {"server.voices_dir": str(data / "voices")}) as srv:
+            with V2Server(
+                # these tests watch what reaches the engine: no replays from the repeat cache
+                data,
+                {"server.voices_dir": str(data / "voices"), "cache.max_mb": 0},
+            ) as srv:
                 engine = srv.running.scheduler.engine
                 yield SimpleNamespace(
                     srv=srv,
