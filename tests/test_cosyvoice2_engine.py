@@ -314,6 +314,27 @@ def test_a_seed_gives_the_same_audio_and_streams_share_the_primed_prompt(
     assert len(first) == 80 * SAMPLES_PER_TOKEN
 
 
+def test_the_last_voice_stays_primed_for_every_setting_it_was_asked_in(
+    fresh: CosyVoice2Engine,
+) -> None:
+    """A server choosing among profiles per request finds each one's prompt computed; another
+    voice takes the place of the first."""
+    realtime, fastest = (
+        SynthesisOptions(speaker="tester"),
+        SynthesisOptions(speaker="tester", n_timesteps=4, cfg_rate=0.0),
+    )
+    fresh.prime_voice(realtime)
+    fresh.prime_voice(fastest)
+    streams = {key: primed.stream for key, primed in fresh._primed.items()}
+    assert [key[:3] for key in streams] == [("tester", 10, 0.7), ("tester", 4, 0.0)]
+    fresh.prime_voice(realtime)  # found, not computed again
+    assert {key: primed.stream for key, primed in fresh._primed.items()} == streams
+
+    fresh.add_voice(_voice("other", 60))
+    fresh.prime_voice(SynthesisOptions(speaker="other"))
+    assert [key[:3] for key in fresh._primed] == [("other", 10, 0.7)]
+
+
 def test_the_default_stream_keeps_its_keys_and_values_in_half_precision(
     fresh: CosyVoice2Engine,
 ) -> None:

@@ -424,3 +424,25 @@ def test_the_default_voice_is_primed_for_the_server_profile(wy: SimpleNamespace)
     ((warmed_first, options),) = engine.primed
     assert warmed_first and options.speaker is None  # after the warm-up, the default voice
     assert (options.n_timesteps, options.cfg_rate) == (4, 0.0)  # fastest's flow settings
+
+
+def test_the_auto_profile_primes_the_default_voice_for_each_profile_it_chooses_from(
+    wy: SimpleNamespace,
+) -> None:
+    class PrimingEngine(wy.FakeEngine):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.primed: list[SynthesisOptions] = []
+
+        def prime_voice(self, options: SynthesisOptions) -> None:
+            self.primed.append(options)
+
+    async def start() -> Any:
+        settings = {"server.warmup": True, "server.profile": "auto"}
+        async with wy.fake_server(settings, engine=PrimingEngine) as srv:
+            return srv.engines[0]
+
+    engine = run(start())
+    # realtime, fast, fastest: each one's flow steps, guidance and weights
+    settings = [(o.n_timesteps, o.cfg_rate, o.flow_weights) for o in engine.primed]
+    assert settings == [(10, 0.7, "fp32"), (5, 0.7, "int8"), (4, 0.0, "int8")]

@@ -167,9 +167,10 @@ def scheduler_for_config(
         parallel=load.parallel_sentences,
         shared_cores=shared_cores,
         sample_rate=model_sample_rate(model_dir),
-        prime_options=config.profile.options(
-            speaker=None, seed=None, instruct=None, force_tokens=None
-        ),
+        prime_options=[
+            profile.options(speaker=None, seed=None, instruct=None, force_tokens=None)
+            for profile in config.auto_candidates or [config.profile]
+        ],
         repeat_cache=RepeatCache(config.cache.max_bytes),
         levels=voice_levels(config),
         auto=auto_profile(config),

@@ -15,7 +15,7 @@ import asyncio
 import collections
 import logging
 import threading
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from functools import partial
@@ -136,7 +136,7 @@ class Scheduler:
         parallel: int = 1,
         shared_cores: bool = False,
         sample_rate: int = SAMPLE_RATE,
-        prime_options: SynthesisOptions | None = None,
+        prime_options: Sequence[SynthesisOptions] = (),
         repeat_cache: RepeatCache | None = None,
         levels: VoiceLevels | None = None,
         auto: AutoProfile | None = None,
@@ -223,11 +223,13 @@ class Scheduler:
         return engine
 
     async def _prime(self, engine: Engine) -> None:
-        """Prime the default voice for the server profile's flow settings (if it has one)."""
+        """Prime the default voice for the flow settings of the server's profile (``auto``:
+        of every profile it chooses from), if the engine primes voices."""
         prime = getattr(engine, "prime_voice", None)
-        if prime is None or self._prime_options is None or not engine.speakers:
+        if prime is None or not engine.speakers:
             return
-        await self._call(self._executor, prime, self._prime_options)
+        for options in self._prime_options:
+            await self._call(self._executor, prime, options)
 
     async def wait_ready(self, timeout: float) -> Engine:
         try:

@@ -94,9 +94,11 @@ if TYPE_CHECKING:
 _LOGGER = logging.getLogger(__name__)
 
 KIND = "cosyvoice2"
-# Voices whose prompt chunks are kept computed (their flow state: about 4.6 MB a mel frame
-# at full size in float32, so a 5 s prompt holds most of a gigabyte). The last one used stays.
-PRIMED_VOICES = 1
+# Primed prompt streams are kept for the last voice used only (their flow state: 2.3 MB a mel
+# frame at full size in float16 for 10 steps with guidance, so a 5 s prompt holds about 0.5 GB),
+# one per flow setting it was asked in, up to this many: a server choosing among profiles per
+# request (auto) then never recomputes a prompt.
+PRIMED_SETTINGS = 4
 # The HiFT noise generator's seed is the request's seed plus this (independent of the LM's).
 _NOISE_SEED_OFFSET = 1_000_003
 # A schedule's hops count 20 ms units (v1's 50 Hz speech tokens) for every family, so one
@@ -495,9 +497,11 @@ class CosyVoice2Engine:
             with vocoder_busy():
                 apply_thread_budget(options.threads)
                 stream.push([])
+            for other in [k for k, p in self._primed.items() if p.voice is not voice]:
+                del self._primed[other]  # another voice (or an older copy of this one)
             self._primed[key] = _Primed(voice, stream)
             self._primed.move_to_end(key)
-            while len(self._primed) > PRIMED_VOICES:
+            while len(self._primed) > PRIMED_SETTINGS:
                 self._primed.popitem(last=False)
             return stream
 
