@@ -335,6 +335,13 @@ def test_the_last_voice_stays_primed_for_every_setting_it_was_asked_in(
     assert [key[:3] for key in fresh._primed] == [("other", 10, 0.7)]
 
 
+def test_the_warm_up_leaves_no_voice_primed(fresh: CosyVoice2Engine) -> None:
+    """What the server primes (its profiles' settings) is all the primed memory it holds."""
+    fresh.prime_voice(SynthesisOptions(speaker="tester"))
+    fresh.warmup()
+    assert not fresh._primed
+
+
 def test_the_default_stream_keeps_its_keys_and_values_in_half_precision(
     fresh: CosyVoice2Engine,
 ) -> None:

@@ -264,3 +264,34 @@ def test_a_prompt_ending_further_into_a_chunk_makes_a_smaller_first_hop_of_the_s
     audio = first_chunk(primed=True)
     assert audio.shape[1] == 11 * 2 * 480 - 8 * 480
     torch.testing.assert_close(audio, first_chunk(primed=False), atol=1e-5, rtol=0)
+
+
+def test_the_thread_count_is_asked_again_after_every_flow_step(
+    flow: CausalFlow, hift: HiFTGenerator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A chunk takes seconds at full size: an LM beside it that finishes within one gives its
+    core back to the flow at the next step, not at the next chunk."""
+    import engine.cosyvoice2.streaming as module
+
+    asked: list[str] = []
+    monkeypatch.setattr(module, "apply_thread_budget", lambda budget: asked.append("asked"))
+    steps: list[int] = []
+    solve = flow.decoder.solve
+
+    def counted(*args: object, **kwargs: object) -> torch.Tensor:
+        callback = kwargs["step_callback"]
+
+        def step(k: int, *rest: object) -> None:
+            steps.append(k)
+            asked.append(f"step {k}")
+            callback(k, *rest)  # type: ignore[operator]
+
+        return solve(*args, **{**kwargs, "step_callback": step})  # type: ignore[arg-type]
+
+    monkeypatch.setattr(flow.decoder, "solve", counted)
+    noise = GeneratorNoise(torch.Generator().manual_seed(0))
+    speech = SpeechStream(flow, hift, _prompt(0), noise, n_timesteps=3)
+    speech.push(_tokens(28))
+    assert steps == [0, 1, 2]
+    # once before the chunk, once after each step, once before the vocoder
+    assert asked == ["asked", "step 0", "asked", "step 1", "asked", "step 2", "asked", "asked"]

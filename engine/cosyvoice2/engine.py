@@ -515,8 +515,8 @@ class CosyVoice2Engine:
             self._primed_stream(voice, prompt, options)
 
     def warmup(self) -> None:
-        """Run one short synthesis so the first real request is not slower than later ones,
-        and prime the default voice for the default flow settings."""
+        """Run one short synthesis in each loaded weight format so the first real request is
+        not slower than later ones (priming a voice is :meth:`prime_voice`'s)."""
         try:
             voice = self._voice(None)
         except UnknownSpeakerError:
@@ -539,8 +539,9 @@ class CosyVoice2Engine:
             for _ in self.synthesize("Hello.", options):
                 pass
         with self._primed_lock:
-            self._primed.clear()  # the warm-up's steps are not the requests'
-        self.prime_voice(SynthesisOptions(speaker=voice.name))
+            # The warm-up's steps are not the requests': a caller primes the settings it will
+            # use (prime_voice), and a setting no request uses would hold its memory for nothing.
+            self._primed.clear()
         _LOGGER.info("Warm-up took %.2f s", time.perf_counter() - start)
 
     def flow_prompt_frames(self, speaker: str | None) -> int:

@@ -305,8 +305,17 @@ class FlowStream:
         return max(self.encoded, known // self.chunk_tokens * self.chunk_tokens)
 
     @torch.inference_mode()
-    def push(self, tokens: Tensor | list[int], *, finalize: bool = False) -> Tensor:
-        """Add speech tokens; mel (1, 80, frames) of the tokens that became computable."""
+    def push(
+        self,
+        tokens: Tensor | list[int],
+        *,
+        finalize: bool = False,
+        step_callback: StepCallback | None = None,
+    ) -> Tensor:
+        """Add speech tokens; mel (1, 80, frames) of the tokens that became computable.
+
+        ``step_callback``: called after each ODE step (e.g. to take the cores an LM beside it
+        has just given back)."""
         if self.finished:
             raise ValueError("the stream is finalized")
         new = tokens.reshape(-1).tolist() if isinstance(tokens, Tensor) else list(tokens)
@@ -335,6 +344,7 @@ class FlowStream:
             cfg_rate=self.cfg_rate,
             streaming=True,
             states=self.step_states,
+            step_callback=step_callback,
         )
         self.encoded = end
         _LOGGER.debug("flow stream: frames %d-%d (%d steps)", first, last, self.n_timesteps)

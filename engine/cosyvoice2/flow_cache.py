@@ -9,8 +9,6 @@ its own frames, with the result the whole sequence would have given.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -19,9 +17,8 @@ from torch import Tensor, nn
 class KVBuffer:
     """Keys and values of one attention layer for every frame so far, one page per call.
 
-    A chunk's keys are kept transposed, (rows, heads, d, t), and its values as (rows, heads,
-    t, d), each contiguous: copied once when the chunk arrives, read in place by every later
-    chunk, and no capacity is held in reserve. ``dtype`` (e.g.
+    A chunk's keys and values are kept as (rows, heads, t, d), contiguous: copied once when
+    the chunk arrives and never written again; no capacity is held in reserve. ``dtype`` (e.g.
     float16) stores the pages in a narrower type, an approximation that halves their memory;
     a chunk still attends to its own keys at full precision.
     """
@@ -35,39 +32,23 @@ class KVBuffer:
         """Add the keys and values (rows, heads, t, d) of t new positions, then
         softmax(q·Kᵀ/√d + bias)·V of their queries over every key so far; bias (…, t, length)
         additive (−inf hides a key). Returns (rows, heads, t, d)."""
-        if not self.pages:
-            self._store(k, v)
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
-        keys_t, values = self._store(k, v)
-        pages = [(pk.to(q.dtype), pv.to(q.dtype)) for pk, pv in self.pages[:-1]]
-        pages.append((keys_t, values))
-        # Made contiguous once: a strided operand would be copied again for every page.
-        q = q.contiguous()
-        scale = 1.0 / math.sqrt(q.shape[-1])
-        scores = torch.cat([torch.matmul(q, pk) for pk, _ in pages], dim=-1)
-        scores = scores * scale if bias is None else torch.add(bias, scores, alpha=scale)
-        weights = scores.softmax(dim=-1)
-        out: Tensor | None = None
-        start = 0
-        for _, pv in pages:
-            end = start + pv.shape[2]
-            part = torch.matmul(weights[..., start:end], pv)
-            out = part if out is None else out.add_(part)
-            start = end
-        assert out is not None
-        return out
+        k, v = k.contiguous(), v.contiguous()
+        self._store(k, v)
+        if len(self.pages) > 1:
+            # Every key in one operand, widened to the queries' type: one fused attention
+            # (no score matrix in memory), where a product per page cost twice as much.
+            old = self.pages[:-1]
+            k = torch.cat([*(pk.to(q.dtype) for pk, _ in old), k], dim=-2)
+            v = torch.cat([*(pv.to(q.dtype) for _, pv in old), v], dim=-2)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
 
-    def _store(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """Keep a page as the products read it, keys transposed (rows, heads, d, t) and values
-        (rows, heads, t, d), both contiguous: a matmul then reads a page in place, where a
-        strided one is copied on every read. Returns the page at the computed precision."""
-        keys_t, values = k.transpose(-1, -2).contiguous(), v.contiguous()
+    def _store(self, k: Tensor, v: Tensor) -> None:
+        """Keep a page (contiguous; in ``dtype`` if one is set)."""
         if self.dtype is None:
-            self.pages.append((keys_t, values))
+            self.pages.append((k, v))
         else:
-            self.pages.append((keys_t.to(self.dtype), values.to(self.dtype)))
+            self.pages.append((k.to(self.dtype), v.to(self.dtype)))
         self.length += k.shape[2]
-        return keys_t, values
 
     @property
     def nbytes(self) -> int:

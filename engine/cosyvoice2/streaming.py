@@ -172,6 +172,9 @@ class SpeechStream:
     def lookahead(self) -> int:
         return self.flow.flow.args.pre_lookahead_len
 
+    def _rebalance(self, *_: object) -> None:
+        apply_thread_budget(self.threads)
+
     def push(self, tokens: Tensor | list[int], *, finalize: bool = False) -> Tensor:
         """Audio (1, S) made computable by these new tokens (all that is left on finalize)."""
         with vocoder_busy():
@@ -180,7 +183,9 @@ class SpeechStream:
             if finalize and self.full_attention_last:
                 mel = self._full_attention_rest(tokens)
             else:
-                mel = self.flow.push(tokens, finalize=finalize)
+                # The thread count is asked again after every step: a chunk takes seconds,
+                # and the LM beside it may finish (and free its core) within one.
+                mel = self.flow.push(tokens, finalize=finalize, step_callback=self._rebalance)
             units = flow_units(mel.shape[2], self.flow.n_timesteps, self.flow.cfg_rate or 0.0)
             report(self.on_stage, "flow", self.weights[0], since(start), units)
             if self.stretcher is not None:
