@@ -10,6 +10,7 @@ The server runs the fake engine (conftest): the page, not the model, is under te
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import os
 import shutil
@@ -18,7 +19,7 @@ import struct
 import subprocess
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -147,13 +148,14 @@ class DevTools:
                       clickCount=1)  # fmt: skip
 
 
-@pytest.fixture
-def browser(tmp_path: Path) -> Iterator[DevTools]:
+@contextlib.contextmanager
+def open_browser(profile: Path, extra_flags: Sequence[str] = ()) -> Iterator[DevTools]:
+    """Headless Chromium with its own profile folder, driven over the DevTools protocol."""
     if not (Path(CHROMIUM).is_file() or shutil.which(CHROMIUM)):
         pytest.skip(f"Debian's chromium is not installed ({CHROMIUM}); CI installs it with "
                     "apt-get install chromium")  # fmt: skip
-    profile = tmp_path / "profile"
-    process = subprocess.Popen([CHROMIUM, *FLAGS, f"--user-data-dir={profile}", "about:blank"],
+    process = subprocess.Popen([CHROMIUM, *FLAGS, *extra_flags, f"--user-data-dir={profile}",
+                                "about:blank"],
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
     try:
         port_file = profile / "DevToolsActivePort"
@@ -175,6 +177,12 @@ def browser(tmp_path: Path) -> Iterator[DevTools]:
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
+
+
+@pytest.fixture
+def browser(tmp_path: Path) -> Iterator[DevTools]:
+    with open_browser(tmp_path / "profile") as devtools:
+        yield devtools
 
 
 def test_page_lists_voices_and_speaks_as_it_streams(browser: DevTools, tmp_path: Path) -> None:

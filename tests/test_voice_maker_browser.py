@@ -15,8 +15,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
-import shutil
-import subprocess
 import time
 import wave
 from collections.abc import Iterator
@@ -31,7 +29,7 @@ pytest.importorskip("starlette", reason="the http extra is not installed")
 uvicorn = pytest.importorskip("uvicorn")
 
 from starlette.types import Receive, Scope, Send  # noqa: E402
-from test_http_browser import CHROMIUM, FLAGS, DevTools  # noqa: E402
+from test_http_browser import DevTools, open_browser  # noqa: E402
 from test_voice_maker import describe, voice_server  # noqa: E402
 from voice_maker_helpers import WYOMING_ENTRIES, StandInHomeAssistant, StandInStt  # noqa: E402
 from voice_signals import speech_like, wav_bytes, white_noise  # noqa: E402
@@ -108,34 +106,10 @@ def microphone(tmp_path: Path) -> Path:
 
 @pytest.fixture
 def browser(tmp_path: Path, microphone: Path) -> Iterator[DevTools]:
-    if not (Path(CHROMIUM).is_file() or shutil.which(CHROMIUM)):
-        pytest.skip(f"Debian's chromium is not installed ({CHROMIUM}); CI installs it with "
-                    "apt-get install chromium")  # fmt: skip
-    profile = tmp_path / "profile"
-    flags = [*FLAGS, "--use-fake-ui-for-media-stream", "--use-fake-device-for-media-stream",
+    flags = ["--use-fake-ui-for-media-stream", "--use-fake-device-for-media-stream",
              f"--use-file-for-fake-audio-capture={microphone}"]  # fmt: skip
-    process = subprocess.Popen([CHROMIUM, *flags, f"--user-data-dir={profile}", "about:blank"],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
-    try:
-        port_file = profile / "DevToolsActivePort"
-        deadline = time.monotonic() + 30
-        while not (port_file.is_file() and port_file.read_text().strip()):
-            assert process.poll() is None, f"chromium exited with {process.returncode}"
-            assert time.monotonic() < deadline, "chromium did not open its DevTools port"
-            time.sleep(0.1)
-        port = int(port_file.read_text().split()[0])
-        targets = httpx.get(f"http://127.0.0.1:{port}/json/list", timeout=10).json()
-        page = next(t for t in targets if t["type"] == "page")
-        devtools = DevTools(page["webSocketDebuggerUrl"])
+    with open_browser(tmp_path / "profile", flags) as devtools:
         yield devtools
-        devtools.ws.close()
-    finally:
-        process.terminate()
-        try:
-            process.wait(10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
 
 
 def maker(browser: DevTools) -> dict[str, Any]:
