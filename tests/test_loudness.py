@@ -30,6 +30,7 @@ from wyoming_cosyvoice.loudness import (
     CEILING_DBFS,
     MAX_STEP_DB,
     PeakLimiter,
+    SentenceLevel,
     VoiceLevels,
     block_powers,
     db_to_gain,
@@ -391,3 +392,35 @@ def test_settings_and_the_add_on_option_check_the_range() -> None:
     assert args[args.index("--set") + 1] == "server.volume=0.5"
     with pytest.raises(ValueError, match="'volume'"):
         addon.options_to_args({"volume": 5})
+
+
+def test_sentences_ending_together_are_measured_on_one_thread_of_their_own(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Measuring never takes the event loop, and never grows a thread per sentence ending at
+    the same time (a long-running server's thread count stays where the warm-up left it)."""
+    import threading
+
+    import wyoming_cosyvoice.loudness as module
+
+    threads: set[str] = set()
+    measure = module.block_powers
+
+    def recorded(samples: np.ndarray, rate: int) -> np.ndarray:
+        threads.add(threading.current_thread().name)
+        return measure(samples, rate)
+
+    monkeypatch.setattr(module, "block_powers", recorded)
+    levels = VoiceLevels()
+    sentences = []
+    for n in range(8):
+        sentence = SentenceLevel(f"voice{n}", 0.0, 1.0, 24000, True)
+        sentence.pcm16(np.full(24000, 0.1, np.float32))
+        sentences.append(sentence)
+
+    async def main() -> None:
+        await asyncio.gather(*(levels.request().finished(s) for s in sentences))
+
+    asyncio.run(main())
+    levels.close()
+    assert len(threads) == 1 and next(iter(threads)).startswith("loudness")

@@ -27,13 +27,17 @@ import functools
 import logging
 import math
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, TypeVar
 
 import numpy as np
 
 from wyoming_cosyvoice.voice_catalog import Voice
+
+T = TypeVar("T")
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -251,6 +255,18 @@ class VoiceLevels:
         self.target_lufs, self.volume = target_lufs, volume
         self.custom_dir, self.builtin_dir = recording_dirs
         self._voices: dict[str, _VoiceLevel] = {}
+        # Measuring runs off the event loop on one thread of its own: asyncio's shared pool
+        # would keep a thread for each sentence that ended at the same time.
+        self._measurer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="loudness")
+
+    def close(self) -> None:
+        """Let the measuring thread go (the server is shutting down)."""
+        self._measurer.shutdown(wait=False, cancel_futures=True)
+
+    async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` on the measuring thread."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._measurer, functools.partial(fn, *args))
 
     @classmethod
     def off(cls) -> VoiceLevels:
@@ -337,7 +353,7 @@ class RequestLevels:
         levels = self.levels
         if levels.measuring and voice.speaker not in self._checked:
             self._checked.add(voice.speaker)
-            if changed := await asyncio.to_thread(levels.probe_recording, voice):
+            if changed := await levels.off_loop(levels.probe_recording, voice):
                 levels.set_recording(voice, *changed)
         gain_db = levels.voice_gain_db(voice)
         last = self._last_db.get(voice.speaker)
@@ -350,6 +366,6 @@ class RequestLevels:
         """Measure a sentence that ended normally (off the event loop) for its voice's level."""
         if not self.levels.measuring:
             return
-        powers = await asyncio.to_thread(block_powers, sentence.raw(), sentence.rate)
+        powers = await self.levels.off_loop(block_powers, sentence.raw(), sentence.rate)
         if len(powers):
             self.levels.add_sentence(sentence.voice, powers)

@@ -375,6 +375,7 @@ class Scheduler:
     def shutdown(self) -> None:
         for executor in self._executors:
             executor.shutdown(wait=False, cancel_futures=True)
+        self.levels.close()
 
 
 def _torch_threads() -> int:
