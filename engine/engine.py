@@ -10,7 +10,6 @@ in a helper thread so it overlaps with the flow and vocoder (engine.lm_thread).
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import random
 import threading
@@ -30,8 +29,8 @@ from engine.runtime import (
     audio_chunks,
     extra_weight_formats,
     loaded_format,
-    one_torch_thread,
     pick_weights,
+    prepared_loads,
     setup_cpu,
     weight_pairs,
 )
@@ -138,7 +137,6 @@ class CosyVoiceEngine:
         (``SynthesisOptions.flow_weights``, ``hift_weights``); those this CPU cannot run are
         left out, as the primary ones fall back.
         """
-        from engine.prepared import PreparedLoad, WeightFormats
         from engine.text.frontend import TextFrontend
 
         setup = setup_cpu(threads, lm_int8=lm_int8, flow_int8=flow_int8, hift_bf16=hift_bf16)
@@ -148,32 +146,16 @@ class CosyVoiceEngine:
         model_dir = Path(model_dir)
         cache = Path(cache_dir) if cache_dir else None
         # Prepares what is missing, then packs the int8 layers in the background.
-        loads = [PreparedLoad(model_dir, formats, cache)]
-        if extras:
-            loads.append(
-                PreparedLoad(model_dir, WeightFormats(**extras), cache, only=tuple(extras))
-            )
-        # While the int8 layers are packed on every core, an OpenMP region here would wait for
-        # a free core, several times slower than one thread alone.
-        packing = "int8" in (formats.llm, formats.flow, extras.get("flow"))
-        single = one_torch_thread() if packing else contextlib.nullcontext()
-        try:
-            with single:
-                models = loads[0].models()
-                alternates = loads[1].assigned() if extras else {}
-                flows = {formats.flow: models.flow}
-                if "flow" in alternates:
-                    flows[extras["flow"]] = cast("FlowModel", alternates["flow"])
-                # Reordered here, on this thread while the int8 layers are packed, where it
-                # adds the least to the load time.
-                packed = sum(_estimator_on_onednn(flow, weights) for weights, flow in flows.items())
-                frontend = TextFrontend()  # built while the int8 layers are still being packed
-            for loading in loads:
-                loading.finish()
-        except BaseException:
-            for loading in loads:
-                loading.cancel()  # the layers still packing in the background stop
-            raise
+        with prepared_loads(model_dir, formats, extras, cache) as loads:
+            models = loads[0].models()
+            alternates = loads[1].assigned() if extras else {}
+            flows = {formats.flow: models.flow}
+            if "flow" in alternates:
+                flows[extras["flow"]] = cast("FlowModel", alternates["flow"])
+            # Reordered here, on this thread while the int8 layers are packed, where it adds
+            # the least to the load time.
+            packed = sum(_estimator_on_onednn(flow, weights) for weights, flow in flows.items())
+            frontend = TextFrontend()  # built while the int8 layers are still being packed
         _LOGGER.debug("%d estimator layers on oneDNN", packed)
         _LOGGER.info("Loaded %s in %.2f s", model_dir, time.perf_counter() - start)
         engine = cls(models, kind=kind, threads=threads, frontend=frontend)

@@ -21,7 +21,9 @@ from engine.thread_budget import configure_threads
 from engine.types import AudioChunk, SynthesisCancelled
 
 if TYPE_CHECKING:
-    from engine.prepared import WeightFormats
+    from pathlib import Path
+
+    from engine.prepared import ModelParts, PreparedLoad, WeightFormats
 
 _LOGGER = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -95,6 +97,41 @@ def extra_weight_formats(extra: Iterable[str], setup: CpuSetup) -> dict[str, str
         if weights != setup.formats.of(part):
             chosen[part] = weights
     return chosen
+
+
+@contextlib.contextmanager
+def prepared_loads(
+    model_dir: Path,
+    formats: WeightFormats,
+    extras: Mapping[str, str],
+    cache_dir: Path | None,
+    parts: ModelParts | None = None,
+) -> Iterator[list[PreparedLoad]]:
+    """The model's prepared load (``parts``: its family's, None: v1) in its primary formats
+    and, with ``extras``, a second one of just those parts in their extra formats: finished
+    when the block ends, cancelled (the int8 layers still packing in the background stop) when
+    it fails.
+
+    While int8 layers are packed on every core the block runs on one torch thread: an OpenMP
+    region there would wait for a free core, several times slower than one thread alone.
+    """
+    from engine.prepared import V1_PARTS, PreparedLoad, WeightFormats
+
+    family = parts or V1_PARTS
+    loads = [PreparedLoad(model_dir, formats, cache_dir, family)]
+    if extras:
+        extra = WeightFormats(**extras)
+        loads.append(PreparedLoad(model_dir, extra, cache_dir, family, only=tuple(extras)))
+    packing = "int8" in (formats.llm, formats.flow, extras.get("flow"))
+    try:
+        with one_torch_thread() if packing else contextlib.nullcontext():
+            yield loads
+        for loading in loads:
+            loading.finish()
+    except BaseException:
+        for loading in loads:
+            loading.cancel()
+        raise
 
 
 def pick_weights(loaded: Mapping[str, T], wanted: str | None) -> tuple[str, T]:

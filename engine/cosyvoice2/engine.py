@@ -32,7 +32,6 @@ Streaming schedules:
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import random
@@ -65,14 +64,13 @@ from engine.cosyvoice2.streaming import (
 from engine.flow_estimator import TransformerBlock
 from engine.lm_thread import LmTokens
 from engine.onednn_layers import use_onednn_linears
-from engine.prepared import PreparedLoad, WeightFormats
 from engine.runtime import (
     audio_chunks,
     extra_weight_formats,
     give_back_free_heap,
     loaded_format,
-    one_torch_thread,
     pick_weights,
+    prepared_loads,
     setup_cpu,
     weight_pairs,
 )
@@ -217,33 +215,18 @@ class CosyVoice2Engine:
         start = time.perf_counter()
         model_dir = Path(model_dir)
         cache = Path(cache_dir) if cache_dir else None
-        loads = [PreparedLoad(model_dir, setup.formats, cache, PARTS)]
-        if extras:
-            loads.append(
-                PreparedLoad(model_dir, WeightFormats(**extras), cache, PARTS, only=tuple(extras))
-            )
-        # While the int8 layers are packed on every core, run the rest on one thread.
-        packing = "int8" in (setup.formats.llm, setup.formats.flow, extras.get("flow"))
-        try:
-            with one_torch_thread() if packing else contextlib.nullcontext():
-                modules = loads[0].modules()
-                alternates = loads[1].assigned() if extras else {}
-                flows = {setup.formats.flow: cast("CausalFlow", modules[1])}
-                if "flow" in alternates:
-                    flows[extras["flow"]] = cast("CausalFlow", alternates["flow"])
-                for weights, flow in flows.items():
-                    if weights != "int8":
-                        # A float32 estimator's transformer layers run on oneDNN, as v1's
-                        # (engine.onednn_layers); its convolutions stay: the chunk caches read
-                        # them.
-                        use_onednn_linears(flow.decoder.estimator, TransformerBlock)
-                frontend = CosyVoice2TextFrontend(model_dir / BACKBONE_DIR)
-            for loading in loads:
-                loading.finish()
-        except BaseException:
-            for loading in loads:
-                loading.cancel()
-            raise
+        with prepared_loads(model_dir, setup.formats, extras, cache, PARTS) as loads:
+            modules = loads[0].modules()
+            alternates = loads[1].assigned() if extras else {}
+            flows = {setup.formats.flow: cast("CausalFlow", modules[1])}
+            if "flow" in alternates:
+                flows[extras["flow"]] = cast("CausalFlow", alternates["flow"])
+            for weights, flow in flows.items():
+                if weights != "int8":
+                    # A float32 estimator's transformer layers run on oneDNN, as v1's
+                    # (engine.onednn_layers); its convolutions stay: the chunk caches read them.
+                    use_onednn_linears(flow.decoder.estimator, TransformerBlock)
+            frontend = CosyVoice2TextFrontend(model_dir / BACKBONE_DIR)
         models = CosyVoice2Models.of(model_dir, loads[0].args, modules)
         _LOGGER.info("Loaded %s in %.2f s", model_dir, time.perf_counter() - start)
         engine = cls(
