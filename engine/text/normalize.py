@@ -81,29 +81,43 @@ def _normalize_zh_piece(text: str, wetext_lang: str) -> str:
     return text.replace("——", " ")
 
 
-def _normalize_en_piece(text: str) -> str:
+def _normalize_en_piece(text: str, wetext_lang: str) -> str:
     text = rules.english_rules(text)
-    text = wetext_backend.normalize(text, "auto")
+    text = wetext_backend.normalize(text, wetext_lang)
     # The official code spells leftover digit runs with inflect; ours uses the same words
     # style as wetext (no hyphens, no "and").
     return _DIGITS.sub(lambda m: en_cardinal(int(m.group(0))), text)
 
 
-def _prepare(text: str) -> str:
+def _prepare(text: str, chinese: bool | None) -> str:
     text = rules.sanitize(text)
     text = rules.strip_markdown(text)
     text = rules.remove_emoji(text)
-    text = rules.close_lines(text, contains_chinese(text))
+    text = rules.close_lines(text, contains_chinese(text) if chinese is None else chinese)
     return rules.collapse_spaces(text).strip()
 
 
-def normalize_text(text: str) -> tuple[str, bool]:
-    """Normalised text before splitting, and whether it took the Chinese path."""
-    text = _prepare(text)
-    is_zh = contains_chinese(text)
+def _wetext_language(text: str, is_zh: bool, *, forced: bool) -> str:
+    """The grammar wetext reads ``text`` with on the path taken."""
     # Japanese text with kanji takes the Chinese path (as upstream) but wetext's Japanese
     # grammar reads its numbers ([+]: upstream reads them as Chinese).
-    wetext_lang = "ja" if is_zh and _KANA.search(text) else "auto"
+    if is_zh and _KANA.search(text):
+        return "ja"
+    if not forced:
+        return "auto"
+    # A forced piece may lack the characters "auto" decides by ("，7:30" of a Chinese sentence).
+    return "zh" if is_zh else "en"
+
+
+def normalize_text(text: str, *, chinese: bool | None = None) -> tuple[str, bool]:
+    """Normalised text before splitting, and whether it took the Chinese path.
+
+    ``chinese`` forces the path (a piece of a sentence keeps the path of the whole sentence);
+    ``None`` decides from the text itself.
+    """
+    text = _prepare(text, chinese)
+    is_zh = contains_chinese(text) if chinese is None else chinese
+    wetext_lang = _wetext_language(text, is_zh, forced=chinese is not None)
     parts = _TAG.split(text)
     out = []
     for i, part in enumerate(parts):
@@ -112,7 +126,7 @@ def normalize_text(text: str) -> tuple[str, bool]:
         elif is_zh:
             out.append(_normalize_zh_piece(part, wetext_lang))
         else:
-            out.append(_normalize_en_piece(part))
+            out.append(_normalize_en_piece(part, wetext_lang))
     text = "".join(out).strip()
     if is_zh:
         text = re.sub(r"[，,、]+$", "。", text)
@@ -120,15 +134,20 @@ def normalize_text(text: str) -> tuple[str, bool]:
 
 
 def normalize(
-    text: str, *, split: bool = True, token_len: Callable[[str], int] | None = None
+    text: str,
+    *,
+    split: bool = True,
+    token_len: Callable[[str], int] | None = None,
+    chinese: bool | None = None,
 ) -> list[str]:
     """Normalise ``text`` into the segments the models synthesise one by one.
 
     ``split=False`` (prompt and instruct text) returns ``[normalised_text]`` or ``[]``.
     ``token_len`` measures English text for the split (default: whisper BPE tokens, the v1
-    vocabulary; a model with another vocabulary passes its own).
+    vocabulary; a model with another vocabulary passes its own). ``chinese`` forces the
+    language path as in :func:`normalize_text`.
     """
-    normalized, is_zh = normalize_text(text)
+    normalized, is_zh = normalize_text(text, chinese=chinese)
     if not rules.is_speakable(normalized):
         return []
     if not split:
