@@ -168,6 +168,11 @@ class SimpleSplitter:
         rest, self._buffer = self._buffer.strip(), ""
         return [*pieces, rest] if rest else pieces
 
+    @property
+    def pending(self) -> str:
+        """The sentence in progress (fed, not yet released)."""
+        return self._buffer
+
 
 # --- in-process server and client ----------------------------------------------------------
 

@@ -446,3 +446,41 @@ def test_the_auto_profile_primes_the_default_voice_for_each_profile_it_chooses_f
     # realtime, fast, fastest: each one's flow steps, guidance and weights
     settings = [(o.n_timesteps, o.cfg_rate, o.flow_weights) for o in engine.primed]
     assert settings == [(10, 0.7, "fp32"), (5, 0.7, "int8"), (4, 0.0, "int8")]
+
+
+# --- a streamed sentence spoken while it arrives ----------------------------------------------
+
+# An LLM's first sentence so far: long enough for the LM to read the voice's prompt and start.
+BEGUN = (
+    "Sure, I have turned on the kitchen lights and the lamp in the living room, and I set the "
+    "heating to twenty one degrees so that the house is warm when you come home this evening, "
+    "and I also opened the blinds in the bedroom because the sun is out and"
+)
+
+
+def test_wyoming_speaks_a_streamed_sentence_before_it_ends(
+    server: SimpleNamespace, wy: SimpleNamespace
+) -> None:
+    from wyoming.event import Event
+
+    async def go() -> tuple[Any, Any]:
+        async with wy.connect(server.port) as client:
+            await client.write_event(Event("synthesize-start", {"voice": {"name": "en-male"}}))
+            for word in BEGUN.split(" "):
+                await client.write_event(Event("synthesize-chunk", {"text": word + " "}))
+            early = await wy.read_until(client, ("audio-chunk", "error"), timeout=120)
+            await client.write_event(Event("synthesize-chunk", {"text": "the kettle is on."}))
+            await client.write_event(Event("synthesize-stop"))
+            rest = await wy.read_until(client, ("synthesize-stopped", "error"), timeout=120)
+        return early, rest
+
+    wait_for_voice(server.srv, "anna")  # the voices folder's scan holds the engine until then
+    server.lm.take()
+    early, rest = run(go())
+    # Audio before the sentence's end was sent, in the voice asked for; the sentence's usual
+    # layout was never asked for (its LM read the text as it came).
+    assert early.types == ["audio-start", "audio-chunk"], early.types
+    assert early.events[0].data["rate"] == 24000
+    assert rest.types[-1] == "synthesize-stopped" and rest.error() is None
+    assert wy.Reply(events=early.events + rest.events).samples == SAMPLES
+    assert server.lm.take() == []

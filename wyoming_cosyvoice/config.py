@@ -226,6 +226,7 @@ class ServerConfig:
     loudness: float | None = None  # LUFS every voice is brought to; None = as the model makes it
     volume: float = 1.0  # a factor on that level
     speed: float = 1.0  # speaking speed of a request that asks for none
+    early_speech: bool = True  # speak a streamed sentence while it arrives (engines that can)
 
     @property
     def effective_download_dir(self) -> Path:
@@ -433,6 +434,7 @@ _SERVER_KINDS = {
     "debug": "bool",
     "log_format": "str",
     "speed": "float+",
+    "early_speech": "bool",
 }
 _SECTIONS = ("server", "profiles", "limits", "cache", AUTO_PROFILE)
 _SCHEDULE_KINDS = {"first_hop": "int+", "growth": "float+", "max_hop": "int+", "overlap": "int"}

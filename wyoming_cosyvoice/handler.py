@@ -34,6 +34,7 @@ from wyoming.info import Attribution, Describe, Info, TtsProgram, TtsVoice, TtsV
 from wyoming.tts import SynthesizeStopped
 
 from engine.text.errors import TextInputError
+from engine.text_feed import TextFeed
 from engine.types import EngineError, SynthesisCancelled
 from engine.types import UnknownSpeakerError as EngineUnknownSpeaker
 from wyoming_cosyvoice import __version__
@@ -50,10 +51,12 @@ from wyoming_cosyvoice.protocol import (
     event_voice,
     read_event,
 )
-from wyoming_cosyvoice.scheduler import Scheduler
+from wyoming_cosyvoice.scheduler import Scheduler, speaks_growing
 from wyoming_cosyvoice.sentences import (
+    Sentence,
     SentenceStream,
     SplitterFactory,
+    has_speech,
     iter_sentences,
     opening_language,
 )
@@ -75,6 +78,9 @@ _LOGGER = logging.getLogger(__name__)
 _CHANNELS = 1
 _LINGER_S = 2.0
 _MAX_UNSENT_INFO = 16  # describe answers a client may leave unread before we stop reading
+# A sentence spoken while it arrives is cut only at its end, or after this many characters
+# without one (a long sentence is otherwise cut at a comma: the splitter's max_chars).
+GROWING_MAX_CHARS = 600
 PROGRAM_NAME = "cosyvoice"
 ATTRIBUTION = Attribution(
     name="CosyVoice by FunAudioLLM (Alibaba Tongyi Lab)",
@@ -100,6 +106,7 @@ class _Request:
     streamed: bool
     chars: int = 0
     sentences: SentenceStream | None = None  # a stream's splitter
+    growing: TextFeed | None = None  # the sentence in progress, being spoken as it arrives
 
 
 @dataclass
@@ -292,17 +299,54 @@ class EventHandler:
             request.chars += len(text)
             self._check_length(request.chars)
             assert request.sentences is not None
-            for sentence in request.sentences.feed(text):
-                request.speech.say(sentence)
+            self._say_streamed(request, request.sentences.feed(text), request.sentences.pending)
         elif kind == "synthesize-stop":
             request = self._open_stream(kind)
             assert request.sentences is not None
-            for sentence in request.sentences.flush():
-                request.speech.say(sentence)
+            self._say_streamed(request, request.sentences.flush(), None)
             request.speech.end()
             self._stream = None
         else:
             _LOGGER.debug("Ignoring %s event from %s", kind, self._peer)
+
+    def _say_streamed(
+        self, request: _Request, sentences: list[Sentence], pending: str | None
+    ) -> None:
+        """A stream's sentences the splitter released, and the text of the one in progress
+        (``pending``; None at the end). The sentence in progress is handed to the speech while
+        it grows when the engine can start it early and nothing else waits for the engine."""
+        pending = pending.lstrip() if pending is not None else None
+        growing = request.growing
+        if growing is not None:
+            if sentences:
+                growing.finish(sentences.pop(0).text)
+                growing = None
+            elif pending is None or not pending.startswith(growing.now.text):
+                growing.finish()  # released with nothing left to say
+                growing = None
+        for sentence in sentences:
+            request.speech.say(sentence)
+        if pending is not None and growing is not None:
+            growing.update(pending)
+        elif pending is not None and self._may_grow(request.speech, pending):
+            growing = request.speech.say_growing(pending)
+        if request.sentences is not None and (growing is None) != (request.growing is None):
+            request.sentences.release_long_sentences(GROWING_MAX_CHARS if growing else None)
+        request.growing = growing
+
+    def _may_grow(self, speech: Speech, pending: str) -> bool:
+        """Speak the sentence in progress while it arrives: the server allows it, the engine
+        can, the sentence has begun, and the engine would otherwise wait for it (this speech
+        has nothing else to say and no other request waits: a growing sentence holds the
+        engine until it ends)."""
+        scheduler = self._ctx.scheduler
+        return (
+            self._config.early_speech
+            and has_speech(pending)
+            and speech.idle
+            and scheduler.idle
+            and speaks_growing(scheduler.engine)
+        )
 
     def _open_stream(self, kind: str) -> _Request:
         if self._stream is None:

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from engine.constants import SAMPLE_RATE
+from engine.text_feed import TextFeed
 from engine.types import AudioChunk, SynthesisCancelled, SynthesisOptions
 from wyoming_cosyvoice.loudness import VoiceLevels
 from wyoming_cosyvoice.metrics import ServerMetrics
@@ -49,6 +50,16 @@ class Engine(Protocol):
     ) -> Iterator[AudioChunk]: ...
 
     def warmup(self) -> None: ...
+
+
+# An engine that can speak a sentence while its text is still arriving also has
+# ``synthesize_growing(text: TextFeed, options, cancel)`` (CosyVoice2); read with getattr.
+GROWING = "synthesize_growing"
+
+
+def speaks_growing(engine: object) -> bool:
+    """The engine speaks a sentence while its text is still arriving."""
+    return callable(getattr(engine, GROWING, None))
 
 
 EngineFactory = Callable[[Path, "int | None"], Engine]
@@ -239,14 +250,15 @@ class Scheduler:
 
     async def synthesize(
         self,
-        text: str,
+        text: str | TextFeed,
         options: SynthesisOptions,
         cancel: threading.Event,
         on_chunk: Callable[[AudioChunk], Awaitable[None]],
         *,
         load_timeout: float,
     ) -> None:
-        """Synthesize ``text`` (one sentence) and await ``on_chunk`` for each chunk, in order.
+        """Synthesize ``text`` (one sentence, or one still arriving: :func:`speaks_growing`
+        engines only) and await ``on_chunk`` for each chunk, in order.
 
         Waits its turn (FIFO) behind other requests. Raises ``SynthesisCancelled`` when
         ``cancel`` is set (the engine stops within one chunk) or the scheduler is stopping.
@@ -260,7 +272,7 @@ class Scheduler:
 
     async def _synthesize(
         self,
-        text: str,
+        text: str | TextFeed,
         options: SynthesisOptions,
         cancel: threading.Event,
         on_chunk: Callable[[AudioChunk], Awaitable[None]],
@@ -286,9 +298,11 @@ class Scheduler:
         try:
             if cancel.is_set() or self._stopping:
                 raise SynthesisCancelled("cancelled while queued")
-            chunks = await self._call(
-                executor, _with_threads, budget, partial(engine.synthesize, text, options, cancel)
-            )
+            if isinstance(text, str):
+                start = partial(engine.synthesize, text, options, cancel)
+            else:
+                start = partial(getattr(engine, GROWING), text, options, cancel)
+            chunks = await self._call(executor, _with_threads, budget, start)
             try:
                 next_chunk = partial(next, chunks, None)
                 while (

@@ -64,12 +64,25 @@ class SentenceStream:
 
     def __init__(self, splitter: Splitter) -> None:
         self._splitter = splitter
+        self._max_chars: int | None = getattr(splitter, "max_chars", None)
+
+    def release_long_sentences(self, after: int | None) -> None:
+        """Cut a sentence without an end after ``after`` characters instead of the splitter's
+        own limit (None: that limit again). A sentence spoken while it arrives has been read up
+        to its last word: a cut at an earlier comma would say those words twice."""
+        if self._max_chars is not None:
+            self._splitter.max_chars = self._max_chars if after is None else after  # type: ignore[attr-defined]
 
     def feed(self, fragment: str) -> list[Sentence]:
         return _sentences(self._splitter.feed(fragment))
 
     def flush(self) -> list[Sentence]:
         return _sentences(self._splitter.flush())
+
+    @property
+    def pending(self) -> str:
+        """The text fed but not yet released as a sentence ("" when the splitter cannot say)."""
+        return str(getattr(self._splitter, "pending", ""))
 
 
 def iter_sentences(text: str, splitter: Splitter | None = None) -> Iterator[Sentence]:

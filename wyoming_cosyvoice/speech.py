@@ -36,6 +36,8 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
+from engine.text.normalize import detect_language
+from engine.text_feed import TextFeed
 from engine.types import AudioChunk, EngineError, SynthesisCancelled, SynthesisOptions
 from wyoming_cosyvoice.config import AUTO_PROFILE, Limits, ProfileConfig
 from wyoming_cosyvoice.loudness import SentenceLevel
@@ -88,6 +90,22 @@ class SentenceEnd:
 
 
 SpeechEvent = SentenceStart | Audio | SentenceEnd
+
+
+@dataclass(frozen=True)
+class GrowingSentence:
+    """A sentence whose text is still arriving (an LLM's reply, streamed): the engine speaks it
+    while it grows (:meth:`Speech.say_growing`)."""
+
+    text: TextFeed
+    language: str
+
+    @property
+    def so_far(self) -> Sentence:
+        return Sentence(self.text.now.text, self.language)
+
+
+_Todo = Sentence | Iterator[Sentence] | GrowingSentence  # what a speech is given to say
 
 
 # --- per-request settings ---------------------------------------------------------------------
@@ -240,7 +258,7 @@ class Speech:
         self.engine_s = 0.0  # its sentences' time queued for and inside the engine
         self._voices_used: dict[str, None] = {}
         self._started: float | None = None
-        self._todo: asyncio.Queue[Sentence | Iterator[Sentence] | None] = asyncio.Queue()
+        self._todo: asyncio.Queue[_Todo | None] = asyncio.Queue()
         self._events: asyncio.Queue[SpeechEvent | BaseException | None] = asyncio.Queue()
         self._undelivered = 0  # samples made but not yet delivered to the client
         self._space = asyncio.Event()
@@ -255,6 +273,16 @@ class Speech:
     def say(self, sentence: Sentence) -> None:
         self._known_text.append(sentence.text)
         self._todo.put_nowait(sentence)
+
+    def say_growing(self, text: str) -> TextFeed:
+        """A sentence that has begun but not ended: the engine may start speaking it before it
+        ends. Give it the rest with :meth:`TextFeed.update` and, once it has ended, the whole
+        sentence with :meth:`TextFeed.finish` (a stream's sentences stay in order: say the next
+        ones after that)."""
+        feed = TextFeed(text)
+        self._known_text.append(text)
+        self._todo.put_nowait(GrowingSentence(feed, detect_language(text)))
+        return feed
 
     def say_all(self, sentences: Iterable[Sentence], text: str | None = None) -> None:
         """Sentences taken one at a time as the speech reaches them: a whole text given as
@@ -345,7 +373,7 @@ class Speech:
                 self._started = time.monotonic()
             self._speaking = True
             try:
-                for sentence in (item,) if isinstance(item, Sentence) else item:
+                for sentence in (item,) if isinstance(item, (Sentence, GrowingSentence)) else item:
                     await self._speak(index, sentence)
                     index += 1
             finally:
@@ -353,9 +381,11 @@ class Speech:
         if index:
             self._log_done()
 
-    async def _speak(self, index: int, sentence: Sentence) -> None:
+    async def _speak(self, index: int, item: Sentence | GrowingSentence) -> None:
         scheduler, limits = self.scheduler, self.limits
         engine = await scheduler.wait_ready(limits.load_wait_s)
+        growing = item.text if isinstance(item, GrowingSentence) else None
+        sentence = item.so_far if isinstance(item, GrowingSentence) else item
         voice, instruct = self.voices.resolve(
             scheduler.catalog, getattr(engine, "kind", None), sentence
         )
@@ -373,7 +403,7 @@ class Speech:
         try:
             await self._synthesize(
                 voice,
-                sentence.text,
+                growing or sentence.text,
                 self.settings.options(voice, instruct, sentence, self.voices.speed),
                 load_timeout=limits.load_wait_s,
             )
@@ -402,11 +432,21 @@ class Speech:
         self.settings = replace(self.settings, profile=profile)
 
     async def _synthesize(
-        self, voice: Voice, text: str, options: SynthesisOptions, *, load_timeout: float
+        self,
+        voice: Voice,
+        text: str | TextFeed,
+        options: SynthesisOptions,
+        *,
+        load_timeout: float,
     ) -> None:
         """One sentence's audio through :meth:`_on_chunk`: replayed from the repeat cache when
-        it was spoken lately, else made by the engine and kept for the next time."""
+        it was spoken lately, else made by the engine and kept for the next time (a sentence
+        still arriving is neither: its text is not known yet)."""
         scheduler = self.scheduler
+        if isinstance(text, TextFeed):
+            await scheduler.synthesize(text, options, self.cancel_event, self._on_chunk,
+                                       load_timeout=load_timeout)  # fmt: skip
+            return
         cached = scheduler.repeat_cache.lookup(text, voice, options, scheduler.catalog,
                                                count=self.front_end is not None)  # fmt: skip
         if cached.hit:

@@ -48,6 +48,7 @@ import torch
 from engine import cpu
 from engine.cosyvoice2.flow import FlowStream
 from engine.cosyvoice2.frontend import CosyVoice2TextFrontend
+from engine.cosyvoice2.growing_text import GrowingTextIds
 from engine.cosyvoice2.lm import BACKBONE_DIR
 from engine.cosyvoice2.model_dir import PARTS, CosyVoice2Models
 from engine.cosyvoice2.prompt import COSYVOICE2, VoiceConditioning, conditioning, flow_prompt
@@ -75,11 +76,13 @@ from engine.runtime import (
     weight_pairs,
 )
 from engine.start_policy import GAPLESS, estimate_speech_seconds, hold_until_gapless
+from engine.text_feed import TextFeed
 from engine.thread_budget import apply_thread_budget, vocoder_busy
 from engine.types import (
     OFFICIAL_SCHEDULE,
     AudioChunk,
     StreamSchedule,
+    SynthesisCancelled,
     SynthesisOptions,
     UnknownSpeakerError,
 )
@@ -99,6 +102,8 @@ KIND = "cosyvoice2"
 PRIMED_SETTINGS = 4
 # The HiFT noise generator's seed is the request's seed plus this (independent of the LM's).
 _NOISE_SEED_OFFSET = 1_000_003
+# How often a wait for more of a sentence's text looks at the request's cancel event.
+_TEXT_POLL_S = 0.05
 # A schedule's hops count 20 ms units (v1's 50 Hz speech tokens) for every family, so one
 # profile asks the same audio durations of both; CosyVoice2's tokens are 40 ms.
 SCHEDULE_UNITS_PER_SECOND = 50
@@ -348,28 +353,48 @@ class CosyVoice2Engine:
         seed: int,
         cancel: threading.Event | None,
     ) -> Iterator[AudioChunk]:
-        # Separate generators: the LM thread and the vocoder never share an RNG stream, so a
-        # seed reproduces the same audio whatever the thread timing.
-        lm_generator = torch.Generator().manual_seed(seed)
-        noise = self.hift_noise(seed)
-
-        def make_tokens() -> Iterator[int]:
+        def make_tokens(generator: torch.Generator) -> Iterator[int]:
             return self.models.llm.generate(
                 text_ids,
                 cond.prompt_text_ids,
                 cond.llm_prompt_tokens,
-                generator=lm_generator,
+                generator=generator,
                 max_tokens=options.force_tokens,
                 cancel=cancel,
             )
 
+        return self._speak(make_tokens, voice, cond, options, seed, cancel)
+
+    def _speak(
+        self,
+        make_tokens: Callable[[torch.Generator], Iterator[int]],
+        voice: CustomVoice,
+        cond: VoiceConditioning,
+        options: SynthesisOptions,
+        seed: int,
+        cancel: threading.Event | None,
+        *,
+        lm_stage_times: bool = True,
+    ) -> Iterator[AudioChunk]:
+        """One segment's audio from the speech tokens of ``make_tokens(generator)``.
+
+        ``lm_stage_times``: report the LM's cost (False when its tokens wait for text).
+        """
+        # Separate generators: the LM thread and the vocoder never share an RNG stream, so a
+        # seed reproduces the same audio whatever the thread timing.
+        lm_generator = torch.Generator().manual_seed(seed)
+        noise = self.hift_noise(seed)
         speech, hops = self._speech_stream(voice, cond.flow_prompt, options, noise)
         # The first chunk's tokens (all tokens when not streaming) come from this thread; the LM
         # thread takes over once that chunk is out (engine.lm_thread says why).
         first = next(hops) if speech is not None else 0
         inline = first + self.models.flow.args.pre_lookahead_len if speech is not None else None
         tokens = LmTokens(
-            make_tokens, cancel, inline=inline, threads=options.threads, on_stage=options.on_stage
+            lambda: make_tokens(lm_generator),
+            cancel,
+            inline=inline,
+            threads=options.threads,
+            on_stage=options.on_stage if lm_stage_times else None,
         )
 
         def waves() -> Generator[torch.Tensor, None, None]:
@@ -401,6 +426,91 @@ class CosyVoice2Engine:
         finally:
             chunks.close()
             tokens.close()
+
+    # --- a sentence whose text is still arriving ----------------------------------------------
+
+    def synthesize_growing(
+        self,
+        text: TextFeed,
+        options: SynthesisOptions | None = None,
+        cancel: threading.Event | None = None,
+    ) -> Iterator[AudioChunk]:
+        """Yield audio for one sentence whose text is still arriving (an LLM's reply).
+
+        The LM reads the text as it comes, interleaved with its speech (the bistream layout,
+        :class:`~engine.cosyvoice2.lm.BistreamSession`), so audio can start before the sentence
+        has ended. A sentence that ends before the LM could start is spoken the usual way, as
+        :meth:`synthesize` would. Not streamed (``options.stream`` off): the whole sentence is
+        awaited, then spoken as :meth:`synthesize` would.
+        """
+        options = options or SynthesisOptions()
+        if not options.stream:
+            yield from self.synthesize(_whole_text(text, cancel), options, cancel)
+            return
+        voice = self._voice(options.speaker)
+        cond = conditioning(
+            voice,
+            self.frontend,
+            text.now.text,
+            instruct=options.instruct,
+            language=options.language,
+        )
+        seed = options.seed if options.seed is not None else random.randrange(2**31)
+
+        def make_tokens(generator: torch.Generator) -> Iterator[int]:
+            return self._growing_tokens(text, cond, options, generator, cancel)
+
+        try:
+            yield from self._speak(
+                make_tokens, voice, cond, options, seed, cancel, lm_stage_times=False
+            )
+        finally:
+            give_back_free_heap()
+
+    def _growing_tokens(
+        self,
+        text: TextFeed,
+        cond: VoiceConditioning,
+        options: SynthesisOptions,
+        generator: torch.Generator,
+        cancel: threading.Event | None,
+    ) -> Iterator[int]:
+        """Speech tokens for a growing sentence: its safely cut pieces fed to a bistream
+        session while it grows; the usual layout when it ends before the LM could start."""
+        lm = self.models.llm
+        ids = GrowingTextIds(self.frontend)
+        session = lm.bistream(
+            cond.prompt_text_ids,
+            cond.llm_prompt_tokens,
+            generator=generator,
+            cancel=cancel,
+            max_tokens=options.force_tokens,
+        )
+        seen = None
+        while not (now := text.wait(seen, _TEXT_POLL_S)).final:
+            _check_cancel(cancel)
+            if now != seen:
+                session.feed_text(ids.update(now.text))
+                seen = now
+            yield from session.ready_tokens()
+            if session.done:
+                return
+        _check_cancel(cancel)
+        if session.cache is None:  # the LM never started: the sentence's own layout
+            segments = self.frontend.segments(now.text, split=False) if now.text.strip() else []
+            if segments:
+                yield from lm.generate(
+                    segments[0].token_ids,
+                    cond.prompt_text_ids,
+                    cond.llm_prompt_tokens,
+                    generator=generator,
+                    max_tokens=options.force_tokens,
+                    cancel=cancel,
+                )
+            return
+        session.feed_text(ids.finish(now.text))
+        session.finish()
+        yield from session.tokens()
 
     def _speech_stream(
         self,
@@ -531,6 +641,20 @@ class CosyVoice2Engine:
         """Mel frames of a voice's prompt that the flow computes again in every chunk: none
         (a voice's prompt chunks are computed once, when it is primed)."""
         return 0
+
+
+def _whole_text(text: TextFeed, cancel: threading.Event | None) -> str:
+    """The sentence once it has ended (waits; :class:`SynthesisCancelled` on ``cancel``)."""
+    now = text.now
+    while not now.final:
+        _check_cancel(cancel)
+        now = text.wait(now, _TEXT_POLL_S)
+    return now.text
+
+
+def _check_cancel(cancel: threading.Event | None) -> None:
+    if cancel is not None and cancel.is_set():
+        raise SynthesisCancelled("synthesis cancelled")
 
 
 def _starting_with(first: int, rest: Iterator[int]) -> Iterator[int]:

@@ -30,7 +30,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -378,8 +378,12 @@ class BistreamSession:
         cancel: threading.Event | None = None,
         text_timeout: float | None = None,
         observer: Callable[[Tensor, StepOut], None] | None = None,
+        max_tokens: int | None = None,
     ) -> None:
         """``forced_tokens`` / ``sampler`` replace the draws (tests; forced fills draw nothing).
+
+        ``max_tokens`` fixes the count, as :meth:`CosyVoice2LM.generate`'s (benchmarks): no
+        stop token is drawn after the end either, and the answer ends at that many tokens.
 
         ``text_timeout``: :meth:`tokens` raises :class:`TimeoutError` after waiting that long
         for text. ``observer(rows, outputs)`` sees every LM call (tests).
@@ -410,6 +414,7 @@ class BistreamSession:
         self._history: list[int] = []  # every decision, fills included (the sampler's window)
         self._yielded = 0
         self._max_len = 0
+        self._fixed_len = None if max_tokens is None else max(0, int(max_tokens))
         # decision index of the next forced fill (decisions count fills too)
         self._next_fill = self._n_speech - len(self._prompt_speech) % self._n_speech
         self._cache: KVCache | None = None
@@ -531,6 +536,8 @@ class BistreamSession:
         self._text, self._prompt_speech = [], []
         self._final = self._drawing = True
         self._max_len = int(self._fed * lm.args.max_token_text_ratio)
+        if self._fixed_len is not None:
+            self._max_len = self._fixed_len
         if self._yielded >= self._max_len:
             self._done = True
 
@@ -549,7 +556,8 @@ class BistreamSession:
                 self._observer(rows, out)
         self._last_input, self._pending = rows, []
         if self._final:
-            token = self._draw(out.logits[0], masked=())
+            fixed = self._fixed_len is not None
+            token = self._draw(out.logits[0], masked=lm.stop_tokens if fixed else ())
         elif len(self._history) == self._next_fill:
             token = lm.fill_token
         else:
@@ -566,12 +574,14 @@ class BistreamSession:
         self._yielded += 1
         if self._final and self._yielded >= self._max_len:
             self._done = True
+        elif self._fixed_len is not None and self._yielded >= self._fixed_len:
+            self._done = True
         else:
             with torch.inference_mode():
                 self._pending = [lm.embed_speech([token])]
         return token
 
-    def _draw(self, logits: Tensor, masked: Sequence[int]) -> int:
+    def _draw(self, logits: Tensor, masked: Iterable[int]) -> int:
         with torch.inference_mode():
             logp = logits.float().log_softmax(dim=0)
             for token in masked:

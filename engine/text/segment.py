@@ -213,6 +213,11 @@ class IncrementalSplitter:
         self._buffer += fragment
         return self._drain(final=False)
 
+    @property
+    def pending(self) -> str:
+        """The text fed but not yet released: the start of the sentence in progress."""
+        return self._buffer
+
     def flush(self) -> list[str]:
         """End of stream: return everything still buffered."""
         out = self._drain(final=True)
