@@ -253,7 +253,7 @@ def test_default_options_parse_with_the_server_parser(config: dict[str, Any]) ->
 
     parser = build_parser()
     every = {**config["options"], "voice": "x", "threads": 2, "streaming": False, "seed": 1,
-             "hub_endpoint": "https://hf-mirror.com", "debug_logging": True,
+             "hub_endpoint": "https://hf-mirror.com", "debug_logging": True, "early_speech": False,
              "parallel_sentences": 2, "stt_uri": "tcp://core-whisper:10300"}  # fmt: skip
     for model in addon.MODELS:
         for profile in addon.PROFILES:
@@ -271,6 +271,7 @@ def test_default_options_parse_with_the_server_parser(config: dict[str, Any]) ->
                 assert parsed.http_port == addon.INGRESS_PORT
                 assert server_config.web_voice_maker is True
                 assert server_config.parallel_sentences == options["parallel_sentences"]
+                assert server_config.early_speech is options["early_speech"]
                 assert server_config.profile.streaming is (
                     options["streaming"] and profile != "batch"
                 )

@@ -50,6 +50,7 @@ DEFAULT_OPTIONS: dict[str, Any] = {
     "threads": 0,
     "parallel_sentences": 1,
     "streaming": True,
+    "early_speech": True,
     "volume": 1.0,
     "speed": 1.0,
     "repeat_cache_mb": 64,
@@ -148,6 +149,8 @@ def options_to_args(
         args += ["--parallel-sentences", str(parallel)]
     if not _bool(options, "streaming"):
         args.append("--no-streaming")
+    if not _bool(options, "early_speech"):  # CosyVoice2: wait for each sentence's end
+        args += ["--set", "server.early_speech=false"]
     seed = _int(options, "seed", None)
     if seed is not None:
         args += ["--seed", str(seed)]
