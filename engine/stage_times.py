@@ -10,8 +10,10 @@ lm_prefill    1 per segment: the LM's way to its first speech token (text and pr
 lm_token      speech tokens sampled after the first, in the caller's thread (the first
               chunk's, or all of a non-streamed segment's: the LM thread beside the
               vocoder shares the cores and is not timed)
-flow          mel frames × ODE steps × batch rows (2 with classifier-free guidance)
-hift          seconds of mel turned into audio (left context included)
+flow          mel frames computed × ODE steps × batch rows (2 with classifier-free
+              guidance), per call: a chunk's frames with those it computes again (v1's
+              overlap and prompt, CosyVoice2's prompt's unfinished attention chunk)
+hift          seconds of mel turned into audio (left context included), per call
 ============  ==========================================================================
 
 ``weights`` names the format the stage ran in (the flow's ``fp32``/``int8``, HiFT's

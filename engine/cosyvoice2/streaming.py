@@ -182,11 +182,16 @@ class SpeechStream:
             start = time.perf_counter()
             if finalize and self.full_attention_last:
                 mel = self._full_attention_rest(tokens)
+                computed = mel.shape[2]
             else:
+                encoded = self.flow.encoded
                 # The thread count is asked again after every step: a chunk takes seconds,
                 # and the LM beside it may finish (and free its core) within one.
                 mel = self.flow.push(tokens, finalize=finalize, step_callback=self._rebalance)
-            units = flow_units(mel.shape[2], self.flow.n_timesteps, self.flow.cfg_rate or 0.0)
+                # The frames computed, the prompt's unfinished chunk's in the first included.
+                ratio = self.flow.flow.args.token_mel_ratio
+                computed = (self.flow.encoded - encoded) * ratio
+            units = flow_units(computed, self.flow.n_timesteps, self.flow.cfg_rate or 0.0)
             report(self.on_stage, "flow", self.weights[0], since(start), units)
             if self.stretcher is not None:
                 mel = self.stretcher.push(mel, finalize=finalize)
