@@ -24,11 +24,14 @@ import torch
 from conftest import FakeEngine
 
 from engine.cpu import detect
-from engine.stage_times import StageTime
+from engine.stage_times import StageTime, flow_units
 from engine.types import SynthesisOptions
 from wyoming_cosyvoice.auto_profile import (
+    CALIBRATION_TEXT,
     V1_GEOMETRY,
     AutoProfile,
+    Geometry,
+    calibration_tokens,
     choose_profile,
     geometry_of,
     plan_chunks,
@@ -143,20 +146,37 @@ def test_the_v1_plan_cuts_the_chunks_the_engine_cuts(
     assert planned == pytest.approx(made, abs=0.025)  # a mel frame's rounding per chunk
 
 
-def test_the_cosyvoice2_plan_cuts_the_chunks_the_engine_cuts(tmp_path: Path) -> None:
+def _v2_engine(tmp_path: Path) -> Any:
+    """The tiny CosyVoice2 model, without a voice."""
     from engine.family import load_engine
-    from engine.prompt.extract import PromptFeatures
-    from engine.prompt.voices import CustomVoice
 
     torch.set_num_threads(1)
     target = tmp_path / "CosyVoice2-0.5B"
     shutil.copytree(DATA / "cosyvoice2" / "tiny", target, ignore=shutil.ignore_patterns("prepared"))
-    engine = load_engine(target, threads=1)
+    return load_engine(target, threads=1)
+
+
+def _add_v2_voice(engine: Any) -> None:
+    """A 2.4 s prompt voice named ``tester``."""
+    from engine.prompt.extract import PromptFeatures
+    from engine.prompt.voices import CustomVoice
+
     g = torch.Generator().manual_seed(0)
     features = PromptFeatures(torch.randn(1, 192, generator=g),
                               torch.randint(0, 6561, (1, 60), generator=g, dtype=torch.int32),
                               torch.randn(1, 120, 80, generator=g))  # fmt: skip
     engine.add_voice(CustomVoice("tester", "Hello.", "en", features, 2.0, family="cosyvoice2"))
+
+
+@pytest.fixture(scope="module")
+def v2_engine(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    engine = _v2_engine(tmp_path_factory.mktemp("v2"))
+    _add_v2_voice(engine)
+    return engine
+
+
+def test_the_cosyvoice2_plan_cuts_the_chunks_the_engine_cuts(v2_engine: Any) -> None:
+    engine = v2_engine
     geometry = geometry_of(engine)
     assert geometry.family == "cosyvoice2" and geometry.token_rate == engine.token_rate
     for profile in (REALTIME, FASTEST):
@@ -164,6 +184,226 @@ def test_the_cosyvoice2_plan_cuts_the_chunks_the_engine_cuts(tmp_path: Path) -> 
             made = _durations(engine, profile, tokens, speaker="tester")
             planned = [chunk.audio_s for chunk in plan_chunks(profile, tokens, geometry)]
             assert planned == pytest.approx(made, abs=0.045), (profile.name, tokens)
+
+
+def _heard(engine: Any, profile: Any, tokens: int, speaker: str | None = None) -> list[StageTime]:
+    options = profile.options(speaker=speaker, seed=0, instruct=None, force_tokens=tokens)
+    heard: list[StageTime] = []
+    for _ in engine.synthesize(CALIBRATION_TEXT, replace(options, on_stage=heard.append)):
+        pass
+    return heard
+
+
+def _planned_work(profile: Any, tokens: int, geometry: Geometry) -> tuple[list[float], list[float]]:
+    """Each planned chunk's flow units and HiFT seconds."""
+    per_frame = flow_units(1, profile.n_timesteps, profile.cfg_rate)
+    chunks = plan_chunks(profile, tokens, geometry)
+    return [c.flow_frames * per_frame for c in chunks], [c.hift_s for c in chunks]
+
+
+@pytest.mark.parametrize("family", ["cosyvoice", "cosyvoice2"])
+def test_the_engine_reports_each_calls_work_as_the_plan_counts_it(
+    v1_engine: Any, v2_engine: Any, family: str
+) -> None:
+    """A streamed request's flow and HiFT calls report the units the plan costs them in: the
+    frames the flow computes (CosyVoice2's first chunk computes the prompt's unfinished
+    attention chunk too), the seconds HiFT is fed."""
+    engine, speaker = (v1_engine, None) if family == "cosyvoice" else (v2_engine, "tester")
+    geometry = geometry_of(engine)
+    assert geometry == GEOMETRIES[family]  # the fake engine below cuts as this one does
+    for profile in (REALTIME, FAST, FASTEST):
+        tokens = calibration_tokens(profile, geometry)
+        heard = _heard(engine, profile, tokens, speaker)
+        flow, hift = _planned_work(profile, tokens, geometry)
+        per_frame = flow_units(1, profile.n_timesteps, profile.cfg_rate)
+        reported = [t.units for t in heard if t.stage == "flow"]
+        assert reported == pytest.approx(flow, abs=per_frame), profile.name  # a frame's rounding
+        fed = [t.units for t in heard if t.stage == "hift"]
+        assert fed == pytest.approx(hift, abs=0.025), profile.name
+
+
+# --- the calibration --------------------------------------------------------------------------
+
+
+V2_GEOMETRY = Geometry(
+    family="cosyvoice2",
+    token_rate=25,
+    frames_per_token=2,
+    overlap_tokens=0,
+    lookahead_tokens=3,
+    chunk_tokens=25,
+    held_back_s=0.16,
+    hift_context_s=0.16,
+)
+# The default voice's prompt: 5 s, whose 250 mel frames the CosyVoice2 flow attends to.
+PROMPT_FRAMES = 250
+
+
+class TimedEngine:
+    """A fake engine that reports what a request's stages would cost on a small machine,
+    modelled beyond the meter's lines: the LM's way to its first token grows with the text,
+    each flow ODE step costs a fixed part and, per frame, more the more frames it attends to
+    (CosyVoice2: the prompt's and the earlier chunks'). Its chunks are the engine's (the test
+    above ties the plan to them). Keeps each request's text and options."""
+
+    weight_formats = {"flow": ("fp32", "int8"), "hift": ("fp32", "bf16")}
+    FLOW_STEP_S = 0.02
+    FLOW_FRAME_S = {"fp32": 0.9e-3, "int8": 0.65e-3}  # per frame and batch row
+    HIFT = {"fp32": (0.03, 0.3), "bf16": (0.02, 0.15)}  # per call, per second fed
+    LM_TOKEN_S = 0.03
+
+    def __init__(self, geometry: Geometry) -> None:
+        self.geometry = geometry
+        self.kind = "sft" if geometry is V1_GEOMETRY else "cosyvoice2"
+        self.requests: list[tuple[str, SynthesisOptions]] = []
+        # What geometry_of reads of a CosyVoice2 engine (the tiny model's are the same).
+        self.token_rate, self.sample_rate = 25, 24000
+        encoder = SimpleNamespace(static_chunk_size=25)
+        flow_args = SimpleNamespace(token_mel_ratio=2, pre_lookahead_len=3, encoder=encoder)
+        self.models = SimpleNamespace(
+            flow=SimpleNamespace(args=flow_args), hift=SimpleNamespace(upp=480)
+        )
+
+    def prefill_s(self, text: str) -> float:
+        return 0.25 + 0.005 * len(text)
+
+    def flow_s(
+        self, weights: str, options: SynthesisOptions, frames: float, context: float
+    ) -> float:
+        rows = 2 if options.cfg_rate > 0 else 1
+        per_frame = self.FLOW_FRAME_S[weights] * (1 + context / 500)
+        return options.n_timesteps * (self.FLOW_STEP_S + rows * frames * per_frame)
+
+    def synthesize(self, text: str, options: SynthesisOptions) -> Iterator[None]:
+        self.requests.append((text, options))
+        report = options.on_stage or (lambda time: None)
+        flow_weights, hift_weights = options.flow_weights or "fp32", options.hift_weights or "fp32"
+        profile = replace(REALTIME, stream_audio=options.stream, schedule=options.schedule)
+        assert options.force_tokens is not None
+        chunks = plan_chunks(profile, options.force_tokens, self.geometry)
+        # CosyVoice2 streams attend to the prompt; its non-streamed call computes it again.
+        v2 = self.kind == "cosyvoice2"
+        context = PROMPT_FRAMES if v2 and options.stream else 0.0
+        extra = PROMPT_FRAMES if v2 and not options.stream else 0
+        report(StageTime("lm_prefill", "", self.prefill_s(text), 1))
+        for index, chunk in enumerate(chunks):
+            if index == 1 or len(chunks) == 1:  # the first chunk's tokens, sampled inline
+                inline = chunks[0].tokens - 1
+                report(StageTime("lm_token", "", inline * self.LM_TOKEN_S, inline))
+            frames = chunk.flow_frames + extra
+            units = flow_units(1, options.n_timesteps, options.cfg_rate) * frames
+            seconds = self.flow_s(flow_weights, options, frames, context)
+            report(StageTime("flow", flow_weights, seconds, units))
+            call_s, per_s = self.HIFT[hift_weights]
+            report(StageTime("hift", hift_weights, call_s + per_s * chunk.hift_s, chunk.hift_s))
+            context += frames if v2 and options.stream else 0  # v1: each chunk on its own
+            yield None
+
+
+GEOMETRIES = {"cosyvoice": V1_GEOMETRY, "cosyvoice2": V2_GEOMETRY}
+
+
+def _calibrated(geometry: Geometry) -> tuple[TimedEngine, AutoProfile]:
+    engine = TimedEngine(geometry)
+    auto = AutoProfile(CONFIG.auto, CANDIDATES, CostMeter(lambda: 2))  # type: ignore[arg-type]
+    auto.calibrate(engine)
+    return engine, auto
+
+
+@pytest.mark.parametrize("family", GEOMETRIES)
+def test_the_calibration_is_a_streamed_request_of_an_answers_length(family: str) -> None:
+    """Per pair of formats, the first profile's streamed request: its schedule and steps, the
+    default voice, a sentence of an answer's length, its first chunk and the next."""
+    geometry = GEOMETRIES[family]
+    engine, _ = _calibrated(geometry)
+    assert geometry_of(engine) == geometry
+    assert [(o.flow_weights, o.hift_weights) for _, o in engine.requests] == [
+        ("fp32", "fp32"),
+        ("int8", "bf16"),
+    ]
+    for (text, options), profile in zip(engine.requests, (REALTIME, FAST), strict=True):
+        assert text == CALIBRATION_TEXT and len(text) >= 30
+        assert options.stream and options.schedule == profile.schedule
+        assert (options.n_timesteps, options.cfg_rate) == (profile.n_timesteps, profile.cfg_rate)
+        assert options.speaker is None
+        chunks = plan_chunks(profile, 10_000, geometry)
+        assert options.force_tokens == chunks[1].tokens
+
+
+@pytest.mark.parametrize("family", GEOMETRIES)
+def test_the_first_audio_predicted_is_what_a_streamed_request_pays(family: str) -> None:
+    """After the calibration, a request's predicted first audio is what a streamed request's
+    records say its first chunk took: the LM's way to the first token (for a sentence of an
+    answer's length, not for a word's), the tokens up to the chunk, the chunk's flow call and
+    its HiFT call."""
+    geometry = GEOMETRIES[family]
+    engine, auto = _calibrated(geometry)
+    costs = auto.meter.costs()
+    assert costs is not None and costs.estimated == ()
+    assert costs.lm_prefill_s == pytest.approx(engine.prefill_s(CALIBRATION_TEXT))
+    assert costs.lm_prefill_s > engine.prefill_s("Hello.") + 0.1
+    for profile in (REALTIME, FAST):  # the first of each pair of formats
+        heard: list[StageTime] = []
+        options = profile.options(speaker=None, seed=0, instruct=None, force_tokens=200)
+        for _ in engine.synthesize(CALIBRATION_TEXT, replace(options, on_stage=heard.append)):
+            pass
+        # The first record of each stage: the prefill, the first chunk's tokens, flow, HiFT.
+        firsts = {t.stage: t.seconds for t in reversed(heard)}
+        paid = sum(firsts.values())
+        predicted = predict(profile, costs, 200, geometry).first_audio_s
+        assert predicted == pytest.approx(paid, rel=0.02), profile.name
+
+
+def test_a_calls_cost_is_a_fixed_part_and_a_part_per_unit() -> None:
+    """The flow and HiFT calls of a streamed request, small and large, fit a line; calls of
+    one size cannot tell its parts apart and cost per unit."""
+    meter = CostMeter(lambda: 2)
+    meter.record(StageTime("lm_prefill", "", 0.4, 1))
+    meter.record(StageTime("lm_token", "", 0.3, 10))
+    for units, hift_s in ((1000, 0.44), (1000, 1.16), (120, 0.28)):
+        meter.record(StageTime("flow", "fp32", 0.2 + 1e-3 * units, units))
+        meter.record(StageTime("hift", "fp32", 0.03 + 0.3 * hift_s, hift_s))
+    measured = meter.costs()
+    assert measured is not None
+    assert measured.flow("fp32") == pytest.approx((0.2, 1e-3))
+    assert measured.hift("fp32") == pytest.approx((0.03, 0.3))
+    assert measured.flow("int8") == pytest.approx((0.2 * 0.75, 1e-3 * 0.75))  # guessed alike
+    assert measured.as_dict()["flow_ms_per_call"]["fp32"] == pytest.approx(200.0)
+    # The first chunk pays the flow's fixed part.
+    with_call = predict(REALTIME, measured, 100, V1_GEOMETRY).first_audio_s
+    without = predict(REALTIME, replace(measured, flow_call_s={}), 100, V1_GEOMETRY).first_audio_s
+    assert with_call == pytest.approx(without + 0.2)
+    same = CostMeter(lambda: 2)
+    for seconds in (1.2, 1.4):
+        same.record(StageTime("flow", "fp32", seconds, 1000))
+    assert same.measured()[2]["flow.fp32"] == pytest.approx((0.0, 1.22e-3))  # 0.9 : 0.1
+
+
+def test_a_fit_with_a_negative_fixed_part_costs_per_unit() -> None:
+    """Noise that tilts the line below zero at no units: the average cost per unit instead."""
+    meter = CostMeter(lambda: 2, call_alpha=0.5)
+    meter.record(StageTime("flow", "fp32", 0.05, 100))
+    meter.record(StageTime("flow", "fp32", 1.5, 1000))
+    call_s, unit_s = meter.measured()[2]["flow.fp32"]
+    assert call_s == 0.0 and unit_s == pytest.approx((0.05 + 1.5) / (100 + 1000))
+
+
+def test_without_a_voice_the_calibration_is_skipped_until_one_is_added(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The real CosyVoice2 engine: no voice, no measurement (the first request measures);
+    with one, its streamed calibration measures every stage."""
+    caplog.set_level(logging.INFO, logger="wyoming_cosyvoice.auto_profile")
+    engine = _v2_engine(tmp_path)
+    auto = AutoProfile(CONFIG.auto, CANDIDATES, CostMeter(lambda: 1))  # type: ignore[arg-type]
+    auto.calibrate(engine)
+    assert auto.meter.measured() == {}
+    assert "Stage costs not measured before the first request" in caplog.text
+    _add_v2_voice(engine)
+    auto.calibrate(engine)
+    measured = auto.meter.costs()
+    assert measured is not None and "Measured the stage costs" in caplog.text
+    assert measured.estimated == ("flow.int8", "hift.bf16")  # only fp32 is loaded
 
 
 # --- the rule ---------------------------------------------------------------------------------
@@ -410,9 +650,10 @@ def test_the_server_measures_after_the_warm_up_and_chooses_per_request(
 ) -> None:
     caplog.set_level(logging.INFO, logger="wyoming_cosyvoice.auto_profile")
     options, auto = _serve(wy, 1.0, ["Hello there.", "A long announcement. " * 12])
-    # The calibration: one request per distinct pair of formats, then the two requests.
+    # The calibration: one streamed request per distinct pair of formats, then the two requests.
     calibration = [(o.flow_weights, o.hift_weights) for o in options[:2]]
     assert calibration == [("fp32", "fp32"), ("int8", "bf16")]
+    assert all(o.stream for o in options[:2])
     short, long = options[2], options[-1]
     assert (short.n_timesteps, short.flow_weights, short.hift_weights) == (5, "int8", "bf16")
     assert (long.n_timesteps, long.cfg_rate, long.flow_weights) == (4, 0.0, "int8")  # fastest

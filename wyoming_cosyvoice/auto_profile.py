@@ -29,12 +29,13 @@ import logging
 import math
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from itertools import islice
 from typing import Any
 
 from engine.stage_times import flow_units
 from engine.start_policy import estimate_speech_seconds
-from engine.types import StreamSchedule, SynthesisOptions
+from engine.types import StreamSchedule
 from wyoming_cosyvoice.config import AutoSettings, ProfileConfig
 from wyoming_cosyvoice.stage_costs import CostMeter, StageCosts
 
@@ -47,9 +48,9 @@ _LOGGER = logging.getLogger(__name__)
 STALL_TOLERANCE_S = 0.1
 # The shortest speech a text is taken to need: a word or a number the estimate cannot count.
 MIN_SPEECH_S = 0.5
-# Speech tokens the calibration after the warm-up asks for (1.2 s of v1 audio): a chunk's worth
-# of LM, flow and HiFT work in each weight format, a few seconds on a small CPU.
-CALIBRATION_TOKENS = 60
+# The calibration's sentence: a spoken answer's length (the benchmark's reference sentence), so
+# that the LM's way to its first token is as long as a request's.
+CALIBRATION_TEXT = "您好，您咨询的iPhone15 Pro壳子有现货，支持顺丰次日达，现在下单还送钢化膜。"
 
 
 # --- how a model family cuts its work ---------------------------------------------------------
@@ -178,6 +179,14 @@ def plan_chunks(
     return chunks
 
 
+def calibration_tokens(profile: ProfileConfig, geometry: Geometry) -> int:
+    """The calibration request's speech tokens under ``profile``: its first streamed chunk and
+    the next one (the engine's last chunk after them is a small one: the flow and HiFT calls
+    of a streamed request, in three sizes for the fit of their cost)."""
+    first, second = islice(geometry.hops(profile.schedule), 2)
+    return first + second + max(geometry.overlap_tokens, geometry.lookahead_tokens)
+
+
 # --- predicting a profile ---------------------------------------------------------------------
 
 
@@ -234,15 +243,15 @@ def predict(
     loaded: Mapping[str, Sequence[str]] | None = None,
 ) -> Prediction:
     """When ``profile``'s chunks of ``n_tokens`` tokens would be ready, stage after stage."""
-    flow_s = costs.flow_s[loaded_format("flow", profile.flow_weights, loaded)]
-    hift_s = costs.hift_s[loaded_format("hift", profile.hift_weights, loaded)]
+    flow = costs.flow(loaded_format("flow", profile.flow_weights, loaded))
+    hift = costs.hift(loaded_format("hift", profile.hift_weights, loaded))
     clock, made = costs.lm_prefill_s, 1  # the prefill gives the first token
     ready, durations = [], []
     for chunk in plan_chunks(profile, n_tokens, geometry, prompt_frames):
         clock += max(0, chunk.tokens - made) * costs.lm_token_s
         made = max(made, chunk.tokens)
         units = flow_units(1, profile.n_timesteps, profile.cfg_rate) * chunk.flow_frames
-        clock += units * flow_s + chunk.hift_s * hift_s
+        clock += flow.seconds(units) + hift.seconds(chunk.hift_s)
         ready.append(clock)
         durations.append(max(0.0, chunk.audio_s))
     return Prediction(
@@ -399,22 +408,19 @@ class AutoProfile:
 
     def calibrate(self, engine: Any) -> None:
         """Measure every loaded weight format once (on the engine thread, after the warm-up):
-        one short request each, not streamed, so the stages run one after the other."""
+        per format one request as requests pay it, with the first profile's settings that runs
+        in it: streamed on its schedule, in the default voice, a sentence of an answer's length,
+        its first two chunks' worth of speech tokens and the engine's last chunk."""
         start = time.perf_counter()
+        geometry = geometry_of(engine)
         runs = 0
         for profile in self._one_per_format(getattr(engine, "weight_formats", None)):
-            options = SynthesisOptions(
-                stream=False,
-                seed=0,
-                force_tokens=CALIBRATION_TOKENS,
-                n_timesteps=profile.n_timesteps,
-                cfg_rate=profile.cfg_rate,
-                flow_weights=profile.flow_weights,
-                hift_weights=profile.hift_weights,
-                on_stage=self.meter.record,
-            )
+            tokens = calibration_tokens(profile, geometry)
+            options = profile.options(speaker=None, seed=0, instruct=None, force_tokens=tokens)
             try:
-                for _ in engine.synthesize("Hello.", options):
+                for _ in engine.synthesize(
+                    CALIBRATION_TEXT, replace(options, on_stage=self.meter.record)
+                ):
                     pass
             except Exception as err:  # e.g. no voice yet: the first requests measure instead
                 _LOGGER.info("Stage costs not measured before the first request: %s", err)

@@ -1,11 +1,17 @@
 """This machine's cost per stage of synthesis, measured by the engine and kept up to date.
 
 The engine times each piece of work it does (engine.stage_times): the LM's way to its first
-token and each token after it, the flow per mel frame·ODE step·batch row in each weight
-format, HiFT per second of audio in each format. :class:`CostMeter` keeps a running average of
-each (an exponential one: recent requests count most, one odd request does not swing it) per
-number of free cores at the time, because a busy box is a slower box: with a neighbour on one
-of two cores a stage takes up to twice as long.
+token and each token after it, each flow call (its units: mel frames·ODE steps·batch rows) in
+each weight format, each HiFT call (seconds of audio) in each format. :class:`CostMeter` keeps
+a running fit of each (an exponentially weighted one: recent calls count most, one odd call
+does not swing it) per number of free cores at the time, because a busy box is a slower box:
+with a neighbour on one of two cores a stage takes up to twice as long.
+
+The LM's figures are per unit. A flow or HiFT call costs a fixed part and a part per unit
+(:class:`LineCost`), fitted through the calls of streamed requests: a streamed answer's first
+chunk is a small call, dearer per frame than a long one (the work per ODE step that does not
+shrink with the chunk, and CosyVoice2's attention to the prompt's frames), so a cost per unit
+fitted to big calls would promise its first audio too early.
 
 :meth:`CostMeter.costs` answers for the cores free now. A figure measured with another number
 of free cores stands in, scaled by the ratio of cores when fewer are free now (a conservative
@@ -18,13 +24,16 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 from engine.stage_times import StageTime
 
-# The weight of a new measurement in its running average.
+# The weight of a new measurement in its running fit. The LM reports once per sentence, the
+# flow and HiFT once per chunk, so their calls weigh less: a request moves their fit about as
+# much, and the fit keeps calls of several sizes (the last requests' first and last chunks).
 ALPHA = 0.3
+CALL_ALPHA = 0.1
 # A format that has not run yet, relative to its part's other format: the int8 flow's passes
 # are about 25 % faster than float32's, the bfloat16 HiFT about twice as fast (docs/performance.md).
 PRIOR_RATIOS: Mapping[str, Mapping[str, float]] = {
@@ -32,11 +41,66 @@ PRIOR_RATIOS: Mapping[str, Mapping[str, float]] = {
     "hift": {"fp32": 1.0, "bf16": 0.5},
 }
 LM_STAGES = ("lm_prefill", "lm_token")
+# Stages whose calls have a fixed part: the vocoder's, one call per chunk.
+CALL_STAGES = ("flow", "hift")
+# Calls whose sizes spread less than this (relative standard deviation) cannot tell a fixed
+# part from a part per unit: their cost is taken as per unit alone.
+MIN_SIZE_SPREAD = 0.05
 
 
 def stage_key(time: StageTime) -> str:
     """``lm_prefill``, ``lm_token``, ``flow.int8``, ``hift.fp32``, ..."""
     return f"{time.stage}.{time.weights}" if time.weights else time.stage
+
+
+def _stage(key: str) -> str:
+    return key.partition(".")[0]
+
+
+class LineCost(NamedTuple):
+    """The seconds of one call: ``call_s`` plus ``unit_s`` per unit of work."""
+
+    call_s: float
+    unit_s: float
+
+    def seconds(self, units: float) -> float:
+        """One call of ``units`` units (none: no call, nothing to pay)."""
+        return self.call_s + self.unit_s * units if units > 0 else 0.0
+
+    def scaled(self, factor: float) -> LineCost:
+        return LineCost(self.call_s * factor, self.unit_s * factor)
+
+
+@dataclass
+class RunningFit:
+    """An exponentially weighted least-squares line through one stage's (units, seconds)."""
+
+    mean_x: float
+    mean_y: float
+    mean_xx: float
+    mean_xy: float
+
+    @classmethod
+    def of(cls, units: float, seconds: float) -> RunningFit:
+        return cls(units, seconds, units * units, units * seconds)
+
+    def add(self, units: float, seconds: float, alpha: float) -> None:
+        """Fold one call in: it weighs ``alpha``, everything before ``1 − alpha``."""
+        self.mean_x += alpha * (units - self.mean_x)
+        self.mean_y += alpha * (seconds - self.mean_y)
+        self.mean_xx += alpha * (units * units - self.mean_xx)
+        self.mean_xy += alpha * (units * seconds - self.mean_xy)
+
+    def line(self, fixed_part: bool) -> LineCost:
+        """The fitted cost; without ``fixed_part`` (or when the fit cannot tell one, or finds
+        a negative one) the average seconds per unit."""
+        per_unit = LineCost(0.0, self.mean_y / self.mean_x)
+        variance = self.mean_xx - self.mean_x**2
+        if not fixed_part or variance <= (MIN_SIZE_SPREAD * self.mean_x) ** 2:
+            return per_unit
+        slope = (self.mean_xy - self.mean_x * self.mean_y) / variance
+        intercept = self.mean_y - slope * self.mean_x
+        return LineCost(intercept, slope) if slope > 0 and intercept >= 0 else per_unit
 
 
 @dataclass(frozen=True)
@@ -49,15 +113,26 @@ class StageCosts:
     hift_s: Mapping[str, float]  # per second of audio, by weight format
     cores: int
     estimated: tuple[str, ...] = ()  # the figures not measured with these cores
+    # The fixed part of each flow and HiFT call (a chunk), by weight format (absent: none).
+    flow_call_s: Mapping[str, float] = field(default_factory=dict)
+    hift_call_s: Mapping[str, float] = field(default_factory=dict)
+
+    def flow(self, weights: str) -> LineCost:
+        return LineCost(self.flow_call_s.get(weights, 0.0), self.flow_s[weights])
+
+    def hift(self, weights: str) -> LineCost:
+        return LineCost(self.hift_call_s.get(weights, 0.0), self.hift_s[weights])
 
     def as_dict(self) -> dict[str, Any]:
-        """For /health: milliseconds per unit, rounded."""
+        """For /health: milliseconds per unit and per call, rounded."""
         return {
             "cores": self.cores,
             "lm_prefill_ms": round(self.lm_prefill_s * 1000, 2),
             "lm_token_ms": round(self.lm_token_s * 1000, 3),
             "flow_us_per_frame_step": {k: round(v * 1e6, 2) for k, v in self.flow_s.items()},
+            "flow_ms_per_call": {k: round(v * 1000, 1) for k, v in self.flow_call_s.items()},
             "hift_ms_per_audio_s": {k: round(v * 1000, 1) for k, v in self.hift_s.items()},
+            "hift_ms_per_call": {k: round(v * 1000, 1) for k, v in self.hift_call_s.items()},
             "estimated": list(self.estimated),
         }
 
@@ -71,35 +146,47 @@ def free_cores_now(threads: int | None) -> int:
 
 
 class CostMeter:
-    """Running averages of the engine's stage costs, per number of free cores.
+    """Running fits of the engine's stage costs, per number of free cores.
 
     :meth:`record` is the engine's listener (``SynthesisOptions.on_stage``): it runs on the
-    engine's threads, so the averages are kept under a lock. ``cores_now`` says how many cores
-    a sentence gets at the moment (:func:`free_cores_now`).
+    engine's threads, so the fits are kept under a lock. ``cores_now`` says how many cores a
+    sentence gets at the moment (:func:`free_cores_now`).
     """
 
-    def __init__(self, cores_now: Callable[[], int], alpha: float = ALPHA) -> None:
+    def __init__(
+        self, cores_now: Callable[[], int], alpha: float = ALPHA, call_alpha: float = CALL_ALPHA
+    ) -> None:
         self._cores_now = cores_now
         self._alpha = alpha
+        self._call_alpha = call_alpha
         self._lock = threading.Lock()
-        self._averages: dict[int, dict[str, float]] = {}  # cores → stage key → s per unit
+        self._fits: dict[int, dict[str, RunningFit]] = {}  # cores → stage key → fit
 
     def record(self, time: StageTime) -> None:
-        """Fold one measurement into its average (the cores free now are its key)."""
+        """Fold one measurement into its fit (the cores free now are its key)."""
         if time.units <= 0 or time.seconds < 0:
             return
-        per_unit = time.seconds / time.units
         cores = max(1, self._cores_now())
         key = stage_key(time)
+        alpha = self._call_alpha if time.stage in CALL_STAGES else self._alpha
         with self._lock:
-            table = self._averages.setdefault(cores, {})
-            old = table.get(key)
-            table[key] = per_unit if old is None else old + self._alpha * (per_unit - old)
+            table = self._fits.setdefault(cores, {})
+            fit = table.get(key)
+            if fit is None:
+                table[key] = RunningFit.of(time.units, time.seconds)
+            else:
+                fit.add(time.units, time.seconds, alpha)
 
-    def measured(self) -> dict[int, dict[str, float]]:
-        """Every average, by free cores then stage key (seconds per unit)."""
+    def measured(self) -> dict[int, dict[str, LineCost]]:
+        """Every fitted cost, by free cores then stage key (seconds per call and per unit)."""
         with self._lock:
-            return {cores: dict(table) for cores, table in self._averages.items()}
+            return {
+                cores: {
+                    key: fit.line(fixed_part=_stage(key) in CALL_STAGES)
+                    for key, fit in table.items()
+                }
+                for cores, table in self._fits.items()
+            }
 
     def costs(self, cores: int | None = None) -> StageCosts | None:
         """The costs with ``cores`` free cores (None: as many as are free now); None until the
@@ -108,8 +195,8 @@ class CostMeter:
         figures, estimated = _at_cores(self.measured(), cores)
         if not all(stage in figures for stage in LM_STAGES):
             return None
-        parts = {}
-        for part in ("flow", "hift"):
+        parts: dict[str, dict[str, LineCost]] = {}
+        for part in CALL_STAGES:
             by_format = {k.partition(".")[2]: v for k, v in figures.items() if k.startswith(part)}
             if not by_format:
                 return None
@@ -119,21 +206,23 @@ class CostMeter:
                     estimated.add(f"{part}.{weights}")
             parts[part] = by_format
         return StageCosts(
-            lm_prefill_s=figures["lm_prefill"],
-            lm_token_s=figures["lm_token"],
-            flow_s=parts["flow"],
-            hift_s=parts["hift"],
+            lm_prefill_s=figures["lm_prefill"].unit_s,
+            lm_token_s=figures["lm_token"].unit_s,
+            flow_s={k: v.unit_s for k, v in parts["flow"].items()},
+            hift_s={k: v.unit_s for k, v in parts["hift"].items()},
             cores=cores,
             estimated=tuple(sorted(estimated)),
+            flow_call_s={k: v.call_s for k, v in parts["flow"].items()},
+            hift_call_s={k: v.call_s for k, v in parts["hift"].items()},
         )
 
 
 def _at_cores(
-    measured: Mapping[int, Mapping[str, float]], cores: int
-) -> tuple[dict[str, float], set[str]]:
-    """Each stage's figure with ``cores`` free cores: measured with them, else from the
-    nearest core count measured, scaled up by the ratio when fewer are free now."""
-    figures: dict[str, float] = {}
+    measured: Mapping[int, Mapping[str, LineCost]], cores: int
+) -> tuple[dict[str, LineCost], set[str]]:
+    """Each stage's cost with ``cores`` free cores: measured with them, else from the nearest
+    core count measured, scaled up by the ratio when fewer are free now."""
+    figures: dict[str, LineCost] = {}
     estimated: set[str] = set()
     keys = {key for table in measured.values() for key in table}
     for key in keys:
@@ -143,13 +232,13 @@ def _at_cores(
         # The nearest core count that measured it; between two as near, the one with fewer.
         counts = [c for c in measured if key in measured[c]]
         nearest = min(counts, key=lambda c: (abs(c - cores), c))
-        figures[key] = measured[nearest][key] * max(1.0, nearest / cores)
+        figures[key] = measured[nearest][key].scaled(max(1.0, nearest / cores))
         estimated.add(key)
     return figures, estimated
 
 
-def _from_prior(part: str, weights: str, known: Mapping[str, float]) -> float:
+def _from_prior(part: str, weights: str, known: Mapping[str, LineCost]) -> LineCost:
     """A format's cost guessed from a measured format of its part and the prior ratios."""
     ratios = PRIOR_RATIOS[part]
     other, cost = next(iter(known.items()))
-    return cost * ratios[weights] / ratios[other]
+    return cost.scaled(ratios[weights] / ratios[other])
