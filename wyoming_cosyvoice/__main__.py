@@ -27,7 +27,8 @@ from wyoming_cosyvoice.config import (
     load_config,
     parse_override,
 )
-from wyoming_cosyvoice.model import resolve_model_dir
+from wyoming_cosyvoice.model import load_cosyvoice, resolve_model_dir
+from wyoming_cosyvoice.scheduler import EngineFactory
 
 _LOGGER = logging.getLogger("wyoming_cosyvoice")
 # How long a stop waits for the engine to notice its cancelled work (it checks before every LM
@@ -168,19 +169,22 @@ async def serve(
     config: ServerConfig,
     model_dir: Path,
     http: tuple[str, int, bool, tuple[str, ...]] | None = None,
+    *,
+    engine_factory: EngineFactory = load_cosyvoice,
 ) -> int:
     """Run until SIGINT/SIGTERM (exit 0) or until the model fails to load (exit 1).
 
     ``http`` = (host, port, HTTP only, allowed origins): the HTTP API on the same scheduler.
+    ``engine_factory``: the config's loader unless given (the benchmark's launcher gives one).
     """
     from wyoming_cosyvoice.server import create_server
 
     if http is not None and http[2]:
         from wyoming_cosyvoice.http import start_model_only
 
-        running: Any = await start_model_only(config, model_dir)
+        running: Any = await start_model_only(config, model_dir, engine_factory=engine_factory)
     else:
-        running = await create_server(config, model_dir)
+        running = await create_server(config, model_dir, engine_factory=engine_factory)
     from wyoming_cosyvoice.custom_voices import CustomVoices, custom_voice_exists
 
     # Custom voices: scanned once the model has loaded, then re-scanned when the folder changes

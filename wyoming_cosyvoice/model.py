@@ -117,16 +117,19 @@ def engine_loader(config: ServerConfig) -> EngineFactory:
     and HiFT: the server profile's, ``auto``: those of every profile it chooses from) and
     cache directory; a model without built-in speakers (CosyVoice2) gets the built-in voices
     folder's voices."""
+    return partial(load_with_voices, config=config, **load_options(config))
+
+
+def load_options(config: ServerConfig) -> dict[str, Any]:
+    """:func:`load_cosyvoice`'s keywords for the config: its weight formats and cache."""
     weights = config.load.weights
-    return partial(
-        load_with_voices,
-        config=config,
-        lm_int8=weights.lm == "int8",
-        flow_int8=weights.flow == "int8",
-        hift_bf16=weights.hift == "bf16",
-        cache_dir=engine_cache_dir(config),
-        extra_formats=weights.extra,
-    )
+    return {
+        "lm_int8": weights.lm == "int8",
+        "flow_int8": weights.flow == "int8",
+        "hift_bf16": weights.hift == "bf16",
+        "cache_dir": engine_cache_dir(config),
+        "extra_formats": weights.extra,
+    }
 
 
 def load_with_voices(
