@@ -3,24 +3,17 @@ tiny model, a sentence fed through a :class:`~engine.text_feed.TextFeed`."""
 
 from __future__ import annotations
 
-import shutil
 import threading
 from collections.abc import Iterator
-from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
+from test_cosyvoice2_engine import load_tiny
 
 from engine.cosyvoice2.engine import CosyVoice2Engine
-from engine.family import load_engine
-from engine.prepared import PREPARED_DIR
-from engine.prompt.extract import PromptFeatures
-from engine.prompt.voices import CustomVoice
 from engine.text_feed import TextFeed
 from engine.types import AudioChunk, SynthesisCancelled, SynthesisOptions
 
-TINY = Path(__file__).parent / "data" / "cosyvoice2" / "tiny"
 # No sentence end: what an LLM has streamed of its first sentence so far.
 BEGUN = (
     "Sure, I have turned on the kitchen lights and the lamp in the living room, and I set the "
@@ -40,20 +33,7 @@ def _one_thread(single_torch_thread: None) -> None:
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory: pytest.TempPathFactory) -> CosyVoice2Engine:
-    target = tmp_path_factory.mktemp("v2") / "CosyVoice2-0.5B"
-    shutil.copytree(TINY, target, ignore=shutil.ignore_patterns(PREPARED_DIR))
-    torch.set_num_threads(1)
-    loaded = load_engine(target, threads=1)
-    assert isinstance(loaded, CosyVoice2Engine)
-    g = torch.Generator().manual_seed(0)
-    features = PromptFeatures(
-        torch.randn(1, 192, generator=g),
-        torch.randint(0, 6561, (1, 60), generator=g, dtype=torch.int32),
-        torch.randn(1, 120, 80, generator=g),
-    )
-    voice = CustomVoice("tester", "Hello there.", "en", features, 2.4, family="cosyvoice2")
-    loaded.add_voice(voice)
-    return loaded
+    return load_tiny(tmp_path_factory)
 
 
 def _options(**kw: object) -> SynthesisOptions:

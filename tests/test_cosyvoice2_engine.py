@@ -164,6 +164,11 @@ CASES = torch.load(DATA / "stream_cases.pt", weights_only=True)
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory: pytest.TempPathFactory) -> CosyVoice2Engine:
+    return load_tiny(tmp_path_factory)
+
+
+def load_tiny(tmp_path_factory: pytest.TempPathFactory) -> CosyVoice2Engine:
+    """The tiny v2 model loaded from a copy (one thread), with the voice ``tester``."""
     target = tmp_path_factory.mktemp("v2") / "CosyVoice2-0.5B"
     shutil.copytree(TINY, target, ignore=shutil.ignore_patterns(PREPARED_DIR))
     torch.set_num_threads(1)
