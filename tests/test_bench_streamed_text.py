@@ -4,11 +4,13 @@ timings are machine facts), and the command line's answers to bad arguments."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import shutil
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -94,6 +96,15 @@ def test_the_table_names_both_settings_and_the_gain(capsys: pytest.CaptureFixtur
     assert "1,000 ms earlier than without" in table
     rows = [line.split() for line in table.splitlines() if line.split()[:1] in (["on"], ["off"])]
     assert [row[:3] for row in rows] == [["on", "400", "-500"], ["off", "1,400", "500"]]
+
+
+def test_a_reply_the_server_refuses_ends_with_its_error(wy: SimpleNamespace) -> None:
+    async def go() -> None:
+        async with wy.fake_server({"limits.max_text_chars": 20}) as srv:
+            with pytest.raises(RuntimeError, match="server error: text of .* over the limit"):
+                await streamed_text.stream_reply(srv.port, streamed_text.DEFAULT_TEXT, 200.0)
+
+    asyncio.run(go())
 
 
 def test_the_reply_is_streamed_one_word_per_fragment() -> None:

@@ -115,6 +115,10 @@ async def stream_reply(
                 await client.write_event(Synthesize(text=text).event())
                 await client.write_event(SynthesizeStop().event())
             heard = await reply
+        except OSError:
+            if reply.done():  # the server ended the reply: its error says why, not the socket's
+                await reply
+            raise
         finally:
             reply.cancel()
     first = heard["first_audio_at"]
