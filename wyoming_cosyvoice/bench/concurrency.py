@@ -272,6 +272,16 @@ def run(
     return result
 
 
+def write_neighbours(result: dict[str, Any], out: TextIO) -> None:
+    """The table's line saying that busy neighbour processes ran (none: nothing)."""
+    neighbours = result.get("neighbours") or {}
+    if neighbours.get("count"):
+        out.write(
+            f"busy      {neighbours['count']} {neighbours['kind']} neighbour process(es) ran "
+            "throughout\n"
+        )
+
+
 def print_table(result: dict[str, Any], out: TextIO) -> None:
     w = out.write
     w(
@@ -280,12 +290,7 @@ def print_table(result: dict[str, Any], out: TextIO) -> None:
         f"peak RSS {result['server_peak_rss_mb'] or 0:,.0f} MB\n"
     )
     w(f"text      {result['text']}\n")
-    neighbours = result.get("neighbours") or {}
-    if neighbours.get("count"):
-        w(
-            f"busy      {neighbours['count']} {neighbours['kind']} neighbour process(es) ran "
-            "throughout\n"
-        )
+    write_neighbours(result, out)
     w("\n")
     w(
         f"{'K':>3}{'first audio ms (each)':>34}{'total ms (each)':>34}"

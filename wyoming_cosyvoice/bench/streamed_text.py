@@ -38,6 +38,7 @@ from wyoming_cosyvoice.bench.concurrency import (
     ServerProcess,
     start_server,
     wait_ready,
+    write_neighbours,
 )
 
 _LOGGER = logging.getLogger(__name__)
@@ -326,12 +327,7 @@ def print_table(result: dict[str, Any], out: TextIO) -> None:
     )
     w(f"text      {result['text']}\n")
     w(f"voice     synthetic 5 s prompt: {result['voice_transcript']}\n")
-    neighbours = result.get("neighbours") or {}
-    if neighbours.get("count"):
-        w(
-            f"busy      {neighbours['count']} {neighbours['kind']} neighbour process(es) ran "
-            "throughout\n"
-        )
+    write_neighbours(result, out)
     w("\n")
     w(
         f"{'early speech':<14}{'first audio ms':>16}{'vs text end ms':>16}{'last word ms':>14}"
