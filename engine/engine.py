@@ -16,23 +16,20 @@ import threading
 import time
 from collections.abc import Generator, Iterable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING
 
 import torch
 
-from engine import cpu
 from engine.constants import SAMPLE_RATE
+from engine.engine_base import EngineBase, by_format
 from engine.flow_estimator import TransformerBlock
 from engine.lm_thread import LmTokens
 from engine.onednn_layers import use_onednn_convs, use_onednn_linears
 from engine.runtime import (
-    audio_chunks,
     extra_weight_formats,
-    loaded_format,
     pick_weights,
     prepared_loads,
     setup_cpu,
-    weight_pairs,
 )
 from engine.start_policy import GAPLESS, estimate_speech_seconds, hold_until_gapless
 from engine.streaming import ChunkVocoder, FlowPrompt, GeneratorNoise, stream_audio, whole_audio
@@ -46,7 +43,6 @@ from engine.weights import LoadedModels
 
 if TYPE_CHECKING:
     from engine.flow import FlowModel
-    from engine.hift import HiFTGenerator
     from engine.prompt.voices import CustomVoice, ScanResult, VoiceLibrary
     from engine.text.frontend import Segment, TextFrontend
 
@@ -73,7 +69,7 @@ def _estimator_on_onednn(flow: FlowModel, weights: str) -> int:
     return packed
 
 
-class CosyVoiceEngine:
+class CosyVoiceEngine(EngineBase["FlowModel"]):
     """A loaded CosyVoice v1 model directory plus the text frontend."""
 
     def __init__(
@@ -86,6 +82,7 @@ class CosyVoiceEngine:
     ) -> None:
         from engine.text.frontend import TextFrontend
 
+        super().__init__(models.flow, models.hift)
         self.models = models
         self.model_dir = models.model_dir
         self.kind = kind or detect_model_kind(models.model_dir)
@@ -94,14 +91,6 @@ class CosyVoiceEngine:
         self.speakers: list[str] = list(models.speakers)
         self.frontend = frontend or TextFrontend()
         self.custom_voices: VoiceLibrary | None = None
-        # The prepared files load() had to prepare first (e.g. "llm.int8"; empty: none).
-        self.prepared_at_load: tuple[str, ...] = ()
-        # What load() chose for this CPU (int8 kernels, bfloat16, thread ceiling).
-        self.cpu_choices: cpu.CpuChoices | None = None
-        # The flow and HiFT by weight format: the primary ones, and any loaded beside them
-        # (``extra_formats``) for a request to choose (SynthesisOptions.flow_weights).
-        self.flows: dict[str, FlowModel] = {loaded_format(models.flow): models.flow}
-        self.hifts: dict[str, HiFTGenerator] = {loaded_format(models.hift): models.hift}
 
     @classmethod
     def load(
@@ -149,9 +138,7 @@ class CosyVoiceEngine:
         with prepared_loads(model_dir, formats, extras, cache) as loads:
             models = loads[0].models()
             alternates = loads[1].assigned() if extras else {}
-            flows = {formats.flow: models.flow}
-            if "flow" in alternates:
-                flows[extras["flow"]] = cast("FlowModel", alternates["flow"])
+            flows = by_format("flow", (formats.flow, models.flow), alternates, extras)
             # Reordered here, on this thread while the int8 layers are packed, where it adds
             # the least to the load time.
             packed = sum(_estimator_on_onednn(flow, weights) for weights, flow in flows.items())
@@ -159,23 +146,9 @@ class CosyVoiceEngine:
         _LOGGER.debug("%d estimator layers on oneDNN", packed)
         _LOGGER.info("Loaded %s in %.2f s", model_dir, time.perf_counter() - start)
         engine = cls(models, kind=kind, threads=threads, frontend=frontend)
-        engine.flows = flows
-        engine.hifts = {formats.hift: models.hift}
-        if "hift" in alternates:
-            engine.hifts[extras["hift"]] = cast("HiFTGenerator", alternates["hift"])
-        engine.prepared_at_load = tuple(name for load in loads for name in load.prepared_now)
-        engine.cpu_choices = choices
+        hifts = by_format("hift", (formats.hift, models.hift), alternates, extras)
+        engine._record_load(flows, hifts, loads, choices)
         return engine
-
-    @property
-    def weight_formats(self) -> dict[str, tuple[str, ...]]:
-        """The loaded formats of the flow and HiFT, the primary one first."""
-        return {"flow": tuple(self.flows), "hift": tuple(self.hifts)}
-
-    @property
-    def hift_dtype(self) -> str:
-        """``float32`` or ``bfloat16``: what HiFT's filter runs in."""
-        return str(self.models.hift.filter_dtype).removeprefix("torch.")
 
     # --- voices ---------------------------------------------------------------------------
 
@@ -317,12 +290,7 @@ class CosyVoiceEngine:
             else:
                 yield whole_audio(tokens, vocoder)
 
-        chunks = waves()
-        try:
-            yield from audio_chunks(chunks, self.sample_rate, cancel)
-        finally:
-            chunks.close()
-            tokens.close()
+        yield from self._segment_audio(waves(), tokens, cancel)
 
     def warmup(self) -> None:
         """Run one short synthesis so the first real request is not slower than later ones."""
@@ -330,19 +298,8 @@ class CosyVoiceEngine:
             _LOGGER.info("No built-in speaker: warm-up skipped")
             return
         start = time.perf_counter()
-        # One streamed chunk plus a final one: every code path runs once, at low cost, in
-        # each loaded weight format.
-        for flow_weights, hift_weights in weight_pairs(self.flows, self.hifts):
-            options = SynthesisOptions(
-                stream=True,
-                seed=0,
-                force_tokens=50,
-                n_timesteps=2,
-                flow_weights=flow_weights,
-                hift_weights=hift_weights,
-            )
-            for _ in self.synthesize("Hello.", options):
-                pass
+        # One streamed chunk plus a final one, in each loaded weight format.
+        self._speak_in_each_format(None, force_tokens=50)
         _LOGGER.info("Warm-up took %.2f s", time.perf_counter() - start)
 
     def flow_prompt_frames(self, speaker: str | None) -> int:

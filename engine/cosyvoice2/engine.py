@@ -45,7 +45,6 @@ from typing import TYPE_CHECKING, cast
 
 import torch
 
-from engine import cpu
 from engine.cosyvoice2.flow import FlowStream
 from engine.cosyvoice2.frontend import CosyVoice2TextFrontend
 from engine.cosyvoice2.growing_text import GrowingTextIds
@@ -62,18 +61,16 @@ from engine.cosyvoice2.streaming import (
     stream_audio,
     whole_audio,
 )
+from engine.engine_base import EngineBase, by_format
 from engine.flow_estimator import TransformerBlock
 from engine.lm_thread import LmTokens
 from engine.onednn_layers import use_onednn_linears
 from engine.runtime import (
-    audio_chunks,
     extra_weight_formats,
     give_back_free_heap,
-    loaded_format,
     pick_weights,
     prepared_loads,
     setup_cpu,
-    weight_pairs,
 )
 from engine.start_policy import GAPLESS, estimate_speech_seconds, hold_until_gapless
 from engine.text_feed import TextFeed
@@ -89,7 +86,6 @@ from engine.types import (
 
 if TYPE_CHECKING:
     from engine.cosyvoice2.flow import CausalFlow
-    from engine.hift import HiFTGenerator
     from engine.prompt.voices import CustomVoice, ScanResult, VoiceLibrary
 
 _LOGGER = logging.getLogger(__name__)
@@ -154,7 +150,7 @@ class _Primed:
     stream: FlowStream
 
 
-class CosyVoice2Engine:
+class CosyVoice2Engine(EngineBase["CausalFlow"]):
     """A loaded CosyVoice2 model directory plus its text frontend and voices."""
 
     def __init__(
@@ -165,6 +161,7 @@ class CosyVoice2Engine:
         frontend: CosyVoice2TextFrontend | None = None,
         flow_cache_dtype: torch.dtype | None = torch.float16,
     ) -> None:
+        super().__init__(models.flow, models.hift)
         self.models = models
         self.model_dir = models.model_dir
         self.kind = KIND
@@ -179,12 +176,6 @@ class CosyVoice2Engine:
         self.voices: dict[str, CustomVoice] = {}
         self.speakers: list[str] = []
         self.custom_voices: VoiceLibrary | None = None
-        self.prepared_at_load: tuple[str, ...] = ()
-        self.cpu_choices: cpu.CpuChoices | None = None
-        # The flow and HiFT by weight format: the primary ones, and any loaded beside them
-        # (``extra_formats``) for a request to choose (SynthesisOptions.flow_weights).
-        self.flows: dict[str, CausalFlow] = {loaded_format(models.flow): models.flow}
-        self.hifts: dict[str, HiFTGenerator] = {loaded_format(models.hift): models.hift}
         # Where each segment's HiFT draws come from, by its seed (parity tests inject the
         # official run's draws here).
         self.hift_noise: Callable[[int], HiftNoiseSource] = seeded_noise
@@ -223,9 +214,8 @@ class CosyVoice2Engine:
         with prepared_loads(model_dir, setup.formats, extras, cache, PARTS) as loads:
             modules = loads[0].modules()
             alternates = loads[1].assigned() if extras else {}
-            flows = {setup.formats.flow: cast("CausalFlow", modules[1])}
-            if "flow" in alternates:
-                flows[extras["flow"]] = cast("CausalFlow", alternates["flow"])
+            primary = (setup.formats.flow, cast("CausalFlow", modules[1]))
+            flows = by_format("flow", primary, alternates, extras)
             for weights, flow in flows.items():
                 if weights != "int8":
                     # A float32 estimator's transformer layers run on oneDNN, as v1's
@@ -237,23 +227,9 @@ class CosyVoice2Engine:
         engine = cls(
             models, threads=setup.threads, frontend=frontend, flow_cache_dtype=flow_cache_dtype
         )
-        engine.flows = flows
-        engine.hifts = {setup.formats.hift: models.hift}
-        if "hift" in alternates:
-            engine.hifts[extras["hift"]] = cast("HiFTGenerator", alternates["hift"])
-        engine.prepared_at_load = tuple(name for load in loads for name in load.prepared_now)
-        engine.cpu_choices = setup.choices
+        hifts = by_format("hift", (setup.formats.hift, models.hift), alternates, extras)
+        engine._record_load(flows, hifts, loads, setup.choices)
         return engine
-
-    @property
-    def weight_formats(self) -> dict[str, tuple[str, ...]]:
-        """The loaded formats of the flow and HiFT, the primary one first."""
-        return {"flow": tuple(self.flows), "hift": tuple(self.hifts)}
-
-    @property
-    def hift_dtype(self) -> str:
-        """``float32`` or ``bfloat16``: what HiFT's filter runs in."""
-        return str(self.models.hift.filter_dtype).removeprefix("torch.")
 
     # --- voices ---------------------------------------------------------------------------
 
@@ -420,12 +396,7 @@ class CosyVoice2Engine:
                         weights=(flow_weights, hift_weights),
                     )
 
-        chunks = waves()
-        try:
-            yield from audio_chunks(chunks, self.sample_rate, cancel)
-        finally:
-            chunks.close()
-            tokens.close()
+        yield from self._segment_audio(waves(), tokens, cancel)
 
     # --- a sentence whose text is still arriving ----------------------------------------------
 
@@ -616,21 +587,9 @@ class CosyVoice2Engine:
             _LOGGER.info("No voice yet: warm-up skipped")
             return
         start = time.perf_counter()
-        # Two streamed chunks and a final one: every code path runs once, at low cost, in
-        # each loaded weight format.
+        # Two streamed chunks and a final one, in each loaded weight format.
         tokens = 2 * self.models.flow.args.encoder.static_chunk_size + 10
-        for flow_weights, hift_weights in weight_pairs(self.flows, self.hifts):
-            options = SynthesisOptions(
-                speaker=voice.name,
-                stream=True,
-                seed=0,
-                force_tokens=tokens,
-                n_timesteps=2,
-                flow_weights=flow_weights,
-                hift_weights=hift_weights,
-            )
-            for _ in self.synthesize("Hello.", options):
-                pass
+        self._speak_in_each_format(voice.name, force_tokens=tokens)
         with self._primed_lock:
             # The warm-up's steps are not the requests': a caller primes the settings it will
             # use (prime_voice), and a setting no request uses would hold its memory for nothing.
