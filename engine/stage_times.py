@@ -37,24 +37,51 @@ class StageTime:
     weights: str
     seconds: float
     units: float
+    # How many times the call ran its network: a flow call's ODE steps × batch rows (its cost
+    # has a part per pass: the layers' fixed work, CosyVoice2's attention to earlier frames);
+    # 1 for the other stages.
+    passes: float = 1.0
 
 
 StageListener = Callable[[StageTime], None]
 
 
-def flow_units(frames: int, n_timesteps: int, cfg_rate: float) -> float:
-    """The flow's work for ``frames`` mel frames: each ODE step runs the estimator once over
-    them, on two batch rows (conditioned and not) when guidance is on."""
-    return float(frames * n_timesteps * (2 if cfg_rate > 0 else 1))
+def flow_passes(n_timesteps: int, cfg_rate: float) -> int:
+    """The estimator's passes in one flow call: one per ODE step and batch row (two rows,
+    conditioned and not, when guidance is on)."""
+    return n_timesteps * (2 if cfg_rate > 0 else 1)
+
+
+def flow_units(frames: float, n_timesteps: int, cfg_rate: float) -> float:
+    """The flow's work for ``frames`` mel frames: each pass runs the estimator over them."""
+    return float(frames * flow_passes(n_timesteps, cfg_rate))
 
 
 def report(
-    listener: StageListener | None, stage: str, weights: str, seconds: float, units: float
+    listener: StageListener | None,
+    stage: str,
+    weights: str,
+    seconds: float,
+    units: float,
+    passes: float = 1.0,
 ) -> None:
-    """Tell ``listener`` (if any) that ``stage`` took ``seconds`` for ``units`` of work (none:
-    nothing to tell)."""
+    """Tell ``listener`` (if any) that ``stage`` took ``seconds`` for ``units`` of work in
+    ``passes`` passes (none: nothing to tell)."""
     if listener is not None and units > 0:
-        listener(StageTime(stage, weights, seconds, float(units)))
+        listener(StageTime(stage, weights, seconds, float(units), float(passes)))
+
+
+def report_flow(
+    listener: StageListener | None,
+    weights: str,
+    seconds: float,
+    frames: float,
+    n_timesteps: int,
+    cfg_rate: float,
+) -> None:
+    """Tell ``listener`` about one flow call that computed ``frames`` mel frames."""
+    passes = flow_passes(n_timesteps, cfg_rate)
+    report(listener, "flow", weights, seconds, frames * passes, passes)
 
 
 def since(start: float) -> float:

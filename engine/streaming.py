@@ -37,7 +37,7 @@ from engine.constants import (
     TOKEN_OVERLAP,
 )
 from engine.speed import MelStretcher
-from engine.stage_times import StageListener, flow_units, report, since
+from engine.stage_times import StageListener, report, report_flow, since
 from engine.thread_budget import ThreadBudget, apply_thread_budget, vocoder_busy
 from engine.types import StreamSchedule
 
@@ -150,8 +150,8 @@ class ChunkVocoder:
             cfg_rate=self.cfg_rate,
             step_callback=after_step,
         )
-        units = flow_units(n_frames, self.n_timesteps, self.cfg_rate)
-        report(self.on_stage, "flow", self.weights[0], since(start), units)
+        report_flow(self.on_stage, self.weights[0], since(start), n_frames, self.n_timesteps,
+                    self.cfg_rate)  # fmt: skip
         return mel
 
     def _hift(

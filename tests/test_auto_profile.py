@@ -24,7 +24,7 @@ import torch
 from conftest import FakeEngine
 
 from engine.cpu import detect
-from engine.stage_times import StageTime, flow_units
+from engine.stage_times import StageTime, flow_passes, flow_units
 from engine.types import SynthesisOptions
 from wyoming_cosyvoice.auto_profile import (
     CALIBRATION_TEXT,
@@ -242,13 +242,13 @@ PROMPT_FRAMES = 250
 class TimedEngine:
     """A fake engine that reports what a request's stages would cost on a small machine,
     modelled beyond the meter's lines: the LM's way to its first token grows with the text,
-    each flow ODE step costs a fixed part and, per frame, more the more frames it attends to
-    (CosyVoice2: the prompt's and the earlier chunks'). Its chunks are the engine's (the test
-    above ties the plan to them). Keeps each request's text and options."""
+    each flow pass (ODE step and batch row) costs a fixed part and, per frame, more the more
+    frames it attends to (CosyVoice2: the prompt's and the earlier chunks'). Its chunks are the
+    engine's (the test above ties the plan to them). Keeps each request's text and options."""
 
     weight_formats = {"flow": ("fp32", "int8"), "hift": ("fp32", "bf16")}
-    FLOW_STEP_S = 0.02
-    FLOW_FRAME_S = {"fp32": 0.9e-3, "int8": 0.65e-3}  # per frame and batch row
+    FLOW_PASS_S = 0.01  # per ODE step and batch row
+    FLOW_FRAME_S = {"fp32": 0.9e-3, "int8": 0.65e-3}  # per frame and pass
     HIFT = {"fp32": (0.03, 0.3), "bf16": (0.02, 0.15)}  # per call, per second fed
     LM_TOKEN_S = 0.03
 
@@ -272,7 +272,7 @@ class TimedEngine:
     ) -> float:
         rows = 2 if options.cfg_rate > 0 else 1
         per_frame = self.FLOW_FRAME_S[weights] * (1 + context / 500)
-        return options.n_timesteps * (self.FLOW_STEP_S + rows * frames * per_frame)
+        return options.n_timesteps * rows * (self.FLOW_PASS_S + frames * per_frame)
 
     def synthesize(self, text: str, options: SynthesisOptions) -> Iterator[None]:
         self.requests.append((text, options))
@@ -291,9 +291,9 @@ class TimedEngine:
                 inline = chunks[0].tokens - 1
                 report(StageTime("lm_token", "", inline * self.LM_TOKEN_S, inline))
             frames = chunk.flow_frames + extra
-            units = flow_units(1, options.n_timesteps, options.cfg_rate) * frames
+            passes = flow_passes(options.n_timesteps, options.cfg_rate)
             seconds = self.flow_s(flow_weights, options, frames, context)
-            report(StageTime("flow", flow_weights, seconds, units))
+            report(StageTime("flow", flow_weights, seconds, passes * frames, passes))
             call_s, per_s = self.HIFT[hift_weights]
             report(StageTime("hift", hift_weights, call_s + per_s * chunk.hift_s, chunk.hift_s))
             context += frames if v2 and options.stream else 0  # v1: each chunk on its own
@@ -355,28 +355,44 @@ def test_the_first_audio_predicted_is_what_a_streamed_request_pays(family: str) 
 
 
 def test_a_calls_cost_is_a_fixed_part_and_a_part_per_unit() -> None:
-    """The flow and HiFT calls of a streamed request, small and large, fit a line; calls of
-    one size cannot tell its parts apart and cost per unit."""
+    """The flow and HiFT calls of a streamed request, small and large, fit a line (the flow's
+    per pass); calls of one size cannot tell its parts apart and cost per unit."""
     meter = CostMeter(lambda: 2)
     meter.record(StageTime("lm_prefill", "", 0.4, 1))
     meter.record(StageTime("lm_token", "", 0.3, 10))
-    for units, hift_s in ((1000, 0.44), (1000, 1.16), (120, 0.28)):
-        meter.record(StageTime("flow", "fp32", 0.2 + 1e-3 * units, units))
+    for units, hift_s in ((1000, 0.44), (1000, 1.16), (120, 0.28)):  # 20 passes: realtime's
+        meter.record(StageTime("flow", "fp32", 20 * 0.01 + 1e-3 * units, units, 20))
         meter.record(StageTime("hift", "fp32", 0.03 + 0.3 * hift_s, hift_s))
     measured = meter.costs()
     assert measured is not None
-    assert measured.flow("fp32") == pytest.approx((0.2, 1e-3))
+    assert measured.flow("fp32") == pytest.approx((0.01, 1e-3))
     assert measured.hift("fp32") == pytest.approx((0.03, 0.3))
-    assert measured.flow("int8") == pytest.approx((0.2 * 0.75, 1e-3 * 0.75))  # guessed alike
-    assert measured.as_dict()["flow_ms_per_call"]["fp32"] == pytest.approx(200.0)
-    # The first chunk pays the flow's fixed part.
+    assert measured.flow("int8") == pytest.approx((0.01 * 0.75, 1e-3 * 0.75))  # guessed alike
+    assert measured.as_dict()["flow_ms_per_pass"]["fp32"] == pytest.approx(10.0)
+    # The first chunk pays the flow's fixed part, once per pass.
     with_call = predict(REALTIME, measured, 100, V1_GEOMETRY).first_audio_s
     without = predict(REALTIME, replace(measured, flow_call_s={}), 100, V1_GEOMETRY).first_audio_s
-    assert with_call == pytest.approx(without + 0.2)
+    assert with_call == pytest.approx(without + 20 * 0.01)
     same = CostMeter(lambda: 2)
     for seconds in (1.2, 1.4):
         same.record(StageTime("flow", "fp32", seconds, 1000))
     assert same.measured()[2]["flow.fp32"] == pytest.approx((0.0, 1.22e-3))  # 0.9 : 0.1
+
+
+def test_a_profile_without_guidance_is_predicted_from_one_with_it() -> None:
+    """The flow's fit is per pass (ODE step and batch row): a profile with other steps and no
+    guidance pays its own number of passes of the fixed part."""
+    meter = CostMeter(lambda: 2)
+    fast, fastest = FAST, FASTEST
+    assert flow_passes(fast.n_timesteps, fast.cfg_rate) == 10
+    for frames in (50, 50, 6):  # the calibration's calls: first chunk, next one, the last
+        passes = flow_passes(fast.n_timesteps, fast.cfg_rate)
+        seconds = passes * (0.03 + 1e-3 * frames)
+        meter.record(StageTime("flow", "int8", seconds, passes * frames, passes))
+    costs = meter.measured()[2]["flow.int8"]
+    passes = flow_passes(fastest.n_timesteps, fastest.cfg_rate)
+    assert passes == 4
+    assert costs.seconds(passes * 50, passes) == pytest.approx(4 * (0.03 + 1e-3 * 50))
 
 
 def test_a_fit_with_a_negative_fixed_part_costs_per_unit() -> None:

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field, replace
 from itertools import islice
 from typing import Any
 
-from engine.stage_times import flow_units
+from engine.stage_times import flow_passes
 from engine.start_policy import estimate_speech_seconds
 from engine.types import StreamSchedule
 from wyoming_cosyvoice.config import AutoSettings, ProfileConfig
@@ -250,8 +250,8 @@ def predict(
     for chunk in plan_chunks(profile, n_tokens, geometry, prompt_frames):
         clock += max(0, chunk.tokens - made) * costs.lm_token_s
         made = max(made, chunk.tokens)
-        units = flow_units(1, profile.n_timesteps, profile.cfg_rate) * chunk.flow_frames
-        clock += flow.seconds(units) + hift.seconds(chunk.hift_s)
+        passes = flow_passes(profile.n_timesteps, profile.cfg_rate)
+        clock += flow.seconds(passes * chunk.flow_frames, passes) + hift.seconds(chunk.hift_s)
         ready.append(clock)
         durations.append(max(0.0, chunk.audio_s))
     return Prediction(

@@ -7,11 +7,13 @@ a running fit of each (an exponentially weighted one: recent calls count most, o
 does not swing it) per number of free cores at the time, because a busy box is a slower box:
 with a neighbour on one of two cores a stage takes up to twice as long.
 
-The LM's figures are per unit. A flow or HiFT call costs a fixed part and a part per unit
-(:class:`LineCost`), fitted through the calls of streamed requests: a streamed answer's first
-chunk is a small call, dearer per frame than a long one (the work per ODE step that does not
+The LM's figures are per unit. A flow or HiFT call costs a fixed part per pass and a part per
+unit (:class:`LineCost`), fitted through the calls of streamed requests: a streamed answer's
+first chunk is a small call, dearer per frame than a long one (the work per pass that does not
 shrink with the chunk, and CosyVoice2's attention to the prompt's frames), so a cost per unit
-fitted to big calls would promise its first audio too early.
+fitted to big calls would promise its first audio too early. A flow call makes one pass per
+ODE step and batch row, and its fit is per pass, so a profile with other steps or no guidance
+is predicted from the calls of another (docs/dev/auto-profile.md has the measurement).
 
 :meth:`CostMeter.costs` answers for the cores free now. A figure measured with another number
 of free cores stands in, scaled by the ratio of cores when fewer are free now (a conservative
@@ -58,14 +60,15 @@ def _stage(key: str) -> str:
 
 
 class LineCost(NamedTuple):
-    """The seconds of one call: ``call_s`` plus ``unit_s`` per unit of work."""
+    """The seconds of one call: ``call_s`` per pass (a flow call's ODE steps × batch rows; one
+    for HiFT) plus ``unit_s`` per unit of work."""
 
     call_s: float
     unit_s: float
 
-    def seconds(self, units: float) -> float:
-        """One call of ``units`` units (none: no call, nothing to pay)."""
-        return self.call_s + self.unit_s * units if units > 0 else 0.0
+    def seconds(self, units: float, passes: float = 1.0) -> float:
+        """One call of ``units`` units in ``passes`` passes (none: no call, nothing to pay)."""
+        return passes * self.call_s + self.unit_s * units if units > 0 else 0.0
 
     def scaled(self, factor: float) -> LineCost:
         return LineCost(self.call_s * factor, self.unit_s * factor)
@@ -113,7 +116,8 @@ class StageCosts:
     hift_s: Mapping[str, float]  # per second of audio, by weight format
     cores: int
     estimated: tuple[str, ...] = ()  # the figures not measured with these cores
-    # The fixed part of each flow and HiFT call (a chunk), by weight format (absent: none).
+    # The fixed part of each flow pass (ODE step and batch row) and HiFT call, by weight
+    # format (absent: none).
     flow_call_s: Mapping[str, float] = field(default_factory=dict)
     hift_call_s: Mapping[str, float] = field(default_factory=dict)
 
@@ -124,13 +128,13 @@ class StageCosts:
         return LineCost(self.hift_call_s.get(weights, 0.0), self.hift_s[weights])
 
     def as_dict(self) -> dict[str, Any]:
-        """For /health: milliseconds per unit and per call, rounded."""
+        """For /health: milliseconds per unit, per flow pass and per HiFT call, rounded."""
         return {
             "cores": self.cores,
             "lm_prefill_ms": round(self.lm_prefill_s * 1000, 2),
             "lm_token_ms": round(self.lm_token_s * 1000, 3),
             "flow_us_per_frame_step": {k: round(v * 1e6, 2) for k, v in self.flow_s.items()},
-            "flow_ms_per_call": {k: round(v * 1000, 1) for k, v in self.flow_call_s.items()},
+            "flow_ms_per_pass": {k: round(v * 1000, 1) for k, v in self.flow_call_s.items()},
             "hift_ms_per_audio_s": {k: round(v * 1000, 1) for k, v in self.hift_s.items()},
             "hift_ms_per_call": {k: round(v * 1000, 1) for k, v in self.hift_call_s.items()},
             "estimated": list(self.estimated),
@@ -169,13 +173,16 @@ class CostMeter:
         cores = max(1, self._cores_now())
         key = stage_key(time)
         alpha = self._call_alpha if time.stage in CALL_STAGES else self._alpha
+        # Fitted per pass: calls of other steps and guidance share one line.
+        passes = max(1.0, time.passes)
+        units, seconds = time.units / passes, time.seconds / passes
         with self._lock:
             table = self._fits.setdefault(cores, {})
             fit = table.get(key)
             if fit is None:
-                table[key] = RunningFit.of(time.units, time.seconds)
+                table[key] = RunningFit.of(units, seconds)
             else:
-                fit.add(time.units, time.seconds, alpha)
+                fit.add(units, seconds, alpha)
 
     def measured(self) -> dict[int, dict[str, LineCost]]:
         """Every fitted cost, by free cores then stage key (seconds per call and per unit)."""

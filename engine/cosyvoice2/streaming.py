@@ -30,7 +30,7 @@ from torch import Tensor
 from engine.cosyvoice2.flow import CausalFlow, FlowStream
 from engine.hift import HiftNoise
 from engine.speed import MelStretcher, stretch_mel
-from engine.stage_times import StageListener, flow_units, report, since
+from engine.stage_times import StageListener, report, report_flow, since
 from engine.streaming import fade_in_out
 from engine.thread_budget import ThreadBudget, apply_thread_budget, vocoder_busy
 
@@ -191,8 +191,8 @@ class SpeechStream:
                 # The frames computed, the prompt's unfinished chunk's in the first included.
                 ratio = self.flow.flow.args.token_mel_ratio
                 computed = (self.flow.encoded - encoded) * ratio
-            units = flow_units(computed, self.flow.n_timesteps, self.flow.cfg_rate or 0.0)
-            report(self.on_stage, "flow", self.weights[0], since(start), units)
+            report_flow(self.on_stage, self.weights[0], since(start), computed,
+                        self.flow.n_timesteps, self.flow.cfg_rate or 0.0)  # fmt: skip
             if self.stretcher is not None:
                 mel = self.stretcher.push(mel, finalize=finalize)
             if mel.shape[2] == 0 and not finalize:
@@ -295,7 +295,7 @@ def whole_audio(
         n_timesteps=n_timesteps,
         cfg_rate=cfg_rate,
     )
-    units = flow_units(prompt.feat.shape[1] + mel.shape[2], n_timesteps, cfg_rate or 0.0)
-    report(on_stage, "flow", weights[0], since(start), units)
+    frames = prompt.feat.shape[1] + mel.shape[2]
+    report_flow(on_stage, weights[0], since(start), frames, n_timesteps, cfg_rate or 0.0)
     vocoder = VocoderStream(hift, noise, on_stage=on_stage, weights=weights[1])
     return vocoder.push(stretch_mel(mel, speed), finalize=True)
