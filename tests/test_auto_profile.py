@@ -764,3 +764,38 @@ def test_the_real_engine_measures_and_chooses(tmp_path: Path) -> None:
         log = terminate(process)
     assert "Measured the stage costs" in log and "Profile auto for" in log
     assert "Traceback" not in log
+
+
+class PrimingCostEngine(CostEngine):
+    """The cost engine with CosyVoice2's primed voices: records what it primes and lets go."""
+
+    def __init__(self, model_dir: Path, threads: int | None = None, *, scale: float) -> None:
+        super().__init__(model_dir, threads, scale=scale)
+        self.primed: list[tuple[int, float, str]] = []
+        self.let_go: list[tuple[int, float, str]] = []
+
+    def prime_voice(self, options: SynthesisOptions) -> None:
+        self.primed.append((options.n_timesteps, options.cfg_rate, options.flow_weights or ""))
+
+    def unprime_voice(self, options: SynthesisOptions) -> None:
+        self.let_go.append((options.n_timesteps, options.cfg_rate, options.flow_weights or ""))
+
+
+@pytest.mark.parametrize(("scale", "let_go"), [(1.5, [(10, 0.7, "fp32")]), (1.0, [])])
+def test_a_profile_that_cannot_start_in_time_lets_go_of_its_primed_voice(
+    wy: SimpleNamespace, scale: float, let_go: list[tuple[int, float, str]]
+) -> None:
+    """On a machine 1.5× slower than the reference one, realtime's first audio is late even for
+    a word: auto never chooses it, and its primed voice (half a gigabyte with CosyVoice2) is
+    let go after the calibration; on the reference machine realtime still answers a word in
+    time, and every profile stays primed."""
+
+    async def main() -> PrimingCostEngine:
+        engine = partial(PrimingCostEngine, scale=scale)
+        async with wy.fake_server({"server.warmup": True}, engine=engine) as srv:
+            made: PrimingCostEngine = srv.engines[0]
+            return made
+
+    engine = asyncio.run(main())
+    assert engine.primed == [(10, 0.7, "fp32"), (5, 0.7, "int8"), (4, 0.0, "int8")]
+    assert engine.let_go == let_go

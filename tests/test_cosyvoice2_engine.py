@@ -340,6 +340,19 @@ def test_the_last_voice_stays_primed_for_every_setting_it_was_asked_in(
     assert [key[:3] for key in fresh._primed] == [("other", 10, 0.7)]
 
 
+def test_a_setting_no_request_will_use_lets_go_of_its_primed_prompt(
+    fresh: CosyVoice2Engine,
+) -> None:
+    realtime = SynthesisOptions(speaker="tester")
+    fastest = SynthesisOptions(speaker="tester", n_timesteps=4, cfg_rate=0.0)
+    fresh.prime_voice(realtime)
+    fresh.prime_voice(fastest)
+    fresh.unprime_voice(realtime)
+    assert [key[:3] for key in fresh._primed] == [("tester", 4, 0.0)]
+    fresh.unprime_voice(realtime)  # nothing primed for it: nothing to do
+    assert [key[:3] for key in fresh._primed] == [("tester", 4, 0.0)]
+
+
 def test_the_warm_up_leaves_no_voice_primed(fresh: CosyVoice2Engine) -> None:
     """What the server primes (its profiles' settings) is all the primed memory it holds."""
     fresh.prime_voice(SynthesisOptions(speaker="tester"))

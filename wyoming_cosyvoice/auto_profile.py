@@ -406,6 +406,24 @@ class AutoProfile:
         _LOGGER.info("Profile auto for %s: %s, %s", client, choice.profile.name, choice.reason)
         return choice.profile
 
+    def out_of_reach(self, engine: Any) -> list[ProfileConfig]:
+        """The candidates it would choose for no text at the costs measured now (none before
+        they are): even the shortest speech's first audio comes later than the target, and
+        another candidate's comes sooner."""
+        costs = self.meter.costs()
+        if costs is None:
+            return []
+        geometry = geometry_of(engine)
+        n_tokens = max(1, math.ceil(MIN_SPEECH_S * geometry.token_rate))
+        loaded = getattr(engine, "weight_formats", None)
+        first_audio = {
+            c.name: predict(c, costs, n_tokens, geometry, loaded=loaded).first_audio_s
+            for c in self.candidates
+        }
+        soonest = min(self.candidates, key=lambda c: first_audio[c.name])
+        target = self.settings.first_audio_s
+        return [c for c in self.candidates if first_audio[c.name] > target and c is not soonest]
+
     def calibrate(self, engine: Any) -> None:
         """Measure every loaded weight format once (on the engine thread, after the warm-up):
         per format one request as requests pay it, with the first profile's settings that runs

@@ -33,6 +33,7 @@ from wyoming_cosyvoice.voice_catalog import VoiceCatalog
 
 if TYPE_CHECKING:
     from wyoming_cosyvoice.auto_profile import AutoProfile
+    from wyoming_cosyvoice.config import ProfileConfig
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -213,6 +214,7 @@ class Scheduler:
                 await self._prime(engine)
                 if self.auto is not None:
                     await self._call(self._executor, self.auto.calibrate, engine)
+                    await self._unprime(engine, self.auto.out_of_reach(engine))
             if self._shared_cores:
                 self._all_threads = await self._call(self._executor, _torch_threads)
             _LOGGER.info(
@@ -241,6 +243,18 @@ class Scheduler:
             return
         for options in self._prime_options:
             await self._call(self._executor, prime, options)
+
+    async def _unprime(self, engine: Engine, profiles: Sequence[ProfileConfig]) -> None:
+        """Let go of the default voice's primed prompt for profiles auto will not choose on this
+        machine (CosyVoice2: half a gigabyte for realtime's settings)."""
+        unprime = getattr(engine, "unprime_voice", None)
+        if unprime is None or not engine.speakers:
+            return
+        for profile in profiles:
+            options = profile.options(speaker=None, seed=None, instruct=None, force_tokens=None)
+            await self._call(self._executor, unprime, options)
+            _LOGGER.info("Profile %s cannot start in time here: its primed voice let go",
+                         profile.name)  # fmt: skip
 
     async def wait_ready(self, timeout: float) -> Engine:
         try:

@@ -538,13 +538,7 @@ class CosyVoice2Engine(EngineBase["CausalFlow"]):
         allows, for these flow settings and this cut of the prompt: computed on first use, then
         shared by forks."""
         flow_weights, flow = pick_weights(self.flows, options.flow_weights)
-        key = (
-            voice.name,
-            options.n_timesteps,
-            float(options.cfg_rate),
-            prompt.tokens.shape[1],
-            flow_weights,
-        )
+        key = self._primed_key(voice, prompt, options)
         with self._primed_lock:
             primed = self._primed.get(key)
             if primed is not None and primed.voice is voice:
@@ -568,6 +562,26 @@ class CosyVoice2Engine(EngineBase["CausalFlow"]):
             while len(self._primed) > PRIMED_SETTINGS:
                 self._primed.popitem(last=False)
             return stream
+
+    def _primed_key(
+        self, voice: CustomVoice, prompt: FlowPrompt, options: SynthesisOptions
+    ) -> tuple[str, int, float, int, str]:
+        flow_weights, _ = pick_weights(self.flows, options.flow_weights)
+        cut = prompt.tokens.shape[1]
+        return (voice.name, options.n_timesteps, float(options.cfg_rate), cut, flow_weights)
+
+    def unprime_voice(self, options: SynthesisOptions | None = None) -> None:
+        """Let go of the computed prompt chunks of ``options.speaker``'s voice (None: the
+        default voice) for the flow settings of ``options``: settings no request is expected
+        to use (a request that does computes them again)."""
+        options = options or SynthesisOptions()
+        voice = self._voice(options.speaker)
+        prompt = self._aligned_prompt(flow_prompt(voice.prompt), options.schedule)
+        with self._primed_lock:
+            dropped = self._primed.pop(self._primed_key(voice, prompt, options), None)
+        if dropped is not None:
+            del dropped
+            give_back_free_heap()
 
     def prime_voice(self, options: SynthesisOptions | None = None) -> None:
         """Compute the prompt chunks of ``options.speaker``'s voice (None: the default voice)

@@ -80,6 +80,10 @@ def run(config: AutoRunConfig) -> dict[str, Any]:
     if config.warmup:
         engine.warmup()
     auto.calibrate(engine)
+    unprime = getattr(engine, "unprime_voice", None)
+    if unprime is not None:  # as the server does: no primed voice for a profile never chosen
+        for out in auto.out_of_reach(engine):
+            unprime(out.options(speaker=speaker, seed=None, instruct=None, force_tokens=None))
     profile = auto.choose(
         config.text,
         engine=engine,
