@@ -133,39 +133,64 @@ def start_server(
     return ServerProcess(process, port, log_path)
 
 
+@dataclass
+class ReplyAudio:
+    """What a client counts of a reply's audio as its events arrive."""
+
+    first_at: float | None = None  # when the first audio came (time.perf_counter)
+    n_bytes: int = 0
+    bytes_per_s: int = 0  # the format comes with audio-start
+    blocks: int = 0  # audio-start … audio-stop blocks
+
+    def take(self, event: Any) -> None:
+        """Count one event; a server's ``error`` raises RuntimeError with its text."""
+        from wyoming.audio import AudioChunk, AudioStart
+        from wyoming.error import Error
+
+        if AudioStart.is_type(event.type):
+            audio = AudioStart.from_event(event)
+            self.bytes_per_s = audio.rate * audio.width * audio.channels
+            self.blocks += 1
+        elif AudioChunk.is_type(event.type):
+            chunk = AudioChunk.from_event(event)
+            if self.first_at is None and chunk.audio:
+                self.first_at = time.perf_counter()
+            self.n_bytes += len(chunk.audio)
+        elif Error.is_type(event.type):
+            raise RuntimeError(f"server error: {Error.from_event(event).text}")
+
+    @property
+    def audio_s(self) -> float:
+        return self.n_bytes / self.bytes_per_s if self.bytes_per_s else 0.0
+
+
+async def read_reply(client: Any, until: str, timeout: float) -> ReplyAudio:
+    """A reply's events up to the first of type ``until``, counted."""
+    reply = ReplyAudio()
+    while True:
+        event = await asyncio.wait_for(client.read_event(), timeout)
+        if event is None:
+            raise ConnectionError(f"the server closed the connection before {until}")
+        reply.take(event)
+        if event.type == until:
+            return reply
+
+
 async def request(port: int, text: str, *, timeout: float = REQUEST_TIMEOUT_S) -> dict[str, Any]:
     """One ``synthesize`` on its own connection: first-audio and total times, audio seconds."""
-    from wyoming.audio import AudioChunk, AudioStart, AudioStop
     from wyoming.client import AsyncTcpClient
-    from wyoming.error import Error
     from wyoming.tts import Synthesize
 
     start = time.perf_counter()
-    first: float | None = None
-    n_bytes, bytes_per_s = 0, 0  # the format comes with audio-start
     async with AsyncTcpClient("127.0.0.1", port) as client:
         await client.write_event(Synthesize(text=text).event())
-        while True:
-            event = await asyncio.wait_for(client.read_event(), timeout)
-            if event is None:
-                raise ConnectionError("the server closed the connection before audio-stop")
-            if AudioStart.is_type(event.type):
-                fmt = AudioStart.from_event(event)
-                bytes_per_s = fmt.rate * fmt.width * fmt.channels
-            elif AudioChunk.is_type(event.type):
-                chunk = AudioChunk.from_event(event)
-                if first is None and chunk.audio:
-                    first = time.perf_counter()
-                n_bytes += len(chunk.audio)
-            elif AudioStop.is_type(event.type):
-                break
-            elif Error.is_type(event.type):
-                raise RuntimeError(f"server error: {Error.from_event(event).text}")
+        reply = await read_reply(client, "audio-stop", timeout)
     end = time.perf_counter()
+    first = reply.first_at
     return {
         "first_audio_ms": (first - start) * 1000 if first else None,
         "total_ms": (end - start) * 1000,
-        "audio_s": n_bytes / bytes_per_s if bytes_per_s else 0.0,
+        "audio_s": reply.audio_s,
         "start": start,
         "end": end,
     }

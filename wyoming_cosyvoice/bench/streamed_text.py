@@ -36,6 +36,7 @@ from engine.bench.report import fmt
 from wyoming_cosyvoice.bench.concurrency import (
     REQUEST_TIMEOUT_S,
     ServerProcess,
+    read_reply,
     start_server,
     wait_ready,
     write_neighbours,
@@ -151,34 +152,12 @@ async def _send_fragments(
 
 async def _read_reply(client: Any, timeout: float) -> dict[str, Any]:
     """Events until ``synthesize-stopped``: when the first audio came, audio seconds, blocks."""
-    from wyoming.audio import AudioChunk, AudioStart
-    from wyoming.error import Error
-    from wyoming.tts import SynthesizeStopped
-
-    first: float | None = None
-    n_bytes, bytes_per_s, blocks = 0, 0, 0
-    while True:
-        event = await asyncio.wait_for(client.read_event(), timeout)
-        if event is None:
-            raise ConnectionError("the server closed the connection before synthesize-stopped")
-        if AudioStart.is_type(event.type):
-            audio = AudioStart.from_event(event)
-            bytes_per_s = audio.rate * audio.width * audio.channels
-            blocks += 1
-        elif AudioChunk.is_type(event.type):
-            chunk = AudioChunk.from_event(event)
-            if first is None and chunk.audio:
-                first = time.perf_counter()
-            n_bytes += len(chunk.audio)
-        elif SynthesizeStopped.is_type(event.type):
-            break
-        elif Error.is_type(event.type):
-            raise RuntimeError(f"server error: {Error.from_event(event).text}")
+    reply = await read_reply(client, "synthesize-stopped", timeout)
     return {
-        "first_audio_at": first,
+        "first_audio_at": reply.first_at,
         "stopped_at": time.perf_counter(),
-        "audio_s": n_bytes / bytes_per_s if bytes_per_s else 0.0,
-        "audio_blocks": blocks,
+        "audio_s": reply.audio_s,
+        "audio_blocks": reply.blocks,
     }
 
 
