@@ -28,6 +28,7 @@ from engine.stage_times import StageTime, flow_passes, flow_units
 from engine.types import SynthesisOptions
 from wyoming_cosyvoice.auto_profile import (
     CALIBRATION_TEXT,
+    GROWING_SPEECH_S,
     V1_GEOMETRY,
     AutoProfile,
     Geometry,
@@ -799,3 +800,24 @@ def test_a_profile_that_cannot_start_in_time_lets_go_of_its_primed_voice(
     engine = asyncio.run(main())
     assert engine.primed == [(10, 0.7, "fp32"), (5, 0.7, "int8"), (4, 0.0, "int8")]
     assert engine.let_go == let_go
+
+
+def test_a_sentence_still_arriving_is_chosen_for_as_a_long_one() -> None:
+    """Its first words say nothing of its length: it is taken to be several seconds long (it
+    starts early only then), so a machine that keeps pace with a short answer only at fast's
+    cost takes fastest for it, as for a long answer."""
+    meter = CostMeter(lambda: 2)
+    auto = AutoProfile(CONFIG.auto, CANDIDATES, meter)  # type: ignore[arg-type]
+    reference = costs(scale=0.3)
+    for weights in ("fp32", "int8"):
+        meter.record(StageTime("flow", weights, reference.flow_s[weights] * 1000, 1000))
+    for weights in ("fp32", "bf16"):
+        meter.record(StageTime("hift", weights, reference.hift_s[weights], 1))
+    meter.record(StageTime("lm_prefill", "", reference.lm_prefill_s, 1))
+    meter.record(StageTime("lm_token", "", reference.lm_token_s * 40, 40))
+    engine = SimpleNamespace(kind="sft")
+    opening = "Sure, I have"
+    whole = auto.choose(opening, engine=engine, speaker=None, client="t")
+    growing = auto.choose(opening, engine=engine, speaker=None, client="t", growing=True)
+    assert (whole.name, growing.name) == ("fast", "fastest")
+    assert auto.report()["last_choice"]["speech_s"] == GROWING_SPEECH_S

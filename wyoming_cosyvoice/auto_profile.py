@@ -48,6 +48,10 @@ _LOGGER = logging.getLogger(__name__)
 STALL_TOLERANCE_S = 0.1
 # The shortest speech a text is taken to need: a word or a number the estimate cannot count.
 MIN_SPEECH_S = 0.5
+# The speech a sentence spoken while it arrives is taken to need at least: it only starts early
+# when the model has read the voice's transcript and about as much of the answer as the
+# voice's recording is long (a few seconds of speech) before the sentence ended.
+GROWING_SPEECH_S = 5.0
 # The calibration's sentence: a spoken answer's length (the benchmark's reference sentence), so
 # that the LM's way to its first token is as long as a request's.
 CALIBRATION_TEXT = "您好，您咨询的iPhone15 Pro壳子有现货，支持顺丰次日达，现在下单还送钢化膜。"
@@ -386,17 +390,23 @@ class AutoProfile:
         speaker: str | None,
         client: str,
         force_tokens: int | None = None,
+        growing: bool = False,
     ) -> ProfileConfig:
         """The profile for a request whose known text is ``text``; logs the choice and why.
+        ``growing``: that text is the start of a sentence still arriving (spoken while it
+        arrives), taken to be at least :data:`GROWING_SPEECH_S` long.
 
         Plain arithmetic on the measured costs: runs on the event loop.
         """
         geometry = geometry_of(engine)
         prompt_frames = getattr(engine, "flow_prompt_frames", lambda speaker: 0)(speaker)
+        speech_s = speech_seconds(text, force_tokens, geometry)
+        if growing and force_tokens is None:
+            speech_s = max(speech_s, GROWING_SPEECH_S)
         choice = choose_profile(
             self.candidates,
             self.meter.costs(),
-            speech_seconds(text, force_tokens, geometry),
+            speech_s,
             self.settings.first_audio_s,
             geometry,
             prompt_frames=prompt_frames,

@@ -391,7 +391,7 @@ class Speech:
         )
         self._voices_used[voice.name] = None
         if index == 0:
-            self._choose_profile(engine, voice)
+            self._choose_profile(engine, voice, growing=growing is not None)
         await self._wait_for_space()
         if self.cancel_event.is_set():
             raise SynthesisCancelled("cancelled before the sentence started")
@@ -417,8 +417,9 @@ class Speech:
         self._events.put_nowait(SentenceEnd(index))
         await self._levels.finished(level)
 
-    def _choose_profile(self, engine: Any, voice: Voice) -> None:
-        """``auto``: the profile of this request, chosen once by the text given so far."""
+    def _choose_profile(self, engine: Any, voice: Voice, *, growing: bool) -> None:
+        """``auto``: the profile of this request, chosen once by the text given so far
+        (``growing``: its first sentence is still arriving)."""
         auto = self.scheduler.auto
         if auto is None or self.settings.profile.name != AUTO_PROFILE:
             return
@@ -428,6 +429,7 @@ class Speech:
             speaker=voice.speaker,
             client=self.client,
             force_tokens=self.settings.force_tokens,
+            growing=growing,
         )
         self.settings = replace(self.settings, profile=profile)
 
