@@ -549,17 +549,21 @@ def test_fewer_free_cores_scale_the_costs_until_measured() -> None:
     assert meter.costs().lm_token_s == pytest.approx(0.0125)  # type: ignore[union-attr]
 
 
-def test_a_busy_box_makes_auto_choose_a_cheaper_profile() -> None:
-    free = [2]
-    meter = CostMeter(lambda: free[0])
-    auto = AutoProfile(CONFIG.auto, CANDIDATES, meter)  # type: ignore[arg-type]
-    reference = costs(scale=0.1)
+def _measure_every_format(meter: CostMeter, reference: StageCosts) -> None:
+    """Give ``meter`` the ``reference`` costs of every stage and weight format."""
     for weights in ("fp32", "int8"):
         meter.record(StageTime("flow", weights, reference.flow_s[weights] * 1000, 1000))
     for weights in ("fp32", "bf16"):
         meter.record(StageTime("hift", weights, reference.hift_s[weights], 1))
     meter.record(StageTime("lm_prefill", "", reference.lm_prefill_s, 1))
     meter.record(StageTime("lm_token", "", reference.lm_token_s * 40, 40))
+
+
+def test_a_busy_box_makes_auto_choose_a_cheaper_profile() -> None:
+    free = [2]
+    meter = CostMeter(lambda: free[0])
+    auto = AutoProfile(CONFIG.auto, CANDIDATES, meter)  # type: ignore[arg-type]
+    _measure_every_format(meter, costs(scale=0.1))
     engine = SimpleNamespace(kind="sft")
     quiet = auto.choose("Turning on the kitchen light.", engine=engine, speaker=None, client="t")
     free[0] = 1
@@ -808,13 +812,7 @@ def test_a_sentence_still_arriving_is_chosen_for_as_a_long_one() -> None:
     cost takes fastest for it, as for a long answer."""
     meter = CostMeter(lambda: 2)
     auto = AutoProfile(CONFIG.auto, CANDIDATES, meter)  # type: ignore[arg-type]
-    reference = costs(scale=0.3)
-    for weights in ("fp32", "int8"):
-        meter.record(StageTime("flow", weights, reference.flow_s[weights] * 1000, 1000))
-    for weights in ("fp32", "bf16"):
-        meter.record(StageTime("hift", weights, reference.hift_s[weights], 1))
-    meter.record(StageTime("lm_prefill", "", reference.lm_prefill_s, 1))
-    meter.record(StageTime("lm_token", "", reference.lm_token_s * 40, 40))
+    _measure_every_format(meter, costs(scale=0.3))
     engine = SimpleNamespace(kind="sft")
     opening = "Sure, I have"
     whole = auto.choose(opening, engine=engine, speaker=None, client="t")
