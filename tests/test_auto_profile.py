@@ -747,6 +747,7 @@ def test_the_real_engine_measures_and_chooses(tmp_path: Path) -> None:
     )  # fmt: skip
     try:
         wait_for_port(port, process)
+        wait_for_port(http_port, process)  # the HTTP server starts after the Wyoming one
         health: dict[str, Any] = {}
         for _ in range(600):  # the load, warm-up and measurement, in the background
             health = httpx.get(f"http://127.0.0.1:{http_port}/health", timeout=10).json()
