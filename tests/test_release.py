@@ -1,11 +1,12 @@
 """Release engineering: one version, the image built from the checkout, the release workflow.
 
-Docker cannot run here, so the image build and the workflow are checked on paper: the version in
-every file follows pyproject.toml, the Dockerfile installs the checkout (not a download) with
-torch's CPU build, the build context admits what the Dockerfile copies, the workflow passes
-GitHub's schema and shellcheck and publishes where the Supervisor pulls. The smoke test the
-workflow runs inside each image (script/smoke-test) runs here against this install. Last, what
-a newcomer reads first: the README's commands and the way into Home Assistant.
+The image build and the workflow are checked on paper here (script/image-test builds and runs
+the image where a Docker engine can be had): the version in every file follows pyproject.toml,
+the Dockerfile installs the checkout (not a download) with torch's CPU build from where its
+build arguments say, the build context admits what the Dockerfile copies, the workflow passes
+GitHub's schema and shellcheck and publishes where the Supervisor pulls. The smoke test that
+script/image-test runs inside each image (script/smoke-test) runs here against this install.
+Last, what a newcomer reads first: the README's commands and the way into Home Assistant.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ DOCKERFILE = ADDON / "Dockerfile"
 DOCKERIGNORE = ADDON / "Dockerfile.dockerignore"
 WORKFLOW = ROOT / ".github/workflows/release.yaml"
 SMOKE_TEST = ROOT / "script/smoke-test"
+IMAGE_TEST = ROOT / "script/image-test"
 TINY_MODEL = ROOT / "tests/data/tiny_model"
 CPU_INDEX = "https://download.pytorch.org/whl/cpu"
 
@@ -150,9 +152,35 @@ def test_torch_comes_from_the_cpu_index_before_the_package() -> None:
     torch_install = next(
         i for i, text in enumerate(instructions) if '"torch==${TORCH_VERSION}"' in text
     )
-    assert f"--index-url {CPU_INDEX}" in instructions[torch_install]
+    assert '--index-url "${TORCH_INDEX}"' in instructions[torch_install]
+    assert dockerfile_arg("TORCH_INDEX") == CPU_INDEX
     first_copy = next(i for i, text in enumerate(instructions) if text.startswith("COPY "))
     assert torch_install < first_copy, "torch must be installed before the package resolves"
+
+
+def test_where_torch_comes_from_is_a_build_argument() -> None:
+    """The index, and wheels mounted only while torch installs (never in a layer): the stage
+    `torch-wheels`, empty unless TORCH_WHEELS_FROM or `--build-context torch-wheels=DIR`."""
+    instructions = dockerfile_instructions()
+    assert dockerfile_arg("TORCH_WHEELS_FROM") == "scratch"
+    assert "FROM ${TORCH_WHEELS_FROM} AS torch-wheels" in instructions
+    torch_install = next(i for i in instructions if '"torch==${TORCH_VERSION}"' in i)
+    mount = re.search(r"--mount=type=bind,from=torch-wheels,target=(\S+)", torch_install)
+    assert mount and f"--find-links {mount.group(1)}" in torch_install
+    package_install = next(i for i in instructions if "/usr/src/wyoming-cosyvoice[" in i)
+    assert '--extra-index-url "${TORCH_INDEX}"' in package_install
+    # The index is written once, as the argument's default.
+    assert DOCKERFILE.read_text().count(CPU_INDEX) == 1
+
+
+def test_the_legacy_builder_stops_before_any_work() -> None:
+    """Only BuildKit reads Dockerfile.dockerignore (without it the context is the whole
+    checkout); the legacy builder refuses `RUN --mount` ("requires BuildKit"), so the first RUN
+    has one and no step runs before it."""
+    runs = [i for i in dockerfile_instructions() if i.startswith("RUN ")]
+    assert runs[0].startswith("RUN --mount=")
+    assert DOCKERIGNORE.is_file()
+    assert "BuildKit" in DOCKERFILE.read_text().split("\nFROM")[0]  # said at the top
 
 
 def test_image_keeps_openmps_default_wait_policy() -> None:
@@ -254,11 +282,19 @@ def test_workflow_actions_are_pinned_to_commits() -> None:
     assert [u for u in uses if not re.fullmatch(r"[\w.-]+/[\w./-]+@[0-9a-f]{40}", u)] == []
 
 
-def test_workflow_smoke_test_uses_files_that_exist() -> None:
-    runs = "\n".join(step.get("run", "") for step in workflow_steps())
-    mounted = re.findall(r'"\$PWD/([^:"]+):', runs)
-    assert "script/smoke-test" in mounted and "tests/data/tiny_model" in mounted
-    assert [path for path in mounted if not (ROOT / path).exists()] == []
+def test_workflow_runs_the_image_through_its_entry_point() -> None:
+    """The build job tests each image with script/image-test (no --entrypoint override)."""
+    runs = [step["run"] for step in workflow_steps() if "run" in step]
+    assert 'python3 script/image-test --image "$CANDIDATE"' in runs
+    assert not [run for run in runs if "--entrypoint" in run]
+    paths = load_yaml(WORKFLOW)["on"]["pull_request"]["paths"]
+    image_test = script_module(IMAGE_TEST, "image_test")
+    for used in (IMAGE_TEST, image_test.SMOKE_TEST, image_test.STAND_IN, image_test.TINY_MODEL):
+        assert used.exists(), used
+        relative = used.relative_to(ROOT).as_posix()
+        assert any(fnmatch.fnmatchcase(relative, p) or relative + "/**" == p for p in paths), (
+            f"a change to {relative} does not start the workflow"
+        )
 
 
 def test_workflow_yaml_passes_yamllint() -> None:
@@ -275,15 +311,16 @@ def test_workflow_yaml_passes_yamllint() -> None:
 # --- the smoke test the workflow runs inside each image ----------------------------------------
 
 
-def smoke_module() -> ModuleType:
-    loader = importlib.machinery.SourceFileLoader("smoke_test", str(SMOKE_TEST))
+def script_module(path: Path = SMOKE_TEST, name: str = "smoke_test") -> ModuleType:
+    """A script of script/ (no .py suffix) loaded as a module."""
+    loader = importlib.machinery.SourceFileLoader(name, str(path))
     module = importlib.util.module_from_spec(importlib.util.spec_from_loader(loader.name, loader))
     loader.exec_module(module)
     return module
 
 
 def test_smoke_test_refuses_a_cuda_build_of_torch() -> None:
-    smoke = smoke_module()
+    smoke = script_module()
     assert smoke.cuda_build_problems(None, ["torch", "numpy", "onnxruntime"]) == []
     problems = smoke.cuda_build_problems("13.0", ["torch", "nvidia-cublas-cu13", "triton"])
     assert problems == [
