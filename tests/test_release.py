@@ -237,6 +237,39 @@ def test_build_context_admits_what_the_dockerfile_copies() -> None:
     assert [path for path in left_out if not ignored(path, patterns)] == []
 
 
+LOCAL_ADDON = ROOT / "script/local-addon"
+
+
+def test_a_local_addon_folder_holds_what_the_supervisor_needs_to_build_it(tmp_path: Path) -> None:
+    """Before the first release, or for a version of one's own: the Supervisor builds a local
+    add-on (no `image:`) with its folder as the context, so the folder must hold what the
+    Dockerfile copies, admitted by the ignore file beside it."""
+    from test_addon import schema_errors
+
+    dest = tmp_path / "addons/cosyvoice"
+    made = subprocess.run([sys.executable, str(LOCAL_ADDON), str(dest)],
+                          capture_output=True, text=True)  # fmt: skip
+    assert made.returncode == 0, made.stderr
+    manifest = load_yaml(dest / "config.yaml")
+    assert "image" not in manifest
+    assert manifest == {k: v for k, v in load_yaml(ADDON / "config.yaml").items() if k != "image"}
+    assert schema_errors("config.schema.json", manifest) == []
+    assert (dest / "build.yaml").read_text() == (ADDON / "build.yaml").read_text()
+    assert (dest / "Dockerfile").read_text() == DOCKERFILE.read_text()
+    # The add-on's README is the store's description and the package's readme.
+    assert (dest / "README.md").read_text() == (ADDON / "README.md").read_text()
+    patterns = [line.strip() for line in (dest / "Dockerfile.dockerignore").read_text().splitlines()
+                if line.strip() and not line.startswith("#")]  # fmt: skip
+    copied = [path for source in package_copies() for path in tracked_files(source)]
+    assert "addon/rootfs/usr/local/bin/cosyvoice-healthcheck" in copied
+    missing = [path for path in copied if not (dest / path).is_file()]
+    assert missing == [] and [path for path in copied if ignored(path, patterns)] == []
+    assert not list(dest.rglob("__pycache__"))
+    again = subprocess.run([sys.executable, str(LOCAL_ADDON), str(dest)],
+                           capture_output=True, text=True)  # fmt: skip
+    assert again.returncode == 2 and "not empty" in again.stderr
+
+
 # --- the workflow ----------------------------------------------------------------------------
 
 
