@@ -439,3 +439,17 @@ def test_docs_give_both_navigations_and_the_add_repository_link(doc: str) -> Non
     assert link in text
     assert "Settings → Apps → Install app" in text
     assert "Settings → Add-ons → Add-on store" in text
+
+
+def test_the_docs_say_how_to_install_before_the_first_release() -> None:
+    """`image:` names an image that exists only once a release is published: where a user looks
+    first (the README's Home Assistant section, DOCS' Installation) says so and gives the
+    local add-on, and the maintainer's steps are in docs/dev/release.md."""
+    readme = (ROOT / "README.md").read_text().split("## Home Assistant")[1].split("\n## ")[0]
+    docs = (ADDON / "DOCS.md").read_text().split("## Installation")[1].split("\n## ")[0]
+    release = (ROOT / "docs/dev/release.md").read_text()
+    for text in (readme, docs):
+        flat = text.replace("\n", " ")
+        assert "first release" in flat and "script/local-addon" in flat and "Local add-ons" in flat
+    assert "docs/dev/release.md" in readme
+    assert "## Before the first release" in release and "script/local-addon" in release
