@@ -26,8 +26,10 @@ from wyoming_cosyvoice.addon import (
     read_options,
 )
 from wyoming_cosyvoice.addon_discovery import SUPERVISOR_URL, start_announcing
+from wyoming_cosyvoice.config import packaged_settings
 
-_LOGGER = logging.getLogger(__name__)
+# Named, not __name__: run with -m, this module is __main__.
+_LOGGER = logging.getLogger("wyoming_cosyvoice.addon_start")
 
 
 def server_command(args: Sequence[str]) -> list[str]:
@@ -70,7 +72,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     exit code is the container's.
     """
     cli = _parse_cli(argv)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s:%(name)s:%(message)s")
+    # The server's default format, so that the add-on's log reads as one.
+    logging.basicConfig(level=logging.INFO, format=packaged_settings()["server"]["log_format"])
     try:
         options = read_options(cli.options)
         args = options_to_args(options, data_dir=cli.data_dir, share_dir=cli.share_dir,
