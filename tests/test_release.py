@@ -14,6 +14,7 @@ from __future__ import annotations
 import fnmatch
 import importlib.machinery
 import importlib.util
+import json
 import re
 import shutil
 import subprocess
@@ -453,3 +454,36 @@ def test_the_docs_say_how_to_install_before_the_first_release() -> None:
         assert "first release" in flat and "script/local-addon" in flat and "Local add-ons" in flat
     assert "docs/dev/release.md" in readme
     assert "## Before the first release" in release and "script/local-addon" in release
+
+
+def test_the_image_test_catches_a_log_that_claims_a_refused_discovery() -> None:
+    """script/image-test's discovery check, on recorded requests and logs: it fails when the
+    log says "sent" after a refusal (the s6 script's fault), a wrong token, or no request."""
+    image_test = script_module(IMAGE_TEST, "image_test")
+    body = json.dumps({"service": "wyoming", "config": {"uri": "tcp://h:10200"}})
+    token = {"authorization": f"Bearer {image_test.TOKEN}"}
+
+    class Recorded:
+        addon = "addon"
+
+        def __init__(self, requests: list[dict[str, Any]], log: str) -> None:
+            self.requests, self.docker = requests, type("Logs", (), {"logs": lambda _, c: log})()
+
+        def discovery_requests(self) -> list[dict[str, Any]]:
+            return self.requests
+
+    def check(status: int, headers: dict[str, str], log: str, accepted: bool) -> str:
+        request = {"path": "/discovery", "body": body, "headers": headers, "status": status}
+        return image_test.check_discovery(Recorded([request], log), "h", accepted)
+
+    assert "200" in check(200, token, image_test.SENT, accepted=True)
+    assert "500" in check(500, token, image_test.NOT_TOLD, accepted=False)
+    for status, headers, log, accepted in [
+        (500, token, f"ERROR … {image_test.SENT}", False),  # claims success after a refusal
+        (200, {}, image_test.SENT, True),  # no token
+        (200, token, image_test.NOT_TOLD, True),
+    ]:
+        with pytest.raises(image_test.ImageTestFailed):
+            check(status, headers, log, accepted)
+    with pytest.raises(image_test.ImageTestFailed, match="got 0 requests"):
+        image_test.check_discovery(Recorded([], image_test.SENT), "h", True)
