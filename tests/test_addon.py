@@ -1,10 +1,10 @@
-"""The Home Assistant add-on (addon/, repository.yaml, wyoming_cosyvoice/addon.py).
+"""The Home Assistant add-on (addon/, repository.yaml, wyoming_cosyvoice/addon*.py).
 
-Everything the Supervisor and the container would do, except building the image (no Docker
-engine here): manifest and build file against the add-on linter's JSON schemas, options ↔
-schema ↔ translations, the options → server command line mapping, versions, hadolint /
-shellcheck / yamllint, the s6 service layout, the healthcheck, what the Supervisor's repository
-scan picks up, and an end-to-end start against the real server with the tiny model.
+Everything the Supervisor and the container would do, except building and running the image
+(script/image-test does that): manifest and build file against the add-on linter's JSON schemas,
+options ↔ schema ↔ translations, the options → server command line mapping, versions, hadolint /
+yamllint, the image's entry point, the healthcheck, what the Supervisor's repository scan picks
+up, and an end-to-end start (options, discovery, server, SIGTERM) with the tiny model.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import socket
 import socketserver
 import struct
@@ -30,8 +31,9 @@ import pytest
 import yaml
 from conftest import wait_for_port
 from lint_tools import tool
+from stand_in_supervisor import StandInSupervisor
 
-from wyoming_cosyvoice import addon
+from wyoming_cosyvoice import addon, addon_start
 
 try:
     import tomllib
@@ -42,7 +44,6 @@ ROOT = Path(__file__).resolve().parents[1]
 ADDON = ROOT / "addon"
 DATA = Path(__file__).resolve().parent / "data"
 SCHEMAS = DATA / "schemas"
-S6 = ADDON / "rootfs/etc/s6-overlay/s6-rc.d"
 HEALTHCHECK = ADDON / "rootfs/usr/local/bin/cosyvoice-healthcheck"
 LANGUAGES = ("en", "zh-Hans")  # zh-Hans: the code HA's frontend uses for Simplified Chinese
 
@@ -332,7 +333,7 @@ def test_bad_values_name_the_option(key: str, value: Any) -> None:
 
 def run_addon_main(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "wyoming_cosyvoice.addon", *args],
+        [sys.executable, "-m", "wyoming_cosyvoice.addon_start", *args],
         capture_output=True, text=True, timeout=120, cwd=ROOT,
     )  # fmt: skip
 
@@ -344,6 +345,7 @@ def test_main_reads_options_json(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr
     command = result.stdout.split()
     assert command[:3] == [sys.executable, "-m", "wyoming_cosyvoice"]
+    assert command == addon_start.server_command(command[3:])
     assert command[3:] == addon.options_to_args(options)
 
 
@@ -437,28 +439,10 @@ def test_dockerfile_essentials() -> None:
 # --- linters ------------------------------------------------------------------------------------
 
 
-def shell_scripts() -> list[Path]:
-    return sorted(p for p in S6.rglob("*") if p.is_file() and p.read_bytes().startswith(b"#!"))
-
-
 def test_hadolint_is_clean() -> None:
     result = subprocess.run(
         [tool("hadolint"), "--no-color", str(ADDON / "Dockerfile")], capture_output=True, text=True
     )
-    assert result.returncode == 0, result.stdout + result.stderr
-
-
-def test_shellcheck_is_clean() -> None:
-    scripts = shell_scripts()
-    assert {p.relative_to(S6).as_posix() for p in scripts} == {
-        "cosyvoice/run", "cosyvoice/finish", "discovery/run"
-    }  # fmt: skip
-    # --shell=bash: the bashio shebang is not one shellcheck knows; bashio itself is not here,
-    # so sourced files are not followed.
-    result = subprocess.run(
-        [tool("shellcheck"), "--shell=bash", "--severity=style", *map(str, scripts)],
-        capture_output=True, text=True,
-    )  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
 
 
@@ -477,7 +461,7 @@ def test_healthcheck_script_is_ruff_clean() -> None:
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-# --- s6-overlay services -----------------------------------------------------------------------
+# --- the image's entry point --------------------------------------------------------------------
 
 
 def git_mode(path: Path) -> str | None:
@@ -486,35 +470,26 @@ def git_mode(path: Path) -> str | None:
     return result.stdout.split()[0] if result.returncode == 0 and result.stdout else None
 
 
-def test_s6_service_layout() -> None:
-    assert (S6 / "cosyvoice/type").read_text().strip() == "longrun"
-    assert (S6 / "discovery/type").read_text().strip() == "oneshot"
-    assert (S6 / "cosyvoice/dependencies.d/base").is_file()
-    assert (S6 / "discovery/dependencies.d/cosyvoice").is_file()  # start after the server
-    assert (S6 / "discovery/up").read_text().strip() == "/etc/s6-overlay/s6-rc.d/discovery/run"
-    assert {p.name for p in (S6 / "user/contents.d").iterdir()} == {"cosyvoice", "discovery"}
-    for script in [*shell_scripts(), HEALTHCHECK]:
-        assert os.access(script, os.X_OK), script
-        assert git_mode(script) in (None, "100755"), f"{script} not committed executable"
-    for script in shell_scripts():
-        assert script.read_text().startswith("#!/command/with-contenv bashio\n"), script
+def dockerfile_json_instruction(name: str) -> list[str]:
+    match = re.search(rf"^{name} (\[.*\])$", (ADDON / "Dockerfile").read_text(), re.M)
+    assert match, f"no {name} [...] in the Dockerfile"
+    return json.loads(match.group(1))
 
 
-def test_run_script_delegates_to_python() -> None:
-    lines = [line for line in (S6 / "cosyvoice/run").read_text().splitlines()
-             if line.strip() and not line.startswith("#")]  # fmt: skip
-    assert lines[-1] == "exec python3 -m wyoming_cosyvoice.addon"
-    assert len(lines) <= 3
-
-
-def test_finish_halts_and_discovery_announces_the_port() -> None:
-    finish = (S6 / "cosyvoice/finish").read_text()
-    assert "/run/s6/basedir/bin/halt" in finish
-    assert "/run/s6-linux-init-container-results/exitcode" in finish
-    discovery = (S6 / "discovery/run").read_text()
-    assert "/dev/tcp/127.0.0.1/10200" in discovery
-    assert 'bashio::discovery "wyoming"' in discovery
-    assert 'uri "tcp://$(hostname):10200"' in discovery
+def test_the_image_starts_the_addon_module_under_tini(config: dict[str, Any]) -> None:
+    """tini (PID 1) forwards signals and reaps; a SIGTERM before the server's own handler (exit
+    143) is an orderly stop; the command is the start logic tested below, nothing else."""
+    assert dockerfile_json_instruction("ENTRYPOINT") == ["/usr/bin/tini", "-e", "143", "--"]
+    assert dockerfile_json_instruction("CMD") == ["python3", "-m", "wyoming_cosyvoice.addon_start"]
+    assert re.search(r"apt-get install [^&]*\btini\b", (ADDON / "Dockerfile").read_text())
+    # The image brings its own init: the Supervisor must not add Docker's.
+    assert config["init"] is False
+    # No s6 services or bashio scripts are left to run untested.
+    rootfs = sorted(p.relative_to(ADDON / "rootfs").as_posix()
+                    for p in (ADDON / "rootfs").rglob("*") if p.is_file())  # fmt: skip
+    assert rootfs == ["usr/local/bin/cosyvoice-healthcheck"]
+    assert os.access(HEALTHCHECK, os.X_OK)
+    assert git_mode(HEALTHCHECK) in (None, "100755"), "the health check is not committed executable"
 
 
 # --- healthcheck --------------------------------------------------------------------------------
@@ -659,21 +634,37 @@ async def describe_and_synthesize(port: int) -> tuple[Any, bytes, int]:
     return info, audio, rate
 
 
-def test_addon_start_logic_serves_audio(tmp_path: Path) -> None:
+@pytest.fixture
+def failing_supervisor() -> Iterator[StandInSupervisor]:
+    """A Supervisor that answers the discovery with an error."""
+    server = StandInSupervisor("the-token", "server-error")
+    threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True).start()
+    yield server
+    server.shutdown()
+    server.server_close()
+
+
+def test_addon_start_logic_serves_audio_when_discovery_fails_and_stops_on_sigterm(
+    tmp_path: Path, failing_supervisor: StandInSupervisor
+) -> None:
+    """The image's command, as the container runs it, but on free ports: the options, the
+    folders, the discovery (refused: the server serves all the same and the log says so),
+    speech, the page, the health check, and SIGTERM → exit code 0."""
     data, share = tmp_path / "data", tmp_path / "share/cosyvoice"
     # The layout the mapping expects: downloads and cached models in /data/models/<Model>/.
     shutil.copytree(DATA / "tiny_model", data / "models/CosyVoice-300M-SFT")
     options = {**addon.DEFAULT_OPTIONS, "threads": 1, "seed": 0}
     (data / "options.json").write_text(json.dumps(options))
     port, http_port = free_port(), free_port()
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}  # the model is there: nothing to download
+    env = {**os.environ, "HF_HUB_OFFLINE": "1",  # the model is there: nothing to download
+           "SUPERVISOR_TOKEN": "the-token"}  # fmt: skip
     log_path = tmp_path / "server.log"
     with log_path.open("wb") as log:
         process = subprocess.Popen(
-            [sys.executable, "-m", "wyoming_cosyvoice.addon",
+            [sys.executable, "-m", "wyoming_cosyvoice.addon_start",
              "--options", str(data / "options.json"), "--data-dir", str(data),
              "--share-dir", str(share), "--uri", f"tcp://127.0.0.1:{port}",
-             "--http-port", str(http_port)],
+             "--http-port", str(http_port), "--supervisor-url", failing_supervisor.url],
             cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
         )  # fmt: skip
     try:
@@ -681,6 +672,7 @@ def test_addon_start_logic_serves_audio(tmp_path: Path) -> None:
             wait_for_port(port, process, timeout=240)
             assert (share / "voices").is_dir()  # created for users to drop custom voices into
             info, audio, rate = asyncio.run(describe_and_synthesize(port))
+            assert failing_supervisor.received.wait(timeout=60)
         except AssertionError:
             process.terminate()
             process.wait(timeout=30)
@@ -688,6 +680,10 @@ def test_addon_start_logic_serves_audio(tmp_path: Path) -> None:
             raise AssertionError(f"server log:\n{server_log[-4000:]}") from None
         assert info.tts and info.tts[0].installed and info.tts[0].voices
         assert rate == 22050 and len(audio) > 0
+        (request,) = failing_supervisor.requests
+        assert (
+            json.loads(request["body"])["config"]["uri"] == f"tcp://{socket.gethostname()}:{port}"
+        )
         # the web page (ingress) with its voice maker, saving into the voices folder
         maker = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{http_port}/voices/maker",
                                                   timeout=30).read())  # fmt: skip
@@ -695,5 +691,10 @@ def test_addon_start_logic_serves_audio(tmp_path: Path) -> None:
         result = run_healthcheck(port)
         assert result.returncode == 0, result.stderr
     finally:
-        process.terminate()
-        process.wait(timeout=30)
+        process.send_signal(signal.SIGTERM)
+        code = process.wait(timeout=60)
+    server_log = log_path.read_text(errors="replace")
+    assert code == 0, server_log[-4000:]
+    assert "Home Assistant was not told about this server" in server_log
+    assert "500 Internal Server Error" in server_log
+    assert "Sent discovery information" not in server_log

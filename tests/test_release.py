@@ -1,11 +1,12 @@
 """Release engineering: one version, the image built from the checkout, the release workflow.
 
-Docker cannot run here, so the image build and the workflow are checked on paper: the version in
-every file follows pyproject.toml, the Dockerfile installs the checkout (not a download) with
-torch's CPU build, the build context admits what the Dockerfile copies, the workflow passes
-GitHub's schema and shellcheck and publishes where the Supervisor pulls. The smoke test the
-workflow runs inside each image (script/smoke-test) runs here against this install. Last, what
-a newcomer reads first: the README's commands and the way into Home Assistant.
+The image build and the workflow are checked on paper here (script/image-test builds and runs
+the image where a Docker engine can be had): the version in every file follows pyproject.toml,
+the Dockerfile installs the checkout (not a download) with torch's CPU build from where its
+build arguments say, the build context admits what the Dockerfile copies, the workflow passes
+GitHub's schema and shellcheck and publishes where the Supervisor pulls. The smoke test that
+script/image-test runs inside each image (script/smoke-test) runs here against this install.
+Last, what a newcomer reads first: the README's commands and the way into Home Assistant.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import fnmatch
 import importlib.machinery
 import importlib.util
+import json
 import re
 import shutil
 import subprocess
@@ -37,6 +39,7 @@ DOCKERFILE = ADDON / "Dockerfile"
 DOCKERIGNORE = ADDON / "Dockerfile.dockerignore"
 WORKFLOW = ROOT / ".github/workflows/release.yaml"
 SMOKE_TEST = ROOT / "script/smoke-test"
+IMAGE_TEST = ROOT / "script/image-test"
 TINY_MODEL = ROOT / "tests/data/tiny_model"
 CPU_INDEX = "https://download.pytorch.org/whl/cpu"
 
@@ -150,9 +153,35 @@ def test_torch_comes_from_the_cpu_index_before_the_package() -> None:
     torch_install = next(
         i for i, text in enumerate(instructions) if '"torch==${TORCH_VERSION}"' in text
     )
-    assert f"--index-url {CPU_INDEX}" in instructions[torch_install]
+    assert '--index-url "${TORCH_INDEX}"' in instructions[torch_install]
+    assert dockerfile_arg("TORCH_INDEX") == CPU_INDEX
     first_copy = next(i for i, text in enumerate(instructions) if text.startswith("COPY "))
     assert torch_install < first_copy, "torch must be installed before the package resolves"
+
+
+def test_where_torch_comes_from_is_a_build_argument() -> None:
+    """The index, and wheels mounted only while torch installs (never in a layer): the stage
+    `torch-wheels`, empty unless TORCH_WHEELS_FROM or `--build-context torch-wheels=DIR`."""
+    instructions = dockerfile_instructions()
+    assert dockerfile_arg("TORCH_WHEELS_FROM") == "scratch"
+    assert "FROM ${TORCH_WHEELS_FROM} AS torch-wheels" in instructions
+    torch_install = next(i for i in instructions if '"torch==${TORCH_VERSION}"' in i)
+    mount = re.search(r"--mount=type=bind,from=torch-wheels,target=(\S+)", torch_install)
+    assert mount and f"--find-links {mount.group(1)}" in torch_install
+    package_install = next(i for i in instructions if "/usr/src/wyoming-cosyvoice[" in i)
+    assert '--extra-index-url "${TORCH_INDEX}"' in package_install
+    # The index is written once, as the argument's default.
+    assert DOCKERFILE.read_text().count(CPU_INDEX) == 1
+
+
+def test_the_legacy_builder_stops_before_any_work() -> None:
+    """Only BuildKit reads Dockerfile.dockerignore (without it the context is the whole
+    checkout); the legacy builder refuses `RUN --mount` ("requires BuildKit"), so the first RUN
+    has one and no step runs before it."""
+    runs = [i for i in dockerfile_instructions() if i.startswith("RUN ")]
+    assert runs[0].startswith("RUN --mount=")
+    assert DOCKERIGNORE.is_file()
+    assert "BuildKit" in DOCKERFILE.read_text().split("\nFROM")[0]  # said at the top
 
 
 def test_image_keeps_openmps_default_wait_policy() -> None:
@@ -209,6 +238,39 @@ def test_build_context_admits_what_the_dockerfile_copies() -> None:
     assert [path for path in left_out if not ignored(path, patterns)] == []
 
 
+LOCAL_ADDON = ROOT / "script/local-addon"
+
+
+def test_a_local_addon_folder_holds_what_the_supervisor_needs_to_build_it(tmp_path: Path) -> None:
+    """Before the first release, or for a version of one's own: the Supervisor builds a local
+    add-on (no `image:`) with its folder as the context, so the folder must hold what the
+    Dockerfile copies, admitted by the ignore file beside it."""
+    from test_addon import schema_errors
+
+    dest = tmp_path / "addons/cosyvoice"
+    made = subprocess.run([sys.executable, str(LOCAL_ADDON), str(dest)],
+                          capture_output=True, text=True)  # fmt: skip
+    assert made.returncode == 0, made.stderr
+    manifest = load_yaml(dest / "config.yaml")
+    assert "image" not in manifest
+    assert manifest == {k: v for k, v in load_yaml(ADDON / "config.yaml").items() if k != "image"}
+    assert schema_errors("config.schema.json", manifest) == []
+    assert (dest / "build.yaml").read_text() == (ADDON / "build.yaml").read_text()
+    assert (dest / "Dockerfile").read_text() == DOCKERFILE.read_text()
+    # The add-on's README is the store's description and the package's readme.
+    assert (dest / "README.md").read_text() == (ADDON / "README.md").read_text()
+    patterns = [line.strip() for line in (dest / "Dockerfile.dockerignore").read_text().splitlines()
+                if line.strip() and not line.startswith("#")]  # fmt: skip
+    copied = [path for source in package_copies() for path in tracked_files(source)]
+    assert "addon/rootfs/usr/local/bin/cosyvoice-healthcheck" in copied
+    missing = [path for path in copied if not (dest / path).is_file()]
+    assert missing == [] and [path for path in copied if ignored(path, patterns)] == []
+    assert not list(dest.rglob("__pycache__"))
+    again = subprocess.run([sys.executable, str(LOCAL_ADDON), str(dest)],
+                           capture_output=True, text=True)  # fmt: skip
+    assert again.returncode == 2 and "not empty" in again.stderr
+
+
 # --- the workflow ----------------------------------------------------------------------------
 
 
@@ -254,11 +316,19 @@ def test_workflow_actions_are_pinned_to_commits() -> None:
     assert [u for u in uses if not re.fullmatch(r"[\w.-]+/[\w./-]+@[0-9a-f]{40}", u)] == []
 
 
-def test_workflow_smoke_test_uses_files_that_exist() -> None:
-    runs = "\n".join(step.get("run", "") for step in workflow_steps())
-    mounted = re.findall(r'"\$PWD/([^:"]+):', runs)
-    assert "script/smoke-test" in mounted and "tests/data/tiny_model" in mounted
-    assert [path for path in mounted if not (ROOT / path).exists()] == []
+def test_workflow_runs_the_image_through_its_entry_point() -> None:
+    """The build job tests each image with script/image-test (no --entrypoint override)."""
+    runs = [step["run"] for step in workflow_steps() if "run" in step]
+    assert 'python3 script/image-test --image "$CANDIDATE"' in runs
+    assert not [run for run in runs if "--entrypoint" in run]
+    paths = load_yaml(WORKFLOW)["on"]["pull_request"]["paths"]
+    image_test = script_module(IMAGE_TEST, "image_test")
+    for used in (IMAGE_TEST, image_test.SMOKE_TEST, image_test.STAND_IN, image_test.TINY_MODEL):
+        assert used.exists(), used
+        relative = used.relative_to(ROOT).as_posix()
+        assert any(fnmatch.fnmatchcase(relative, p) or relative + "/**" == p for p in paths), (
+            f"a change to {relative} does not start the workflow"
+        )
 
 
 def test_workflow_yaml_passes_yamllint() -> None:
@@ -275,15 +345,16 @@ def test_workflow_yaml_passes_yamllint() -> None:
 # --- the smoke test the workflow runs inside each image ----------------------------------------
 
 
-def smoke_module() -> ModuleType:
-    loader = importlib.machinery.SourceFileLoader("smoke_test", str(SMOKE_TEST))
+def script_module(path: Path = SMOKE_TEST, name: str = "smoke_test") -> ModuleType:
+    """A script of script/ (no .py suffix) loaded as a module."""
+    loader = importlib.machinery.SourceFileLoader(name, str(path))
     module = importlib.util.module_from_spec(importlib.util.spec_from_loader(loader.name, loader))
     loader.exec_module(module)
     return module
 
 
 def test_smoke_test_refuses_a_cuda_build_of_torch() -> None:
-    smoke = smoke_module()
+    smoke = script_module()
     assert smoke.cuda_build_problems(None, ["torch", "numpy", "onnxruntime"]) == []
     problems = smoke.cuda_build_problems("13.0", ["torch", "nvidia-cublas-cu13", "triton"])
     assert problems == [
@@ -369,3 +440,50 @@ def test_docs_give_both_navigations_and_the_add_repository_link(doc: str) -> Non
     assert link in text
     assert "Settings → Apps → Install app" in text
     assert "Settings → Add-ons → Add-on store" in text
+
+
+def test_the_docs_say_how_to_install_before_the_first_release() -> None:
+    """`image:` names an image that exists only once a release is published: where a user looks
+    first (the README's Home Assistant section, DOCS' Installation) says so and gives the
+    local add-on, and the maintainer's steps are in docs/dev/release.md."""
+    readme = (ROOT / "README.md").read_text().split("## Home Assistant")[1].split("\n## ")[0]
+    docs = (ADDON / "DOCS.md").read_text().split("## Installation")[1].split("\n## ")[0]
+    release = (ROOT / "docs/dev/release.md").read_text()
+    for text in (readme, docs):
+        flat = text.replace("\n", " ")
+        assert "first release" in flat and "script/local-addon" in flat and "Local add-ons" in flat
+    assert "docs/dev/release.md" in readme
+    assert "## Before the first release" in release and "script/local-addon" in release
+
+
+def test_the_image_test_catches_a_log_that_claims_a_refused_discovery() -> None:
+    """script/image-test's discovery check, on recorded requests and logs: it fails when the
+    log says "sent" after a refusal (the s6 script's fault), a wrong token, or no request."""
+    image_test = script_module(IMAGE_TEST, "image_test")
+    body = json.dumps({"service": "wyoming", "config": {"uri": "tcp://h:10200"}})
+    token = {"authorization": f"Bearer {image_test.TOKEN}"}
+
+    class Recorded:
+        addon = "addon"
+
+        def __init__(self, requests: list[dict[str, Any]], log: str) -> None:
+            self.requests, self.docker = requests, type("Logs", (), {"logs": lambda _, c: log})()
+
+        def discovery_requests(self) -> list[dict[str, Any]]:
+            return self.requests
+
+    def check(status: int, headers: dict[str, str], log: str, accepted: bool) -> str:
+        request = {"path": "/discovery", "body": body, "headers": headers, "status": status}
+        return image_test.check_discovery(Recorded([request], log), "h", accepted)
+
+    assert "200" in check(200, token, image_test.SENT, accepted=True)
+    assert "500" in check(500, token, image_test.NOT_TOLD, accepted=False)
+    for status, headers, log, accepted in [
+        (500, token, f"ERROR … {image_test.SENT}", False),  # claims success after a refusal
+        (200, {}, image_test.SENT, True),  # no token
+        (200, token, image_test.NOT_TOLD, True),
+    ]:
+        with pytest.raises(image_test.ImageTestFailed):
+            check(status, headers, log, accepted)
+    with pytest.raises(image_test.ImageTestFailed, match="got 0 requests"):
+        image_test.check_discovery(Recorded([], image_test.SENT), "h", True)

@@ -1,7 +1,8 @@
 """Home Assistant add-on glue: turn the add-on options into the server's command line.
 
-The add-on's s6 ``run`` script only calls ``python3 -m wyoming_cosyvoice.addon``; everything that
-needs a decision lives here, in plain Python, so it can be tested without a container.
+The image's command (``python3 -m wyoming_cosyvoice.addon_start``) reads the options with this
+module; everything that needs a decision lives here, in plain Python, so it can be tested without
+a container.
 
 Layout inside the add-on container (see ``addon/DOCS.md``):
 
@@ -13,11 +14,8 @@ Layout inside the add-on container (see ``addon/DOCS.md``):
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
-import os
-import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -234,54 +232,3 @@ def prepare_dirs(data_dir: Path, share_dir: Path) -> None:
             (share_dir / sub).mkdir(parents=True, exist_ok=True)
         except OSError as err:
             _LOGGER.warning("cannot create %s: %s", share_dir / sub, err)
-
-
-def server_command(args: Sequence[str]) -> list[str]:
-    """The server started with the interpreter running this module (the add-on's venv)."""
-    return [sys.executable, "-m", "wyoming_cosyvoice", *args]
-
-
-def _parse_cli(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="python -m wyoming_cosyvoice.addon",
-        description="Start the Wyoming CosyVoice server from Home Assistant add-on options.",
-    )
-    parser.add_argument("--options", type=Path, default=OPTIONS_FILE)
-    parser.add_argument("--data-dir", type=Path, default=DATA_DIR)
-    parser.add_argument("--share-dir", type=Path, default=SHARE_DIR)
-    parser.add_argument("--uri", default=URI, help="overridden by tests to use a free port")
-    parser.add_argument(
-        "--http-port", type=int, default=INGRESS_PORT, help="the web page's port (tests: any free)"
-    )
-    parser.add_argument(
-        "--print", action="store_true", help="print the server command instead of running it"
-    )
-    return parser.parse_args(argv)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the add-on's s6 ``run`` script: options → argv → exec the server."""
-    cli = _parse_cli(argv)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s:%(name)s:%(message)s")
-    try:
-        options = read_options(cli.options)
-        args = options_to_args(options, data_dir=cli.data_dir, share_dir=cli.share_dir,
-                               uri=cli.uri, http_port=cli.http_port)  # fmt: skip
-    except ValueError as err:
-        _LOGGER.error("invalid add-on configuration: %s", err)
-        return 2
-    command = server_command(args)
-    if cli.print:
-        sys.stdout.write(" ".join(command) + "\n")
-        return 0
-    prepare_dirs(cli.data_dir, cli.share_dir)
-    _LOGGER.info("starting: %s", " ".join(command))
-    logging.shutdown()
-    # exec, not subprocess: the server becomes the s6 service process, so s6 sees its exit
-    # code and signals reach it directly.
-    os.execvp(command[0], command)
-    return 1  # not reached
-
-
-if __name__ == "__main__":
-    sys.exit(main())
