@@ -18,14 +18,21 @@ estimate of the level the model speaks that voice at:
   one request by at most ``MAX_STEP_DB`` from one sentence to the next;
 * a peak limiter (instant attack, smooth release) keeps every sample at or under
   ``CEILING_DBFS``, so a gain or a volume above 1 never clips.
+
+What was learnt of each voice is kept across restarts (:class:`LevelStore`, one small file per
+model in the data directory), so a restart does not start the voices over from the recording's
+level or unity gain.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
+import json
 import logging
 import math
+import os
 from collections import deque
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -216,6 +223,104 @@ class _VoiceLevel:
         return (1.0 - trust) * self.recording_lufs + trust * measured
 
 
+LEVELS_DIR = "voice-levels"  # under the data directory: one file per model
+STORE_FORMAT = 1  # the layout of a LevelStore file; another one is ignored
+_STORED_FLOOR_LUFS = -99.0  # a silent block, stored: gated out, still counted as measured time
+
+
+class LevelStore:
+    """The learnt levels of one model's voices in a small JSON file, kept across restarts.
+
+    Per voice: the recording it was measured with, the recording's loudness, the gain and the
+    measured 100 ms blocks (in LUFS, to 0.01 LU). A voice whose recording is no longer the one
+    it was measured with is forgotten when the file is read; a missing, unreadable or corrupt
+    file reads as empty (the levels are learnt again). Written whole, atomically (a temporary
+    file renamed over it), on the measuring thread.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._write_failed = False
+
+    def load(self) -> dict[str, _VoiceLevel]:
+        try:
+            raw = json.loads(self.path.read_text(encoding="utf-8"))
+            if raw.get("format") != STORE_FORMAT:
+                raise ValueError(f"format {raw.get('format')!r}, not {STORE_FORMAT}")
+            voices = {str(k): self._level(v) for k, v in raw["voices"].items()}
+        except FileNotFoundError:
+            return {}
+        except (OSError, ValueError, TypeError, KeyError, AttributeError) as err:
+            _LOGGER.warning("Ignoring the saved voice levels in %s (%s): they are learnt again",
+                            self.path, err)  # fmt: skip
+            return {}
+        kept = {k: v for k, v in voices.items() if _recording_unchanged(v.recording)}
+        for speaker in voices.keys() - kept.keys():
+            _LOGGER.info("Voice %s was re-recorded: its saved level is dropped", speaker)
+        return kept
+
+    @staticmethod
+    def _level(raw: dict[str, Any]) -> _VoiceLevel:
+        recording = raw["recording"]
+        key = (str(recording[0]), int(recording[1]), int(recording[2])) if recording else None
+        lufs = raw["recording_lufs"]
+        blocks = deque((_power(float(b)) for b in raw["blocks_lufs"]), maxlen=HISTORY_BLOCKS)
+        return _VoiceLevel(key, None if lufs is None else float(lufs), blocks,
+                           float(raw["gain_db"]))  # fmt: skip
+
+    @staticmethod
+    def snapshot(voices: dict[str, _VoiceLevel]) -> list[tuple[str, _VoiceLevel]]:
+        """Copies of the levels for :meth:`save`: taken on the event loop, where they change."""
+        return [(speaker, _VoiceLevel(level.recording, level.recording_lufs,
+                                      deque(level.blocks), level.gain_db))
+                for speaker, level in voices.items()]  # fmt: skip
+
+    def save(self, snapshot: list[tuple[str, _VoiceLevel]]) -> None:
+        """Write the levels (blocking: on the measuring thread)."""
+        document = {
+            "format": STORE_FORMAT,
+            "voices": {
+                speaker: {
+                    "recording": list(level.recording) if level.recording else None,
+                    "recording_lufs": level.recording_lufs,
+                    "gain_db": level.gain_db,
+                    "blocks_lufs": [round(_lufs(p), 2) if p > _STORED_FLOOR_POWER
+                                    else _STORED_FLOOR_LUFS for p in level.blocks],  # fmt: skip
+                }
+                for speaker, level in snapshot
+            },
+        }
+        staging = self.path.with_name(f".{self.path.name}.part")
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            staging.write_text(json.dumps(document, separators=(",", ":")), encoding="utf-8")
+            os.replace(staging, self.path)  # a reader sees the old file or the whole new one
+        except OSError as err:
+            if not self._write_failed:  # said once: the levels work, only not across restarts
+                _LOGGER.warning("Cannot save the voice levels to %s: %s", self.path, err)
+            self._write_failed = True
+            with contextlib.suppress(OSError):
+                staging.unlink(missing_ok=True)
+
+
+def _power(lufs: float) -> float:
+    return float(10.0 ** ((lufs - _OFFSET) / 10.0))
+
+
+_STORED_FLOOR_POWER = _power(_STORED_FLOOR_LUFS)
+
+
+def _recording_unchanged(key: RecordingKey | None) -> bool:
+    """The recording ``key`` names is still that file (its size and modification time)."""
+    if key is None:
+        return True
+    try:
+        stat = Path(key[0]).stat()
+    except OSError:
+        return False
+    return (stat.st_size, stat.st_mtime_ns) == key[1:]
+
+
 class SentenceLevel:
     """One sentence's fixed gain, its limiter, and its raw audio kept for measuring."""
 
@@ -244,6 +349,7 @@ class VoiceLevels:
 
     ``target_lufs`` None: no normalising, only the volume and the limiter. ``recording_dirs``:
     (folder of custom voices, folder of built-in voices made from recordings), either None.
+    ``store``: where the learnt levels are kept across restarts (None: in memory only).
     """
 
     def __init__(
@@ -251,10 +357,12 @@ class VoiceLevels:
         target_lufs: float | None = DEFAULT_TARGET_LUFS,
         volume: float = 1.0,
         recording_dirs: tuple[Path | None, Path | None] = (None, None),
+        store: LevelStore | None = None,
     ) -> None:
         self.target_lufs, self.volume = target_lufs, volume
         self.custom_dir, self.builtin_dir = recording_dirs
-        self._voices: dict[str, _VoiceLevel] = {}
+        self.store = store if target_lufs is not None else None
+        self._voices: dict[str, _VoiceLevel] = self.store.load() if self.store else {}
         # Measuring runs off the event loop on one thread of its own: asyncio's shared pool
         # would keep a thread for each sentence that ended at the same time.
         self._measurer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="loudness")
@@ -335,6 +443,11 @@ class VoiceLevels:
         """A finished sentence's block powers join its voice's running measurement."""
         self._voices.setdefault(voice, _VoiceLevel()).blocks.extend(powers.tolist())
 
+    async def save(self) -> None:
+        """Keep what is known now across a restart (written off the event loop)."""
+        if self.store is not None:
+            await self.off_loop(self.store.save, LevelStore.snapshot(self._voices))
+
     @property
     def measuring(self) -> bool:
         return self.target_lufs is not None
@@ -369,3 +482,4 @@ class RequestLevels:
         powers = await self.levels.off_loop(block_powers, sentence.raw(), sentence.rate)
         if len(powers):
             self.levels.add_sentence(sentence.voice, powers)
+            await self.levels.save()
