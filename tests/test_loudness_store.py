@@ -43,7 +43,8 @@ async def gains_of_requests(data: Path, requests: int) -> list[list[float]]:
     """Each request's sentence gains, on a server whose data directory is ``data``."""
     made = made_by_loud_engine()
     async with fake_server({"server.data_dirs": [str(data)]}, engine=LoudEngine) as server:
-        replies = [await synthesize(server.port, TEXT, {"name": "zh-male"}) for _ in range(requests)]
+        replies = [await synthesize(server.port, TEXT, {"name": "zh-male"})
+                   for _ in range(requests)]  # fmt: skip
     return [sentence_gains(floats(r.audio), made) for r in replies]
 
 

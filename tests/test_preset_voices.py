@@ -46,8 +46,8 @@ async def served(wy: Any, engine: type, settings: dict[str, Any], *requests: dic
 
 
 def test_the_listed_presets_are_voices_after_their_voice(wy: Any) -> None:
-    info, _, _ = asyncio.run(served(wy, SpeedEngine, {"server.preset_voices": ["slow", "fast",
-                                                                                "calm"]}))  # fmt: skip
+    listed = {"server.preset_voices": ["slow", "fast", "calm"]}
+    info, _, _ = asyncio.run(served(wy, SpeedEngine, listed))
     names = {v.name: v for v in info.tts[0].voices}
     assert {"en-female", "en-female (slow)", "en-female (fast)"} <= names.keys()
     assert not [n for n in names if "calm" in n]  # a style this model cannot speak: not listed

@@ -438,6 +438,8 @@ _SERVER_KINDS = {
     "speed": "float+",
     "early_speech": "bool",
 }
+# server keys checked apart from the scalars above
+_SERVER_LISTS_AND_RANGES = ("data_dirs", "loudness", "volume", "preset_voices")
 _SECTIONS = ("server", "profiles", "limits", "cache", AUTO_PROFILE)
 _SCHEDULE_KINDS = {"first_hop": "int+", "growth": "float+", "max_hop": "int+", "overlap": "int"}
 
@@ -577,8 +579,7 @@ def build_config(raw: dict[str, Any]) -> ServerConfig:
     for key in raw:
         if key not in _SECTIONS:
             raise ConfigError(key, f"unknown section (known: {', '.join(_SECTIONS)})")
-    server = _section(raw, "server",
-                      [*_SERVER_KINDS, "data_dirs", "loudness", "volume", "preset_voices"])  # fmt: skip
+    server = _section(raw, "server", [*_SERVER_KINDS, *_SERVER_LISTS_AND_RANGES])
     values = {
         key: _check(f"server.{key}", server.get(key), kind) for key, kind in _SERVER_KINDS.items()
     }

@@ -284,8 +284,10 @@ class LevelStore:
                     "recording": list(level.recording) if level.recording else None,
                     "recording_lufs": level.recording_lufs,
                     "gain_db": level.gain_db,
-                    "blocks_lufs": [round(_lufs(p), 2) if p > _STORED_FLOOR_POWER
-                                    else _STORED_FLOOR_LUFS for p in level.blocks],  # fmt: skip
+                    "blocks_lufs": [
+                        round(_lufs(p), 2) if p > _STORED_FLOOR_POWER else _STORED_FLOOR_LUFS
+                        for p in level.blocks
+                    ],  # fmt: skip
                 }
                 for speaker, level in snapshot
             },

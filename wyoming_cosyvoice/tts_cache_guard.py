@@ -79,9 +79,7 @@ class TtsCacheGuard:
         self._lock = asyncio.Lock()
 
     @classmethod
-    def for_config(
-        cls, config: ServerConfig, env: Mapping[str, str] = os.environ
-    ) -> TtsCacheGuard:
+    def for_config(cls, config: ServerConfig, env: Mapping[str, str] = os.environ) -> TtsCacheGuard:
         data = config.effective_download_dir
         state = data / STATE_FILE if data.is_dir() else None
         return cls(state, HomeAssistantApi.from_environment(env))
