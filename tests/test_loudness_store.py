@@ -126,3 +126,15 @@ def test_a_re_recorded_voice_starts_from_its_new_recording(tmp_path: Path) -> No
     again = VoiceLevels(TARGET, 1.0, (tmp_path, None), store)
     first = asyncio.run(again.request().sentence(voice, RATE))
     assert first.gain_db == pytest.approx(from_recording + 20.0, abs=0.1)  # the new recording's
+
+
+def test_the_levels_are_saved_while_serving_too(tmp_path: Path) -> None:
+    """Not only at a clean stop: a killed server keeps what it saved before."""
+
+    async def main() -> dict[str, object]:
+        async with fake_server({"server.data_dirs": [str(tmp_path)]}, engine=LoudEngine) as server:
+            assert (await synthesize(server.port, TEXT, {"name": "zh-male"})).error() is None
+            # (a sentence's measuring, its save included, ends before the next is spoken)
+            return json.loads(store_file(tmp_path).read_text())
+
+    assert "中文男" in asyncio.run(main())["voices"]

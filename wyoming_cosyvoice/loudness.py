@@ -33,6 +33,7 @@ import json
 import logging
 import math
 import os
+import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -225,6 +226,7 @@ class _VoiceLevel:
 
 LEVELS_DIR = "voice-levels"  # under the data directory: one file per model
 STORE_FORMAT = 1  # the layout of a LevelStore file; another one is ignored
+SAVE_EVERY_S = 60.0  # while serving; and once more at the stop
 _STORED_FLOOR_LUFS = -99.0  # a silent block, stored: gated out, still counted as measured time
 
 
@@ -235,7 +237,7 @@ class LevelStore:
     measured 100 ms blocks (in LUFS, to 0.01 LU). A voice whose recording is no longer the one
     it was measured with is forgotten when the file is read; a missing, unreadable or corrupt
     file reads as empty (the levels are learnt again). Written whole, atomically (a temporary
-    file renamed over it), on the measuring thread.
+    file renamed over it): on the measuring thread while serving, and at the stop.
     """
 
     def __init__(self, path: Path) -> None:
@@ -284,10 +286,7 @@ class LevelStore:
                     "recording": list(level.recording) if level.recording else None,
                     "recording_lufs": level.recording_lufs,
                     "gain_db": level.gain_db,
-                    "blocks_lufs": [
-                        round(_lufs(p), 2) if p > _STORED_FLOOR_POWER else _STORED_FLOOR_LUFS
-                        for p in level.blocks
-                    ],  # fmt: skip
+                    "blocks_lufs": _stored_lufs(level.blocks),  # fmt: skip
                 }
                 for speaker, level in snapshot
             },
@@ -309,7 +308,11 @@ def _power(lufs: float) -> float:
     return float(10.0 ** ((lufs - _OFFSET) / 10.0))
 
 
-_STORED_FLOOR_POWER = _power(_STORED_FLOOR_LUFS)
+def _stored_lufs(blocks: Iterable[float]) -> list[float]:
+    """Block powers as LUFS to 0.01 LU, silent ones at the floor (numpy: no Python loop)."""
+    powers = np.fromiter(blocks, dtype=np.float64)
+    lufs = _OFFSET + 10.0 * np.log10(np.maximum(powers, _power(_STORED_FLOOR_LUFS)))
+    return list(np.round(lufs, 2).tolist())
 
 
 def _recording_unchanged(key: RecordingKey | None) -> bool:
@@ -365,13 +368,17 @@ class VoiceLevels:
         self.custom_dir, self.builtin_dir = recording_dirs
         self.store = store if target_lufs is not None else None
         self._voices: dict[str, _VoiceLevel] = self.store.load() if self.store else {}
+        self._saved_at = -math.inf  # when the levels were last saved (time.monotonic)
         # Measuring runs off the event loop on one thread of its own: asyncio's shared pool
         # would keep a thread for each sentence that ended at the same time.
         self._measurer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="loudness")
 
     def close(self) -> None:
-        """Let the measuring thread go (the server is shutting down)."""
-        self._measurer.shutdown(wait=False, cancel_futures=True)
+        """Let the measuring thread go (the server is shutting down) and keep what was learnt:
+        the thread's current measurement or write is waited for, so the last write is this."""
+        self._measurer.shutdown(wait=True, cancel_futures=True)
+        if self.store is not None:
+            self.store.save(LevelStore.snapshot(self._voices))
 
     async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
         """``fn(*args)`` on the measuring thread."""
@@ -446,9 +453,13 @@ class VoiceLevels:
         self._voices.setdefault(voice, _VoiceLevel()).blocks.extend(powers.tolist())
 
     async def save(self) -> None:
-        """Keep what is known now across a restart (written off the event loop)."""
-        if self.store is not None:
-            await self.off_loop(self.store.save, LevelStore.snapshot(self._voices))
+        """Keep what is known now across a restart (written off the event loop), at most every
+        ``SAVE_EVERY_S``: the file holds every voice, and :meth:`close` writes the rest."""
+        now = time.monotonic()
+        if self.store is None or now - self._saved_at < SAVE_EVERY_S:
+            return
+        self._saved_at = now
+        await self.off_loop(self.store.save, LevelStore.snapshot(self._voices))
 
     @property
     def measuring(self) -> bool:
