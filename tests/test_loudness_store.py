@@ -65,8 +65,15 @@ def test_a_restart_keeps_what_was_learnt_of_a_voice(tmp_path: Path) -> None:
     assert after == pytest.approx(before[1], abs=0.01)
 
 
-@pytest.mark.parametrize("content", [b"{not json", b'{"format": 1, "voices": {"x": 3}}',
-                                     b'{"format": 999, "voices": {}}', b"\xff\xfe"])  # fmt: skip
+GOOD_ENTRY = '{"recording": null, "recording_lufs": null, "gain_db": 0, "blocks_lufs": [-20]}'
+
+
+@pytest.mark.parametrize("content", [
+    b"{not json", b"[]", b'{"format": 1, "voices": {"x": 3}}', b'{"format": 999, "voices": {}}',
+    b"\xff\xfe", f'{{"format": 1, "voices": {{"中文男": {GOOD_ENTRY}}}}}'[:-9].encode(),
+    f'{{"format": 1, "voices": {{"中文男": {GOOD_ENTRY.replace("0", "NaN", 1)}}}}}'.encode(),
+    f'{{"format": 1, "voices": {{"中文男": {GOOD_ENTRY.replace("-20", "true")}}}}}'.encode(),
+])  # fmt: skip
 def test_a_corrupt_file_is_learnt_again_and_replaced(
     tmp_path: Path, content: bytes, caplog: pytest.LogCaptureFixture
 ) -> None:

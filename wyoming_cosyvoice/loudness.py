@@ -265,10 +265,10 @@ class LevelStore:
     def _level(raw: dict[str, Any]) -> _VoiceLevel:
         recording = raw["recording"]
         key = (str(recording[0]), int(recording[1]), int(recording[2])) if recording else None
-        lufs = raw["recording_lufs"]
-        blocks = deque((_power(float(b)) for b in raw["blocks_lufs"]), maxlen=HISTORY_BLOCKS)
-        return _VoiceLevel(key, None if lufs is None else float(lufs), blocks,
-                           float(raw["gain_db"]))  # fmt: skip
+        lufs = None if raw["recording_lufs"] is None else _finite(raw["recording_lufs"])
+        blocks = deque((_power(_finite(b)) for b in raw["blocks_lufs"]), maxlen=HISTORY_BLOCKS)
+        gain_db = min(MAX_GAIN_DB, max(MIN_GAIN_DB, _finite(raw["gain_db"])))
+        return _VoiceLevel(key, lufs, blocks, gain_db)
 
     @staticmethod
     def snapshot(voices: dict[str, _VoiceLevel]) -> list[tuple[str, _VoiceLevel]]:
@@ -286,7 +286,7 @@ class LevelStore:
                     "recording": list(level.recording) if level.recording else None,
                     "recording_lufs": level.recording_lufs,
                     "gain_db": level.gain_db,
-                    "blocks_lufs": _stored_lufs(level.blocks),  # fmt: skip
+                    "blocks_lufs": _stored_lufs(level.blocks),
                 }
                 for speaker, level in snapshot
             },
@@ -302,6 +302,14 @@ class LevelStore:
             self._write_failed = True
             with contextlib.suppress(OSError):
                 staging.unlink(missing_ok=True)
+
+
+def _finite(value: Any) -> float:
+    """A number read back from the file; NaN, infinities and non-numbers are corruption."""
+    number = float(value)
+    if not math.isfinite(number) or isinstance(value, bool):
+        raise ValueError(f"{value!r} is not a finite number")
+    return number
 
 
 def _power(lufs: float) -> float:
