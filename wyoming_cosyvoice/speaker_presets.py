@@ -177,8 +177,8 @@ def _split_voice_name(
     match = _PRESET_VOICE.fullmatch(name.strip())
     if match is None or catalog.find(match["voice"]) is None:
         return wanted, None
-    preset = find_preset(match["preset"], kind, f"voice {name!r}")  # raises for a style the
-    # model cannot speak
+    # (a style the model cannot speak raises, naming the voice)
+    preset = find_preset(match["preset"], kind, f"voice {name!r}")
     if preset is not None:
         wanted["name"] = match["voice"]
     return wanted, preset
