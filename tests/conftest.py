@@ -15,6 +15,7 @@ import re
 import signal
 import socket
 import subprocess
+import tempfile
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -237,7 +238,10 @@ async def fake_server(
     from wyoming_cosyvoice.server import create_server
 
     port = free_port()
-    settings = {"server.uri": f"tcp://127.0.0.1:{port}", "server.warmup": False}
+    # A data dir of its own: what the server keeps there (the voices' levels) stays in the test.
+    data = tempfile.TemporaryDirectory(prefix="fake-server-data-")
+    settings = {"server.uri": f"tcp://127.0.0.1:{port}", "server.warmup": False,
+                "server.data_dirs": [data.name]}  # fmt: skip
     settings.update(overrides or {})
     config = load_config(None, settings.items())
     engines: list[Any] = []
@@ -256,6 +260,7 @@ async def fake_server(
         yield SimpleNamespace(port=port, running=running, config=config, engines=engines)
     finally:
         await running.stop()
+        data.cleanup()
 
 
 def connect(port: int) -> Any:

@@ -189,9 +189,12 @@ async def serve(
 
     # Custom voices: scanned once the model has loaded, then re-scanned when the folder changes
     # (or when the web page saves a voice).
+    from wyoming_cosyvoice.tts_cache_guard import TtsCacheGuard, settings_identity
+
+    tts_cache = TtsCacheGuard.for_config(config)  # Home Assistant's copies of older audio
     voices = None
     if config.voices_dir is not None:
-        voices = CustomVoices(config, running.scheduler, model_dir)
+        voices = CustomVoices(config, running.scheduler, model_dir, tts_cache=tts_cache)
     web = None
     if http is not None:
         from wyoming_cosyvoice.http import start_http
@@ -219,6 +222,9 @@ async def serve(
     for sig in (signal.SIGINT, signal.SIGTERM):
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.add_signal_handler(sig, stop.set)
+    settings_check = asyncio.create_task(
+        tts_cache.check_settings(settings_identity(config, model_dir)), name="TTS cache check"
+    )
     zc = None
     if config.zeroconf and not (http and http[2]):
         from wyoming_cosyvoice.zeroconf import WyomingZeroconf
@@ -249,6 +255,7 @@ async def serve(
     if zc is not None:
         await zc.close()
     stopper.cancel()
+    settings_check.cancel()
     if voices is not None:
         await voices.stop()
     if web is not None:

@@ -51,6 +51,7 @@ DEFAULT_OPTIONS: dict[str, Any] = {
     "early_speech": True,
     "volume": 1.0,
     "speed": 1.0,
+    "preset_voices": [],
     "repeat_cache_mb": 64,
     "prepared_phrases": [],
     "debug_logging": False,
@@ -171,6 +172,8 @@ def options_to_args(
     speed = _speed(options)
     if speed != 1.0:  # the speed of Assist pipelines and of calls that name none
         args += ["--set", f"server.speed={speed:g}"]
+    if presets := options.get("preset_voices"):  # checked by the server's settings
+        args += ["--set", f"server.preset_voices={json.dumps(presets)}"]
     cache_mb = _int(options, "repeat_cache_mb", DEFAULT_OPTIONS["repeat_cache_mb"])
     if cache_mb is not None and cache_mb != DEFAULT_OPTIONS["repeat_cache_mb"]:
         args += ["--set", f"cache.max_mb={cache_mb}"]  # 0 = off

@@ -35,6 +35,7 @@ from engine.types import (
     SynthesisOptions,
 )
 from wyoming_cosyvoice.loudness import TARGET_RANGE, VOLUME_RANGE
+from wyoming_cosyvoice.speaker_presets import SPEEDS, STYLES, is_preset_name
 
 SETTINGS_FILE = "settings.yaml"  # in this package: the defaults every other layer overrides
 LM_WEIGHTS = ("int8", "fp32")
@@ -227,6 +228,7 @@ class ServerConfig:
     volume: float = 1.0  # a factor on that level
     speed: float = 1.0  # speaking speed of a request that asks for none
     early_speech: bool = True  # speak a streamed sentence while it arrives (engines that can)
+    preset_voices: tuple[str, ...] = ()  # presets every voice is also listed at (describe)
 
     @property
     def effective_download_dir(self) -> Path:
@@ -436,6 +438,8 @@ _SERVER_KINDS = {
     "speed": "float+",
     "early_speech": "bool",
 }
+# server keys checked apart from the scalars above
+_SERVER_LISTS_AND_RANGES = ("data_dirs", "loudness", "volume", "preset_voices")
 _SECTIONS = ("server", "profiles", "limits", "cache", AUTO_PROFILE)
 _SCHEDULE_KINDS = {"first_hop": "int+", "growth": "float+", "max_hop": "int+", "overlap": "int"}
 
@@ -575,7 +579,7 @@ def build_config(raw: dict[str, Any]) -> ServerConfig:
     for key in raw:
         if key not in _SECTIONS:
             raise ConfigError(key, f"unknown section (known: {', '.join(_SECTIONS)})")
-    server = _section(raw, "server", [*_SERVER_KINDS, "data_dirs", "loudness", "volume"])
+    server = _section(raw, "server", [*_SERVER_KINDS, *_SERVER_LISTS_AND_RANGES])
     values = {
         key: _check(f"server.{key}", server.get(key), kind) for key, kind in _SERVER_KINDS.items()
     }
@@ -614,4 +618,24 @@ def build_config(raw: dict[str, Any]) -> ServerConfig:
         cache=_cache(raw),
         loudness=_number_in("server.loudness", server.get("loudness"), TARGET_RANGE, "LUFS"),
         volume=_number_in("server.volume", server.get("volume"), VOLUME_RANGE),
+        preset_voices=_preset_voices(server.get("preset_voices")),
     )
+
+
+def _preset_voices(value: Any) -> tuple[str, ...]:
+    """``server.preset_voices``: preset names (speaker_presets), each once."""
+    key = "server.preset_voices"
+    names = [value] if isinstance(value, str) else value
+    if names is None:
+        return ()
+    if not isinstance(names, list):
+        raise ConfigError(key, f"must be a list of presets such as [slow, fast], not {value!r}")
+    presets: list[str] = []
+    for i, name in enumerate(names):
+        if not isinstance(name, str) or not is_preset_name(name):
+            raise ConfigError(f"{key}[{i}]", f"{name!r} is not a preset; presets: "
+                              f"{', '.join([*SPEEDS, *STYLES])} or a style-speed pair such as "
+                              "calm-slow")  # fmt: skip
+        if (preset := name.strip().casefold()) not in presets:
+            presets.append(preset)
+    return tuple(presets)

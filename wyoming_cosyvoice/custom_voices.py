@@ -37,6 +37,7 @@ from typing import Any
 from wyoming_cosyvoice.config import ServerConfig
 from wyoming_cosyvoice.download import FAMILY_MODELS, MODELS
 from wyoming_cosyvoice.scheduler import Scheduler
+from wyoming_cosyvoice.tts_cache_guard import TtsCacheGuard, voice_files_identity
 from wyoming_cosyvoice.voice_catalog import INSTRUCT_KINDS, VoiceCatalog, describe_custom_voice
 
 _LOGGER = logging.getLogger(__name__)
@@ -121,8 +122,10 @@ async def _in_daemon_thread(fn: Callable[[], Any]) -> Any:
 class CustomVoices:
     """Keeps the catalog's custom voices in step with the voices folder."""
 
-    def __init__(self, config: ServerConfig, scheduler: Scheduler, model_dir: Path) -> None:
+    def __init__(self, config: ServerConfig, scheduler: Scheduler, model_dir: Path, *,
+                 tts_cache: TtsCacheGuard | None = None) -> None:  # fmt: skip
         assert config.voices_dir is not None
+        self.tts_cache = tts_cache  # told what each offered voice is made of, after a scan
         self.config, self.scheduler, self.model_dir = config, scheduler, model_dir
         self.voices_dir = config.voices_dir
         self.model_name = voice_model_name(config, model_dir)
@@ -212,6 +215,8 @@ class CustomVoices:
             result = await self.scheduler.run_on_engine(scan)
         self.scans += 1
         self._publish(engine, result)
+        if self.tts_cache is not None and isinstance(self._seen, tuple):
+            await self.tts_cache.check_voices(voice_files_identity(self._seen, self._offered))
 
     async def _fetch_prompt_models(self, waiting: list[str]) -> bool:
         """Download the ONNX prompt models into the model dir; False (and logged) if impossible."""

@@ -60,7 +60,12 @@ from wyoming_cosyvoice.sentences import (
     iter_sentences,
     opening_language,
 )
-from wyoming_cosyvoice.speaker_presets import kind_from_name, speaker_names
+from wyoming_cosyvoice.speaker_presets import (
+    kind_from_name,
+    listed_presets,
+    preset_voice_name,
+    speaker_names,
+)
 from wyoming_cosyvoice.speech import (
     WIDTH,
     Audio,
@@ -383,6 +388,7 @@ class EventHandler:
             streaming=self._config.profile.streaming,
             model=self._config.model,
             speakers=speaker_names(kind),
+            preset_voices=listed_presets(self._config.preset_voices, kind),
         )
 
     # --- speaking -----------------------------------------------------------------------
@@ -477,15 +483,22 @@ def _audio_start(rate: int) -> Event:
 
 
 def build_info(
-    catalog: VoiceCatalog, *, streaming: bool, model: str, speakers: Sequence[str] = ()
+    catalog: VoiceCatalog,
+    *,
+    streaming: bool,
+    model: str,
+    speakers: Sequence[str] = (),
+    preset_voices: Sequence[str] = (),
 ) -> Info:
     """The ``info`` answer to ``describe``: one TTS program with one voice per catalogue entry;
     every field Home Assistant needs is always present. ``speakers``: what every voice offers
-    per call (:mod:`.speaker_presets`)."""
+    per call (:mod:`.speaker_presets`); ``preset_voices``: presets each voice is also listed
+    at, as ``<voice> (<preset>)`` (its description starts with the voice's, so Home Assistant,
+    which sorts voices by it, keeps the plain voice first)."""
     voices = [
         TtsVoice(
-            name=voice.name,
-            description=voice.description,
+            name=preset_voice_name(voice.name, preset) if preset else voice.name,
+            description=f"{voice.description} – {preset}" if preset else voice.description,
             attribution=ATTRIBUTION,
             installed=True,
             version=None,
@@ -493,6 +506,7 @@ def build_info(
             speakers=[TtsVoiceSpeaker(name=name) for name in speakers] or None,
         )
         for voice in catalog.voices
+        for preset in (None, *preset_voices)
     ]
     program = TtsProgram(
         name=PROGRAM_NAME,

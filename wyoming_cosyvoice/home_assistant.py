@@ -1,4 +1,5 @@
-"""Tell Home Assistant about new voices: reload its Wyoming entry through the Supervisor.
+"""Tell Home Assistant about new voices (reload its Wyoming entry) and about changed audio
+(clear its TTS cache), through the Supervisor.
 
 Home Assistant reads a Wyoming server's voices (``describe``) when the integration's entry
 loads, so a voice made on the web page shows up in Home Assistant only after that entry is
@@ -7,9 +8,10 @@ the process a token (``SUPERVISOR_TOKEN``) for Home Assistant's REST API at
 ``http://supervisor/core/api``, where the Supervisor acts as an administrator: the web page
 offers to do the reload for the user. The entries reloaded are the Wyoming ones whose title
 names this server (the add-on is discovered as "CosyVoice"); a renamed entry is reloaded by
-hand (addon/DOCS.md).
+hand (addon/DOCS.md). Its TTS cache is cleared with its ``tts.clear_cache`` action
+(:mod:`.tts_cache_guard` says when).
 
-Two small requests with the standard library, in a thread: no HTTP client dependency.
+Small requests with the standard library, in a thread: no HTTP client dependency.
 """
 
 from __future__ import annotations
@@ -80,3 +82,8 @@ class HomeAssistantApi:
         for entry in entries:
             self._call("POST", f"/config/config_entries/entry/{quote(entry['entry_id'])}/reload")
         return [str(e["title"]) for e in entries]
+
+    def clear_tts_cache(self) -> None:
+        """Run Home Assistant's ``tts.clear_cache`` action (every TTS engine's cached audio:
+        it has no narrower one). Blocking: run it in a thread."""
+        self._call("POST", "/services/tts/clear_cache")

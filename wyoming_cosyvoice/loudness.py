@@ -18,14 +18,22 @@ estimate of the level the model speaks that voice at:
   one request by at most ``MAX_STEP_DB`` from one sentence to the next;
 * a peak limiter (instant attack, smooth release) keeps every sample at or under
   ``CEILING_DBFS``, so a gain or a volume above 1 never clips.
+
+What was learnt of each voice is kept across restarts (:class:`LevelStore`, one small file per
+model in the data directory), so a restart does not start the voices over from the recording's
+level or unity gain.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
+import json
 import logging
 import math
+import os
+import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -216,6 +224,116 @@ class _VoiceLevel:
         return (1.0 - trust) * self.recording_lufs + trust * measured
 
 
+LEVELS_DIR = "voice-levels"  # under the data directory: one file per model
+STORE_FORMAT = 1  # the layout of a LevelStore file; another one is ignored
+SAVE_EVERY_S = 60.0  # while serving; and once more at the stop
+_STORED_FLOOR_LUFS = -99.0  # a silent block, stored: gated out, still counted as measured time
+
+
+class LevelStore:
+    """The learnt levels of one model's voices in a small JSON file, kept across restarts.
+
+    Per voice: the recording it was measured with, the recording's loudness, the gain and the
+    measured 100 ms blocks (in LUFS, to 0.01 LU). A voice whose recording is no longer the one
+    it was measured with is forgotten when the file is read; a missing, unreadable or corrupt
+    file reads as empty (the levels are learnt again). Written whole, atomically (a temporary
+    file renamed over it): on the measuring thread while serving, and at the stop.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._write_failed = False
+
+    def load(self) -> dict[str, _VoiceLevel]:
+        try:
+            raw = json.loads(self.path.read_text(encoding="utf-8"))
+            if raw.get("format") != STORE_FORMAT:
+                raise ValueError(f"format {raw.get('format')!r}, not {STORE_FORMAT}")
+            voices = {str(k): self._level(v) for k, v in raw["voices"].items()}
+        except FileNotFoundError:
+            return {}
+        except (OSError, ValueError, TypeError, KeyError, AttributeError) as err:
+            _LOGGER.warning("Ignoring the saved voice levels in %s (%s): they are learnt again",
+                            self.path, err)  # fmt: skip
+            return {}
+        kept = {k: v for k, v in voices.items() if _recording_unchanged(v.recording)}
+        for speaker in voices.keys() - kept.keys():
+            _LOGGER.info("Voice %s was re-recorded: its saved level is dropped", speaker)
+        return kept
+
+    @staticmethod
+    def _level(raw: dict[str, Any]) -> _VoiceLevel:
+        recording = raw["recording"]
+        key = (str(recording[0]), int(recording[1]), int(recording[2])) if recording else None
+        lufs = None if raw["recording_lufs"] is None else _finite(raw["recording_lufs"])
+        blocks = deque((_power(_finite(b)) for b in raw["blocks_lufs"]), maxlen=HISTORY_BLOCKS)
+        gain_db = min(MAX_GAIN_DB, max(MIN_GAIN_DB, _finite(raw["gain_db"])))
+        return _VoiceLevel(key, lufs, blocks, gain_db)
+
+    @staticmethod
+    def snapshot(voices: dict[str, _VoiceLevel]) -> list[tuple[str, _VoiceLevel]]:
+        """Copies of the levels for :meth:`save`: taken on the event loop, where they change."""
+        return [(speaker, _VoiceLevel(level.recording, level.recording_lufs,
+                                      deque(level.blocks), level.gain_db))
+                for speaker, level in voices.items()]  # fmt: skip
+
+    def save(self, snapshot: list[tuple[str, _VoiceLevel]]) -> None:
+        """Write the levels (blocking: on the measuring thread)."""
+        document = {
+            "format": STORE_FORMAT,
+            "voices": {
+                speaker: {
+                    "recording": list(level.recording) if level.recording else None,
+                    "recording_lufs": level.recording_lufs,
+                    "gain_db": level.gain_db,
+                    "blocks_lufs": _stored_lufs(level.blocks),
+                }
+                for speaker, level in snapshot
+            },
+        }
+        staging = self.path.with_name(f".{self.path.name}.part")
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            staging.write_text(json.dumps(document, separators=(",", ":")), encoding="utf-8")
+            os.replace(staging, self.path)  # a reader sees the old file or the whole new one
+        except OSError as err:
+            if not self._write_failed:  # said once: the levels work, only not across restarts
+                _LOGGER.warning("Cannot save the voice levels to %s: %s", self.path, err)
+            self._write_failed = True
+            with contextlib.suppress(OSError):
+                staging.unlink(missing_ok=True)
+
+
+def _finite(value: Any) -> float:
+    """A number read back from the file; NaN, infinities and non-numbers are corruption."""
+    number = float(value)
+    if not math.isfinite(number) or isinstance(value, bool):
+        raise ValueError(f"{value!r} is not a finite number")
+    return number
+
+
+def _power(lufs: float) -> float:
+    return float(10.0 ** ((lufs - _OFFSET) / 10.0))
+
+
+def _stored_lufs(blocks: Iterable[float]) -> list[float]:
+    """Block powers as LUFS to 0.01 LU, silent ones at the floor (numpy: no Python loop)."""
+    powers = np.fromiter(blocks, dtype=np.float64)
+    lufs = _OFFSET + 10.0 * np.log10(np.maximum(powers, _power(_STORED_FLOOR_LUFS)))
+    return list(np.round(lufs, 2).tolist())
+
+
+def _recording_unchanged(key: RecordingKey | None) -> bool:
+    """The recording ``key`` names is still that file (its size and modification time)."""
+    if key is None:
+        return True
+    try:
+        stat = Path(key[0]).stat()
+    except OSError:
+        return False
+    return (stat.st_size, stat.st_mtime_ns) == key[1:]
+
+
 class SentenceLevel:
     """One sentence's fixed gain, its limiter, and its raw audio kept for measuring."""
 
@@ -244,6 +362,7 @@ class VoiceLevels:
 
     ``target_lufs`` None: no normalising, only the volume and the limiter. ``recording_dirs``:
     (folder of custom voices, folder of built-in voices made from recordings), either None.
+    ``store``: where the learnt levels are kept across restarts (None: in memory only).
     """
 
     def __init__(
@@ -251,17 +370,23 @@ class VoiceLevels:
         target_lufs: float | None = DEFAULT_TARGET_LUFS,
         volume: float = 1.0,
         recording_dirs: tuple[Path | None, Path | None] = (None, None),
+        store: LevelStore | None = None,
     ) -> None:
         self.target_lufs, self.volume = target_lufs, volume
         self.custom_dir, self.builtin_dir = recording_dirs
-        self._voices: dict[str, _VoiceLevel] = {}
+        self.store = store if target_lufs is not None else None
+        self._voices: dict[str, _VoiceLevel] = self.store.load() if self.store else {}
+        self._saved_at = -math.inf  # when the levels were last saved (time.monotonic)
         # Measuring runs off the event loop on one thread of its own: asyncio's shared pool
         # would keep a thread for each sentence that ended at the same time.
         self._measurer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="loudness")
 
     def close(self) -> None:
-        """Let the measuring thread go (the server is shutting down)."""
-        self._measurer.shutdown(wait=False, cancel_futures=True)
+        """Let the measuring thread go (the server is shutting down) and keep what was learnt:
+        the thread's current measurement or write is waited for, so the last write is this."""
+        self._measurer.shutdown(wait=True, cancel_futures=True)
+        if self.store is not None:
+            self.store.save(LevelStore.snapshot(self._voices))
 
     async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
         """``fn(*args)`` on the measuring thread."""
@@ -335,6 +460,15 @@ class VoiceLevels:
         """A finished sentence's block powers join its voice's running measurement."""
         self._voices.setdefault(voice, _VoiceLevel()).blocks.extend(powers.tolist())
 
+    async def save(self) -> None:
+        """Keep what is known now across a restart (written off the event loop), at most every
+        ``SAVE_EVERY_S``: the file holds every voice, and :meth:`close` writes the rest."""
+        now = time.monotonic()
+        if self.store is None or now - self._saved_at < SAVE_EVERY_S:
+            return
+        self._saved_at = now
+        await self.off_loop(self.store.save, LevelStore.snapshot(self._voices))
+
     @property
     def measuring(self) -> bool:
         return self.target_lufs is not None
@@ -369,3 +503,4 @@ class RequestLevels:
         powers = await self.levels.off_loop(block_powers, sentence.raw(), sentence.rate)
         if len(powers):
             self.levels.add_sentence(sentence.voice, powers)
+            await self.levels.save()

@@ -15,7 +15,7 @@ from typing import Any
 
 from wyoming_cosyvoice.auto_profile import AutoProfile
 from wyoming_cosyvoice.config import ServerConfig
-from wyoming_cosyvoice.loudness import VoiceLevels
+from wyoming_cosyvoice.loudness import LEVELS_DIR, LevelStore, VoiceLevels
 from wyoming_cosyvoice.repeat_cache import RepeatCache
 from wyoming_cosyvoice.scheduler import Engine, EngineFactory, Scheduler
 from wyoming_cosyvoice.stage_costs import CostMeter, free_cores_now
@@ -175,7 +175,7 @@ def scheduler_for_config(
             for profile in config.auto_candidates or [config.profile]
         ],
         repeat_cache=RepeatCache(config.cache.max_bytes),
-        levels=voice_levels(config),
+        levels=voice_levels(config, model_dir),
         auto=auto_profile(config),
     )
 
@@ -189,13 +189,17 @@ def auto_profile(config: ServerConfig) -> AutoProfile | None:
     return AutoProfile(config.auto, config.auto_candidates, meter)
 
 
-def voice_levels(config: ServerConfig) -> VoiceLevels:
+def voice_levels(config: ServerConfig, model_dir: Path) -> VoiceLevels:
     """Loudness per voice at the config's target and volume; recordings are looked up in the
-    custom voices folder and the folder of built-in voices made from recordings (CosyVoice2)."""
+    custom voices folder and the folder of built-in voices made from recordings (CosyVoice2).
+    What is learnt is kept per model in ``<download dir>/voice-levels/`` if that dir exists (a
+    state file must not create a data dir of its own)."""
     from wyoming_cosyvoice.builtin_voices import builtin_voices_dir
 
     folders = (config.voices_dir, builtin_voices_dir(config))
-    return VoiceLevels(config.loudness, config.volume, folders)
+    data = config.effective_download_dir
+    store = LevelStore(data / LEVELS_DIR / f"{model_dir.name}.json") if data.is_dir() else None
+    return VoiceLevels(config.loudness, config.volume, folders, store)
 
 
 def speakers_before_load(config: ServerConfig, model_dir: Path) -> list[str] | None:

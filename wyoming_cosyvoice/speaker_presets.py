@@ -17,11 +17,19 @@ is how a call asks for a speed or a style:
 A speaker that names a preset is that preset, even where a voice has the same name; any other
 speaker keeps its meaning (a voice's name, or a free-text instruction:
 :func:`wyoming_cosyvoice.speech.split_instruction`).
+
+Home Assistant's voice pickers (an Assist pipeline's voice, the media browser) show voices
+only, never their speakers, and it drops ``speaker`` from a call without ``voice``. So a voice
+name may carry a preset too: ``en-female (slow)`` is ``en-female`` at the ``slow`` preset. The
+server always understands such a name; ``server.preset_voices`` lists the presets it names also
+as voices of their own in ``describe`` (:func:`listed_presets`), so that a pipeline can pick
+one. A speaker that names a preset wins over the voice name's.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import re
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from wyoming_cosyvoice.protocol import VoiceNotFoundError
@@ -48,6 +56,8 @@ STYLES: dict[str, dict[str, str]] = {
     },
 }
 INSTRUCT_MODELS = "CosyVoice-300M-Instruct or CosyVoice2-0.5B"
+# "<voice> (<preset>)": a voice name carrying a preset
+_PRESET_VOICE = re.compile(r"(?P<voice>.*\S)\s*\(\s*(?P<preset>[^()]*?)\s*\)")
 
 
 @dataclass(frozen=True)
@@ -81,6 +91,22 @@ def speaker_names(kind: str | None) -> list[str]:
     return [*SPEEDS, *(STYLES if takes_styles(kind) else ())]
 
 
+def is_preset_name(name: str) -> bool:
+    """Whether ``name`` is a preset for some model (a speed, a style, or both)."""
+    return _parts(name) is not None
+
+
+def listed_presets(names: Iterable[str], kind: str | None) -> list[str]:
+    """The presets of ``server.preset_voices`` a model of this kind speaks: styles only where
+    it takes instructions."""
+    return [n for n in names if (parts := _parts(n)) and (parts[0] is None or takes_styles(kind))]
+
+
+def preset_voice_name(voice: str, preset: str) -> str:
+    """The name of a voice at a preset, as ``describe`` lists it."""
+    return f"{voice} ({preset})"
+
+
 def _parts(name: str) -> tuple[str | None, str | None] | None:
     """(style, speed) a preset name is made of; None if it is not one."""
     words = name.strip().casefold().split("-")
@@ -93,9 +119,10 @@ def _parts(name: str) -> tuple[str | None, str | None] | None:
     return (styles[0] if styles else None), (speeds[0] if speeds else None)
 
 
-def find_preset(name: str, kind: str | None) -> SpeakerPreset | None:
+def find_preset(name: str, kind: str | None, asked_by: str = "") -> SpeakerPreset | None:
     """The preset ``name`` is for a model of ``kind``; None if it is none. A style with a model
-    that takes no instructions raises :class:`StyleUnsupportedError`."""
+    that takes no instructions raises :class:`StyleUnsupportedError` (saying ``asked_by``, the
+    field that asked: the speaker unless given)."""
     parts = _parts(name)
     if parts is None:
         return None
@@ -104,8 +131,9 @@ def find_preset(name: str, kind: str | None) -> SpeakerPreset | None:
     if style is not None:
         if not takes_styles(kind):
             raise StyleUnsupportedError(
-                f"speaker {name!r} asks for the speaking style {style!r}, which needs the "
-                f"{INSTRUCT_MODELS} model; this model's speakers are {', '.join(SPEEDS)}"
+                f"{asked_by or f'speaker {name!r}'} asks for the speaking style {style!r}, "
+                f"which needs the {INSTRUCT_MODELS} model; this model's speakers are "
+                f"{', '.join(SPEEDS)}"
             )
         assert kind is not None
         instruction = STYLES[style][kind]
@@ -116,15 +144,16 @@ def find_preset(name: str, kind: str | None) -> SpeakerPreset | None:
 def split_preset(
     request: Mapping[str, str] | None, catalog: VoiceCatalog, kind: str | None
 ) -> tuple[dict[str, str], SpeakerPreset | None]:
-    """(voice request, preset): ``speaker`` taken out of the request when it names a preset.
+    """(voice request, preset): ``speaker`` taken out of the request when it names a preset,
+    else the preset of a voice name ``<voice> (<preset>)`` (the name then names the voice).
 
     With a model that takes no instructions a style name that is also a voice's name stays that
     voice (as before styles existed); otherwise it is refused with the reason.
     """
-    wanted = dict(request or {})
+    wanted, named = _split_voice_name(request, catalog, kind)
     speaker = wanted.get("speaker")
     if not speaker:
-        return wanted, None
+        return wanted, named
     try:
         preset = find_preset(speaker, kind)
     except StyleUnsupportedError:
@@ -133,4 +162,23 @@ def split_preset(
         raise
     if preset is not None:
         del wanted["speaker"]
+    return wanted, preset or named
+
+
+def _split_voice_name(
+    request: Mapping[str, str] | None, catalog: VoiceCatalog, kind: str | None
+) -> tuple[dict[str, str], SpeakerPreset | None]:
+    """(voice request, preset) of a voice name ``<voice> (<preset>)``; a name the catalogue
+    knows as it is, or whose parts are no voice and preset, is left as it is."""
+    wanted = dict(request or {})
+    name = wanted.get("name")
+    if not name or catalog.find(name) is not None:
+        return wanted, None
+    match = _PRESET_VOICE.fullmatch(name.strip())
+    if match is None or catalog.find(match["voice"]) is None:
+        return wanted, None
+    # (a style the model cannot speak raises, naming the voice)
+    preset = find_preset(match["preset"], kind, f"voice {name!r}")
+    if preset is not None:
+        wanted["name"] = match["voice"]
     return wanted, preset

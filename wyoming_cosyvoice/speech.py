@@ -165,8 +165,9 @@ class VoiceChoice:
     one): chosen at the first sentence with ``text_language`` (the whole text's, when the
     request came whole) or else that sentence's, and kept. ``per_sentence`` (the synthesize
     command): each sentence gets a voice of its own language. ``speaker_instructs``: Wyoming's
-    ``voice.speaker`` may name a speed or style (:mod:`.speaker_presets`; its speed is then
-    ``speed``) or carry an instruction (:func:`split_instruction`). ``catalog``: choose
+    ``voice.speaker`` may name a speed or style, and so may ``voice.name`` (``en-female
+    (slow)``; :mod:`.speaker_presets`; its speed is then ``speed``), or the speaker carries an
+    instruction (:func:`split_instruction`). ``catalog``: choose
     from it instead of the loaded model's (the command checks its voices before the load).
     """
 
@@ -211,7 +212,7 @@ class VoiceChoice:
             if preset is not None:
                 self.speed, instruct = preset.speed, instruct or preset.instruction
             wanted, from_speaker = split_instruction(wanted, catalog, model_kind)
-            instruct = instruct or from_speaker
+            instruct = from_speaker or instruct  # the call's own words over a preset voice's
         language = sentence.language if self.per_sentence else self.text_language
         voice = catalog.resolve(
             wanted, default=self.default, text_language=language or sentence.language
