@@ -36,17 +36,16 @@ def check_transcript(text: str) -> str:
 
 
 def file_of_voice(folder: Path, name: str) -> str | None:
-    """A file of the folder that belongs to a voice called ``name``, or a name that looks the
-    same (:func:`~wyoming_cosyvoice.voice_names.name_key`), or None."""
+    """A file of the folder that belongs to a voice called ``name`` (first), or to a name that
+    looks the same (:func:`~wyoming_cosyvoice.voice_names.name_key`), or None."""
     wanted = name_key(name)
     try:
-        entries = list(folder.iterdir())
+        names = sorted(p.name for p in folder.iterdir() if not p.name.startswith("."))
     except FileNotFoundError:
         return None
-    for path in entries:
-        if not path.name.startswith(".") and name_key(path.name.split(".")[0]) == wanted:
-            return path.name
-    return None
+    alike = [file for file in names if name_key(file.split(".")[0]) == wanted]
+    exact = [file for file in alike if file.split(".")[0] == name]
+    return (exact or alike or [None])[0]
 
 
 def save_voice(folder: Path, name: str, transcript: str, wav: bytes) -> list[Path]:
