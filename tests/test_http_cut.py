@@ -13,6 +13,7 @@ queued.
 from __future__ import annotations
 
 import json
+import logging
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -118,3 +119,32 @@ def test_sigterm_cuts_every_answer_in_a_way_its_client_can_tell(family: str, tmp
     assert "Traceback" not in log and " ERROR " not in log, log[-3000:]
     assert "HTTP event stream ended early: synthesis cancelled" in log
     assert log.count("HTTP stream ended early: synthesis cancelled") == 2, log[-3000:]
+
+
+def test_an_engine_failure_mid_answer_ends_the_events_with_an_error(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The fake engine fails after the first chunk of a text with FAIL in it (conftest): the
+    events so far, then an ``error`` event; a chunked WAV of the same ends incomplete."""
+    from test_http import BackgroundServer
+
+    with BackgroundServer(wyoming=False) as srv, srv.client() as http:
+        r = http.post(
+            "/v1/audio/speech",
+            json={
+                "model": "tts-1",
+                "stream_format": "sse",
+                "input": "This one FAILS after a chunk.",
+            },
+        )
+        events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data:")]
+        with pytest.raises(httpx.RemoteProtocolError):
+            with http.stream("POST", "/tts", json={"text": "It FAILS too.", "stream": True}) as wav:
+                b"".join(wav.iter_raw())
+    assert r.status_code == 200 and events[0]["type"] == "speech.audio.delta"
+    assert events[-1]["type"] == "error" and "speech.audio.done" not in r.text
+    assert events[-1]["error"]["code"] == "synthesis_failed"
+    assert "failed on purpose" in events[-1]["error"]["message"]
+    errors = [rec.getMessage() for rec in caplog.records if rec.levelno >= logging.ERROR]
+    assert errors == ["Synthesis failed mid-stream: EngineError: the fake engine failed on "
+                      "purpose"] * 2, errors  # fmt: skip
