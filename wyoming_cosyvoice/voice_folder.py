@@ -45,7 +45,7 @@ def file_of_voice(folder: Path, name: str) -> str | None:
         return None
     alike = [file for file in names if name_key(file.split(".")[0]) == wanted]
     exact = [file for file in alike if file.split(".")[0] == name]
-    return (exact or alike or [None])[0]
+    return next(iter(exact or alike), None)
 
 
 def save_voice(folder: Path, name: str, transcript: str, wav: bytes) -> list[Path]:
