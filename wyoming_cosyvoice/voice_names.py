@@ -15,17 +15,9 @@ looked up or a new one is checked against the others:
 4. spaces: runs of white space as one, none at either end; invisible format characters
    (zero-width joiners and the like) dropped.
 
-The table is :data:`_LOOK_ALIKES`, not a library: no package on PyPI fits. ``confusables``
-(unmaintained, no licence declared, 20 MB in memory) takes José for Jose and misses full-width
-letters; ``confusable-homoglyphs`` answers "is there a character confusable with Latin", not
-"do these two names look the same"; PyICU's spoof checker is the real UTS #39 but a C++ build
-against ICU in the add-on image. The table is UTS #39's ``confusables.txt`` (Unicode 13)
-restricted to single letters of the Cyrillic, Greek and Armenian scripts (and three Latin
-letters typed as such: dotless ``ı``, ``ɑ``, ``ɡ``) whose prototype is one ASCII letter;
-look-alikes from scripts nobody types when naming a household voice are left out, so the
-table stays one screen long. One change from UTS #39: its prototype for a capital-I
-look-alike is ``l`` (it maps ASCII ``I`` to ``l`` too); compared without case, where ``I`` is
-``i``, such a letter is an ``I``.
+The table is :data:`_LOOK_ALIKES`: UTS #39's ``confusables.txt`` for the letters of the
+Cyrillic, Greek and Armenian scripts whose prototype is one ASCII letter. Why a table of our
+own, what it leaves out and how to rebuild it: docs/dev/voice-names.md.
 """
 
 from __future__ import annotations
