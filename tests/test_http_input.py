@@ -84,6 +84,8 @@ def test_json_nested_too_deeply_or_with_a_huge_number_is_a_400(
             # logged when answered: a WARNING naming the route
             assert f"WARNING wyoming_cosyvoice.http.errors: POST {route} -> 400: " in server.log
         assert http.get("/health").json()["status"] == "ready"  # and the server serves on
+        assert http.get("/nowhere").status_code == 404
+    assert "WARNING wyoming_cosyvoice.http.errors: GET /nowhere -> 404: no route" in server.log
 
 
 # --- a voice named in any script --------------------------------------------------------------
@@ -133,6 +135,8 @@ def test_forwarding_headers_sent_from_this_host_do_not_pass_for_the_ingress(
         r = http.get("/health", headers={"x-forwarded-for": "10.9.8.7"})
         assert r.status_code == 200
     assert "10.9.8.7" not in server.log and f"{INGRESS_PROXY}:" not in server.log
+    refused = "WARNING wyoming_cosyvoice.http.origin: POST /tts from origin https://evil.example"
+    assert refused in server.log
 
 
 # --- instructions and speakers: the rules of Wyoming -----------------------------------------

@@ -80,4 +80,5 @@ async def starlette_error_handler(request: Request, exc: Exception) -> JSONRespo
     """Starlette's own 404/405 as JSON too (its default is plain text)."""
     assert isinstance(exc, HTTPException)
     message = exc.detail if exc.status_code != 404 else f"no route {request.url.path}"
+    _LOGGER.warning("%s %s -> %d: %s", request.method, request.url.path, exc.status_code, message)
     return error_response(exc.status_code, str(message), headers=dict(exc.headers or {}))

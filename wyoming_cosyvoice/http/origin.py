@@ -115,7 +115,7 @@ class OriginGuard:
         if self.permits(origin, headers.get("host"), ingress_forwarded_host(scope, headers)):
             await self.app(scope, receive, send)
             return
-        _LOGGER.info("%s %s from origin %s -> 403", scope["method"], scope["path"], origin)
+        _LOGGER.warning("%s %s from origin %s -> 403", scope["method"], scope["path"], origin)
         response = error_response(
             403,
             f"requests from the web page at {origin} are refused (only this server's own page "
