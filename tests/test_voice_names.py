@@ -41,7 +41,9 @@ def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     voices = workdir / "voices"
     record_voice(voices, "grandma")
     record_voice(voices, CYRILLIC_A)  # dropped in by hand beside it
-    srv = ServerProcess(request.param, workdir, voices=voices, args=("--profile", "realtime"))
+    # The default voice named as it looks (full-width): found before the folder is scanned.
+    args = ("--profile", "realtime", "--voice", FULL_WIDTH)
+    srv = ServerProcess(request.param, workdir, voices=voices, args=args)
     try:
         srv.wait_ready().wait_for_voice("grandma")
         yield srv
@@ -96,6 +98,12 @@ def test_look_alikes_of_a_voice_are_that_voice(server: ServerProcess) -> None:
     assert reply.error() is None and reply.samples > 0
     assert f"Custom voice {CYRILLIC_A!r} skipped: the name is already used by the voice " \
         "'grandma'" in server.log  # fmt: skip
+
+
+def test_the_default_voice_may_be_named_as_it_looks(server: ServerProcess) -> None:
+    with server.client() as http:
+        r = http.post("/tts", json={"text": "Hello."})
+    assert r.status_code == 200 and r.headers["x-voice"] == "grandma"
 
 
 def test_a_decomposed_name_is_saved_composed_and_found_either_way(server: ServerProcess) -> None:
