@@ -39,6 +39,7 @@ from wyoming_cosyvoice.download import FAMILY_MODELS, MODELS
 from wyoming_cosyvoice.scheduler import Scheduler
 from wyoming_cosyvoice.tts_cache_guard import TtsCacheGuard, voice_files_identity
 from wyoming_cosyvoice.voice_catalog import INSTRUCT_KINDS, VoiceCatalog, describe_custom_voice
+from wyoming_cosyvoice.voice_names import name_key
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -88,12 +89,13 @@ def folder_fingerprint(
 
 
 def custom_voice_exists(voices_dir: Path | None, name: str) -> bool:
-    """True when the folder mentions ``name`` (a ``--voice`` checked before the first scan)."""
+    """True when the folder mentions ``name``, or a name that looks the same (a ``--voice``
+    checked before the first scan; the catalog finds it the same way)."""
     if voices_dir is None or not voices_dir.is_dir():
         return False
     from engine.prompt.voices import voice_names
 
-    return name in voice_names(voices_dir)
+    return name_key(name) in {name_key(found) for found in voice_names(voices_dir)}
 
 
 async def _in_daemon_thread(fn: Callable[[], Any]) -> Any:

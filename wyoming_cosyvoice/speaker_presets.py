@@ -107,6 +107,18 @@ def preset_voice_name(voice: str, preset: str) -> str:
     return f"{voice} ({preset})"
 
 
+def with_presets(
+    err: VoiceNotFoundError, request: Mapping[str, str], catalog: VoiceCatalog, kind: str | None
+) -> VoiceNotFoundError:
+    """``err`` for a request whose speaker is unknown, with the preset speakers it could have
+    named besides the voices (Wyoming and HTTP say the same); else ``err`` itself."""
+    speaker = request.get("speaker")
+    if not speaker or catalog.find(speaker) is not None:
+        return err
+    what = "a speed or style" if takes_styles(kind) else "a speed"
+    return VoiceNotFoundError(f"{err}; or a speaker for {what}: {', '.join(speaker_names(kind))}")
+
+
 def _parts(name: str) -> tuple[str | None, str | None] | None:
     """(style, speed) a preset name is made of; None if it is not one."""
     words = name.strip().casefold().split("-")

@@ -42,10 +42,10 @@ from engine.types import AudioChunk, EngineError, SynthesisCancelled, SynthesisO
 from wyoming_cosyvoice.config import AUTO_PROFILE, Limits, ProfileConfig
 from wyoming_cosyvoice.loudness import SentenceLevel
 from wyoming_cosyvoice.metrics import SpeechReport, speech_outcome
-from wyoming_cosyvoice.protocol import LimitExceededError
+from wyoming_cosyvoice.protocol import LimitExceededError, VoiceNotFoundError
 from wyoming_cosyvoice.scheduler import Scheduler
 from wyoming_cosyvoice.sentences import Sentence
-from wyoming_cosyvoice.speaker_presets import split_preset
+from wyoming_cosyvoice.speaker_presets import split_preset, with_presets
 from wyoming_cosyvoice.voice_catalog import INSTRUCT_KINDS, Voice, VoiceCatalog
 
 _LOGGER = logging.getLogger(__name__)
@@ -132,8 +132,24 @@ class SpeechSettings:
         return replace(options, split=False, language=sentence.language, speed=speed)
 
 
+def instruction_text(text: str, field: str) -> str | None:
+    """A free-text instruction as the engine gets it (runs of white space as one space; None
+    if empty); :class:`LimitExceededError` naming ``field`` past :data:`MAX_INSTRUCTION_CHARS`.
+    One limit for every front end: Wyoming's speaker, HTTP's ``speaker`` and ``instructions``."""
+    instruction = " ".join(text.split())
+    if len(instruction) > MAX_INSTRUCTION_CHARS:
+        raise LimitExceededError(
+            f"the instruction in {field} has {len(instruction)} characters; "
+            f"the limit is {MAX_INSTRUCTION_CHARS}"
+        )
+    return instruction or None
+
+
 def split_instruction(
-    request: Mapping[str, str] | None, catalog: VoiceCatalog, kind: str | None
+    request: Mapping[str, str] | None,
+    catalog: VoiceCatalog,
+    kind: str | None,
+    field: str = "voice.speaker",
 ) -> tuple[dict[str, str], str | None]:
     """(voice request, instruction): ``speaker`` is an instruction when it names no voice.
 
@@ -141,20 +157,14 @@ def split_instruction(
     ``voice.speaker`` is the one free-text field
     Home Assistant forwards per request (``tts.speak`` options ``voice`` + ``speaker``). A
     speaker that names a voice keeps its old meaning; with other models an unknown speaker stays
-    an error.
+    an error. HTTP's ``speaker`` follows the same rule (``field`` names it in the error).
     """
     wanted = dict(request or {})
     speaker = wanted.get("speaker")
     if kind not in INSTRUCT_KINDS or not speaker or catalog.find(speaker) is not None:
         return wanted, None
     del wanted["speaker"]
-    instruction = " ".join(speaker.split())
-    if len(instruction) > MAX_INSTRUCTION_CHARS:
-        raise LimitExceededError(
-            f"the instruction in voice.speaker has {len(instruction)} characters; "
-            f"the limit is {MAX_INSTRUCTION_CHARS}"
-        )
-    return wanted, instruction or None
+    return wanted, instruction_text(speaker, field)
 
 
 class VoiceChoice:
@@ -214,9 +224,14 @@ class VoiceChoice:
             wanted, from_speaker = split_instruction(wanted, catalog, model_kind)
             instruct = from_speaker or instruct  # the call's own words over a preset voice's
         language = sentence.language if self.per_sentence else self.text_language
-        voice = catalog.resolve(
-            wanted, default=self.default, text_language=language or sentence.language
-        )
+        try:
+            voice = catalog.resolve(
+                wanted, default=self.default, text_language=language or sentence.language
+            )
+        except VoiceNotFoundError as err:
+            if not self.speaker_instructs:
+                raise
+            raise with_presets(err, wanted, catalog, model_kind) from err
         self._chosen = (voice, instruct)
         return self._chosen
 

@@ -20,6 +20,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from wyoming_cosyvoice.protocol import VoiceNotFoundError
+from wyoming_cosyvoice.voice_names import name_key
 
 # prefix of an official speaker name -> (slug prefix, HA languages, English label)
 _LANGUAGE_PREFIXES = {
@@ -89,7 +90,8 @@ class VoiceCatalog:
 
     ``custom`` lists (name, transcript language) of the usable custom voices. They come after
     the built-in voices, so a language's default voice stays a built-in one; a custom voice
-    whose name is already taken (case-insensitively) is left out and listed in ``skipped``.
+    whose name is already taken (by a name that looks the same: :mod:`.voice_names`) is left
+    out and listed in ``skipped``.
     """
 
     def __init__(self, speakers: list[str], custom: Iterable[tuple[str, str]] = ()) -> None:
@@ -103,20 +105,21 @@ class VoiceCatalog:
             taken.add(unique)
             voices.append(Voice(unique, speaker, tuple(languages), description))
         self.voices = sorted(voices, key=lambda v: v.name)
-        self._by_key = {v.name.casefold(): v for v in self.voices}
-        self._by_key.update({v.speaker.casefold(): v for v in self.voices})
+        self._by_key = {name_key(v.name): v for v in self.voices}
+        self._by_key.update({name_key(v.speaker): v for v in self.voices})
         self.skipped: dict[str, str] = {}
         for name, language in sorted(custom):
-            if (other := self._by_key.get(name.strip().casefold())) is not None:
+            if (other := self._by_key.get(name_key(name))) is not None:
                 self.skipped[name] = f"the name is already used by the voice {other.name!r}"
                 continue
             voice = describe_custom_voice(name, language)
             self.voices.append(voice)
-            self._by_key[name.strip().casefold()] = voice
+            self._by_key[name_key(name)] = voice
 
     def find(self, name: str) -> Voice | None:
-        """A voice by its ASCII name or by the original speaker name (case-insensitive)."""
-        return self._by_key.get(name.strip().casefold())
+        """A voice by its ASCII name or by the original speaker name, or by a name that looks
+        the same (:func:`~wyoming_cosyvoice.voice_names.name_key`: any case, any Unicode form)."""
+        return self._by_key.get(name_key(name))
 
     def for_language(self, language: str) -> Voice | None:
         """The first voice for a language tag: exact tag first, then the bare language."""

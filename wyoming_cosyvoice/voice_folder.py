@@ -1,4 +1,5 @@
-"""A new voice written into the voices folder: its name, its transcript, its two files.
+"""A new voice written into the voices folder: its transcript and its two files (its name is
+checked by :mod:`wyoming_cosyvoice.voice_names`).
 
 The folder's format is the one users fill by hand (docs/custom-voices.md): ``NAME.wav`` and
 ``NAME.txt``. Each file is written to a dot-file first (scans ignore those) and then renamed into
@@ -9,19 +10,10 @@ its recording, which it skips until the next check, and never half a recording.
 from __future__ import annotations
 
 import os
-import re
 from pathlib import Path
 
 from engine.prompt.validate import MAX_TRANSCRIPT_CHARS
-
-MAX_NAME_CHARS = 48
-# Letters of any script, digits, spaces, '-' and '_', starting with a letter or digit. No dots:
-# NAME.instruct.txt and NAME.prompt.pt are other files of a voice.
-_NAME = re.compile(rf"[^\W_][\w\- ]{{0,{MAX_NAME_CHARS - 1}}}")
-
-
-class BadVoiceName(ValueError):
-    """A name that cannot be a voice's."""
+from wyoming_cosyvoice.voice_names import name_key
 
 
 class BadTranscript(ValueError):
@@ -30,17 +22,6 @@ class BadTranscript(ValueError):
 
 class VoiceExists(ValueError):
     """The folder already has files of a voice by that name."""
-
-
-def check_name(name: str) -> str:
-    """The voice name, stripped; :class:`BadVoiceName` with what is allowed."""
-    name = name.strip()
-    if not _NAME.fullmatch(name):
-        raise BadVoiceName(
-            f"{name!r} cannot be a voice name: use 1 to {MAX_NAME_CHARS} letters (any language), "
-            "digits, spaces, '-' or '_', starting with a letter or digit"
-        )
-    return name
 
 
 def check_transcript(text: str) -> str:
@@ -55,16 +36,16 @@ def check_transcript(text: str) -> str:
 
 
 def file_of_voice(folder: Path, name: str) -> str | None:
-    """A file of the folder that belongs to a voice called ``name`` (any case), or None."""
-    wanted = name.casefold()
+    """A file of the folder that belongs to a voice called ``name`` (first), or to a name that
+    looks the same (:func:`~wyoming_cosyvoice.voice_names.name_key`), or None."""
+    wanted = name_key(name)
     try:
-        entries = list(folder.iterdir())
+        names = sorted(p.name for p in folder.iterdir() if not p.name.startswith("."))
     except FileNotFoundError:
         return None
-    for path in entries:
-        if not path.name.startswith(".") and path.name.split(".")[0].casefold() == wanted:
-            return path.name
-    return None
+    alike = [file for file in names if name_key(file.split(".")[0]) == wanted]
+    exact = [file for file in alike if file.split(".")[0] == name]
+    return next(iter(exact or alike), None)
 
 
 def save_voice(folder: Path, name: str, transcript: str, wav: bytes) -> list[Path]:

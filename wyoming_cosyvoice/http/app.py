@@ -21,7 +21,7 @@ from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
 
 from engine.text.errors import TextInputError
-from engine.types import EngineError, SynthesisCancelled
+from engine.types import EngineError
 from engine.types import UnknownSpeakerError as EngineUnknownSpeaker
 from wyoming_cosyvoice.config import ServerConfig
 from wyoming_cosyvoice.custom_voices import CustomVoices
@@ -40,6 +40,7 @@ from wyoming_cosyvoice.http.speech import (
     require_json,
 )
 from wyoming_cosyvoice.http.stream import (
+    CUT_MESSAGE,
     SpeechJob,
     SpeechResponse,
     WholeAudioResponse,
@@ -84,6 +85,10 @@ def engine_error(err: BaseException) -> HttpError:
                          code="synthesis_failed")  # fmt: skip
     _LOGGER.error("Synthesis failed", exc_info=err)
     return HttpError(500, f"internal error: {type(err).__name__}: {err}", code="internal_error")
+
+
+def _cut_error() -> HttpError:
+    return HttpError(503, CUT_MESSAGE, code="synthesis_cancelled", headers={"Retry-After": "5"})
 
 
 class TtsRoutes:
@@ -185,10 +190,11 @@ class TtsRoutes:
         job.start(request.receive)
         try:
             first = await first_piece(job)
-        except SynthesisCancelled:
-            first = None
         except Exception as err:  # each becomes a JSON error
             raise engine_error(err) from err
+        if job.cut:  # before any audio: the status code can still say so
+            job.stop()
+            raise _cut_error()
         if speech.stream:
             return SpeechResponse(job, first)
         try:
@@ -197,6 +203,9 @@ class TtsRoutes:
             raise engine_error(err) from err
         finally:
             job.stop()
+        if job.cut:  # a whole answer is whole, or it is no answer
+            audio.close()
+            raise _cut_error()
         return WholeAudioResponse(audio, speech, job.speech.sample_rate)
 
     def _speech(self, speech: SpeechRequest, request: Request) -> Speech:

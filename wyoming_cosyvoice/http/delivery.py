@@ -76,15 +76,18 @@ def delivery(
     default_speed: float,
     preset: SpeakerPreset | None = None,
     instructions: str | None = None,
+    instructions_field: str = "instructions",
     openai: bool = False,
 ) -> tuple[float, str | None]:
     """(speed, instruction) of a request: its ``speed`` and ``style`` fields, else its preset
-    speaker's, else the server's speed and no instruction. ``instructions`` (OpenAI's free text)
-    and ``style`` are two ways to say the same thing: one request gives one."""
+    speaker's, else the server's speed and no instruction. ``instructions`` (free text, from
+    the field ``instructions_field``: OpenAI's ``instructions``, or a ``speaker`` that names no
+    voice) and ``style`` are two ways to say the same thing: one request gives one."""
     speed = _speed(data, openai)
     style = _style(data, kind)
     if style is not None and instructions:
-        raise HttpError(400, "give either 'style' or 'instructions', not both", param="style")
+        raise HttpError(400, f"give either 'style' or an instruction in '{instructions_field}',"
+                        " not both", param="style")  # fmt: skip
     if speed is None:
         speed = preset.speed if preset is not None and preset.speed is not None else default_speed
     if style is None and preset is not None:

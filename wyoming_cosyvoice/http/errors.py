@@ -50,6 +50,12 @@ class HttpError(Exception):
         return error_response(self.status, self.message, self.code, self.param, self.headers)
 
 
+def error_body(status: int, message: str, code: str | None = None, param: str | None = None
+               ) -> dict[str, Any]:  # fmt: skip
+    """The ``error`` object of a refusal (and of a streamed answer's ``error`` event)."""
+    return {"message": message, "type": _TYPES.get(status, "error"), "code": code, "param": param}
+
+
 def error_response(
     status: int,
     message: str,
@@ -57,20 +63,16 @@ def error_response(
     param: str | None = None,
     headers: dict[str, str] | None = None,
 ) -> JSONResponse:
-    body: dict[str, Any] = {
-        "error": {
-            "message": message,
-            "type": _TYPES.get(status, "error"),
-            "code": code,
-            "param": param,
-        }
-    }
+    body = {"error": error_body(status, message, code, param)}
     return JSONResponse(body, status_code=status, headers=headers)
 
 
 async def http_error_handler(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, HttpError)
-    _LOGGER.info("%s %s -> %d: %s", request.method, request.url.path, exc.status, exc.message)
+    # A refused request is the client's to fix (WARNING); a failure of ours is an ERROR.
+    level = logging.ERROR if exc.status >= 500 and exc.status != 503 else logging.WARNING
+    _LOGGER.log(level, "%s %s -> %d: %s", request.method, request.url.path, exc.status,
+                exc.message)  # fmt: skip
     return exc.response()
 
 
@@ -78,4 +80,5 @@ async def starlette_error_handler(request: Request, exc: Exception) -> JSONRespo
     """Starlette's own 404/405 as JSON too (its default is plain text)."""
     assert isinstance(exc, HTTPException)
     message = exc.detail if exc.status_code != 404 else f"no route {request.url.path}"
+    _LOGGER.warning("%s %s -> %d: %s", request.method, request.url.path, exc.status_code, message)
     return error_response(exc.status_code, str(message), headers=dict(exc.headers or {}))

@@ -11,7 +11,8 @@ Home Assistant's ingress (the add-on's page in the sidebar) reaches the server t
 proxies, Home Assistant and the Supervisor, which pass the browser's ``Host`` and ``Origin`` on,
 so the page is the server's own there too. A reverse proxy in front of Home Assistant may rewrite
 ``Host``; Home Assistant then forwards the host the browser used in ``X-Forwarded-Host``, which is
-trusted only on requests that come from the Supervisor's address.
+trusted only on requests that come from the Supervisor's address: the connection's own, as
+Uvicorn's proxy headers are off (serve.py), so no ``X-Forwarded-For`` can claim it.
 """
 
 from __future__ import annotations
@@ -114,7 +115,7 @@ class OriginGuard:
         if self.permits(origin, headers.get("host"), ingress_forwarded_host(scope, headers)):
             await self.app(scope, receive, send)
             return
-        _LOGGER.info("%s %s from origin %s -> 403", scope["method"], scope["path"], origin)
+        _LOGGER.warning("%s %s from origin %s -> 403", scope["method"], scope["path"], origin)
         response = error_response(
             403,
             f"requests from the web page at {origin} are refused (only this server's own page "

@@ -19,6 +19,7 @@ import uvicorn
 
 from wyoming_cosyvoice.config import ServerConfig
 from wyoming_cosyvoice.custom_voices import CustomVoices
+from wyoming_cosyvoice.http.stream import BODY_CUT
 from wyoming_cosyvoice.model import load_cosyvoice, scheduler_for_config
 from wyoming_cosyvoice.prepared_phrases import PhrasePreparer
 from wyoming_cosyvoice.scheduler import Engine, EngineFactory, Scheduler
@@ -26,6 +27,19 @@ from wyoming_cosyvoice.sentences import SplitterFactory, make_splitter
 
 _LOGGER = logging.getLogger(__name__)
 _GRACE_S = 3.0  # how long open streams may finish when the server stops
+
+
+# Uvicorn's words for a response whose body ended without its last message.
+_INCOMPLETE = "ASGI callable returned without completing response."
+
+
+class _CutOnPurpose(logging.Filter):
+    """Drops Uvicorn's error for a body that :mod:`.stream` ended early on purpose: ending a
+    chunked answer without its terminating chunk is how HTTP says "incomplete", and the cut
+    was already logged with its reason. Any other unfinished response is still reported."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.msg == _INCOMPLETE and BODY_CUT.get())
 
 
 class _EmbeddedServer(uvicorn.Server):
@@ -83,7 +97,14 @@ async def start_http(
         # The Wyoming limit bounds HTTP connections too; over it Uvicorn answers 503.
         limit_concurrency=config.limits.max_connections,
         server_header=False,
+        # Uvicorn would take the client's address from X-Forwarded-For on connections from
+        # 127.0.0.1: anything on the host could then pass as Home Assistant's ingress. The
+        # peer's own address is the one the origin guard trusts (origin.py).
+        proxy_headers=False,
     )
+    uvicorn_log = logging.getLogger("uvicorn.error")
+    if not any(isinstance(f, _CutOnPurpose) for f in uvicorn_log.filters):
+        uvicorn_log.addFilter(_CutOnPurpose())
     server = _EmbeddedServer(uv_config)
     task = asyncio.create_task(server.serve(), name="http server")
     while not server.started:

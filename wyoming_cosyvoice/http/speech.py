@@ -24,7 +24,7 @@ from wyoming_cosyvoice.config import (
 from wyoming_cosyvoice.http.delivery import delivery, speaker_preset
 from wyoming_cosyvoice.http.errors import HttpError
 from wyoming_cosyvoice.loudness import VOLUME_RANGE
-from wyoming_cosyvoice.protocol import VoiceNotFoundError
+from wyoming_cosyvoice.protocol import LimitExceededError, VoiceNotFoundError
 from wyoming_cosyvoice.sentences import (
     Sentence,
     SplitterFactory,
@@ -32,8 +32,13 @@ from wyoming_cosyvoice.sentences import (
     iter_sentences,
     opening_language,
 )
-from wyoming_cosyvoice.speaker_presets import kind_from_name
-from wyoming_cosyvoice.speech import SpeechSettings, VoiceChoice
+from wyoming_cosyvoice.speaker_presets import kind_from_name, with_presets
+from wyoming_cosyvoice.speech import (
+    SpeechSettings,
+    VoiceChoice,
+    instruction_text,
+    split_instruction,
+)
 from wyoming_cosyvoice.voice_catalog import INSTRUCT_KINDS, Voice, VoiceCatalog
 
 FORMATS = ("wav", "pcm")
@@ -100,12 +105,29 @@ async def read_json(request: Request, limit: int) -> dict[str, Any]:
         raise HttpError(400, "the request needs a JSON body", code="invalid_json")
     try:
         data = json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise HttpError(400, f"the body is not valid JSON: {err}", code="invalid_json") from err
+    except (ValueError, RecursionError) as err:
+        raise HttpError(400, _json_problem(err), code="invalid_json") from err
     if not isinstance(data, dict):
         raise HttpError(400, f"the body must be a JSON object, not {type(data).__name__}",
                         code="invalid_json")  # fmt: skip
     return data
+
+
+def _json_problem(err: ValueError | RecursionError) -> str:
+    """What is wrong with a body ``json.loads`` refused, in the client's terms."""
+    if isinstance(err, RecursionError):
+        return "the body's JSON is nested too deeply"
+    if isinstance(err, UnicodeDecodeError):
+        return f"the body is not UTF-8: {err.reason} at byte {err.start}"
+    if isinstance(err, json.JSONDecodeError):
+        return f"the body is not valid JSON: {err}"
+    # Python refuses integers past its digit limit (4300 by default: a guard on CPU time).
+    return "the body has an integer with more digits than the server reads"
+
+
+def _too_long(err: LimitExceededError, field: str) -> HttpError:
+    """An instruction over the limit, as a text over the limit is: 413."""
+    return HttpError(413, str(err), code="instruction_too_long", param=field)
 
 
 def _refuse_unknown(data: dict[str, Any], known: tuple[str, ...]) -> None:
@@ -161,9 +183,11 @@ class SpeechParser:
         sentences = iter_sentences(text, self._splitter_factory())
         speaker, preset = speaker_preset(_optional(data, "speaker", str, "a speaker name"),
                                          self._catalog(), self.kind())  # fmt: skip
+        speaker, spoken = self._speaker_instruction(speaker)
         voice = self._voice(_optional(data, "voice", str, "a voice name"), speaker, text)
         speed, instruct = delivery(data, kind=self.kind(), default_speed=self.config.speed,
-                                   preset=preset)  # fmt: skip
+                                   preset=preset, instructions=spoken,
+                                   instructions_field="speaker")  # fmt: skip
         return self._request(data, text, sentences, voice, stream=stream,
                              audio_format=audio_format, instruct=instruct,
                              speed=speed)  # fmt: skip
@@ -205,7 +229,22 @@ class SpeechParser:
             raise HttpError(400, f"'instructions' needs the {INSTRUCT_MODELS} model; the model "
                             "this server runs has no instruct mode",
                             code="instructions_unsupported", param="instructions")  # fmt: skip
-        return instruct
+        try:
+            return instruction_text(instruct, "'instructions'")
+        except LimitExceededError as err:
+            raise _too_long(err, "instructions") from err
+
+    def _speaker_instruction(self, speaker: str | None) -> tuple[str | None, str | None]:
+        """(speaker left to name a voice, instruction): with a model that takes instructions,
+        a speaker that names no voice is a free-text instruction, as over Wyoming."""
+        if not speaker:
+            return None, None
+        try:
+            wanted, instruction = split_instruction({"speaker": speaker}, self._catalog(),
+                                                    self.kind(), "'speaker'")  # fmt: skip
+        except LimitExceededError as err:
+            raise _too_long(err, "speaker") from err
+        return wanted.get("speaker"), instruction
 
     # --- the shared checks ----------------------------------------------------------------
 
@@ -251,11 +290,12 @@ class SpeechParser:
         """The request's one voice: asked for, else the default, else the text's language's."""
         wanted = {k: v for k, v in (("name", name), ("speaker", speaker)) if v}
         language = opening_language(text)
+        catalog = self._catalog()
         try:
-            return self._catalog().resolve(wanted, default=self.config.voice,
-                                           text_language=language)  # fmt: skip
+            return catalog.resolve(wanted, default=self.config.voice, text_language=language)
         except VoiceNotFoundError as err:
-            raise HttpError(404, str(err), code="voice_not_found",
+            told = with_presets(err, wanted, catalog, self.kind())
+            raise HttpError(404, str(told), code="voice_not_found",
                             param="speaker" if speaker else "voice") from err  # fmt: skip
 
     def _request(self, data: dict[str, Any], text: str, sentences: Iterable[Sentence], voice: Voice,

@@ -20,16 +20,26 @@ import struct
 import sys
 import tempfile
 from collections.abc import AsyncIterator, Iterator
+from contextvars import ContextVar
 from typing import Any
+from urllib.parse import quote
 
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from engine.types import SynthesisCancelled
+from wyoming_cosyvoice.http.errors import error_body
 from wyoming_cosyvoice.http.speech import SpeechRequest
 from wyoming_cosyvoice.speech import WIDTH, Audio, Speech
 
 _LOGGER = logging.getLogger(__name__)
+# What a client still reading is told of a cut answer: the server is stopping (a client that
+# left or stopped reading is not told anything).
+CUT_MESSAGE = ("the server stopped this synthesis before the end of the text (it is shutting "
+               "down); the answer is incomplete")  # fmt: skip
+# Set in the task of a response whose body this module ends early on purpose: Uvicorn then
+# reports an incomplete response, which is the point here, not a fault (serve.py).
+BODY_CUT: ContextVar[bool] = ContextVar("http_body_cut", default=False)
 CHANNELS = 1
 _UNKNOWN = 0xFFFFFFFF  # RIFF/data size of a stream whose length is not known yet
 SPOOL_MEMORY_BYTES = 8 << 20  # a whole file's audio past this waits on disk (3 min at 22 kHz)
@@ -47,13 +57,21 @@ def wav_header(data_bytes: int | None, sample_rate: int) -> bytes:
     )  # fmt: skip
 
 
+def header_text(value: str) -> str:
+    """``value`` as a header can carry it: UTF-8, percent-encoded (RFC 3986). A voice may be
+    named in any script, and header values are Latin-1 bytes; letters, digits and ``-_.~``
+    stay as they are, so an ASCII name reads unchanged. Decode with ``decodeURIComponent``
+    (JavaScript) or ``urllib.parse.unquote`` (Python)."""
+    return quote(value, safe="")
+
+
 def audio_headers(request: SpeechRequest, sample_rate: int) -> dict[str, str]:
     return {
         "X-Sample-Rate": str(sample_rate),
         "X-Sample-Width": str(WIDTH),
         "X-Channels": str(CHANNELS),
-        "X-Voice": request.voice.name,
-        "X-Profile": request.profile.name,
+        "X-Voice": header_text(request.voice.name),
+        "X-Profile": header_text(request.profile.name),
         "Cache-Control": "no-store",
     }
 
@@ -67,11 +85,16 @@ def media_type(request: SpeechRequest, sample_rate: int) -> str:
 
 
 class SpeechJob:
-    """The PCM of one request's speech, in order, for the response."""
+    """The PCM of one request's speech, in order, for the response.
+
+    ``cut``: the speech ended before the end of its text (cancelled: a shutdown, the client
+    leaving); the answer must then say it is incomplete, never end as if it were whole.
+    """
 
     def __init__(self, speech: Speech, request: SpeechRequest) -> None:
         self.speech, self.request, self.limits = speech, request, speech.limits
         self._watcher: asyncio.Task[None] | None = None
+        self.cut = False
 
     @property
     def cancel(self) -> Any:
@@ -100,8 +123,11 @@ class SpeechJob:
             try:
                 event = await self.speech.next()
             except SynthesisCancelled:
+                self.cut = True
                 return None
             if event is None:
+                # A cancelled engine may stop without raising: the event tells.
+                self.cut = self.cut or self.cancel.is_set()
                 return None
             if isinstance(event, Audio):
                 self.speech.delivered(event.samples)  # taken by the response
@@ -129,12 +155,15 @@ class SpeechJob:
 
 
 class SpeechResponse(StreamingResponse):
-    """Chunked audio: WAV header (unknown length) or nothing for PCM, then PCM as produced.
+    """Chunked audio: WAV header (unknown length) or nothing for PCM, then PCM as produced;
+    or server-sent events.
 
     ``first`` is the job's first PCM piece, already awaited by the route so that errors found
     before any audio (unknown speaker, text the frontend refuses) still get a JSON status code.
-    A failure after that can only end the body early: the chunked stream is closed without its
-    terminating chunk, which every HTTP client reports as an incomplete response.
+    An answer cut after that (a synthesis failure, a shutdown) never ends as a whole one does:
+    audio ends without the chunked stream's terminating chunk, which every HTTP client reports
+    as an incomplete response; events end with an ``error`` event instead of
+    ``speech.audio.done``.
     """
 
     def __init__(self, job: SpeechJob, first: bytes | None) -> None:
@@ -147,19 +176,39 @@ class SpeechResponse(StreamingResponse):
     async def _body(self) -> AsyncIterator[bytes]:
         request, job = self.job.request, self.job
         if request.sse:
-            async for piece in self._pieces():
-                yield _sse({"type": "speech.audio.delta",
-                            "audio": base64.b64encode(piece).decode("ascii")})  # fmt: skip
-            yield _sse({"type": "speech.audio.done",
-                        "usage": {"input_tokens": len(request.text), "output_tokens": 0,
-                                  "total_tokens": len(request.text)}})  # fmt: skip
+            async for event in self._events():
+                yield event
             return
         if request.audio_format == "wav":
             yield wav_header(None, job.speech.sample_rate)
         async for piece in self._pieces():
             yield piece
-        if job.cancel.is_set():
+        if job.cut:
             raise ConnectionAbortedError("synthesis cancelled")  # no terminating chunk
+
+    async def _events(self) -> AsyncIterator[bytes]:
+        """Server-sent events: the audio, then ``speech.audio.done`` only if it is whole."""
+        request = self.job.request
+        try:
+            async for piece in self._pieces():
+                yield _sse({"type": "speech.audio.delta",
+                            "audio": base64.b64encode(piece).decode("ascii")})  # fmt: skip
+        except Exception as err:  # the status line is gone: the error becomes an event
+            self._failed(err)
+            yield _sse_error(500, f"synthesis failed: {err or type(err).__name__}",
+                             "synthesis_failed")  # fmt: skip
+            return
+        if self.job.cut:
+            _LOGGER.info("HTTP event stream ended early: synthesis cancelled")
+            yield _sse_error(503, CUT_MESSAGE, "synthesis_cancelled")
+            return
+        yield _sse({"type": "speech.audio.done",
+                    "usage": {"input_tokens": len(request.text), "output_tokens": 0,
+                              "total_tokens": len(request.text)}})  # fmt: skip
+
+    def _failed(self, err: BaseException) -> None:
+        _LOGGER.error("Synthesis failed mid-stream: %s: %s", type(err).__name__, err)
+        self.job.speech.scheduler.metrics.error_sent("http", "synthesis_failed")
 
     async def _pieces(self) -> AsyncIterator[bytes]:
         piece: bytes | None = self._first
@@ -176,17 +225,19 @@ class SpeechResponse(StreamingResponse):
         try:
             await self.stream_response(send)
         except OSError as err:
+            BODY_CUT.set(True)
             _LOGGER.info("HTTP stream ended early: %s", err)
         except asyncio.CancelledError:
             if not self.job.stalled or task is None:
                 raise
             if sys.version_info >= (3, 11):  # before 3.11 a caught cancellation leaves no count
                 task.uncancel()
+            BODY_CUT.set(True)
             _LOGGER.warning("HTTP client stopped reading for %.0f s; dropping it",
                             self.job.limits.stall_timeout_s)  # fmt: skip
         except Exception as err:  # the status line is gone: log, cut the body
-            _LOGGER.error("Synthesis failed mid-stream: %s: %s", type(err).__name__, err)
-            self.job.speech.scheduler.metrics.error_sent("http", "synthesis_failed")
+            BODY_CUT.set(True)
+            self._failed(err)
         finally:
             self.job.stop()
 
@@ -240,6 +291,11 @@ class WholeAudioResponse(StreamingResponse):
 
 def _sse(event: dict[str, Any]) -> bytes:
     return f"data: {json.dumps(event)}\n\n".encode()
+
+
+def _sse_error(status: int, message: str, code: str) -> bytes:
+    """An ``error`` event: the error object of a refusal with that status (errors.py)."""
+    return _sse({"type": "error", "error": error_body(status, message, code)})
 
 
 async def first_piece(job: SpeechJob) -> bytes | None:

@@ -42,6 +42,7 @@ from wyoming_cosyvoice.http.errors import HttpError
 from wyoming_cosyvoice.http.speech import read_json, require_json
 from wyoming_cosyvoice.scheduler import Scheduler
 from wyoming_cosyvoice.stt import SpeechToTextError, transcribe
+from wyoming_cosyvoice.voice_catalog import Voice
 from wyoming_cosyvoice.voice_check import (
     MAX_SECONDS,
     MIN_SECONDS,
@@ -52,13 +53,12 @@ from wyoming_cosyvoice.voice_check import (
 )
 from wyoming_cosyvoice.voice_folder import (
     BadTranscript,
-    BadVoiceName,
     VoiceExists,
-    check_name,
     check_transcript,
     file_of_voice,
     save_voice,
 )
+from wyoming_cosyvoice.voice_names import BadVoiceName, check_name
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -97,6 +97,13 @@ def _audio(data: dict[str, Any]) -> bytes:
                         f"{MAX_AUDIO_BYTES} bytes", code="audio_too_large",
                         param="audio")  # fmt: skip
     return wav
+
+
+def _taken(name: str, voice: Voice) -> str:
+    if name.casefold() in (voice.name.casefold(), voice.speaker.casefold()):
+        return f"the name {name!r} is taken by the voice {voice.name!r}; choose another"
+    return (f"the name {name!r} looks the same as the voice {voice.name!r} (names are compared "
+            "without case, and letters that look alike count as one); choose another")  # fmt: skip
 
 
 async def _checked(wav: bytes) -> CheckedRecording:
@@ -203,8 +210,8 @@ class VoiceMakerRoutes:
         await _checked(wav)
         async with self._saving:
             if (voice := self.scheduler.catalog.find(name)) is not None:
-                raise HttpError(409, f"the name {name!r} is taken by the voice {voice.name!r}; "
-                                "choose another", code="voice_exists", param="name")  # fmt: skip
+                raise HttpError(409, _taken(name, voice), code="voice_exists",
+                                param="name")  # fmt: skip
             try:
                 await asyncio.to_thread(save_voice, voices.voices_dir, name, transcript, wav)
             except VoiceExists as err:
