@@ -703,8 +703,6 @@ def test_a_server_without_warm_up_speaks_the_exact_profile_until_measured(
 
 
 def test_health_shows_the_costs_and_the_last_choice() -> None:
-    pytest.importorskip("httpx")
-    pytest.importorskip("starlette", reason="the http extra is not installed")
     from test_http import BackgroundServer
 
     engine = partial(CostEngine, scale=1.0)
@@ -727,7 +725,6 @@ def test_health_shows_the_costs_and_the_last_choice() -> None:
 def test_the_real_engine_measures_and_chooses(tmp_path: Path) -> None:
     """The real server process on the tiny model: the warm-up measures every stage in both
     formats, /health shows them, and a target no profile can meet makes the soonest win."""
-    pytest.importorskip("httpx")
     import os
     import subprocess
     import sys

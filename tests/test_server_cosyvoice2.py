@@ -22,15 +22,11 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import httpx
 import pytest
+from test_http import BackgroundServer, parse_wav
 
-httpx = pytest.importorskip("httpx")
-pytest.importorskip("starlette", reason="the http extra is not installed")
-pytest.importorskip("onnxruntime")
-
-from test_http import BackgroundServer, parse_wav  # noqa: E402
-
-from engine.types import SynthesisOptions  # noqa: E402
+from engine.types import SynthesisOptions
 
 DATA = Path(__file__).parent / "data"
 TINY_V1 = DATA / "tiny_model"

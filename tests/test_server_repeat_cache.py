@@ -12,7 +12,6 @@ from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
-import pytest
 from conftest import FakeEngine
 
 from engine.types import AudioChunk, SynthesisOptions
@@ -57,7 +56,6 @@ def test_a_repeated_sentence_is_replayed_without_the_engine(wy: SimpleNamespace)
 
 
 def test_a_repeat_inside_a_text_and_across_protocols_is_a_hit() -> None:
-    pytest.importorskip("httpx")
     from test_http import BackgroundServer
 
     text = "Lights off. Doors locked. Lights off."
@@ -77,7 +75,6 @@ def test_a_repeat_inside_a_text_and_across_protocols_is_a_hit() -> None:
 
 
 def test_the_caches_hits_and_size_are_in_the_metrics() -> None:
-    pytest.importorskip("httpx")
     from prometheus_client.parser import text_string_to_metric_families
     from test_http import BackgroundServer
 
@@ -134,7 +131,6 @@ def test_a_hit_is_served_while_the_engine_is_busy(wy: SimpleNamespace) -> None:
 
 
 def test_voice_speaker_seed_and_profile_each_make_a_new_sentence() -> None:
-    pytest.importorskip("httpx")
     from test_http import BackgroundServer
 
     text = "Dinner is ready."

@@ -39,8 +39,6 @@ from wyoming_cosyvoice.protocol import LimitExceededError
 from wyoming_cosyvoice.speech import split_instruction
 from wyoming_cosyvoice.voice_catalog import ALL_LANGUAGES, VoiceCatalog
 
-pytest.importorskip("onnxruntime")
-
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT / "tests" / "data"
 ONNX = DATA / "zero_shot" / "onnx"

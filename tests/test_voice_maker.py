@@ -21,26 +21,23 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import numpy as np
 import pytest
-
-httpx = pytest.importorskip("httpx")
-pytest.importorskip("starlette", reason="the http extra is not installed")
-
-from conftest import free_port, terminate, wait_for_port  # noqa: E402
-from test_http import BackgroundServer  # noqa: E402
-from voice_maker_helpers import (  # noqa: E402
+from conftest import free_port, terminate, wait_for_port
+from test_http import BackgroundServer
+from voice_maker_helpers import (
     WYOMING_ENTRIES,
     FakeVoiceEngine,
     StandInHomeAssistant,
     StandInStt,
 )
-from voice_signals import speech_like, wav_bytes, white_noise  # noqa: E402
-from wyoming.client import AsyncTcpClient  # noqa: E402
-from wyoming.info import Describe, Info  # noqa: E402
+from voice_signals import speech_like, wav_bytes, white_noise
+from wyoming.client import AsyncTcpClient
+from wyoming.info import Describe, Info
 
-from wyoming_cosyvoice import home_assistant  # noqa: E402
-from wyoming_cosyvoice.http import voice_maker  # noqa: E402
+from wyoming_cosyvoice import home_assistant
+from wyoming_cosyvoice.http import voice_maker
 
 TRANSCRIPT = "Hello, this is my voice for the kitchen speaker."
 GOOD = wav_bytes(speech_like(5.0, 24000), 24000)
@@ -400,7 +397,6 @@ def test_the_saved_recording_is_the_upload_byte_for_byte(
 def test_the_command_line_saves_a_voice_the_real_engine_analyses(tmp_path: Path) -> None:
     """``--voices-dir --http-port --web-voice-maker``: the CLI hands the folder's watcher to the
     page, and the tiny model's engine extracts the saved voice's prompt (tiny ONNX models)."""
-    pytest.importorskip("onnxruntime")
     data = Path(__file__).parent / "data"
     model = tmp_path / "tiny_model"
     shutil.copytree(data / "tiny_model", model)
