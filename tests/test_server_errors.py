@@ -252,6 +252,29 @@ def test_idle_connection_is_closed(wy: SimpleNamespace) -> None:
     assert [e.type for e in events] == ["error"] and "no request" in events[0].data["text"]
 
 
+@pytest.mark.parametrize(
+    "payload",
+    [START + CHUNK, START + header("synthesize-chunk", {"text": "a" * 201})],
+    ids=["idle open stream", "stream over the text limit"],
+)
+def test_a_stream_refused_while_open_leaves_no_task_behind(
+    wy: SimpleNamespace, payload: bytes
+) -> None:
+    """Its speech, which waits for more of the stream, ends with the connection."""
+
+    def speeches() -> list[asyncio.Task[Any]]:
+        return [t for t in asyncio.all_tasks() if t.get_name().startswith("speech for")]
+
+    async def main() -> list[str]:
+        async with wy.fake_server({"limits.idle_timeout_s": 0.3}) as srv:
+            events = await raw_exchange(srv.port, payload)
+            await wy.until(lambda: not srv.running.handlers, "the server forgets the connection")
+            await wy.until(lambda: not speeches(), "no speech task is left")
+            return [e.type for e in events]
+
+    assert run(main())[-1] == "error"
+
+
 def test_a_slow_open_stream_is_not_idle_while_audio_is_owed(wy: SimpleNamespace) -> None:
     """Idle means nothing asked and nothing owed: a long synthesis is never cut."""
 
