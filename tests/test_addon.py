@@ -679,6 +679,7 @@ def test_addon_start_logic_serves_audio(tmp_path: Path) -> None:
     try:
         try:
             wait_for_port(port, process, timeout=240)
+            wait_for_port(http_port, process)  # the HTTP server starts after the Wyoming one
             assert (share / "voices").is_dir()  # created for users to drop custom voices into
             info, audio, rate = asyncio.run(describe_and_synthesize(port))
         except AssertionError:

@@ -185,10 +185,10 @@ def browser(tmp_path: Path) -> Iterator[DevTools]:
 
 
 def test_page_lists_voices_and_speaks_as_it_streams(browser: DevTools, tmp_path: Path) -> None:
+    hold = threading.Event()  # the first sentence holds after its first chunk until set
+
     def engine(path: Path, threads: int | None) -> FakeEngine:
-        # 100 ms of audio per 200 ms, ~4 s in all: still streaming when the first audio is
-        # checked, even on a busy machine (at ~2 s a loaded CI box once saw it done already).
-        return FakeEngine(path, threads, delay=0.2)
+        return FakeEngine(path, threads, hold=hold)
 
     with BackgroundServer(engine_factory=engine, wyoming=False) as srv:
         browser.call("Page.enable")
@@ -206,6 +206,7 @@ def test_page_lists_voices_and_speaks_as_it_streams(browser: DevTools, tmp_path:
         # audio is being scheduled while the response is still arriving
         assert browser.js("tts.error") is None
         assert browser.js("tts.received") is False and browser.js("tts.scheduled") > 0
+        hold.set()
         browser.wait_for("tts.error || (audio && audio.state === 'running')")
         assert browser.js("audio.sampleRate") == 22050
         browser.wait_for("tts.done || tts.error")  # played to the end

@@ -7,6 +7,7 @@ byte budget evicts the least recently used; audio cut short is never kept; 0 tur
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
@@ -222,17 +223,18 @@ def test_a_budget_of_zero_turns_the_cache_off(wy: SimpleNamespace) -> None:
 
 def test_a_sentence_the_client_left_is_spoken_again_in_full(wy: SimpleNamespace) -> None:
     text = "A long sentence the first listener never hears to the end."
+    hold = threading.Event()  # the first listener's sentence cannot end before it has left
 
     async def main() -> tuple[list[Any], Any, dict[str, int]]:
-        engine = lambda p, t: FakeEngine(p, t, delay=0.05)  # noqa: E731
+        engine = lambda p, t: FakeEngine(p, t, hold=hold)  # noqa: E731
         async with wy.fake_server(engine=engine) as srv:
             async with wy.connect(srv.port) as client:
                 from wyoming.event import Event
 
                 await client.write_event(Event("synthesize", {"text": text}))
                 await wy.read_until(client, ("audio-chunk",))
-            while not srv.running.scheduler.idle:  # the cancelled sentence let go
-                await asyncio.sleep(0.02)
+            await wy.until(lambda: srv.running.scheduler.idle, "the cancelled sentence let go")
+            hold.set()
             reply = await wy.synthesize(srv.port, text)
             return list(srv.engines[0].calls), reply, stats(srv)
 
@@ -260,8 +262,7 @@ def test_a_sentence_stopped_without_an_error_is_not_kept(wy: SimpleNamespace) ->
                 await client.write_event(Event("synthesize", {"text": "Stop me half way."}))
                 await wy.read_until(client, ("audio-chunk",))
                 srv.running.scheduler.cancel_all()  # what a shutdown does
-                while not srv.running.scheduler.idle:
-                    await asyncio.sleep(0.02)
+                await wy.until(lambda: srv.running.scheduler.idle, "the sentence let go")
             return stats(srv)
 
     counts = run(main())
