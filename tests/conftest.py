@@ -383,6 +383,20 @@ def wait_for_port(port: int, process: subprocess.Popen, timeout: float = 60) -> 
     raise AssertionError(f"server did not listen on {port} within {timeout} s")
 
 
+# --- what a skipped test needs of the CPU or the torch build (named in its reason) ----------
+
+ONEDNN_OPS_NEEDED = (
+    "needs torch's oneDNN (mkldnn) ops on reordered weights (torch.ops.mkldnn."
+    "_reorder_linear_weight, _linear_pointwise, _reorder_convolution_weight, "
+    "_convolution_pointwise); this torch build lacks them"
+)
+INT8_KERNELS_NEEDED = (
+    "needs a torch quantized engine that packs and computes int8 Linear layers here (x86, "
+    "fbgemm or qnnpack: engine.cpu.choose_int8_engine); this CPU and torch build have none of "
+    "them working"
+)
+
+
 # --- a network namespace of the test's own ------------------------------------------------
 
 # TEST-NET-1: the address exists only inside the namespace the test makes.
