@@ -96,9 +96,7 @@ class FakeEngine:
         try:
             while done < total:
                 if done > 0 and self.hold is not None:
-                    while not self.hold.wait(0.01):
-                        if cancel is not None and cancel.is_set():
-                            break
+                    self._wait_for_hold(cancel)
                 if cancel is not None and cancel.is_set():
                     call.cancelled = True
                     raise SynthesisCancelled("cancelled")
@@ -115,6 +113,20 @@ class FakeEngine:
             call.finished = True
         finally:
             call.ended.set()  # finished, failed, cancelled or closed
+
+    HOLD_LIMIT_S = 120  # a test that fails before letting go must not leave a thread behind
+
+    def _wait_for_hold(self, cancel: threading.Event | None) -> None:
+        """Until ``hold`` is set or the call is cancelled (bounded against a hang)."""
+        from engine.types import EngineError
+
+        assert self.hold is not None
+        deadline = time.monotonic() + self.HOLD_LIMIT_S
+        while not self.hold.wait(0.01):
+            if cancel is not None and cancel.is_set():
+                return
+            if time.monotonic() > deadline:
+                raise EngineError("the test never let the held sentence go on")
 
 
 @dataclass

@@ -192,8 +192,10 @@ def test_errors_are_counted_by_front_end_and_code() -> None:
 
 
 def test_a_client_that_leaves_counts_as_cancelled() -> None:
+    hold = threading.Event()  # never set: the request cannot end but by the client leaving
+
     def slow(path: Path, threads: int | None) -> FakeEngine:
-        return FakeEngine(path, threads, delay=0.05)
+        return FakeEngine(path, threads, hold=hold)
 
     async def leave_after_the_first_audio(port: int) -> None:
         from wyoming.event import Event

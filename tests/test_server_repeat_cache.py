@@ -108,10 +108,14 @@ def test_a_hit_is_served_while_the_engine_is_busy(wy: SimpleNamespace) -> None:
     is replayed while that text's first sentence is still being made."""
     long_text = " ".join(f"Sentence number {i} of a long announcement." for i in range(20))
 
+    hold = threading.Event()
+
     async def main() -> tuple[Any, list[Any]]:
-        engine = lambda p, t: FakeEngine(p, t, delay=0.1)  # noqa: E731
+        engine = lambda p, t: FakeEngine(p, t, hold=hold)  # noqa: E731
         async with wy.fake_server(engine=engine) as srv:
+            hold.set()
             await wy.synthesize(srv.port, "Good night.")
+            hold.clear()  # the long text's first sentence holds the engine from its first chunk
             async with wy.connect(srv.port) as busy:
                 from wyoming.event import Event
 
