@@ -11,7 +11,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from conftest import FakeEngine
+from conftest import FakeEngine, until
 from wyoming.event import Event
 from wyoming.info import Describe
 
@@ -28,14 +28,6 @@ def short_idle(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(prepared_phrases, "IDLE_S", 0.1)
 
 
-async def wait_for(condition: Any, timeout: float = 20.0) -> None:
-    async def poll() -> None:
-        while not condition():
-            await asyncio.sleep(0.02)
-
-    await asyncio.wait_for(poll(), timeout)
-
-
 @pytest.mark.parametrize("server", [{}, {"server.speed": 1.25, "server.seed": 7}])
 def test_prepared_phrases_are_hits_at_their_first_request(
     wy: SimpleNamespace, server: dict[str, Any]
@@ -47,7 +39,7 @@ def test_prepared_phrases_are_hits_at_their_first_request(
     async def main() -> tuple[list[str], Any, dict[str, int], list[str]]:
         async with wy.fake_server({"cache.prepare_phrases": phrases, **server}) as srv:
             preparer = srv.running.preparer
-            await wait_for(lambda: preparer.prepared == 2)
+            await until(lambda: preparer.prepared == 2, "both are prepared")
             prepared = [call.text for call in srv.engines[0].calls]
             counts = dict(srv.running.scheduler.repeat_cache.stats())
             reply = await wy.synthesize(srv.port, "The door is open. Please lock it.")
@@ -72,13 +64,13 @@ def test_a_request_pre_empts_a_phrase_being_prepared(wy: SimpleNamespace) -> Non
         engine = lambda p, t: FakeEngine(p, t, hold=hold)  # noqa: E731
         async with wy.fake_server({"cache.prepare_phrases": [phrase]}, engine=engine) as srv:
             calls = srv.engines[0].calls
-            await wait_for(lambda: len(calls) == 1 and calls[0].chunks > 0)
+            await until(lambda: len(calls) == 1 and calls[0].chunks > 0, "the phrase is spoken")
             asking = asyncio.create_task(wy.synthesize(srv.port, "Someone is at the door."))
-            await wait_for(calls[0].ended.is_set)
+            await until(calls[0].ended.is_set, "the phrase gives way")
             hold.set()
             reply = await asking
             at_reply = list(calls)
-            await wait_for(lambda: srv.running.preparer.prepared == 1)
+            await until(lambda: srv.running.preparer.prepared == 1, "the phrase is prepared")
             return reply, at_reply, len(calls)
 
     reply, at_reply, total = run(main())
@@ -112,7 +104,7 @@ def test_a_phrase_waits_until_the_engine_is_idle(
                 await wy.read_until(client, ("info",))
                 loaded.set()
                 reply = await wy.read_until(client, ("audio-stop", "error"))
-            await wait_for(lambda: srv.running.preparer.prepared == 1)
+            await until(lambda: srv.running.preparer.prepared == 1, "the phrase is prepared")
             return reply, [call.text for call in srv.engines[0].calls]
 
     reply, spoken = run(main())
