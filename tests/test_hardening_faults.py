@@ -266,7 +266,10 @@ def test_a_describe_flood_without_reading_is_bounded(wy: SimpleNamespace) -> Non
             await wy.until(lambda: srv.running.handlers, "the server serves the flooder")
             # type(), not isinstance(): the latter reads __class__ of every object in the process,
             # and torch's deprecated aliases warn when touched.
-            (flooded,) = [h for h in gc.get_objects() if issubclass(type(h), EventHandler)]
+            peer = str(sock.getsockname())  # other tests' handlers may not be collected yet
+            (flooded,) = [
+                h for h in gc.get_objects() if issubclass(type(h), EventHandler) and h._peer == peer
+            ]
             # It stops reading once the answers pile up; stall_timeout_s later it refuses.
             paused = lambda: flooded._unsent_info >= _MAX_UNSENT_INFO or flooded._closing  # noqa: E731
             await wy.until(paused, "the server stops reading")

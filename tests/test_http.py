@@ -414,7 +414,8 @@ def test_client_leaving_a_stream_cancels_its_synthesis() -> None:
         # Sentences run in turn: one of the left request still to come would run before this.
         assert http.post("/tts", json={"text": "Next."}).status_code == 200  # engine is free
         assert [c.text for c in engine.calls] == [engine.calls[0].text, "Next."]
-        assert engine.calls[0].cancelled and engine.calls[0].chunks == 1
+        # Stopped after its first chunk: the cancel event seen, or its generator closed.
+        assert not engine.calls[0].finished and engine.calls[0].chunks == 1
 
 
 def test_client_that_stops_reading_is_dropped_and_frees_the_engine() -> None:

@@ -275,7 +275,7 @@ def test_disconnect_mid_stream_cancels_within_one_chunk(wy: SimpleNamespace) -> 
             return call, other
 
     call, other = run(main())
-    assert call.cancelled and not call.finished  # the engine saw the cancel event
+    assert not call.finished  # the engine saw the cancel event, or its generator was closed
     assert call.chunks == 1  # stopped right after the client left, not after ~120 chunks
     assert other.types[-1] == "audio-stop"
 
