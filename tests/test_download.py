@@ -257,6 +257,7 @@ def hanging_up_hub() -> Iterator[tuple[str, list[str]]]:
     try:
         yield f"http://127.0.0.1:{listener.getsockname()[1]}", requests
     finally:
+        listener.shutdown(socket.SHUT_RDWR)  # wakes the blocked accept() (close alone does not)
         listener.close()
         thread.join(10)
 
