@@ -12,9 +12,11 @@ import asyncio
 import contextlib
 import json
 import re
+import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -52,8 +54,12 @@ class FakeEngine:
     CHUNK = 2205  # 100 ms per yielded chunk
 
     def __init__(self, model_dir: Path, threads: int | None = None, *, delay: float = 0.005,
-                 speakers: list[str] | None = None) -> None:  # fmt: skip
+                 speakers: list[str] | None = None,
+                 hold: threading.Event | None = None) -> None:  # fmt: skip
         self.model_dir, self.threads, self.delay = model_dir, threads, delay
+        # Given: each sentence yields its first chunk, then waits until ``hold`` is set (or it is
+        # cancelled), so a test decides when a sentence can be over instead of guessing a time.
+        self.hold = hold
         self.speakers = speakers or [
             "中文女",
             "中文男",
@@ -88,21 +94,40 @@ class FakeEngine:
         total = self.expected_samples(text)
         freq = 200.0 + 40.0 * self.speakers.index(options.speaker)
         done = 0
-        while done < total:
+        try:
+            while done < total:
+                if done > 0 and self.hold is not None:
+                    self._wait_for_hold(cancel)
+                if cancel is not None and cancel.is_set():
+                    call.cancelled = True
+                    raise SynthesisCancelled("cancelled")
+                if "FAIL" in text and done > 0:
+                    raise EngineError("the fake engine failed on purpose")
+                if "CRASH" in text:
+                    raise RuntimeError("unexpected crash")
+                time.sleep(self.delay)
+                n = min(self.CHUNK, total - done)
+                t = (np.arange(done, done + n) / SAMPLE_RATE).astype(np.float32)
+                done += n
+                call.chunks += 1
+                yield AudioChunk(self.AMPLITUDE * np.sin(2 * np.pi * freq * t))
+            call.finished = True
+        finally:
+            call.ended.set()  # finished, failed, cancelled or closed
+
+    HOLD_LIMIT_S = 120  # a test that fails before letting go must not leave a thread behind
+
+    def _wait_for_hold(self, cancel: threading.Event | None) -> None:
+        """Until ``hold`` is set or the call is cancelled (bounded against a hang)."""
+        from engine.types import EngineError
+
+        assert self.hold is not None
+        deadline = time.monotonic() + self.HOLD_LIMIT_S
+        while not self.hold.wait(0.01):
             if cancel is not None and cancel.is_set():
-                call.cancelled = True
-                raise SynthesisCancelled("cancelled")
-            if "FAIL" in text and done > 0:
-                raise EngineError("the fake engine failed on purpose")
-            if "CRASH" in text:
-                raise RuntimeError("unexpected crash")
-            time.sleep(self.delay)
-            n = min(self.CHUNK, total - done)
-            t = (np.arange(done, done + n) / SAMPLE_RATE).astype(np.float32)
-            done += n
-            call.chunks += 1
-            yield AudioChunk(self.AMPLITUDE * np.sin(2 * np.pi * freq * t))
-        call.finished = True
+                return
+            if time.monotonic() > deadline:
+                raise EngineError("the test never let the held sentence go on")
 
 
 @dataclass
@@ -113,6 +138,21 @@ class Call:
     chunks: int = 0
     cancelled: bool = False
     finished: bool = False
+    ended: threading.Event = field(default_factory=threading.Event)
+
+
+class Outcomes:
+    """Subscribed to a server's metrics (``scheduler.metrics.subscribe``): how each request
+    ended ("ok", "cancelled", "stalled", "error"), in order."""
+
+    def __init__(self) -> None:
+        self.seen: list[str] = []
+
+    def speech_done(self, report: Any) -> None:
+        self.seen.append(report.outcome)
+
+    def error_sent(self, front_end: str, code: str) -> None:
+        pass
 
 
 # --- a fixed sentence splitter -------------------------------------------------------------
@@ -308,6 +348,8 @@ def wy() -> SimpleNamespace:
         read_until=read_until,
         synthesize=synthesize,
         stream=stream,
+        until=until,
+        Outcomes=Outcomes,
         Reply=Reply,
         free_port=free_port,
         ROOT=ROOT,
@@ -326,6 +368,24 @@ def terminate(process: subprocess.Popen, timeout: float = 30) -> str:
     return err or ""
 
 
+def wait_until(condition: Callable[[], object], what: str, timeout: float = 60) -> None:
+    """Poll ``condition`` until it holds: a deadline against hangs, not a timing check."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting until {what}")
+        time.sleep(0.02)
+
+
+async def until(condition: Callable[[], object], what: str, timeout: float = 60) -> None:
+    """:func:`wait_until` on an event loop (which keeps running meanwhile)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting until {what}")
+        await asyncio.sleep(0.02)
+
+
 def wait_for_port(port: int, process: subprocess.Popen, timeout: float = 60) -> None:
     """Wait until a server subprocess accepts TCP connections on 127.0.0.1:``port``."""
     deadline = time.monotonic() + timeout
@@ -338,6 +398,62 @@ def wait_for_port(port: int, process: subprocess.Popen, timeout: float = 60) -> 
         except OSError:
             time.sleep(0.05)
     raise AssertionError(f"server did not listen on {port} within {timeout} s")
+
+
+# --- what a skipped test needs of the CPU or the torch build (named in its reason) ----------
+
+ONEDNN_OPS_NEEDED = (
+    "needs torch's oneDNN (mkldnn) ops on reordered weights (torch.ops.mkldnn."
+    "_reorder_linear_weight, _linear_pointwise, _reorder_convolution_weight, "
+    "_convolution_pointwise); this torch build lacks them"
+)
+INT8_KERNELS_NEEDED = (
+    "needs a torch quantized engine that packs and computes int8 Linear layers here (x86, "
+    "fbgemm or qnnpack: engine.cpu.choose_int8_engine); this CPU and torch build have none of "
+    "them working"
+)
+
+
+# --- a network namespace of the test's own ------------------------------------------------
+
+# TEST-NET-1: the address exists only inside the namespace the test makes.
+NAMESPACE_LAN_ADDRESS = "192.0.2.2"
+# A LAN as a machine has one: loopback up, an interface with the address (a veth pair: it comes
+# up with a carrier, unlike a lone interface) and a default route through it.
+_NAMESPACE_SETUP = f"""set -e
+ip link set lo up
+ip link add lan0 type veth peer name lan1
+ip addr add {NAMESPACE_LAN_ADDRESS}/24 dev lan0
+ip link set lan1 up
+ip link set lan0 up
+ip route add default dev lan0
+"""
+
+
+def run_python_in_network_namespace(*args: str, timeout: float = 120) -> str:
+    """Run ``sys.executable *args`` in a new user and network namespace holding only loopback
+    and a LAN interface (NAMESPACE_LAN_ADDRESS); returns its stdout. Tests that multicast use
+    it so that nothing leaves the machine. A machine that cannot make the namespace fails the
+    test with the reason (a skip would hide a broken test)."""
+    missing = [tool for tool in ("unshare", "ip") if shutil.which(tool) is None]
+    if missing:
+        pytest.fail(f"a network namespace needs {' and '.join(missing)} (util-linux, iproute2)")
+    unshare = ["unshare", "--user", "--map-root-user", "--net"]
+    made = subprocess.run(
+        [*unshare, "sh", "-c", _NAMESPACE_SETUP], capture_output=True, text=True, check=False
+    )
+    if made.returncode != 0:
+        pytest.fail(
+            "cannot make a network namespace for this test (it needs unprivileged user "
+            "namespaces, or root): " + made.stderr.strip()
+        )
+    script = _NAMESPACE_SETUP + 'exec "$@"\n'
+    done = subprocess.run(
+        [*unshare, "sh", "-c", script, "sh", sys.executable, *args],
+        capture_output=True, text=True, timeout=timeout, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, f"exit status {done.returncode} in the namespace:\n{done.stderr}"
+    return done.stdout
 
 
 def event_bytes(kind: str, data: dict[str, Any] | None = None, **extra: Any) -> bytes:

@@ -670,6 +670,7 @@ def test_addon_start_logic_serves_audio_when_discovery_fails_and_stops_on_sigter
     try:
         try:
             wait_for_port(port, process, timeout=240)
+            wait_for_port(http_port, process)  # the HTTP server starts after the Wyoming one
             assert (share / "voices").is_dir()  # created for users to drop custom voices into
             info, audio, rate = asyncio.run(describe_and_synthesize(port))
             assert failing_supervisor.received.wait(timeout=60)

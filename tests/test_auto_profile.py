@@ -703,8 +703,6 @@ def test_a_server_without_warm_up_speaks_the_exact_profile_until_measured(
 
 
 def test_health_shows_the_costs_and_the_last_choice() -> None:
-    pytest.importorskip("httpx")
-    pytest.importorskip("starlette", reason="the http extra is not installed")
     from test_http import BackgroundServer
 
     engine = partial(CostEngine, scale=1.0)
@@ -727,13 +725,12 @@ def test_health_shows_the_costs_and_the_last_choice() -> None:
 def test_the_real_engine_measures_and_chooses(tmp_path: Path) -> None:
     """The real server process on the tiny model: the warm-up measures every stage in both
     formats, /health shows them, and a target no profile can meet makes the soonest win."""
-    pytest.importorskip("httpx")
     import os
     import subprocess
     import sys
 
     import httpx
-    from conftest import ROOT, free_port, synthesize, terminate, wait_for_port
+    from conftest import ROOT, free_port, synthesize, terminate, wait_for_port, wait_until
 
     model = tmp_path / "CosyVoice-300M-SFT"
     shutil.copytree(DATA / "tiny_model", model, ignore=shutil.ignore_patterns("prepared"))
@@ -748,12 +745,11 @@ def test_the_real_engine_measures_and_chooses(tmp_path: Path) -> None:
     try:
         wait_for_port(port, process)
         wait_for_port(http_port, process)  # the HTTP server starts after the Wyoming one
-        health: dict[str, Any] = {}
-        for _ in range(600):  # the load, warm-up and measurement, in the background
-            health = httpx.get(f"http://127.0.0.1:{http_port}/health", timeout=10).json()
-            if health["status"] != "loading":
-                break
-            asyncio.run(asyncio.sleep(0.1))
+        url = f"http://127.0.0.1:{http_port}/health"
+        status = lambda: httpx.get(url, timeout=10).json()["status"]  # noqa: E731
+        # The load, warm-up and measurement run in the background.
+        wait_until(lambda: status() != "loading", "the model is measured", timeout=120)
+        health = httpx.get(url, timeout=10).json()
         assert health["status"] == "ready", health
         measured = health["auto"]["stage_costs"]
         assert measured["lm_token_ms"] > 0 and measured["lm_prefill_ms"] > 0

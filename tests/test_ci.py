@@ -11,9 +11,12 @@ import re
 import shutil
 import subprocess
 import sys
+from importlib import metadata
 from pathlib import Path
 
 import pytest
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
 ROOT = Path(__file__).resolve().parent.parent
 CI_RUN = ROOT / ".ci/run"
@@ -138,3 +141,52 @@ def test_ci_scripts_are_shellcheck_clean() -> None:
         [str(shellcheck), "--severity=style", *map(str, scripts)], capture_output=True, text=True
     )
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+# --- the test run's own packages --------------------------------------------------------------
+
+
+def _test_requirements() -> list[Requirement]:
+    """The ``test`` extra's requirements, with the project's own extras it names expanded."""
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:
+        import tomli as tomllib
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    extras = project["optional-dependencies"]
+    found: list[Requirement] = []
+    pending = [Requirement(text) for text in extras["test"]]
+    while pending:
+        requirement = pending.pop(0)
+        if canonicalize_name(requirement.name) == canonicalize_name(project["name"]):
+            pending += [Requirement(text) for name in requirement.extras for text in extras[name]]
+        else:
+            found.append(requirement)
+    return found
+
+
+def test_every_package_of_the_test_extra_is_installed() -> None:
+    """The tests import these packages instead of skipping without them: a broken install
+    fails here by name (and where they are imported), never turns into skipped tests."""
+    problems = []
+    for requirement in _test_requirements():
+        try:
+            installed = metadata.version(requirement.name)
+        except metadata.PackageNotFoundError:
+            problems.append(f"{requirement.name} is not installed")
+            continue
+        if not requirement.specifier.contains(installed, prereleases=True):
+            problems.append(f"{requirement.name} {installed} is installed; {requirement} asked")
+    assert not problems, "; ".join(problems) + " (run ./script/setup --test)"
+
+
+def test_no_test_skips_on_a_package_the_test_extra_installs() -> None:
+    wanted = {canonicalize_name(r.name) for r in _test_requirements()}
+    skips = []
+    for path in sorted((ROOT / "tests").rglob("*.py")):
+        for module in re.findall(r"importorskip\(\s*[\"']([\w.]+)", path.read_text()):
+            top = module.split(".")[0]
+            names = metadata.packages_distributions().get(top, [top])
+            if wanted & {canonicalize_name(name) for name in names}:
+                skips.append(f"{path.relative_to(ROOT)}: {module}")
+    assert not skips, skips

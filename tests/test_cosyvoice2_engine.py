@@ -489,7 +489,6 @@ def test_synthesize_without_a_voice_says_how_to_give_one(
 
 def test_synthesize_speaks_with_a_voice_from_a_recording(model: Path) -> None:
     """The tiny model with stand-in prompt models: a voices folder, a 24 kHz WAV."""
-    pytest.importorskip("onnxruntime")
     shutil.copy(ONNX / "tiny_campplus.onnx", model / "campplus.onnx")
     shutil.copy(ONNX / "tiny_speech_tokenizer_v2.onnx", model / "speech_tokenizer_v2.onnx")
     voices = model.parent / "voices"

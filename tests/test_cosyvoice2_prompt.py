@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
+import onnxruntime as ort
 import pytest
 import torch
 
@@ -49,8 +50,6 @@ from engine.prompt.onnx_models import PromptModels, SpeechTokenizer
 from engine.prompt.recipe import COSYVOICE1
 from engine.prompt.voices import CACHE_SUFFIX, load_voice, to_engine_voice, voice_names
 from engine.types import AudioChunk, SynthesisOptions
-
-ort = pytest.importorskip("onnxruntime")
 
 DATA = Path(__file__).resolve().parent / "data"
 V2 = DATA / "cosyvoice2"

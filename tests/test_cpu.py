@@ -270,8 +270,6 @@ def test_choices_on_this_machine_are_logged_and_kept_on_the_engine(
 
 
 def test_health_shows_the_cpu_choices() -> None:
-    pytest.importorskip("httpx")
-    pytest.importorskip("starlette", reason="the http extra is not installed")
     from test_http import BackgroundServer
 
     choices = cpu.CpuChoices(

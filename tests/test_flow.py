@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import ONEDNN_OPS_NEEDED
 
 from engine.flow import FlowModel, empty_flow_cache
 from engine.flow_estimator import TransformerBlock
@@ -57,7 +58,7 @@ def onednn_flow() -> FlowModel:
     """The estimator as the engine serves it: transformer Linears and convolutions on oneDNN
     (engine.load)."""
     if not (onednn_linear_available() and onednn_conv_available()):
-        pytest.skip("this torch has no oneDNN matmul or convolution")
+        pytest.skip(ONEDNN_OPS_NEEDED)
     model = _tiny_flow()
     assert use_onednn_linears(model.decoder.estimator, TransformerBlock) > 0
     assert use_onednn_convs(model.decoder.estimator) > 0

@@ -22,6 +22,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -80,31 +81,31 @@ def test_disconnect_at_every_stage_leaves_nothing_behind(
     payload, wait_for = STAGES[stage]
     caplog.set_level(logging.INFO)
 
-    async def main() -> tuple[Any, Any, list[Any]]:
-        engine = lambda p, t: wy.FakeEngine(p, t, delay=0.02)  # noqa: E731
+    hold = threading.Event()  # the abandoned sentence cannot end before the client has left
+
+    async def main() -> tuple[int, Any, list[Any]]:
+        engine = lambda p, t: wy.FakeEngine(p, t, hold=hold)  # noqa: E731
         async with wy.fake_server(engine=engine) as srv:
             reader, writer = await asyncio.open_connection("127.0.0.1", srv.port)
             writer.write(payload)
             await writer.drain()
             if wait_for:
                 await _read_until(reader, wait_for)
-            else:
-                await asyncio.sleep(0.05)
+            else:  # at least taken in: the bytes may or may not have been read
+                await wy.until(lambda: srv.running.handlers, "the server serves the client")
             if how == "RST":
                 sock = writer.get_extra_info("socket")
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\1\0\0\0\0\0\0\0")
             writer.close()
-            # The server forgets the connection promptly: no task, no queue, engine free.
-            deadline = asyncio.get_running_loop().time() + 3
-            while srv.running.handlers and asyncio.get_running_loop().time() < deadline:
-                await asyncio.sleep(0.02)
-            leftover = set(srv.running.handlers)
+            # The server forgets the connection: no task, no queue, engine free.
+            await wy.until(lambda: not srv.running.handlers, "the server forgets the client")
             waiting = srv.running.scheduler.waiting
+            hold.set()
             after = await wy.synthesize(srv.port, "The next client.")
-            return leftover, (waiting, after), srv.engines[0].calls
+            return waiting, after, srv.engines[0].calls
 
-    leftover, (waiting, after), calls = run(main())
-    assert not leftover and waiting == 0
+    waiting, after, calls = run(main())
+    assert waiting == 0
     assert after.samples == wy.FakeEngine.expected_samples("The next client.")
     # The abandoned synthesis was stopped, not spoken to the end.
     abandoned = [c for c in calls if c.text != "The next client."]
@@ -249,7 +250,7 @@ def test_a_describe_flood_without_reading_is_bounded(wy: SimpleNamespace) -> Non
     """Each unread ``info`` is kilobytes of objects: the server stops reading at a handful
     instead of queueing thousands (a client that catches up is served on), and refuses a
     client that reads nothing for ``stall_timeout_s``; others are served meanwhile."""
-    from wyoming_cosyvoice.handler import EventHandler
+    from wyoming_cosyvoice.handler import _MAX_UNSENT_INFO, EventHandler
 
     async def main() -> tuple[int, Any, list[Any]]:
         limits = {"limits.stall_timeout_s": 0.5}
@@ -260,16 +261,21 @@ def test_a_describe_flood_without_reading_is_bounded(wy: SimpleNamespace) -> Non
             reader, writer = await asyncio.open_connection(sock=sock)
             writer.write(header("describe") * 5000)
             await writer.drain()
-            await asyncio.sleep(0.3)
             import gc
 
+            await wy.until(lambda: srv.running.handlers, "the server serves the flooder")
             # type(), not isinstance(): the latter reads __class__ of every object in the process,
             # and torch's deprecated aliases warn when touched.
-            queued = max(
-                h._out.qsize() for h in gc.get_objects() if issubclass(type(h), EventHandler)
-            )
+            peer = str(sock.getsockname())  # other tests' handlers may not be collected yet
+            (flooded,) = [
+                h for h in gc.get_objects() if issubclass(type(h), EventHandler) and h._peer == peer
+            ]
+            # It stops reading once the answers pile up; stall_timeout_s later it refuses.
+            paused = lambda: flooded._unsent_info >= _MAX_UNSENT_INFO or flooded._closing  # noqa: E731
+            await wy.until(paused, "the server stops reading")
+            queued = flooded._out.qsize()
             other = await wy.synthesize(srv.port, "Someone else.")
-            await asyncio.sleep(1.0)  # past stall_timeout_s: the flooder is refused
+            await wy.until(lambda: flooded._closing, "the flooder is refused")
             # Now read: a bounded number of answers, then the refusal, then the close.
             events = []
             try:

@@ -327,7 +327,8 @@ def test_swapped_weight_still_used(model: HiFTGenerator) -> None:
 
 @pytest.mark.skipif(
     not torch.ops.mkldnn._is_mkldnn_bf16_supported(),
-    reason="this CPU has no oneDNN bfloat16 convolutions",
+    reason="needs oneDNN bfloat16 convolutions (x86: AVX-512 BW/VL/DQ or later; Arm: the BF16 "
+    "extension): torch.ops.mkldnn._is_mkldnn_bf16_supported() is False here",
 )
 def test_the_bfloat16_filter_stays_close_and_keeps_its_weights_channels_last(
     fixtures: dict[str, Tensor], legacy_sd: dict[str, Tensor]

@@ -14,19 +14,14 @@ import io
 import json
 import struct
 import threading
-import time
 import wave
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
-
-httpx = pytest.importorskip("httpx")
-pytest.importorskip("starlette", reason="the http extra is not installed")
-pytest.importorskip("uvicorn", reason="the http extra is not installed")
-
-from conftest import TINY_MODEL, FakeEngine, SimpleSplitter  # noqa: E402
+from conftest import TINY_MODEL, FakeEngine, Outcomes, SimpleSplitter, wait_until
 
 RATE = 22050
 
@@ -392,10 +387,7 @@ def test_503_while_loading_and_after_a_failed_load() -> None:
 
     with BackgroundServer(engine_factory=broken, wait_ready=False, wyoming=False) as srv:
         with srv.client() as http:
-            for _ in range(100):
-                if http.get("/health").json()["status"] != "loading":
-                    break
-                time.sleep(0.05)
+            wait_until(lambda: http.get("/health").json()["status"] != "loading", "it failed")
             health = http.get("/health")
             assert health.status_code == 503 and "weights are corrupt" in health.json()["error"]
             r = http.post("/tts", json={"text": "Hi."})
@@ -406,22 +398,24 @@ def test_503_while_loading_and_after_a_failed_load() -> None:
 
 
 def test_client_leaving_a_stream_cancels_its_synthesis() -> None:
-    def slow(path: Path, threads: int | None) -> FakeEngine:
-        return FakeEngine(path, threads, delay=0.05)  # 100 ms of audio per 50 ms
+    hold = threading.Event()  # set once the client has left: its sentence cannot end before
 
-    text = "A long sentence that nobody will wait for, " * 8 + "the end."
-    with BackgroundServer(engine_factory=slow) as srv, srv.client() as http:
+    def held(path: Path, threads: int | None) -> FakeEngine:
+        return FakeEngine(path, threads, hold=hold)
+
+    text = "A long sentence that nobody will wait for, " * 8 + "the end. And a second one."
+    with BackgroundServer(engine_factory=held) as srv, srv.client() as http:
         with http.stream("POST", "/tts", json={"text": text, "stream": True}) as r:
             assert next(r.iter_raw())[:4] == b"RIFF"
-        # Leaving the block closed the connection mid-stream: the engine stops within a chunk
-        # (cancel event seen, or its generator closed) and later sentences never start.
+        # Leaving the block closed the connection mid-stream: the engine stops within a chunk.
         engine = srv.engines[0]
-        time.sleep(0.5)
-        produced = [c.chunks for c in engine.calls]
-        time.sleep(1.0)
-        assert [c.chunks for c in engine.calls] == produced and len(produced) == 1
-        assert not engine.calls[0].finished and produced[0] < 20
+        wait_until(engine.calls[0].ended.is_set, "the engine stops the sentence")
+        hold.set()
+        # Sentences run in turn: one of the left request still to come would run before this.
         assert http.post("/tts", json={"text": "Next."}).status_code == 200  # engine is free
+        assert [c.text for c in engine.calls] == [engine.calls[0].text, "Next."]
+        # Stopped after its first chunk: the cancel event seen, or its generator closed.
+        assert not engine.calls[0].finished and engine.calls[0].chunks == 1
 
 
 def test_client_that_stops_reading_is_dropped_and_frees_the_engine() -> None:
@@ -432,31 +426,31 @@ def test_client_that_stops_reading_is_dropped_and_frees_the_engine() -> None:
               "limits.stall_timeout_s": 1, "cache.max_mb": 0}  # fmt: skip
     text = "Nobody reads this sentence, it only fills the socket buffers of the test. " * 130
     body = json.dumps({"text": text, "stream": True, "format": "pcm"}).encode()
+    outcomes = Outcomes()
     with BackgroundServer(limits, wyoming=False) as srv:
+        srv.running.scheduler.metrics.subscribe(outcomes)
         with socket.socket() as sock:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
             sock.connect(("127.0.0.1", srv.http.port))
             sock.sendall(b"POST /tts HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
                          b"Content-Length: %d\r\n\r\n%s" % (len(body), body))  # fmt: skip
-            engine, deadline = srv.engines[0], time.monotonic() + 30
             # Synthesis runs ahead until the unread audio passes the limit, then waits; after
             # stall_timeout_s (1 s) without reading, the job gives up and the server hangs up.
-            calls, still_since = -1, time.monotonic()
-            while time.monotonic() < deadline and time.monotonic() - still_since < 3:
-                if len(engine.calls) != calls:
-                    calls, still_since = len(engine.calls), time.monotonic()
-                time.sleep(0.1)
+            wait_until(lambda: outcomes.seen, "the request ends")
+            assert outcomes.seen == ["stalled"]
             assert srv.call(_idle(srv))
+            engine = srv.engines[0]
+            calls = len(engine.calls)
             assert 0 < calls < len(text) // 120 and all(c.finished for c in engine.calls)
             sock.settimeout(10)
             received = 0
             while part := sock.recv(1 << 16):  # the server closed the connection: EOF comes
                 received += len(part)
             assert 0 < received < expected_bytes(text)
-            time.sleep(0.3)
-            assert len(engine.calls) == calls
         with srv.client() as http:
             assert http.post("/tts", json={"text": "Next."}).status_code == 200
+        # Sentences run in turn: one of the dropped request still to come would run before.
+        assert [c.text for c in engine.calls[calls:]] == ["Next."]
 
 
 async def _idle(srv: BackgroundServer) -> bool:

@@ -8,11 +8,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-
-pytest.importorskip("httpx")
-pytest.importorskip("starlette", reason="the http extra is not installed")
-pytest.importorskip("onnxruntime")
-
 from http_process import FAMILIES, ServerProcess, record_voice  # noqa: E402
 from test_http_browser import DevTools, open_browser  # noqa: E402
 

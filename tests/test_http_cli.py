@@ -8,13 +8,10 @@ import sys
 import time
 from pathlib import Path
 
+import httpx
 import pytest
-
-httpx = pytest.importorskip("httpx")
-pytest.importorskip("starlette", reason="the http extra is not installed")
-
-from conftest import free_port, terminate  # noqa: E402
-from test_http import parse_wav  # noqa: E402
+from conftest import free_port, terminate
+from test_http import parse_wav
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "tests" / "data" / "tiny_model"

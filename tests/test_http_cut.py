@@ -19,11 +19,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
-
-httpx = pytest.importorskip("httpx")
-pytest.importorskip("starlette", reason="the http extra is not installed")
-
 from http_process import FAMILIES, WAIT_S, ServerProcess  # noqa: E402
 
 # Sentences long enough to be still speaking when the signal comes (60 s of speech for v1,

@@ -18,12 +18,9 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import httpx
 import pytest
-
-httpx = pytest.importorskip("httpx")
-pytest.importorskip("starlette", reason="the http extra is not installed")
-
-from test_http import BackgroundServer, parse_wav  # noqa: E402
+from test_http import BackgroundServer, parse_wav
 
 TOKENS = 80  # 1.6 s of audio per sentence: at least two chunks with the realtime schedule
 # The flow makes 22050/256 mel frames per second from 50 tokens per second; HiFT 256 samples each.

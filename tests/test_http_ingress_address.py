@@ -21,10 +21,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
-
-httpx = pytest.importorskip("httpx")
-pytest.importorskip("starlette", reason="the http extra is not installed")
 
 SUPERVISOR = "172.30.32.2"  # wyoming_cosyvoice.http.origin.INGRESS_PROXY
 PAGE = {  # a browser's request as Home Assistant forwards it behind a proxy that rewrote Host
@@ -65,7 +63,8 @@ def _inside(workdir: Path) -> dict[str, Any]:
 def test_only_the_supervisors_own_connections_count_as_the_ingress() -> None:
     unshare = shutil.which("unshare")
     if unshare is None or subprocess.run([unshare, "-n", "true"]).returncode != 0:
-        pytest.skip("no network namespace can be made here (unshare -n needs root)")
+        pytest.fail("no network namespace can be made here: unshare -n needs root (or a user "
+                    "namespace); this test must see a connection from the Supervisor's address")
     with tempfile.TemporaryDirectory() as workdir:
         done = subprocess.run([unshare, "-n", sys.executable, __file__, workdir],
                               capture_output=True, text=True, timeout=600)  # fmt: skip

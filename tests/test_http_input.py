@@ -15,12 +15,8 @@ from collections.abc import Iterator
 from typing import Any
 from urllib.parse import unquote
 
+import httpx
 import pytest
-
-httpx = pytest.importorskip("httpx")
-pytest.importorskip("starlette", reason="the http extra is not installed")
-pytest.importorskip("onnxruntime")
-
 from conftest import synthesize  # noqa: E402
 from http_process import FAMILIES, SYNTHETIC, ServerProcess, record_voice  # noqa: E402
 

@@ -10,14 +10,11 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import httpx
 import pytest
+from test_http import BackgroundServer
 
-httpx = pytest.importorskip("httpx")
-pytest.importorskip("starlette", reason="the http extra is not installed")
-
-from test_http import BackgroundServer  # noqa: E402
-
-from wyoming_cosyvoice.http.origin import (  # noqa: E402
+from wyoming_cosyvoice.http.origin import (
     is_same_origin,
     parse_allowed_origins,
 )

@@ -12,15 +12,11 @@ from __future__ import annotations
 
 import asyncio
 
-import pytest
+import httpx
+from starlette.responses import PlainTextResponse
+from starlette.types import Receive, Scope, Send
 
-httpx = pytest.importorskip("httpx")
-pytest.importorskip("starlette", reason="the http extra is not installed")
-
-from starlette.responses import PlainTextResponse  # noqa: E402
-from starlette.types import Receive, Scope, Send  # noqa: E402
-
-from wyoming_cosyvoice.http.origin import INGRESS_PROXY, OriginGuard  # noqa: E402
+from wyoming_cosyvoice.http.origin import INGRESS_PROXY, OriginGuard
 
 PAGE = "https://ha.example.com"
 OTHER_ADDON = "172.30.33.5"

@@ -22,7 +22,7 @@ import numpy as np
 import pyloudnorm
 import pytest
 import scipy.signal
-from conftest import TINY_MODEL, FakeEngine, fake_server, synthesize
+from conftest import TINY_MODEL, FakeEngine, fake_server, synthesize, until
 
 from wyoming_cosyvoice import addon
 from wyoming_cosyvoice.config import ConfigError, load_config
@@ -252,10 +252,8 @@ async def voices_server(voices_dir: Path, overrides: dict[str, Any] | None = Non
     async with fake_server(settings, engine=engine) as server:
         custom = CustomVoices(server.config, server.running.scheduler, TINY_MODEL).start()
         try:
-            for _ in range(200):
-                if server.running.scheduler.catalog.find("clicks"):
-                    break
-                await asyncio.sleep(0.05)
+            catalog = lambda: server.running.scheduler.catalog  # noqa: E731
+            await until(lambda: catalog().find("clicks"), "the custom voices are offered")
             server.engine = server.engines[0]
             yield server
         finally:

@@ -15,17 +15,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
+from conftest import ROOT, FakeEngine, connect, read_until, synthesize
+from prometheus_client.parser import text_string_to_metric_families
+from test_http import RATE, BackgroundServer
 
-httpx = pytest.importorskip("httpx")
-pytest.importorskip("prometheus_client", reason="the http extra is not installed")
-
-from conftest import ROOT, FakeEngine, connect, read_until, synthesize  # noqa: E402
-from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
-from test_http import RATE, BackgroundServer  # noqa: E402
-
-from engine.types import SynthesisCancelled  # noqa: E402
-from wyoming_cosyvoice.metrics import ServerMetrics, SpeechReport, speech_outcome  # noqa: E402
+from engine.types import SynthesisCancelled
+from wyoming_cosyvoice.metrics import ServerMetrics, SpeechReport, speech_outcome
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 
@@ -195,8 +192,10 @@ def test_errors_are_counted_by_front_end_and_code() -> None:
 
 
 def test_a_client_that_leaves_counts_as_cancelled() -> None:
+    hold = threading.Event()  # never set: the request cannot end but by the client leaving
+
     def slow(path: Path, threads: int | None) -> FakeEngine:
-        return FakeEngine(path, threads, delay=0.05)
+        return FakeEngine(path, threads, hold=hold)
 
     async def leave_after_the_first_audio(port: int) -> None:
         from wyoming.event import Event

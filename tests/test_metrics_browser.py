@@ -14,13 +14,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
-pytest.importorskip("httpx")
-pytest.importorskip("prometheus_client", reason="the http extra is not installed")
-
-from conftest import FakeEngine, synthesize  # noqa: E402
-from test_http import BackgroundServer  # noqa: E402
-from test_http_browser import DevTools, browser  # noqa: E402, F401
+from conftest import FakeEngine, synthesize
+from test_http import BackgroundServer
+from test_http_browser import DevTools, browser  # noqa: F401
 
 pytestmark = pytest.mark.browser
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import ONEDNN_OPS_NEEDED
 from torch import nn
 
 from engine.engine import CosyVoiceEngine
@@ -25,7 +26,7 @@ TINY = Path(__file__).parent / "data" / "tiny_model"
 
 pytestmark = pytest.mark.skipif(
     not (onednn_linear_available() and onednn_conv_available()),
-    reason="this torch has no oneDNN matmul or convolution",
+    reason=ONEDNN_OPS_NEEDED,
 )
 
 

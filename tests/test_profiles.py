@@ -14,12 +14,8 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-
-pytest.importorskip("httpx")
-pytest.importorskip("starlette", reason="the http extra is not installed")
-
-from conftest import FakeEngine  # noqa: E402
-from test_http import BackgroundServer  # noqa: E402
+from conftest import FakeEngine
+from test_http import BackgroundServer
 
 
 class OptionsEngine(FakeEngine):

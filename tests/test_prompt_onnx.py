@@ -24,8 +24,6 @@ from engine.prompt.extract import (
 from engine.prompt.onnx_models import PromptModels
 from engine.text.tokenizer import get_tokenizer
 
-pytest.importorskip("onnxruntime")
-
 DATA = Path(__file__).resolve().parent / "data" / "zero_shot"
 
 

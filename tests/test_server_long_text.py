@@ -255,7 +255,6 @@ def test_a_stream_that_grows_over_the_limit_gets_an_error(progress: Progress) ->
 def test_http_over_the_limit_is_413_and_at_the_limit_streams(
     progress: Progress, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    pytest.importorskip("httpx")
     import test_http
 
     monkeypatch.setattr(test_http, "SimpleSplitter", progress.splitter)
@@ -286,7 +285,6 @@ def test_a_long_text_asked_for_as_one_wav_is_not_held_in_memory(
     """A whole file's audio waits on disk past a small spool: the server's memory peak while
     answering stays a fraction of the file (holding it, as a list and its join, takes twice
     the file or more)."""
-    pytest.importorskip("httpx")
     import tracemalloc
 
     import test_http

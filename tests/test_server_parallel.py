@@ -191,7 +191,7 @@ def test_an_exclusive_job_waits_for_every_running_sentence(wy: SimpleNamespace) 
             return [call.finished for call in engine.calls]
 
         running = [asyncio.create_task(sentence(f"Sentence {i} is long enough.")) for i in (1, 2)]
-        await asyncio.sleep(0.05)  # both are speaking now
+        await wy.until(lambda: len(engine.calls) == 2, "both are speaking")
         seen = await host.run_on_engine(finished_so_far)
         await asyncio.gather(*running)
         assert host.idle

@@ -6,11 +6,14 @@ meanwhile pre-empts the preparation, which resumes at the next idle time.
 from __future__ import annotations
 
 import asyncio
+import threading
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from conftest import FakeEngine
+from conftest import FakeEngine, until
+from wyoming.event import Event
+from wyoming.info import Describe
 
 from wyoming_cosyvoice import prepared_phrases
 from wyoming_cosyvoice.config import ConfigError, load_config
@@ -25,14 +28,6 @@ def short_idle(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(prepared_phrases, "IDLE_S", 0.1)
 
 
-async def wait_for(condition: Any, timeout: float = 20.0) -> None:
-    async def poll() -> None:
-        while not condition():
-            await asyncio.sleep(0.02)
-
-    await asyncio.wait_for(poll(), timeout)
-
-
 @pytest.mark.parametrize("server", [{}, {"server.speed": 1.25, "server.seed": 7}])
 def test_prepared_phrases_are_hits_at_their_first_request(
     wy: SimpleNamespace, server: dict[str, Any]
@@ -44,7 +39,7 @@ def test_prepared_phrases_are_hits_at_their_first_request(
     async def main() -> tuple[list[str], Any, dict[str, int], list[str]]:
         async with wy.fake_server({"cache.prepare_phrases": phrases, **server}) as srv:
             preparer = srv.running.preparer
-            await wait_for(lambda: preparer.prepared == 2)
+            await until(lambda: preparer.prepared == 2, "both are prepared")
             prepared = [call.text for call in srv.engines[0].calls]
             counts = dict(srv.running.scheduler.repeat_cache.stats())
             reply = await wy.synthesize(srv.port, "The door is open. Please lock it.")
@@ -61,16 +56,21 @@ def test_prepared_phrases_are_hits_at_their_first_request(
 
 
 def test_a_request_pre_empts_a_phrase_being_prepared(wy: SimpleNamespace) -> None:
-    phrase = "A long phrase that takes the slow engine more than a second to prepare."
+    phrase = "A long phrase that takes the engine a while to prepare."
+
+    hold = threading.Event()  # the phrase cannot end unless it gives way
 
     async def main() -> tuple[Any, list[Any], int]:
-        engine = lambda p, t: FakeEngine(p, t, delay=0.1)  # noqa: E731
+        engine = lambda p, t: FakeEngine(p, t, hold=hold)  # noqa: E731
         async with wy.fake_server({"cache.prepare_phrases": [phrase]}, engine=engine) as srv:
             calls = srv.engines[0].calls
-            await wait_for(lambda: len(calls) == 1 and calls[0].chunks > 0)
-            reply = await wy.synthesize(srv.port, "Someone is at the door.")
+            await until(lambda: len(calls) == 1 and calls[0].chunks > 0, "the phrase is spoken")
+            asking = asyncio.create_task(wy.synthesize(srv.port, "Someone is at the door."))
+            await until(calls[0].ended.is_set, "the phrase gives way")
+            hold.set()
+            reply = await asking
             at_reply = list(calls)
-            await wait_for(lambda: srv.running.preparer.prepared == 1)
+            await until(lambda: srv.running.preparer.prepared == 1, "the phrase is prepared")
             return reply, at_reply, len(calls)
 
     reply, at_reply, total = run(main())
@@ -88,12 +88,23 @@ def test_a_phrase_waits_until_the_engine_is_idle(
     monkeypatch.setattr(prepared_phrases, "IDLE_S", 0.5)
     text = "First of three. Second of three. Third of three."
 
+    loaded = threading.Event()
+
+    def engine(path: Any, threads: int | None) -> FakeEngine:
+        assert loaded.wait(60), "the test never let the load finish"
+        return FakeEngine(path, threads, delay=0.02)
+
     async def main() -> tuple[Any, list[str]]:
-        engine = lambda p, t: FakeEngine(p, t, delay=0.02)  # noqa: E731
         settings = {"cache.prepare_phrases": ["Good night."]}
         async with wy.fake_server(settings, engine=engine, wait_ready=False) as srv:
-            reply = await wy.synthesize(srv.port, text)
-            await wait_for(lambda: srv.running.preparer.prepared == 1)
+            async with wy.connect(srv.port) as client:
+                # Under way when the model is ready: the info answer means it was read.
+                await client.write_event(Event("synthesize", {"text": text}))
+                await client.write_event(Describe().event())
+                await wy.read_until(client, ("info",))
+                loaded.set()
+                reply = await wy.read_until(client, ("audio-stop", "error"))
+            await until(lambda: srv.running.preparer.prepared == 1, "the phrase is prepared")
             return reply, [call.text for call in srv.engines[0].calls]
 
     reply, spoken = run(main())
@@ -105,7 +116,7 @@ def test_phrases_without_a_cache_are_not_prepared(wy: SimpleNamespace) -> None:
     async def main() -> tuple[Any, int]:
         settings = {"cache.prepare_phrases": ["Good night."], "cache.max_mb": 0}
         async with wy.fake_server(settings) as srv:
-            await asyncio.sleep(0.3)  # more than the idle time a preparation waits for
+            # No preparer: nothing can ever speak the phrases, no wait would show more.
             return srv.running.preparer, len(srv.engines[0].calls)
 
     preparer, calls = run(main())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 from types import SimpleNamespace
 
 from wyoming.event import Event
@@ -168,45 +169,48 @@ def test_two_requests_on_one_connection(wy: SimpleNamespace) -> None:
     assert streamed[-1] == "synthesize-stopped" and plain[-1] == "audio-stop"
 
 
-def test_describe_is_fast_while_another_client_synthesizes(wy: SimpleNamespace) -> None:
-    long_text = " ".join(f"Sentence number {i} is here." for i in range(40))
+def test_describe_is_answered_while_another_client_synthesizes(wy: SimpleNamespace) -> None:
+    """The engine is held in the middle of a sentence: every describe is answered meanwhile,
+    so none waits for the synthesis."""
+    hold = threading.Event()
 
-    async def main() -> tuple[list[float], SimpleNamespace]:
-        async with wy.fake_server(engine=lambda p, t: wy.FakeEngine(p, t, delay=0.02)) as srv:
-            speaking = asyncio.create_task(wy.synthesize(srv.port, long_text))
-            await asyncio.sleep(0.3)
-            latencies = []
-            for _ in range(10):
-                start = asyncio.get_running_loop().time()
-                await describe(wy, srv.port)
-                latencies.append(asyncio.get_running_loop().time() - start)
-            assert not speaking.done()  # really measured during synthesis
-            reply = await speaking
-            return latencies, reply
+    async def main() -> tuple[list[Info], bool, SimpleNamespace]:
+        engine = lambda p, t: wy.FakeEngine(p, t, hold=hold)  # noqa: E731
+        async with wy.fake_server(engine=engine) as srv:
+            speaking = asyncio.create_task(wy.synthesize(srv.port, TWO_SENTENCES))
+            calls = lambda: srv.engines[0].calls  # noqa: E731
+            await wy.until(lambda: calls() and calls()[0].chunks == 1, "the engine speaks")
+            answers = [await describe(wy, srv.port) for _ in range(10)]
+            held = not speaking.done() and not calls()[0].ended.is_set()
+            hold.set()
+            return answers, held, await speaking
 
-    latencies, reply = run(main())
-    assert max(latencies) < 1.0, latencies
+    answers, held, reply = run(main())
+    assert held and all(info.tts for info in answers)
     assert reply.types[-1] == "audio-stop"
 
 
 def test_describe_during_model_load_lists_the_models_voices(wy: SimpleNamespace) -> None:
-    def slow_engine(path, threads):
-        import time
+    loaded = threading.Event()
 
-        time.sleep(1.5)
+    def held_load(path, threads):
+        assert loaded.wait(60), "the test never let the load finish"
         return wy.FakeEngine(path, threads)
 
     async def main() -> tuple:
-        async with wy.fake_server(engine=slow_engine, wait_ready=False) as srv:
-            start = asyncio.get_running_loop().time()
-            info = await describe(wy, srv.port)
-            latency = asyncio.get_running_loop().time() - start
-            assert not srv.running.load_task.done()
-            reply = await wy.synthesize(srv.port, "Waits for the model.")  # queued until loaded
-            return info, latency, reply
+        async with wy.fake_server(engine=held_load, wait_ready=False) as srv:
+            async with wy.connect(srv.port) as client:
+                # Events are read in order: the info answer means the request was read too.
+                await client.write_event(Event("synthesize", {"text": "Waits for the model."}))
+                await client.write_event(Describe().event())
+                answered = await wy.read_until(client, ("info",))
+                loading = not srv.running.load_task.done()
+                loaded.set()
+                reply = await wy.read_until(client, ("audio-stop", "error"))
+            return Info.from_event(answered.events[-1]), answered.types, loading, reply
 
-    info, latency, reply = run(main())
-    assert latency < 1.0
+    info, answered, loading, reply = run(main())
+    assert loading and answered == ["info"]  # answered at once; the request waits for the model
     # read from the tiny model's spk2info.pt before the engine has loaded
     assert [v.name for v in info.tts[0].voices] == ["en-male", "zh-female"]
     assert reply.types[-1] == "audio-stop"
@@ -230,17 +234,24 @@ def test_four_clients_at_once_all_get_complete_audio(wy: SimpleNamespace) -> Non
 
 def test_a_short_request_is_not_starved_by_a_long_one(wy: SimpleNamespace) -> None:
     long_text = " ".join(f"Long sentence number {i} goes on." for i in range(12))
+    hold = threading.Event()
 
     async def main() -> list[str]:
         done: list[str] = []
-        async with wy.fake_server(engine=lambda p, t: wy.FakeEngine(p, t, delay=0.01)) as srv:
+        engine = lambda p, t: wy.FakeEngine(p, t, hold=hold)  # noqa: E731
+        async with wy.fake_server(engine=engine) as srv:
 
-            async def client(name: str, text: str, wait: float) -> None:
-                await asyncio.sleep(wait)
+            async def client(name: str, text: str) -> None:
                 await wy.synthesize(srv.port, text)
                 done.append(name)
 
-            await asyncio.gather(client("long", long_text, 0), client("short", "Short.", 0.2))
+            # The short request arrives while the long one's first sentence holds the engine.
+            long = asyncio.create_task(client("long", long_text))
+            await wy.until(lambda: srv.engines[0].calls, "the long request speaks")
+            short = asyncio.create_task(client("short", "Short."))
+            await wy.until(lambda: srv.running.scheduler.waiting == 1, "the short one waits")
+            hold.set()
+            await asyncio.gather(long, short)
         return done
 
     assert run(main()) == ["short", "long"]  # sentences interleave FIFO across connections
@@ -248,21 +259,24 @@ def test_a_short_request_is_not_starved_by_a_long_one(wy: SimpleNamespace) -> No
 
 def test_disconnect_mid_stream_cancels_within_one_chunk(wy: SimpleNamespace) -> None:
     long_sentence = "This sentence is very long " * 20 + "."
+    hold = threading.Event()  # never set while the client is there: the sentence cannot end
 
     async def main() -> tuple:
-        async with wy.fake_server(engine=lambda p, t: wy.FakeEngine(p, t, delay=0.03)) as srv:
+        engine = lambda p, t: wy.FakeEngine(p, t, hold=hold)  # noqa: E731
+        async with wy.fake_server(engine=engine) as srv:
             async with wy.connect(srv.port) as client:
                 await client.write_event(Event("synthesize-start"))
                 await client.write_event(Event("synthesize-chunk", {"text": long_sentence + " "}))
                 await wy.read_until(client, ("audio-chunk",))
-            await asyncio.sleep(0.3)  # ten chunk times
             call = srv.engines[0].calls[0]
+            await wy.until(call.ended.is_set, "the engine stops the sentence")
+            hold.set()
             other = await wy.synthesize(srv.port, "Still serving.")
             return call, other
 
     call, other = run(main())
-    assert not call.finished  # the engine saw the cancel event or the generator was closed
-    assert call.chunks <= 4  # stopped right after the client left, not after ~120 chunks
+    assert not call.finished  # the engine saw the cancel event, or its generator was closed
+    assert call.chunks == 1  # stopped right after the client left, not after ~120 chunks
     assert other.types[-1] == "audio-stop"
 
 

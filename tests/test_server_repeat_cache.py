@@ -7,12 +7,12 @@ byte budget evicts the least recently used; audio cut short is never kept; 0 tur
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
-import pytest
 from conftest import FakeEngine
 
 from engine.types import AudioChunk, SynthesisOptions
@@ -57,7 +57,6 @@ def test_a_repeated_sentence_is_replayed_without_the_engine(wy: SimpleNamespace)
 
 
 def test_a_repeat_inside_a_text_and_across_protocols_is_a_hit() -> None:
-    pytest.importorskip("httpx")
     from test_http import BackgroundServer
 
     text = "Lights off. Doors locked. Lights off."
@@ -77,7 +76,6 @@ def test_a_repeat_inside_a_text_and_across_protocols_is_a_hit() -> None:
 
 
 def test_the_caches_hits_and_size_are_in_the_metrics() -> None:
-    pytest.importorskip("httpx")
     from prometheus_client.parser import text_string_to_metric_families
     from test_http import BackgroundServer
 
@@ -110,10 +108,14 @@ def test_a_hit_is_served_while_the_engine_is_busy(wy: SimpleNamespace) -> None:
     is replayed while that text's first sentence is still being made."""
     long_text = " ".join(f"Sentence number {i} of a long announcement." for i in range(20))
 
+    hold = threading.Event()
+
     async def main() -> tuple[Any, list[Any]]:
-        engine = lambda p, t: FakeEngine(p, t, delay=0.1)  # noqa: E731
+        engine = lambda p, t: FakeEngine(p, t, hold=hold)  # noqa: E731
         async with wy.fake_server(engine=engine) as srv:
+            hold.set()
             await wy.synthesize(srv.port, "Good night.")
+            hold.clear()  # the long text's first sentence holds the engine from its first chunk
             async with wy.connect(srv.port) as busy:
                 from wyoming.event import Event
 
@@ -134,7 +136,6 @@ def test_a_hit_is_served_while_the_engine_is_busy(wy: SimpleNamespace) -> None:
 
 
 def test_voice_speaker_seed_and_profile_each_make_a_new_sentence() -> None:
-    pytest.importorskip("httpx")
     from test_http import BackgroundServer
 
     text = "Dinner is ready."
@@ -226,17 +227,18 @@ def test_a_budget_of_zero_turns_the_cache_off(wy: SimpleNamespace) -> None:
 
 def test_a_sentence_the_client_left_is_spoken_again_in_full(wy: SimpleNamespace) -> None:
     text = "A long sentence the first listener never hears to the end."
+    hold = threading.Event()  # the first listener's sentence cannot end before it has left
 
     async def main() -> tuple[list[Any], Any, dict[str, int]]:
-        engine = lambda p, t: FakeEngine(p, t, delay=0.05)  # noqa: E731
+        engine = lambda p, t: FakeEngine(p, t, hold=hold)  # noqa: E731
         async with wy.fake_server(engine=engine) as srv:
             async with wy.connect(srv.port) as client:
                 from wyoming.event import Event
 
                 await client.write_event(Event("synthesize", {"text": text}))
                 await wy.read_until(client, ("audio-chunk",))
-            while not srv.running.scheduler.idle:  # the cancelled sentence let go
-                await asyncio.sleep(0.02)
+            await wy.until(lambda: srv.running.scheduler.idle, "the cancelled sentence let go")
+            hold.set()
             reply = await wy.synthesize(srv.port, text)
             return list(srv.engines[0].calls), reply, stats(srv)
 
@@ -264,8 +266,7 @@ def test_a_sentence_stopped_without_an_error_is_not_kept(wy: SimpleNamespace) ->
                 await client.write_event(Event("synthesize", {"text": "Stop me half way."}))
                 await wy.read_until(client, ("audio-chunk",))
                 srv.running.scheduler.cancel_all()  # what a shutdown does
-                while not srv.running.scheduler.idle:
-                    await asyncio.sleep(0.02)
+                await wy.until(lambda: srv.running.scheduler.idle, "the sentence let go")
             return stats(srv)
 
     counts = run(main())

@@ -22,8 +22,10 @@ LONG = "A sentence long enough to take a while. " * 10
 def test_cancel_all_stops_running_and_queued_sentences_and_refuses_new_ones(
     wy: SimpleNamespace,
 ) -> None:
+    hold = threading.Event()  # never set: the speaking sentence ends only by the cancel
+
     async def main() -> tuple[list[Any], bool, Any, list[Any]]:
-        engine = lambda p, t: wy.FakeEngine(p, t, delay=0.05)  # noqa: E731
+        engine = lambda p, t: wy.FakeEngine(p, t, hold=hold)  # noqa: E731
         async with wy.fake_server(engine=engine) as srv:
             host = srv.running.scheduler
             options = srv.config.profile.options(

@@ -1,53 +1,33 @@
-"""--zeroconf advertises _wyoming._tcp with a real address, never the wildcard."""
+"""--zeroconf advertises _wyoming._tcp with a real address, never the wildcard.
+
+What needs the network runs in a network namespace the test makes (conftest), whose LAN address
+is NAMESPACE_LAN_ADDRESS: the multicast stays inside it, and the address to expect is known.
+"""
 
 from __future__ import annotations
 
-import asyncio
-import socket
+import json
+from pathlib import Path
+from typing import Any
 
-import pytest
+from conftest import NAMESPACE_LAN_ADDRESS, run_python_in_network_namespace
 
-from wyoming_cosyvoice.zeroconf import (
-    SERVICE_TYPE,
-    WyomingZeroconf,
-    advertised_address,
-    lan_address,
-)
+from wyoming_cosyvoice.zeroconf import advertised_address
+
+PROBE = Path(__file__).with_name("zeroconf_probe.py")
+
+
+def _in_namespace(*call: object) -> Any:
+    """A function of zeroconf_probe called in the test's network namespace; its result."""
+    out = run_python_in_network_namespace(str(PROBE), *map(str, call))
+    return json.loads(out.splitlines()[-1])
 
 
 def test_wildcard_binds_advertise_the_lan_address() -> None:
-    for bind in ("0.0.0.0", "::", "", None):
-        address = advertised_address(bind)
-        assert address not in ("0.0.0.0", "::")
-        socket.inet_aton(address)  # a usable IPv4 address
+    assert _in_namespace("advertised_for_wildcards") == [NAMESPACE_LAN_ADDRESS] * 4
     assert advertised_address("10.1.2.3") == "10.1.2.3"  # an explicit address is kept
     assert advertised_address("localhost") == "127.0.0.1"
 
 
 def test_the_service_can_be_found_by_a_browser() -> None:
-    from zeroconf import IPVersion
-    from zeroconf.asyncio import AsyncZeroconf
-
-    async def main() -> tuple[str, int]:
-        try:  # the machine's part: a multicast socket and a route to the mDNS group
-            probe = AsyncZeroconf(ip_version=IPVersion.V4Only)
-            await probe.async_close()
-            lan_address()
-        except OSError as err:
-            pytest.skip(f"mDNS unavailable on this machine: {err}")
-        advert = WyomingZeroconf("cosyvoice-test", 10299, "0.0.0.0")
-        await advert.register()
-        browser = AsyncZeroconf(ip_version=IPVersion.V4Only)
-        try:
-            info = await browser.async_get_service_info(
-                SERVICE_TYPE, f"cosyvoice-test.{SERVICE_TYPE}", timeout=3000
-            )
-        finally:
-            await browser.async_close()
-            await advert.close()
-        assert info is not None
-        return socket.inet_ntoa(info.addresses[0]), info.port
-
-    address, port = asyncio.run(main())
-    assert port == 10299
-    assert address == advertised_address("0.0.0.0") != "0.0.0.0"
+    assert _in_namespace("found_by_a_browser", 10299) == [NAMESPACE_LAN_ADDRESS, 10299]

@@ -14,7 +14,7 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 import pytest
-from conftest import TINY_MODEL, FakeEngine
+from conftest import TINY_MODEL, FakeEngine, until
 
 from engine.text.normalize import detect_language
 from engine.types import AudioChunk, EngineError, SynthesisCancelled
@@ -166,7 +166,8 @@ def test_an_undelivered_stream_waits_between_sentences_then_drops_its_stalled_cl
 
 
 def test_cancel_stops_the_engine_within_a_chunk_and_later_sentences_never_start() -> None:
-    slow = lambda path, threads: FakeEngine(path, threads, delay=0.05)  # noqa: E731
+    hold = threading.Event()  # never set: the sentence ends only by the cancel
+    slow = lambda path, threads: FakeEngine(path, threads, hold=hold)  # noqa: E731
     text = "A sentence long enough to take a while to say. " * 4
 
     async def main() -> list[Any]:
@@ -176,16 +177,21 @@ def test_cancel_stops_the_engine_within_a_chunk_and_later_sentences_never_start(
                 pass
             speech.cancel()
             assert await speech.next() is None
-            await sched.wait_idle(10)
-            return sched.engine.calls
+            calls = sched.engine.calls
+            await until(calls[0].ended.is_set, "the engine stops the sentence")
+            assert await sched.wait_idle(10)
+            return calls
 
     calls = run(main())
-    assert len(calls) == 1 and not calls[0].finished and calls[0].chunks <= 3
+    # Stopped after its first chunk (the cancel event seen, or its generator closed), and the
+    # later sentences never reached the engine.
+    assert len(calls) == 1 and not calls[0].finished and calls[0].chunks == 1
 
 
 def test_a_cancel_from_outside_ends_the_stream_with_synthesis_cancelled() -> None:
     async def main() -> None:
-        async with scheduler(lambda p, t: FakeEngine(p, t, delay=0.05)) as sched:
+        hold = threading.Event()  # never set: the speech ends only by the cancel
+        async with scheduler(lambda p, t: FakeEngine(p, t, hold=hold)) as sched:
             cancel = threading.Event()
             speech = Speech(sched, SpeechSettings(CONFIG.profile, 0), VoiceChoice(None, None),
                             CONFIG.limits, client="test", cancel=cancel)  # fmt: skip

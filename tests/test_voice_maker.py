@@ -15,32 +15,28 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 import wave
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import numpy as np
 import pytest
-
-httpx = pytest.importorskip("httpx")
-pytest.importorskip("starlette", reason="the http extra is not installed")
-
-from conftest import free_port, terminate, wait_for_port  # noqa: E402
-from test_http import BackgroundServer  # noqa: E402
-from voice_maker_helpers import (  # noqa: E402
+from conftest import free_port, terminate, wait_for_port, wait_until
+from test_http import BackgroundServer
+from voice_maker_helpers import (
     WYOMING_ENTRIES,
     FakeVoiceEngine,
     StandInHomeAssistant,
     StandInStt,
 )
-from voice_signals import speech_like, wav_bytes, white_noise  # noqa: E402
-from wyoming.client import AsyncTcpClient  # noqa: E402
-from wyoming.info import Describe, Info  # noqa: E402
+from voice_signals import speech_like, wav_bytes, white_noise
+from wyoming.client import AsyncTcpClient
+from wyoming.info import Describe, Info
 
-from wyoming_cosyvoice import home_assistant  # noqa: E402
-from wyoming_cosyvoice.http import voice_maker  # noqa: E402
+from wyoming_cosyvoice import home_assistant
+from wyoming_cosyvoice.http import voice_maker
 
 TRANSCRIPT = "Hello, this is my voice for the kitchen speaker."
 GOOD = wav_bytes(speech_like(5.0, 24000), 24000)
@@ -276,11 +272,9 @@ def test_a_slow_scan_answers_202_and_the_state_follows_it(
         assert client.get("/voices/custom/slowpoke").json()["state"] == "waiting"
     finally:
         engine.scan_gate.set()
-    deadline = time.monotonic() + 20
-    while (state := client.get("/voices/custom/slowpoke").json())["state"] == "waiting":
-        assert time.monotonic() < deadline, state
-        time.sleep(0.05)
-    assert state == {"name": "slowpoke", "state": "offered", "reason": None}
+    state = lambda: client.get("/voices/custom/slowpoke").json()  # noqa: E731
+    wait_until(lambda: state()["state"] != "waiting", "the scan has seen the voice")
+    assert state() == {"name": "slowpoke", "state": "offered", "reason": None}
     missing = client.get("/voices/custom/nobody")
     assert missing.status_code == 404 and error(missing)["code"] == "voice_not_found"
 
@@ -331,10 +325,7 @@ def test_a_model_that_failed_to_load_makes_no_voice(tmp_path: Path) -> None:
     settings = {"server.voices_dir": str(tmp_path / "voices"), "server.web_voice_maker": True}
     with BackgroundServer(settings, engine_factory=broken, wait_ready=False) as srv:
         with srv.client() as http:
-            deadline = time.monotonic() + 30
-            while http.get("/health").json()["status"] == "loading":
-                assert time.monotonic() < deadline
-                time.sleep(0.05)
+            wait_until(lambda: http.get("/health").json()["status"] != "loading", "it failed")
             r = save(http, "grandma")  # no scan would ever offer it
     assert r.status_code == 503 and error(r)["code"] == "load_failed"
     assert not (tmp_path / "voices").exists()
@@ -400,7 +391,6 @@ def test_the_saved_recording_is_the_upload_byte_for_byte(
 def test_the_command_line_saves_a_voice_the_real_engine_analyses(tmp_path: Path) -> None:
     """``--voices-dir --http-port --web-voice-maker``: the CLI hands the folder's watcher to the
     page, and the tiny model's engine extracts the saved voice's prompt (tiny ONNX models)."""
-    pytest.importorskip("onnxruntime")
     data = Path(__file__).parent / "data"
     model = tmp_path / "tiny_model"
     shutil.copytree(data / "tiny_model", model)
@@ -419,10 +409,8 @@ def test_the_command_line_saves_a_voice_the_real_engine_analyses(tmp_path: Path)
     try:
         wait_for_port(http_port, process)
         with httpx.Client(base_url=f"http://127.0.0.1:{http_port}", timeout=60) as http:
-            deadline = time.monotonic() + 60
-            while http.get("/health").json()["status"] == "loading":
-                assert time.monotonic() < deadline, "the tiny model did not load"
-                time.sleep(0.1)
+            health = lambda: http.get("/health").json()["status"]  # noqa: E731
+            wait_until(lambda: health() != "loading", "the tiny model has loaded")
             r = save(http, "anna")
             assert r.status_code == 201 and r.json()["state"] == "offered", r.text
         assert "anna" in asyncio.run(describe(port))

@@ -21,20 +21,17 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import numpy as np
 import pytest
+import uvicorn
+from starlette.types import Receive, Scope, Send
+from test_http_browser import DevTools, open_browser
+from test_voice_maker import describe, voice_server
+from voice_maker_helpers import WYOMING_ENTRIES, StandInHomeAssistant, StandInStt
+from voice_signals import speech_like, wav_bytes, white_noise
 
-httpx = pytest.importorskip("httpx")
-pytest.importorskip("starlette", reason="the http extra is not installed")
-uvicorn = pytest.importorskip("uvicorn")
-
-from starlette.types import Receive, Scope, Send  # noqa: E402
-from test_http_browser import DevTools, open_browser  # noqa: E402
-from test_voice_maker import describe, voice_server  # noqa: E402
-from voice_maker_helpers import WYOMING_ENTRIES, StandInHomeAssistant, StandInStt  # noqa: E402
-from voice_signals import speech_like, wav_bytes, white_noise  # noqa: E402
-
-from wyoming_cosyvoice import home_assistant  # noqa: E402
+from wyoming_cosyvoice import home_assistant
 
 pytestmark = pytest.mark.browser
 PREFIX = "/api/hassio_ingress/3f6c2a9b7d"

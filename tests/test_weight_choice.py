@@ -15,6 +15,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import INT8_KERNELS_NEEDED
 
 from engine.cpu import detect
 from engine.engine import CosyVoiceEngine
@@ -59,7 +60,7 @@ def test_the_extra_formats_are_loaded_beside_the_primary_ones(both: CosyVoiceEng
     assert both.models.flow is both.flows["fp32"]  # the primary ones stay the models'
 
 
-@pytest.mark.skipif(CPU.int8_kernels is None, reason="no int8 kernel on this CPU")
+@pytest.mark.skipif(CPU.int8_kernels is None, reason=INT8_KERNELS_NEEDED)
 def test_a_request_runs_the_flow_format_it_asks_for(both: CosyVoiceEngine, tmp_path: Path) -> None:
     options = SynthesisOptions(seed=3, force_tokens=60, stream=False)
     int8_only = CosyVoiceEngine.load(_copy(TINY, tmp_path / "m"), threads=1, flow_int8=True)
@@ -187,7 +188,7 @@ def _v2_voice() -> CustomVoice:
                        family="cosyvoice2")  # fmt: skip
 
 
-@pytest.mark.skipif(CPU.int8_kernels is None, reason="no int8 kernel on this CPU")
+@pytest.mark.skipif(CPU.int8_kernels is None, reason=INT8_KERNELS_NEEDED)
 def test_cosyvoice2_serves_and_times_the_format_asked_for(tmp_path: Path) -> None:
     torch.set_num_threads(1)
     engine = load_engine(

@@ -399,6 +399,9 @@ class EventHandler:
             try:
                 await self._speak(request)
             except (SynthesisCancelled, asyncio.CancelledError):
+                # The connection is ending, and this request is no longer one the close will
+                # cancel: its speech may still wait for more of a stream that never comes.
+                request.speech.cancel()
                 return
             except ClientStalledError:
                 _LOGGER.warning("Client %s stopped reading; dropping it", self._peer)
