@@ -63,8 +63,10 @@ def _inside(workdir: Path) -> dict[str, Any]:
 def test_only_the_supervisors_own_connections_count_as_the_ingress() -> None:
     unshare = shutil.which("unshare")
     if unshare is None or subprocess.run([unshare, "-n", "true"]).returncode != 0:
-        pytest.fail("no network namespace can be made here: unshare -n needs root (or a user "
-                    "namespace); this test must see a connection from the Supervisor's address")
+        pytest.fail(
+            "no network namespace can be made here: unshare -n needs root (or a user "
+            "namespace); this test must see a connection from the Supervisor's address"
+        )
     with tempfile.TemporaryDirectory() as workdir:
         done = subprocess.run([unshare, "-n", sys.executable, __file__, workdir],
                               capture_output=True, text=True, timeout=600)  # fmt: skip
