@@ -34,6 +34,7 @@ import torch
 from torch import nn
 from torch.ao.nn.quantized.dynamic import Linear as DynamicLinear
 
+from engine import qnnpack
 from engine.cpu import ensure_int8_engine
 
 if TYPE_CHECKING:
@@ -220,8 +221,9 @@ def _per_channel_view(
     """A per-channel qint8 tensor over ``weight``'s own bytes (axis 0), without a copy.
 
     ``torch._make_per_channel_quantized_tensor`` copies the int8 data: for the full-size LM that
-    is 255 MB of fresh pages written once and freed right after packing. fbgemm's packing only
-    reads the weight, so a view is enough.
+    is 255 MB of fresh pages written once and freed right after packing. The kernels' packing
+    only reads the weight (QNNPACK's keeps it until it packs: engine.qnnpack), so a view is
+    enough.
     """
     qweight = torch._empty_per_channel_affine_quantized(
         [0, weight.shape[1]], scales=scales, zero_points=zero_points, axis=0, dtype=torch.qint8
@@ -240,7 +242,13 @@ def _pack(qweight: torch.Tensor, bias: torch.Tensor | None) -> Int8Linear:
     # fbgemm keeps the bias tensor it is given: a copy, so that no packed layer holds on to the
     # storage of a loaded file.
     module.set_weight_bias(qweight, None if bias is None else bias.detach().clone())
-    module.reduce_range = torch.backends.quantized.engine != "qnnpack"
+    under_qnnpack = torch.backends.quantized.engine == qnnpack.ENGINE
+    module.reduce_range = not under_qnnpack
+    if under_qnnpack:
+        # QNNPACK packs at a layer's first call and until then holds the weight it was given
+        # (a view of the loaded file): packed now, the layer lets it go (engine.qnnpack).
+        qnnpack.release_packed_originals()
+        qnnpack.pack_now(module, module.in_features)
     return module
 
 

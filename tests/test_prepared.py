@@ -11,6 +11,7 @@ import logging
 import os
 import shutil
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -320,11 +321,28 @@ def test_a_mapping_that_served_replaced_weights_is_dropped(model: Path) -> None:
     assert models.llm.text_embedding.weight.data_ptr() == llm_at_load
 
 
+@pytest.fixture(params=["chosen", "qnnpack"])
+def int8_kernels(request: pytest.FixtureRequest) -> Iterator[str]:
+    """The int8 kernels the engine picks on this CPU, and QNNPACK (aarch64's) where torch has it:
+    the engine keeps the one in force when it works."""
+    before = torch.backends.quantized.engine
+    if request.param != "chosen":
+        if request.param not in torch.backends.quantized.supported_engines:
+            pytest.skip(f"this torch build has no {request.param} kernels")
+        torch.backends.quantized.engine = request.param
+    yield request.param
+    torch.backends.quantized.engine = before
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/maps")
-def test_the_mappings_int8_layers_were_packed_from_are_dropped(model: Path) -> None:
+def test_the_mappings_int8_layers_were_packed_from_are_dropped(
+    model: Path, int8_kernels: str
+) -> None:
     """Packed layers are copies: what stays mapped of the int8 file is the load's one mapping,
     for the float tensors the model reads in place."""
     engine = load(model, lm_int8=True, flow_int8=True)
+    if int8_kernels != "chosen":
+        assert torch.backends.quantized.engine == int8_kernels
     assert any(type(m).__name__ == "Int8Linear" for m in engine.models.llm.modules())
     for name in ("llm.int8.safetensors", "flow.int8.safetensors"):
         assert _mappings((model / PREPARED_DIR / name).resolve()) == 1, name

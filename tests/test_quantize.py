@@ -105,3 +105,43 @@ def test_the_fused_relu_layer_equals_relu_after_the_layer(rows: int) -> None:
         fused, plain = layer.forward_relu(x), torch.relu(layer(x))
     assert (plain == 0).any() and (plain > 0).any()
     assert torch.equal(fused, plain)
+
+
+def test_a_qnnpack_layer_is_packed_at_once_and_computes_as_one_packed_at_its_first_call() -> None:
+    """Under QNNPACK (aarch64's kernels) the engine makes a layer pack when it is built, so that
+    it lets go of the weight it was given; the layer computes bit for bit what a layer packed
+    by torch at its first call does, and still unpacks to its weight."""
+    import warnings
+
+    from engine.quantize import SCALE, WEIGHT, _per_channel_view, pack_int8
+
+    if "qnnpack" not in torch.backends.quantized.supported_engines:
+        pytest.skip("this torch build has no QNNPACK kernels")
+    torch.manual_seed(3)
+    weight = torch.randint(-127, 128, (48, 32), dtype=torch.int8)
+    scales = torch.rand(48, dtype=torch.float64) * 0.01 + 1e-4
+
+    def references() -> int:  # to the weight's bytes
+        return torch._C._storage_Use_Count(weight.untyped_storage()._cdata)
+
+    unpacked_references = references()
+    before = torch.backends.quantized.engine
+    torch.backends.quantized.engine = "qnnpack"
+    try:
+        layer = pack_int8({f"x.{WEIGHT}": weight, f"x.{SCALE}": scales}, "x")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch's deprecation notice for quantised tensors
+            zero_points = torch.zeros(48, dtype=torch.int64)
+            lazy = torch.ops.quantized.linear_prepack(
+                _per_channel_view(weight.clone(), scales, zero_points), None
+            )
+        assert references() == unpacked_references  # the layer holds none
+        for rows in (1, 5):
+            x = torch.randn(rows, 32)
+            expected = torch.ops.quantized.linear_dynamic(x, lazy, False)
+            with torch.inference_mode():
+                assert torch.equal(layer(x), expected)
+        unpacked, _ = torch.ops.quantized.linear_unpack(layer._packed_params._packed_params)
+        assert torch.equal(unpacked.int_repr(), weight)
+    finally:
+        torch.backends.quantized.engine = before

@@ -4,7 +4,7 @@ Checks, in order: what the engine picks for this CPU; that torch on many threads
 exactly when there is no thread ceiling, and that a multi-threaded matrix product after a load
 runs within the ceiling; synthesis with the tiny model in every profile of config.yaml; the int8
 deviations on this CPU's kernels; the real server (warm-up, /health, describe, a streaming
-request); then the quantised-path tests with pytest. Exits non-zero at the first failure.
+request); then the tests of PYTEST_RUNS with pytest. Exits non-zero at the first failure.
 
 Not collected by pytest (no ``test_`` prefix): it needs an Arm CPU and runs for minutes.
 """
@@ -31,12 +31,11 @@ import torch
 SRC = Path(__file__).resolve().parents[2]
 TINY = SRC / "tests" / "data" / "tiny_model"
 CONFIG = SRC / "config.yaml"
-QUANTISED_PATH_TESTS = (
-    "test_cpu.py",
-    "test_quantize.py",
-    "test_flow_int8.py",
-    "test_prepared.py",
-    "test_hift.py",
+# What pytest runs on the board: one run per entry, each entry pytest's arguments (paths relative
+# to tests/). A marked subset of the whole suite would be ("-m", "MARKER", ".").
+PYTEST_RUNS: tuple[tuple[str, ...], ...] = (
+    # The quantised path: the CPU's choices, the int8 LM and flow, prepared files, HiFT.
+    ("test_cpu.py", "test_quantize.py", "test_flow_int8.py", "test_prepared.py", "test_hift.py"),
 )
 MANY_THREADS = 4  # a Raspberry Pi's cores
 TOKENS = 60  # speech tokens per sentence (the tiny model's weights are random): two chunks
@@ -282,27 +281,27 @@ def check_server() -> None:
 
 
 def run_tests() -> None:
-    step("quantised-path tests")
-    tests = [str(SRC / "tests" / name) for name in QUANTISED_PATH_TESTS]
-    # -P: the installed package is tested, not the copy beside the tests.
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-P",
-            "-m",
-            "pytest",
-            "-v",
-            "-p",
-            "no:cacheprovider",
-            "-o",
-            "timeout=3600",
-            *tests,
-        ],
-        cwd=SRC,
-        check=False,
-    )
-    if done.returncode != 0:
-        fail(f"pytest: {exit_text(done.returncode)}")
+    for arguments in PYTEST_RUNS:
+        step(f"pytest {' '.join(arguments)}")
+        # -P: the installed package is tested, not the copy beside the tests.
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-P",
+                "-m",
+                "pytest",
+                "-v",
+                "-p",
+                "no:cacheprovider",
+                "-o",
+                "timeout=3600",
+                *arguments,
+            ],
+            cwd=SRC / "tests",
+            check=False,
+        )
+        if done.returncode != 0:
+            fail(f"pytest {' '.join(arguments)}: {exit_text(done.returncode)}")
 
 
 def main() -> None:
