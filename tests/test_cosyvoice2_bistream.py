@@ -110,6 +110,7 @@ def _fragments(meta: dict, case: str) -> list[list[int]]:
     return meta[case]["fragment_ids"]
 
 
+@pytest.mark.parity
 @pytest.mark.parametrize("case", CASES)
 def test_steps_match_official(model: CosyVoice2LM, fx: dict, meta: dict, case: str) -> None:
     """Every LM call's input rows, rotary position, hidden state and logits; the K/V cache."""
@@ -139,6 +140,7 @@ def test_steps_match_official(model: CosyVoice2LM, fx: dict, meta: dict, case: s
     torch.testing.assert_close(kv[:, 1], fx[f"{case}/final_v"], atol=ATOL_HIDDEN, rtol=0)
 
 
+@pytest.mark.parity
 @pytest.mark.parametrize("case", CASES)
 def test_decisions_match_official(model: CosyVoice2LM, fx: dict, meta: dict, case: str) -> None:
     """Forced fills draw nothing; draws see the official history (fills included) and masks."""

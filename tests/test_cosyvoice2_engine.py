@@ -255,6 +255,7 @@ def _official_chunks(run: str) -> list[torch.Tensor]:
     return [CASES[f"{run}/chunk{i}/speech_out"] for i in range(count)]
 
 
+@pytest.mark.parity
 @pytest.mark.parametrize("scenario", ["prompt17", "noprompt180"])
 def test_streamed_audio_equals_the_official_stream(fresh: CosyVoice2Engine, scenario: str) -> None:
     """The official schedule through the engine: the official runtime's chunks, for the same
@@ -274,6 +275,7 @@ def test_streamed_audio_equals_the_official_stream(fresh: CosyVoice2Engine, scen
         )
 
 
+@pytest.mark.parity
 def test_whole_audio_equals_the_official_non_streaming_call(fresh: CosyVoice2Engine) -> None:
     fresh.add_voice(_official_voice("prompt17"))
     _force(fresh, CASES["prompt17/in_source_speech_token"][0].tolist())

@@ -136,6 +136,7 @@ def test_missing_unexpected_and_misshapen_keys_are_named(
 # --- invariants of the causal design ---------------------------------------------------------
 
 
+@pytest.mark.parity
 def test_fixed_noise_is_the_seed_zero_draw(flow: CausalFlow) -> None:
     torch.manual_seed(0)
     expected = torch.randn(1, 80, NOISE_FRAMES)
@@ -161,6 +162,7 @@ def test_encoder_frames_do_not_depend_on_later_chunks(flow: CausalFlow) -> None:
     assert (full[:, :, :100] - changed[:, :, :100]).abs().max() > 1e-3
 
 
+@pytest.mark.parity
 def test_streamed_mel_equals_the_official_streaming_calls(flow: CausalFlow) -> None:
     """FlowStream chunk by chunk = the official call over the growing prefix (which recomputes
     everything), chunk for chunk."""
@@ -240,12 +242,14 @@ def _close(actual: torch.Tensor, expected: torch.Tensor, tol: dict, what: str) -
     torch.testing.assert_close(actual, expected, **tol, msg=lambda m: f"{what}: {m}")
 
 
+@pytest.mark.parity
 def test_fixed_noise_equals_the_official_prefix(
     flow: CausalFlow, cases: dict[str, torch.Tensor]
 ) -> None:
     assert torch.equal(flow.decoder.noise(0, 220)[0], cases["fixed_noise_prefix"])
 
 
+@pytest.mark.parity
 @pytest.mark.parametrize("case", sorted(ONE_SHOT_CASES))
 def test_encoder_stages_match(flow: CausalFlow, cases: dict[str, torch.Tensor], case: str) -> None:
     n_tokens, streaming, finalize = ONE_SHOT_CASES[case]
@@ -289,6 +293,7 @@ def test_encoder_stages_match(flow: CausalFlow, cases: dict[str, torch.Tensor], 
     _close(spks[0], cases[f"{case}/spk_proj"], ENC_TOL, "spk_proj")
 
 
+@pytest.mark.parity
 @pytest.mark.parametrize("case", sorted(ONE_SHOT_CASES))
 def test_one_call_mel_matches(flow: CausalFlow, cases: dict[str, torch.Tensor], case: str) -> None:
     n_tokens, streaming, finalize = ONE_SHOT_CASES[case]
@@ -304,6 +309,7 @@ def test_one_call_mel_matches(flow: CausalFlow, cases: dict[str, torch.Tensor], 
     _close(mel[0], cases[f"{case}/out_mel"], MEL_TOL, f"{case}/out_mel")
 
 
+@pytest.mark.parity
 def test_no_prompt_steps_match(flow: CausalFlow, cases: dict[str, torch.Tensor]) -> None:
     """Every Euler step: the x the estimator gets, its time, both guidance rows."""
     c = "nonstream_noprompt_short"
@@ -327,6 +333,7 @@ def test_no_prompt_steps_match(flow: CausalFlow, cases: dict[str, torch.Tensor])
     _close(mel[0], cases[f"{c}/out_mel"], MEL_TOL, "out_mel")
 
 
+@pytest.mark.parity
 @pytest.mark.parametrize("streaming", [False, True])
 def test_estimator_direct(
     flow: CausalFlow, cases: dict[str, torch.Tensor], streaming: bool
@@ -342,6 +349,7 @@ def test_estimator_direct(
     assert torch.all(out[1, :, 55:] == 0)
 
 
+@pytest.mark.parity
 def test_incremental_stream_matches_the_official_chunks(
     flow: CausalFlow, cases: dict[str, torch.Tensor], schedule: list[dict]
 ) -> None:

@@ -164,6 +164,7 @@ def _noise(cases: dict[str, Tensor], case: str, n_samples: int) -> HiftNoise:
     return HiftNoise(phase_uniform=phase, sine_noise=sine.transpose(1, 2))
 
 
+@pytest.mark.parity
 @pytest.mark.parametrize("case", ["mel60", "cached_mel48"])
 def test_waveform_matches_official(
     hift: HiFTGenerator, cases: dict[str, Tensor], case: str

@@ -103,6 +103,7 @@ def test_special_rows_and_stop_tokens(model: CosyVoice2LM, meta: dict) -> None:
     assert sorted(model.stop_tokens) == ids["stop_tokens"]
 
 
+@pytest.mark.parity
 @pytest.mark.parametrize("case", CASES)
 def test_input_layout(model: CosyVoice2LM, fx: dict, meta: dict, case: str) -> None:
     with torch.inference_mode():
@@ -113,6 +114,7 @@ def test_input_layout(model: CosyVoice2LM, fx: dict, meta: dict, case: str) -> N
     torch.testing.assert_close(step_inputs, fx[f"{case}/step_inputs"], atol=0, rtol=0)
 
 
+@pytest.mark.parity
 @pytest.mark.parametrize("case", CASES)
 def test_teacher_forced_steps(model: CosyVoice2LM, fx: dict, case: str) -> None:
     """Hidden state, logits and rotary positions of every step; the K/V cache at the end."""
@@ -127,6 +129,7 @@ def test_teacher_forced_steps(model: CosyVoice2LM, fx: dict, case: str) -> None:
     torch.testing.assert_close(kv[:, 1], fx[f"{case}/final_v"], atol=ATOL_HIDDEN, rtol=0)
 
 
+@pytest.mark.parity
 @pytest.mark.parametrize("case", CASES)
 def test_generate_teacher_forced(model: CosyVoice2LM, fx: dict, meta: dict, case: str) -> None:
     """generate(): EOS masking per step, the log-probs the sampler gets, stop at EOS."""
@@ -155,6 +158,7 @@ def test_generate_teacher_forced(model: CosyVoice2LM, fx: dict, meta: dict, case
     assert histories[-1] == forced[:-1]
 
 
+@pytest.mark.parity
 @pytest.mark.parametrize("case", CASES)
 def test_sampling_candidates_match_official(
     model: CosyVoice2LM, fx: dict, meta: dict, case: str
@@ -226,6 +230,7 @@ def test_cancel_is_checked_per_token(model: CosyVoice2LM, fx: dict) -> None:
         next(model.generate(*_inputs(fx, "zero_shot"), cancel=cancel))
 
 
+@pytest.mark.parity
 def test_batched_decode_matches_single(model: CosyVoice2LM, fx: dict) -> None:
     """Two copies of a sequence in one batch run the batched path and give the same logits."""
     lm_input = model.build_input(*_inputs(fx, "instruct2"))
@@ -241,6 +246,7 @@ def test_batched_decode_matches_single(model: CosyVoice2LM, fx: dict) -> None:
         )
 
 
+@pytest.mark.parity
 def test_prefill_in_pieces_equals_one_prefill(model: CosyVoice2LM, fx: dict) -> None:
     """Positions continue from the cache: the layout appended in two parts gives the same."""
     lm_input = model.build_input(*_inputs(fx, "zero_shot"))

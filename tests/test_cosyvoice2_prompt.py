@@ -105,6 +105,7 @@ def _max_abs(a: torch.Tensor, b: torch.Tensor) -> float:
 # --- features against the official extractors ------------------------------------------------
 
 
+@pytest.mark.parity
 @pytest.mark.parametrize("name", sorted(SIGNALS))
 def test_24k_prompt_mel_equals_the_official_extractor(cases, name: str) -> None:
     recording = load_prompt(SIGNALS[name])
@@ -116,6 +117,7 @@ def test_24k_prompt_mel_equals_the_official_extractor(cases, name: str) -> None:
     assert mel.shape[1] == (samples - 480) // 480 + 1 == int(cases[f"{name}/speech_feat_len"])
 
 
+@pytest.mark.parity
 @pytest.mark.parametrize("name", ["prompt22k", "prompt48k_stereo"])
 def test_whisper_log_mel_of_other_rates_equals_the_official_one(cases, name: str) -> None:
     # 22.05 and 48 kHz (stereo) files: mono mix, then the reference resampler to 16 kHz.
@@ -123,6 +125,7 @@ def test_whisper_log_mel_of_other_rates_equals_the_official_one(cases, name: str
     assert _max_abs(log_mel, cases[f"{name}/whisper_log_mel"]) <= 1e-4
 
 
+@pytest.mark.parity
 @pytest.mark.parametrize("name", sorted(SIGNALS))
 def test_tokens_and_embedding_equal_the_official_frontend(models, cases, name: str) -> None:
     wave_16k = load_prompt(SIGNALS[name]).at(16000)
@@ -153,6 +156,7 @@ def _ours(models: PromptModels, frontend, name: str, mode: str) -> dict[str, tor
         ("prompt48k_stereo", ZERO_SHOT),
     ],
 )
+@pytest.mark.parity
 def test_model_input_reproduces_the_official_v2_frontend(
     models, frontend, cases, name: str, mode: str
 ) -> None:

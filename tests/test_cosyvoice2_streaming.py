@@ -163,6 +163,7 @@ def _official_chunks(run: str) -> list[torch.Tensor]:
     return [CASES[f"{run}/chunk{i}/speech_out"] for i in range(count)]
 
 
+@pytest.mark.parity
 @pytest.mark.parametrize("scenario", ["prompt17", "noprompt180"])
 def test_stream_equals_the_official_stream(
     flow: CausalFlow, hift: HiFTGenerator, scenario: str
@@ -194,6 +195,7 @@ def test_incremental_last_chunk_changes_only_the_last_chunk(
         torch.testing.assert_close(got[0], want, atol=AUDIO_ATOL, rtol=0, msg=f"chunk {i}")
 
 
+@pytest.mark.parity
 def test_whole_utterance_equals_the_official_non_streaming_call(
     flow: CausalFlow, hift: HiFTGenerator
 ) -> None:

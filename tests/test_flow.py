@@ -96,6 +96,7 @@ def test_state_dict_keys_match_checkpoint(flow: FlowModel) -> None:
         assert torch.equal(saved[key], value), key
 
 
+@pytest.mark.parity
 def test_meta_build_and_assign_load(flow: FlowModel, fx: dict[str, torch.Tensor]) -> None:
     """The loader builds on ``meta`` and assigns mmap'd tensors: nothing may stay on meta."""
     args = load_model_args(DATA / "tiny_model" / "cosyvoice.yaml").flow
@@ -117,6 +118,7 @@ def test_meta_build_and_assign_load(flow: FlowModel, fx: dict[str, torch.Tensor]
     _close(out, g["out"], MEL_TOL, "estimator after assign-load")
 
 
+@pytest.mark.parity
 def test_estimator_direct(any_flow: FlowModel, fx: dict[str, torch.Tensor]) -> None:
     """Batch 2, odd T=37 (down/up rounding), row 1 padded from frame 29, different t per row."""
     g = {k.split("/", 1)[1]: v for k, v in fx.items() if k.startswith("estimator_direct/")}
@@ -126,6 +128,7 @@ def test_estimator_direct(any_flow: FlowModel, fx: dict[str, torch.Tensor]) -> N
     assert torch.all(out[1, :, 29:] == 0)
 
 
+@pytest.mark.parity
 @pytest.mark.parametrize("case", CASES)
 def test_conditioning(flow: FlowModel, fx: dict[str, torch.Tensor], case: str) -> None:
     def g(name: str) -> torch.Tensor:
@@ -142,6 +145,7 @@ def test_conditioning(flow: FlowModel, fx: dict[str, torch.Tensor], case: str) -
     assert c.mel_len1 + c.mel_len2 == g("mask").shape[2]
 
 
+@pytest.mark.parity
 @pytest.mark.parametrize("case", CASES)
 def test_inference(any_flow: FlowModel, fx: dict[str, torch.Tensor], case: str) -> None:
     def g(name: str) -> torch.Tensor:
@@ -185,6 +189,7 @@ def _flow_prompt(kwargs: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor
     return embedding, tokens, feat
 
 
+@pytest.mark.parity
 @pytest.mark.parametrize(
     "run", ["vc250/stream", "vc221_prompt/stream", "e2e_sft_llm/stream", "vc221_prompt/nonstream"]
 )

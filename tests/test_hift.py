@@ -129,6 +129,7 @@ def test_malformed_mixed_layouts_and_shapes(legacy_sd: dict[str, Tensor]) -> Non
 # --- parity ---------------------------------------------------------------------------------
 
 
+@pytest.mark.parity
 @pytest.mark.parametrize("case", CASES)
 def test_f0(model: HiFTGenerator, fixtures: dict[str, Tensor], case: str) -> None:
     with torch.inference_mode():
@@ -136,6 +137,7 @@ def test_f0(model: HiFTGenerator, fixtures: dict[str, Tensor], case: str) -> Non
     close(f0, fixtures[f"{case}/f0"], atol=0.0, rtol=F0_RTOL)
 
 
+@pytest.mark.parity
 @pytest.mark.parametrize("case", CASES)
 def test_source(model: HiFTGenerator, fixtures: dict[str, Tensor], case: str) -> None:
     with torch.inference_mode():
@@ -145,6 +147,7 @@ def test_source(model: HiFTGenerator, fixtures: dict[str, Tensor], case: str) ->
         assert torch.equal(uv.transpose(1, 2), fixtures["mel100/uv"])
 
 
+@pytest.mark.parity
 def test_stft_and_conv_post(model: HiFTGenerator, fixtures: dict[str, Tensor]) -> None:
     source = fixtures["mel100/source"]
     with torch.inference_mode():
@@ -155,6 +158,7 @@ def test_stft_and_conv_post(model: HiFTGenerator, fixtures: dict[str, Tensor]) -
     close(spec, fixtures["mel100/conv_post_out"])
 
 
+@pytest.mark.parity
 @pytest.mark.parametrize("case", CASES)
 def test_inference_end_to_end(model: HiFTGenerator, fixtures: dict[str, Tensor], case: str) -> None:
     mel = fixtures[f"{case}/in_mel"]
@@ -167,6 +171,7 @@ def test_inference_end_to_end(model: HiFTGenerator, fixtures: dict[str, Tensor],
         assert torch.equal(source[..., : cache.shape[-1]], cache)  # overwritten, not blended
 
 
+@pytest.mark.parity
 @pytest.mark.parametrize("tile_frames", [100, 777, 4096])
 def test_time_tiles_match_official_output(
     legacy_sd: dict[str, Tensor], fixtures: dict[str, Tensor], tile_frames: int
@@ -240,6 +245,7 @@ def test_time_tiles_with_other_upsample_rates(
                 torch.testing.assert_close(model.decode_spec(mel, source), whole, atol=1e-5, rtol=0)
 
 
+@pytest.mark.parity
 def test_cumsum_semantics(fixtures: dict[str, Tensor]) -> None:
     """Guard: torch's CPU float32 cumsum = float64 accumulation rounded per output (README §9.4).
 

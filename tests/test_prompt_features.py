@@ -133,6 +133,7 @@ def test_unusable_files_are_clear_voice_errors(tmp_path: Path) -> None:
 # --- resampling -----------------------------------------------------------------------------
 
 
+@pytest.mark.parity
 @pytest.mark.parametrize("rate", [22050, 24000])
 def test_resampler_kernel_and_output_match_the_reference(wave_fx, rate: int) -> None:
     kernel = sinc_kernel(16000, rate)[0]
@@ -155,6 +156,7 @@ def test_resampler_lengths_and_identity() -> None:
 # --- feature extractors ---------------------------------------------------------------------
 
 
+@pytest.mark.parity
 def test_filterbanks_are_bit_exact_and_the_window_within_an_ulp(feat_fx) -> None:
     assert torch.equal(
         slaney_mel_filters(22050, 1024, 80, 0.0, 8000.0), feat_fx["mel22050/mel_basis"]
@@ -167,6 +169,7 @@ def test_filterbanks_are_bit_exact_and_the_window_within_an_ulp(feat_fx) -> None
     torch.testing.assert_close(povey_window(), feat_fx["fbank/povey_window"], atol=0, rtol=3e-7)
 
 
+@pytest.mark.parity
 def test_prompt_mel_matches_the_v1_release_extractor(wave_fx, feat_fx) -> None:
     mel = prompt_mel(wave_fx["wav22050"])
     assert mel.shape == (1, 215, 80)
@@ -175,11 +178,13 @@ def test_prompt_mel_matches_the_v1_release_extractor(wave_fx, feat_fx) -> None:
     assert _max_abs(prompt_mel(wave_fx["wav24000"]), feat_fx["mel24000_head/speech_feat"]) <= 1e-4
 
 
+@pytest.mark.parity
 def test_prompt_mel_from_16k_goes_through_the_resampler(wave_fx, feat_fx) -> None:
     mel = prompt_mel(resample(wave_fx["wav16k"], 16000, 22050))
     assert _max_abs(mel, feat_fx["mel22050/speech_feat"]) <= 1e-4
 
 
+@pytest.mark.parity
 def test_kaldi_fbank_and_campplus_feed(wave_fx, feat_fx) -> None:
     fbank = kaldi_fbank(wave_fx["wav16k"])
     assert fbank.shape == (248, 80)
@@ -189,6 +194,7 @@ def test_kaldi_fbank_and_campplus_feed(wave_fx, feat_fx) -> None:
     assert _max_abs(feed[0], feat_fx["fbank/feat_cms"]) <= 5e-4
 
 
+@pytest.mark.parity
 def test_whisper_log_mel(wave_fx, feat_fx) -> None:
     mel = whisper_log_mel(wave_fx["wav16k"])
     assert mel.shape == (1, 128, 250)

@@ -50,12 +50,14 @@ def feat_fx() -> dict[str, torch.Tensor]:
     return torch.load(DATA / "features.pt", weights_only=True)
 
 
+@pytest.mark.parity
 def test_campplus_embedding_equals_the_fixture(models, feat_fx, frontend_fx) -> None:
     emb = models.embedding(feat_fx["fbank/feat_cms"].unsqueeze(0))
     assert emb.dtype == torch.float32 and emb.shape == (1, 192)
     assert torch.allclose(emb, frontend_fx["onnx/campplus/output0"], atol=1e-6, rtol=0)
 
 
+@pytest.mark.parity
 def test_speech_tokens_equal_the_fixture_and_are_int32(models, feat_fx, frontend_fx) -> None:
     tokens = models.speech_tokens(feat_fx["whisper/log_mel"])
     assert tokens.dtype == torch.int32 and tokens.shape == (1, 125)  # (250 - 1)//2 + 1
@@ -81,6 +83,7 @@ def _full_model_input(models: PromptModels, kind: str) -> dict[str, torch.Tensor
     return model_input_cross_lingual(text_ids, prompt)
 
 
+@pytest.mark.parity
 @pytest.mark.parametrize("kind", ["zero_shot", "cross_lingual"])
 def test_model_input_reproduces_the_v1_release_frontend(models, frontend_fx, kind: str) -> None:
     ours = _full_model_input(models, kind)

@@ -34,6 +34,7 @@ def meta() -> dict:
     return json.loads((DATA / "llm_fixtures.json").read_text())["sampling"]
 
 
+@pytest.mark.parity
 @pytest.mark.parametrize("name", SETS)
 def test_nucleus_candidates(fx, name):
     probs, idx = nucleus_candidates(fx[f"sampling/{name}/weighted_scores"], ARGS.top_p, ARGS.top_k)
@@ -43,6 +44,7 @@ def test_nucleus_candidates(fx, name):
     torch.testing.assert_close(probs, fx[f"sampling/{name}/nucleus_probs"], atol=1e-6, rtol=0)
 
 
+@pytest.mark.parity
 @pytest.mark.parametrize("name", SETS)
 def test_greedy_mock_ras(fx, meta, name):
     scores = fx[f"sampling/{name}/weighted_scores"]

@@ -73,6 +73,7 @@ def _case(scenario: str) -> tuple[list[int], FlowPrompt]:
     return tokens, prompt
 
 
+@pytest.mark.parity
 @pytest.mark.parametrize("scenario", ["vc250", "vc221_prompt", "e2e_sft_llm"])
 def test_official_stream_chunks(models, scenario: str) -> None:
     tokens, prompt = _case(scenario)
@@ -93,6 +94,7 @@ def test_official_stream_chunks(models, scenario: str) -> None:
         torch.testing.assert_close(chunk, expected, atol=AUDIO_ATOL, rtol=0)
 
 
+@pytest.mark.parity
 @pytest.mark.parametrize("scenario", ["vc250", "vc221_prompt", "e2e_sft_llm"])
 def test_official_nonstream(models, scenario: str) -> None:
     tokens, prompt = _case(scenario)

@@ -96,6 +96,7 @@ def test_state_dict_keys_match_official(args, llm_sd):
     assert set(enc.state_dict()) == set(_sub(llm_sd, "llm."))
 
 
+@pytest.mark.parity
 @pytest.mark.parametrize("case", CASES)
 def test_text_encoder_causal(args, llm_sd, llm_fx, case):
     enc = RelPosEncoder(args.llm.text_encoder).eval()
@@ -124,6 +125,7 @@ def test_causal_pass_uses_the_cached_rows_and_agrees_with_all_positions(args, ll
     assert attention._pos_cache is not None and len(attention._pos_cache[1]) == 1  # one block
 
 
+@pytest.mark.parity
 @pytest.mark.parametrize("case", ["tok40_noprompt", "tok60_prompt15"])
 def test_flow_encoder_bidirectional(args, case):
     sd = torch.load(DATA / "tiny_model" / "flow.pt", weights_only=True)
@@ -149,6 +151,7 @@ def test_padding_lengths_match_unpadded(args, llm_sd):
         torch.testing.assert_close(both[1, :6], alone[0], atol=1e-5, rtol=0)
 
 
+@pytest.mark.parity
 @pytest.mark.parametrize("case", CASES)
 def test_cached_decode_matches_fixture_and_full(lm_encoder, llm_fx, case):
     lm_input = llm_fx[f"{case}/lm_input"].unsqueeze(0)
