@@ -206,8 +206,9 @@ def test_prompt_mel_must_be_two_frames_a_token(flow: CausalFlow) -> None:
 
 # --- parity with the official reference cases (tests/data/cosyvoice2/flow_cases.*) ----------
 
-ENC_TOL = {"atol": 1e-5, "rtol": 0.0}
-MEL_TOL = {"atol": 1e-4, "rtol": 1e-4}
+# Four times the official code's own spread (tests/data/cosyvoice2/README.md, tolerance table).
+ENC_TOL = {"atol": 1.6e-5, "rtol": 0.0}  # encoder stages and mu: 3.8e-6
+MEL_TOL = {"atol": 2.1e-5, "rtol": 0.0}  # estimator steps and mels: 5.2e-6
 # (case, tokens passed to the official call, streaming, finalize)
 ONE_SHOT_CASES = {
     "nonstream_prompt": (90, False, True),
@@ -245,7 +246,9 @@ def _close(actual: torch.Tensor, expected: torch.Tensor, tol: dict, what: str) -
 def test_fixed_noise_equals_the_official_prefix(
     flow: CausalFlow, cases: dict[str, torch.Tensor]
 ) -> None:
-    assert torch.equal(flow.decoder.noise(0, 220)[0], cases["fixed_noise_prefix"])
+    # torch.randn's vectorised and scalar kernels round apart: 2.3e-6 with ATen's default ones
+    got = flow.decoder.noise(0, 220)[0]
+    torch.testing.assert_close(got, cases["fixed_noise_prefix"], atol=9.2e-6, rtol=0)
 
 
 @pytest.mark.parity

@@ -26,8 +26,10 @@ from engine.types import ModelLoadError, SynthesisCancelled
 DATA = Path(__file__).parent / "data" / "cosyvoice2"
 TINY = DATA / "tiny"
 CASES = ("zero_shot", "instruct2", "cross_lingual")
-ATOL_LOGITS = 1e-4  # logits reach |22|; the official cached vs uncached forward differ by 1e-5
-ATOL_HIDDEN = 1e-5
+# Four times the official code's own spread (tests/data/cosyvoice2/README.md, tolerance table).
+ATOL_LOGITS = 4.6e-5  # logits (|22| at most) and log-probs: 1.1e-5
+ATOL_HIDDEN = 7.2e-6  # hidden states and the cache: 1.8e-6
+NUCLEUS_PROBS_ATOL = 3.1e-6  # softmax of stored logits: 7.7e-7
 # KL(fp32 || int8) of the next-token distribution over the teacher-forced steps. The tiny model
 # measures mean 8e-3 / max 5.6e-2 nats: its 32-wide layers quantise coarsely and its rescaled
 # decoder makes sharp distributions (the MLPs account for most of it, the decoder for 1e-3).
@@ -172,7 +174,8 @@ def test_sampling_candidates_match_official(
         probs, indices = nucleus_candidates(logp[step], 0.8, 25)
         n = meta[case]["nucleus_sizes"][step]
         assert indices.tolist() == fx[f"{case}/nucleus_indices"][step, :n].tolist()
-        torch.testing.assert_close(probs, fx[f"{case}/nucleus_probs"][step, :n], atol=0, rtol=0)
+        want = fx[f"{case}/nucleus_probs"][step, :n]
+        torch.testing.assert_close(probs, want, atol=NUCLEUS_PROBS_ATOL, rtol=0)
         pick = ras_sampling(logp[step], forced[:step], model.args.sampling, draw=argmax_draw)
         assert pick == fx[f"{case}/ras_argmax_mock_pick"][step]
         # the fallback redraws with the nucleus pick at -inf, so it picks another token

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from parity import waveform_atol
 
 from engine.cosyvoice2.flow import CausalFlow, load_flow
 from engine.cosyvoice2.flow_args import load_flow_args, load_hift_args
@@ -121,7 +122,7 @@ def test_tokens_that_end_early_give_one_final_chunk(flow: CausalFlow, hift: HiFT
 
 # --- the official orchestration (tests/data/cosyvoice2/stream_cases.*) ------------------------
 
-AUDIO_ATOL = 1e-4  # as v1's orchestration tolerance
+SAMPLE_RATE = 24000
 # The kernel-path re-run (tests/test_kernel_paths.py) takes one scenario of the slow parity
 # tests: every kernel runs in it; the others only add length.
 SCENARIOS = [pytest.param("prompt17", marks=pytest.mark.parity), "noprompt180"]
@@ -178,7 +179,8 @@ def test_stream_equals_the_official_stream(
     expected = _official_chunks(run)
     assert [c.shape[1] for c in chunks] == [e.shape[0] for e in expected]
     for i, (got, want) in enumerate(zip(chunks, expected, strict=True)):
-        torch.testing.assert_close(got[0], want, atol=AUDIO_ATOL, rtol=0, msg=f"chunk {i}")
+        atol = waveform_atol(want.shape[0], SAMPLE_RATE)
+        torch.testing.assert_close(got[0], want, atol=atol, rtol=0, msg=f"chunk {i}")
 
 
 @pytest.mark.parametrize("scenario", SCENARIOS)
@@ -194,7 +196,8 @@ def test_incremental_last_chunk_changes_only_the_last_chunk(
     expected = _official_chunks(run)
     assert [c.shape[1] for c in chunks] == [e.shape[0] for e in expected]
     for i, (got, want) in enumerate(zip(chunks[:-1], expected[:-1], strict=True)):
-        torch.testing.assert_close(got[0], want, atol=AUDIO_ATOL, rtol=0, msg=f"chunk {i}")
+        atol = waveform_atol(want.shape[0], SAMPLE_RATE)
+        torch.testing.assert_close(got[0], want, atol=atol, rtol=0, msg=f"chunk {i}")
 
 
 @pytest.mark.parity
@@ -203,9 +206,9 @@ def test_whole_utterance_equals_the_official_non_streaming_call(
 ) -> None:
     tokens, prompt = _scenario("prompt17")
     audio = whole_audio(flow, hift, prompt, tokens, ReplayNoise("prompt17/nonstream"))
-    torch.testing.assert_close(
-        audio[0], CASES["prompt17/nonstream/chunk0/speech_out"], atol=AUDIO_ATOL, rtol=0
-    )
+    want = CASES["prompt17/nonstream/chunk0/speech_out"]
+    atol = waveform_atol(want.shape[0], SAMPLE_RATE)
+    torch.testing.assert_close(audio[0], want, atol=atol, rtol=0)
 
 
 def test_a_chunk_aligned_prompt_gives_audio_after_25_tokens_and_the_look_ahead(

@@ -1,8 +1,8 @@
 """Parity of the flow model (MaskedDiffWithXvec) with the official fixtures (tests/data).
 
 Noise is injected exactly as the fixtures were made (README §0.1): the official ``randn_like``
-draw for z is ``expand(codes, shape, 1/32)``. Tolerances follow README §0: encoder-side tensors
-atol 1e-5, the mel after 10 Euler steps atol/rtol 1e-4.
+draw for z is ``expand(codes, shape, 1/32)``. Tolerances: four times the official code's own
+spread (tests/data/README.md, tolerance table).
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from engine.onednn_layers import (
 
 DATA = Path(__file__).parent / "data"
 CASES = ("tok40_noprompt", "tok60_noprompt", "tok60_prompt15")
-ENC_TOL = {"atol": 1e-5, "rtol": 0.0}
-MEL_TOL = {"atol": 1e-4, "rtol": 1e-4}
+ENC_TOL = {"atol": 1.6e-5, "rtol": 0.0}  # encoder side and the cache: official spread 3.8e-6
+MEL_TOL = {"atol": 2.8e-5, "rtol": 0.0}  # estimator steps and mels: official spread 6.9e-6
 FLOW_Z_CALLER = "flow_matching.py"
 
 

@@ -13,8 +13,9 @@ from engine.llm import TransformerLM
 
 DATA = Path(__file__).parent / "data"
 CASES = ("sft", "zero_shot", "instruct")
-ATOL_LOGITS = 1e-4
-ATOL_ENC = 1e-5
+# Four times the official code's own spread (tests/data/README.md, tolerance table).
+ATOL_LOGITS = 7.6e-6  # logits and log-probs: 1.9e-6
+ATOL_ENC = 4.8e-6  # encoder outputs, hidden states, the cache: 1.2e-6
 
 
 @pytest.fixture(scope="module")
