@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import re
 import shutil
 import signal
@@ -473,6 +474,24 @@ def single_torch_thread() -> Iterator[None]:
     """Tiny tensors: a second thread only contends (100x slower on a loaded 2-core box)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+PARITY_THREADS_ENV = "COSYVOICE_TEST_THREADS"
+
+
+@pytest.fixture(autouse=True)
+def _parity_thread_count(request: pytest.FixtureRequest) -> Iterator[None]:
+    """A parity test runs at the torch thread count the environment names, if it names one,
+    whatever its module set up: tests/test_kernel_paths.py re-runs the parity tests at other
+    counts, since a reduction split over more threads adds in another order."""
+    wanted = os.environ.get(PARITY_THREADS_ENV)
+    if not wanted or request.node.get_closest_marker("parity") is None:
+        yield
+        return
+    threads = torch.get_num_threads()
+    torch.set_num_threads(int(wanted))
     yield
     torch.set_num_threads(threads)
 

@@ -136,6 +136,7 @@ def test_missing_unexpected_and_misshapen_keys_are_named(
 # --- invariants of the causal design ---------------------------------------------------------
 
 
+@pytest.mark.parity
 def test_fixed_noise_is_the_seed_zero_draw(flow: CausalFlow) -> None:
     torch.manual_seed(0)
     expected = torch.randn(1, 80, NOISE_FRAMES)
@@ -205,8 +206,9 @@ def test_prompt_mel_must_be_two_frames_a_token(flow: CausalFlow) -> None:
 
 # --- parity with the official reference cases (tests/data/cosyvoice2/flow_cases.*) ----------
 
-ENC_TOL = {"atol": 1e-5, "rtol": 0.0}
-MEL_TOL = {"atol": 1e-4, "rtol": 1e-4}
+# Four times the official code's own spread (tests/data/cosyvoice2/README.md, tolerance table).
+ENC_TOL = {"atol": 1.6e-5, "rtol": 0.0}  # encoder stages and mu: 3.8e-6
+MEL_TOL = {"atol": 2.1e-5, "rtol": 0.0}  # estimator steps and mels: 5.2e-6
 # (case, tokens passed to the official call, streaming, finalize)
 ONE_SHOT_CASES = {
     "nonstream_prompt": (90, False, True),
@@ -240,12 +242,16 @@ def _close(actual: torch.Tensor, expected: torch.Tensor, tol: dict, what: str) -
     torch.testing.assert_close(actual, expected, **tol, msg=lambda m: f"{what}: {m}")
 
 
+@pytest.mark.parity
 def test_fixed_noise_equals_the_official_prefix(
     flow: CausalFlow, cases: dict[str, torch.Tensor]
 ) -> None:
-    assert torch.equal(flow.decoder.noise(0, 220)[0], cases["fixed_noise_prefix"])
+    # torch.randn's vectorised and scalar kernels round apart: 2.3e-6 with ATen's default ones
+    got = flow.decoder.noise(0, 220)[0]
+    torch.testing.assert_close(got, cases["fixed_noise_prefix"], atol=9.2e-6, rtol=0)
 
 
+@pytest.mark.parity
 @pytest.mark.parametrize("case", sorted(ONE_SHOT_CASES))
 def test_encoder_stages_match(flow: CausalFlow, cases: dict[str, torch.Tensor], case: str) -> None:
     n_tokens, streaming, finalize = ONE_SHOT_CASES[case]
@@ -289,6 +295,7 @@ def test_encoder_stages_match(flow: CausalFlow, cases: dict[str, torch.Tensor], 
     _close(spks[0], cases[f"{case}/spk_proj"], ENC_TOL, "spk_proj")
 
 
+@pytest.mark.parity
 @pytest.mark.parametrize("case", sorted(ONE_SHOT_CASES))
 def test_one_call_mel_matches(flow: CausalFlow, cases: dict[str, torch.Tensor], case: str) -> None:
     n_tokens, streaming, finalize = ONE_SHOT_CASES[case]
@@ -304,6 +311,7 @@ def test_one_call_mel_matches(flow: CausalFlow, cases: dict[str, torch.Tensor], 
     _close(mel[0], cases[f"{case}/out_mel"], MEL_TOL, f"{case}/out_mel")
 
 
+@pytest.mark.parity
 def test_no_prompt_steps_match(flow: CausalFlow, cases: dict[str, torch.Tensor]) -> None:
     """Every Euler step: the x the estimator gets, its time, both guidance rows."""
     c = "nonstream_noprompt_short"
@@ -327,6 +335,7 @@ def test_no_prompt_steps_match(flow: CausalFlow, cases: dict[str, torch.Tensor])
     _close(mel[0], cases[f"{c}/out_mel"], MEL_TOL, "out_mel")
 
 
+@pytest.mark.parity
 @pytest.mark.parametrize("streaming", [False, True])
 def test_estimator_direct(
     flow: CausalFlow, cases: dict[str, torch.Tensor], streaming: bool
@@ -342,6 +351,7 @@ def test_estimator_direct(
     assert torch.all(out[1, :, 55:] == 0)
 
 
+@pytest.mark.parity
 def test_incremental_stream_matches_the_official_chunks(
     flow: CausalFlow, cases: dict[str, torch.Tensor], schedule: list[dict]
 ) -> None:

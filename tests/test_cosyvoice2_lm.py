@@ -26,8 +26,10 @@ from engine.types import ModelLoadError, SynthesisCancelled
 DATA = Path(__file__).parent / "data" / "cosyvoice2"
 TINY = DATA / "tiny"
 CASES = ("zero_shot", "instruct2", "cross_lingual")
-ATOL_LOGITS = 1e-4  # logits reach |22|; the official cached vs uncached forward differ by 1e-5
-ATOL_HIDDEN = 1e-5
+# Four times the official code's own spread (tests/data/cosyvoice2/README.md, tolerance table).
+ATOL_LOGITS = 4.6e-5  # logits (|22| at most) and log-probs: 1.1e-5
+ATOL_HIDDEN = 7.2e-6  # hidden states and the cache: 1.8e-6
+NUCLEUS_PROBS_ATOL = 3.1e-6  # softmax of stored logits: 7.7e-7
 # KL(fp32 || int8) of the next-token distribution over the teacher-forced steps. The tiny model
 # measures mean 8e-3 / max 5.6e-2 nats: its 32-wide layers quantise coarsely and its rescaled
 # decoder makes sharp distributions (the MLPs account for most of it, the decoder for 1e-3).
@@ -103,6 +105,7 @@ def test_special_rows_and_stop_tokens(model: CosyVoice2LM, meta: dict) -> None:
     assert sorted(model.stop_tokens) == ids["stop_tokens"]
 
 
+@pytest.mark.parity
 @pytest.mark.parametrize("case", CASES)
 def test_input_layout(model: CosyVoice2LM, fx: dict, meta: dict, case: str) -> None:
     with torch.inference_mode():
@@ -113,6 +116,7 @@ def test_input_layout(model: CosyVoice2LM, fx: dict, meta: dict, case: str) -> N
     torch.testing.assert_close(step_inputs, fx[f"{case}/step_inputs"], atol=0, rtol=0)
 
 
+@pytest.mark.parity
 @pytest.mark.parametrize("case", CASES)
 def test_teacher_forced_steps(model: CosyVoice2LM, fx: dict, case: str) -> None:
     """Hidden state, logits and rotary positions of every step; the K/V cache at the end."""
@@ -127,6 +131,7 @@ def test_teacher_forced_steps(model: CosyVoice2LM, fx: dict, case: str) -> None:
     torch.testing.assert_close(kv[:, 1], fx[f"{case}/final_v"], atol=ATOL_HIDDEN, rtol=0)
 
 
+@pytest.mark.parity
 @pytest.mark.parametrize("case", CASES)
 def test_generate_teacher_forced(model: CosyVoice2LM, fx: dict, meta: dict, case: str) -> None:
     """generate(): EOS masking per step, the log-probs the sampler gets, stop at EOS."""
@@ -155,6 +160,7 @@ def test_generate_teacher_forced(model: CosyVoice2LM, fx: dict, meta: dict, case
     assert histories[-1] == forced[:-1]
 
 
+@pytest.mark.parity
 @pytest.mark.parametrize("case", CASES)
 def test_sampling_candidates_match_official(
     model: CosyVoice2LM, fx: dict, meta: dict, case: str
@@ -168,7 +174,8 @@ def test_sampling_candidates_match_official(
         probs, indices = nucleus_candidates(logp[step], 0.8, 25)
         n = meta[case]["nucleus_sizes"][step]
         assert indices.tolist() == fx[f"{case}/nucleus_indices"][step, :n].tolist()
-        torch.testing.assert_close(probs, fx[f"{case}/nucleus_probs"][step, :n], atol=0, rtol=0)
+        want = fx[f"{case}/nucleus_probs"][step, :n]
+        torch.testing.assert_close(probs, want, atol=NUCLEUS_PROBS_ATOL, rtol=0)
         pick = ras_sampling(logp[step], forced[:step], model.args.sampling, draw=argmax_draw)
         assert pick == fx[f"{case}/ras_argmax_mock_pick"][step]
         # the fallback redraws with the nucleus pick at -inf, so it picks another token
@@ -226,6 +233,7 @@ def test_cancel_is_checked_per_token(model: CosyVoice2LM, fx: dict) -> None:
         next(model.generate(*_inputs(fx, "zero_shot"), cancel=cancel))
 
 
+@pytest.mark.parity
 def test_batched_decode_matches_single(model: CosyVoice2LM, fx: dict) -> None:
     """Two copies of a sequence in one batch run the batched path and give the same logits."""
     lm_input = model.build_input(*_inputs(fx, "instruct2"))
@@ -241,6 +249,7 @@ def test_batched_decode_matches_single(model: CosyVoice2LM, fx: dict) -> None:
         )
 
 
+@pytest.mark.parity
 def test_prefill_in_pieces_equals_one_prefill(model: CosyVoice2LM, fx: dict) -> None:
     """Positions continue from the cache: the layout appended in two parts gives the same."""
     lm_input = model.build_input(*_inputs(fx, "zero_shot"))

@@ -16,6 +16,7 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 import torch
+from parity import EMBEDDING_ATOL, PROMPT_MEL_ATOL, WHISPER_LOG_MEL_ATOL
 
 from engine.constants import HOP, tokens_to_frames
 from engine.cosyvoice2.builtin_voices import (
@@ -104,24 +105,27 @@ def _max_abs(a: torch.Tensor, b: torch.Tensor) -> float:
 # --- features against the official extractors ------------------------------------------------
 
 
+@pytest.mark.parity
 @pytest.mark.parametrize("name", sorted(SIGNALS))
 def test_24k_prompt_mel_equals_the_official_extractor(cases, name: str) -> None:
     recording = load_prompt(SIGNALS[name])
     mel = prompt_mel(recording.at(24000), V2_PROMPT_MEL)
     want = cases[f"{name}/speech_feat"]
-    assert _max_abs(mel, want) <= 1e-4
+    assert _max_abs(mel, want) <= PROMPT_MEL_ATOL
     # 50 frames a second: T = (N - 480) // 480 + 1 for N samples at 24 kHz.
     samples = recording.at(24000).shape[1]
     assert mel.shape[1] == (samples - 480) // 480 + 1 == int(cases[f"{name}/speech_feat_len"])
 
 
+@pytest.mark.parity
 @pytest.mark.parametrize("name", ["prompt22k", "prompt48k_stereo"])
 def test_whisper_log_mel_of_other_rates_equals_the_official_one(cases, name: str) -> None:
     # 22.05 and 48 kHz (stereo) files: mono mix, then the reference resampler to 16 kHz.
     log_mel = whisper_log_mel(load_prompt(SIGNALS[name]).at(16000))
-    assert _max_abs(log_mel, cases[f"{name}/whisper_log_mel"]) <= 1e-4
+    assert _max_abs(log_mel, cases[f"{name}/whisper_log_mel"]) <= WHISPER_LOG_MEL_ATOL
 
 
+@pytest.mark.parity
 @pytest.mark.parametrize("name", sorted(SIGNALS))
 def test_tokens_and_embedding_equal_the_official_frontend(models, cases, name: str) -> None:
     wave_16k = load_prompt(SIGNALS[name]).at(16000)
@@ -129,7 +133,7 @@ def test_tokens_and_embedding_equal_the_official_frontend(models, cases, name: s
     assert tokens.dtype == torch.int32
     assert torch.equal(tokens, cases[f"{name}/speech_token"])
     embedding = models.embedding(campplus_input(wave_16k))
-    assert torch.allclose(embedding, cases[f"{name}/embedding"], atol=1e-5, rtol=0)
+    assert torch.allclose(embedding, cases[f"{name}/embedding"], atol=EMBEDDING_ATOL, rtol=0)
 
 
 def _ours(models: PromptModels, frontend, name: str, mode: str) -> dict[str, torch.Tensor]:
@@ -152,6 +156,7 @@ def _ours(models: PromptModels, frontend, name: str, mode: str) -> dict[str, tor
         ("prompt48k_stereo", ZERO_SHOT),
     ],
 )
+@pytest.mark.parity
 def test_model_input_reproduces_the_official_v2_frontend(
     models, frontend, cases, name: str, mode: str
 ) -> None:
@@ -166,9 +171,9 @@ def test_model_input_reproduces_the_official_v2_frontend(
         got = ours[key]
         assert got.dtype == want.dtype and got.shape == want.shape, key
         if key == "prompt_speech_feat":
-            assert _max_abs(got, want) <= 1e-4, key
+            assert _max_abs(got, want) <= PROMPT_MEL_ATOL, key
         elif key.endswith("embedding"):
-            assert torch.allclose(got, want, atol=1e-5, rtol=0), key
+            assert torch.allclose(got, want, atol=EMBEDDING_ATOL, rtol=0), key
         else:
             assert torch.equal(got, want), key
     assert int(ours["prompt_speech_feat_len"]) == 2 * n

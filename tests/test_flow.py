@@ -1,8 +1,8 @@
 """Parity of the flow model (MaskedDiffWithXvec) with the official fixtures (tests/data).
 
 Noise is injected exactly as the fixtures were made (README §0.1): the official ``randn_like``
-draw for z is ``expand(codes, shape, 1/32)``. Tolerances follow README §0: encoder-side tensors
-atol 1e-5, the mel after 10 Euler steps atol/rtol 1e-4.
+draw for z is ``expand(codes, shape, 1/32)``. Tolerances: four times the official code's own
+spread (tests/data/README.md, tolerance table).
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ from engine.onednn_layers import (
 
 DATA = Path(__file__).parent / "data"
 CASES = ("tok40_noprompt", "tok60_noprompt", "tok60_prompt15")
-ENC_TOL = {"atol": 1e-5, "rtol": 0.0}
-MEL_TOL = {"atol": 1e-4, "rtol": 1e-4}
+ENC_TOL = {"atol": 1.6e-5, "rtol": 0.0}  # encoder side and the cache: official spread 3.8e-6
+MEL_TOL = {"atol": 2.8e-5, "rtol": 0.0}  # estimator steps and mels: official spread 6.9e-6
 FLOW_Z_CALLER = "flow_matching.py"
 
 
@@ -97,6 +97,7 @@ def test_state_dict_keys_match_checkpoint(flow: FlowModel) -> None:
         assert torch.equal(saved[key], value), key
 
 
+@pytest.mark.parity
 def test_meta_build_and_assign_load(flow: FlowModel, fx: dict[str, torch.Tensor]) -> None:
     """The loader builds on ``meta`` and assigns mmap'd tensors: nothing may stay on meta."""
     args = load_model_args(DATA / "tiny_model" / "cosyvoice.yaml").flow
@@ -118,6 +119,7 @@ def test_meta_build_and_assign_load(flow: FlowModel, fx: dict[str, torch.Tensor]
     _close(out, g["out"], MEL_TOL, "estimator after assign-load")
 
 
+@pytest.mark.parity
 def test_estimator_direct(any_flow: FlowModel, fx: dict[str, torch.Tensor]) -> None:
     """Batch 2, odd T=37 (down/up rounding), row 1 padded from frame 29, different t per row."""
     g = {k.split("/", 1)[1]: v for k, v in fx.items() if k.startswith("estimator_direct/")}
@@ -127,6 +129,7 @@ def test_estimator_direct(any_flow: FlowModel, fx: dict[str, torch.Tensor]) -> N
     assert torch.all(out[1, :, 29:] == 0)
 
 
+@pytest.mark.parity
 @pytest.mark.parametrize("case", CASES)
 def test_conditioning(flow: FlowModel, fx: dict[str, torch.Tensor], case: str) -> None:
     def g(name: str) -> torch.Tensor:
@@ -143,6 +146,7 @@ def test_conditioning(flow: FlowModel, fx: dict[str, torch.Tensor], case: str) -
     assert c.mel_len1 + c.mel_len2 == g("mask").shape[2]
 
 
+@pytest.mark.parity
 @pytest.mark.parametrize("case", CASES)
 def test_inference(any_flow: FlowModel, fx: dict[str, torch.Tensor], case: str) -> None:
     def g(name: str) -> torch.Tensor:
@@ -186,8 +190,15 @@ def _flow_prompt(kwargs: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor
     return embedding, tokens, feat
 
 
+# one run in the kernel-path re-run (tests/test_kernel_paths.py): the others only add length
 @pytest.mark.parametrize(
-    "run", ["vc250/stream", "vc221_prompt/stream", "e2e_sft_llm/stream", "vc221_prompt/nonstream"]
+    "run",
+    [
+        "vc250/stream",
+        pytest.param("vc221_prompt/stream", marks=pytest.mark.parity),
+        "e2e_sft_llm/stream",
+        "vc221_prompt/nonstream",
+    ],
 )
 def test_stream_chunks_with_flow_cache(
     any_flow: FlowModel, stream_fx: tuple[dict, dict], run: str

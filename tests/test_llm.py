@@ -13,8 +13,9 @@ from engine.llm import TransformerLM
 
 DATA = Path(__file__).parent / "data"
 CASES = ("sft", "zero_shot", "instruct")
-ATOL_LOGITS = 1e-4
-ATOL_ENC = 1e-5
+# Four times the official code's own spread (tests/data/README.md, tolerance table).
+ATOL_LOGITS = 7.6e-6  # logits and log-probs: 1.9e-6
+ATOL_ENC = 4.8e-6  # encoder outputs, hidden states, the cache: 1.2e-6
 
 
 @pytest.fixture(scope="module")
@@ -44,6 +45,7 @@ def _inputs(fx: dict[str, torch.Tensor], case: str) -> tuple:
     )
 
 
+@pytest.mark.parity
 @pytest.mark.parametrize("case", CASES)
 def test_input_assembly(model, fx, case):
     text, prompt_text, _, emb = _inputs(fx, case)
@@ -66,6 +68,7 @@ def test_input_assembly(model, fx, case):
     torch.testing.assert_close(lm_input[0], fx[f"{case}/lm_input"], atol=ATOL_ENC, rtol=0)
 
 
+@pytest.mark.parity
 @pytest.mark.parametrize("case", CASES)
 def test_teacher_forced_steps(model, fx, meta, case):
     """Per-step logits / hidden / final cache through prefill + decode_step."""
@@ -91,6 +94,7 @@ def test_teacher_forced_steps(model, fx, meta, case):
     assert [list(s) for s in info["att_cache_out_shapes"]][-1] == list(cache.att_cache().shape)
 
 
+@pytest.mark.parity
 @pytest.mark.parametrize("case", CASES)
 def test_generate_teacher_forced(model, fx, meta, case):
     """generate(): EOS masking, log-probs handed to the sampler, and stop at a forced EOS."""
@@ -152,6 +156,7 @@ def test_generate_is_lazy_and_seeded(model, fx):
     assert not torch.is_inference_mode_enabled()
 
 
+@pytest.mark.parity
 def test_batched_decode_matches_single(model, fx):
     """Two requests of different prompt length in one left-padded batch."""
     with torch.inference_mode():

@@ -34,15 +34,17 @@ def meta() -> dict:
     return json.loads((DATA / "llm_fixtures.json").read_text())["sampling"]
 
 
+@pytest.mark.parity
 @pytest.mark.parametrize("name", SETS)
 def test_nucleus_candidates(fx, name):
     probs, idx = nucleus_candidates(fx[f"sampling/{name}/weighted_scores"], ARGS.top_p, ARGS.top_k)
     assert idx.tolist() == fx[f"sampling/{name}/nucleus_indices"].tolist()
     # Softmax's vectorised exp rounds differently by CPU: within 1e-7 on the AVX2 host that
-    # made the fixtures, 2.7e-7 on an AVX-512 one.
-    torch.testing.assert_close(probs, fx[f"sampling/{name}/nucleus_probs"], atol=1e-6, rtol=0)
+    # made the fixtures, 2.7e-7 on an AVX-512 one; four times that.
+    torch.testing.assert_close(probs, fx[f"sampling/{name}/nucleus_probs"], atol=1.1e-6, rtol=0)
 
 
+@pytest.mark.parity
 @pytest.mark.parametrize("name", SETS)
 def test_greedy_mock_ras(fx, meta, name):
     scores = fx[f"sampling/{name}/weighted_scores"]

@@ -21,6 +21,9 @@ from engine.transformer import (
 
 DATA = Path(__file__).parent / "data"
 CASES = ("sft", "zero_shot", "instruct")
+# Against the official outputs: four times its own spread (tests/data/README.md, tolerance table).
+LM_ATOL = 4.8e-6  # LM text encoder, hidden states, cache: 1.2e-6
+FLOW_ENCODER_ATOL = 1.6e-5  # flow encoder: 3.8e-6
 
 
 def _sub(sd: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
@@ -96,6 +99,7 @@ def test_state_dict_keys_match_official(args, llm_sd):
     assert set(enc.state_dict()) == set(_sub(llm_sd, "llm."))
 
 
+@pytest.mark.parity
 @pytest.mark.parametrize("case", CASES)
 def test_text_encoder_causal(args, llm_sd, llm_fx, case):
     enc = RelPosEncoder(args.llm.text_encoder).eval()
@@ -103,7 +107,7 @@ def test_text_encoder_causal(args, llm_sd, llm_fx, case):
     x = llm_fx[f"{case}/text_embedding_out"].unsqueeze(0)
     with torch.inference_mode():
         out = enc(x, torch.tensor([x.shape[1]]))
-    torch.testing.assert_close(out[0], llm_fx[f"{case}/text_encoder_out"], atol=1e-5, rtol=0)
+    torch.testing.assert_close(out[0], llm_fx[f"{case}/text_encoder_out"], atol=LM_ATOL, rtol=0)
 
 
 def test_causal_pass_uses_the_cached_rows_and_agrees_with_all_positions(args, llm_sd):
@@ -124,6 +128,7 @@ def test_causal_pass_uses_the_cached_rows_and_agrees_with_all_positions(args, ll
     assert attention._pos_cache is not None and len(attention._pos_cache[1]) == 1  # one block
 
 
+@pytest.mark.parity
 @pytest.mark.parametrize("case", ["tok40_noprompt", "tok60_prompt15"])
 def test_flow_encoder_bidirectional(args, case):
     sd = torch.load(DATA / "tiny_model" / "flow.pt", weights_only=True)
@@ -134,7 +139,7 @@ def test_flow_encoder_bidirectional(args, case):
     x = torch.nn.functional.embedding(tokens, sd["input_embedding.weight"])
     with torch.inference_mode():
         out = enc(x, torch.tensor([tokens.shape[1]]))
-    torch.testing.assert_close(out, fx[f"{case}/encoder_out"], atol=1e-5, rtol=0)
+    torch.testing.assert_close(out, fx[f"{case}/encoder_out"], atol=FLOW_ENCODER_ATOL, rtol=0)
 
 
 def test_padding_lengths_match_unpadded(args, llm_sd):
@@ -149,6 +154,7 @@ def test_padding_lengths_match_unpadded(args, llm_sd):
         torch.testing.assert_close(both[1, :6], alone[0], atol=1e-5, rtol=0)
 
 
+@pytest.mark.parity
 @pytest.mark.parametrize("case", CASES)
 def test_cached_decode_matches_fixture_and_full(lm_encoder, llm_fx, case):
     lm_input = llm_fx[f"{case}/lm_input"].unsqueeze(0)
@@ -160,10 +166,10 @@ def test_cached_decode_matches_fixture_and_full(lm_encoder, llm_fx, case):
             hidden.append(lm_encoder.forward_cached(s.view(1, 1, -1), cache)[:, -1])
         hidden_t = torch.cat(hidden)
         full = lm_encoder(torch.cat([lm_input[0], steps]).unsqueeze(0))[0, lm_input.shape[1] - 1 :]
-    torch.testing.assert_close(hidden_t, llm_fx[f"{case}/llm_last_hidden"], atol=1e-5, rtol=0)
+    torch.testing.assert_close(hidden_t, llm_fx[f"{case}/llm_last_hidden"], atol=LM_ATOL, rtol=0)
     torch.testing.assert_close(hidden_t, full, atol=1e-5, rtol=0)
     att = cache.att_cache()
-    torch.testing.assert_close(att, llm_fx[f"{case}/final_att_cache"], atol=1e-5, rtol=0)
+    torch.testing.assert_close(att, llm_fx[f"{case}/final_att_cache"], atol=LM_ATOL, rtol=0)
 
 
 def test_chunked_prefill_and_weight_reload(args):

@@ -1,0 +1,37 @@
+"""Tolerances the v1 and CosyVoice2 parity tests share.
+
+Each is four times the official implementation's own spread on the stored reference inputs (across
+1, 2 and 4 threads, ATen's default and AVX2 kernels, oneDNN and MKL capped at SSE, and the CPUs
+the reference data was made and checked on), rounded up to two digits. The measurements are in
+the tolerance tables of tests/data/README.md and tests/data/cosyvoice2/README.md.
+"""
+
+from __future__ import annotations
+
+# F0 in Hz, relative: 1.7e-5 across x86 kernel paths, 2.1e-5 on emulated aarch64.
+F0_RTOL = 8.4e-5
+# The harmonic source of one HiFT call on a stored mel (|source| <= 1): 5.2e-5 (v1, ATen's
+# default kernels), 4.3e-5 (v2), 4.2e-5 on an AVX-512 Xeon; it grows with the call's length.
+SOURCE_ATOL = 2.1e-4
+# The waveform of one HiFT call on a stored mel of about a second: 1.0e-5.
+HIFT_AUDIO_ATOL = 4.0e-5
+# Whole utterances and stream chunks: the official waveform drifts as small f0 differences
+# accumulate in the harmonic phase, up to 3.8e-5 per second of audio (1 vs 2 threads, 143-212
+# CosyVoice2 tokens); the stored cases reach 3.8e-5 over a 4 s chunk.
+WAVEFORM_ATOL_PER_SECOND = 1.6e-4
+
+
+def waveform_atol(samples: int, sample_rate: int) -> float:
+    """The tolerance of a waveform compared with the official one: it grows with its length."""
+    return max(HIFT_AUDIO_ATOL, WAVEFORM_ATOL_PER_SECOND * samples / sample_rate)
+
+
+# Prompt features. The mels did not move on any path measured here; their bound is the
+# extractors' own float32 error, their distance from the same computation in float64 (prompt mel
+# 1.5e-5, whisper log-mel 2.7e-5, tests/data/zero_shot/README.md §3).
+PROMPT_MEL_ATOL = 6.0e-5
+WHISPER_LOG_MEL_ATOL = 1.1e-4
+# Kaldi fbank (and the CAM++ feed made from it): 1.34e-5 with ATen's default kernels.
+FBANK_ATOL = 5.4e-5
+# The CAM++ stand-in's embedding of a prompt: 4.8e-7 (v1), 6.0e-7 (v2).
+EMBEDDING_ATOL = 2.4e-6
