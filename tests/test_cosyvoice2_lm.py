@@ -27,8 +27,8 @@ DATA = Path(__file__).parent / "data" / "cosyvoice2"
 TINY = DATA / "tiny"
 CASES = ("zero_shot", "instruct2", "cross_lingual")
 # Four times the official code's own spread (tests/data/cosyvoice2/README.md, tolerance table).
-ATOL_LOGITS = 4.6e-5  # logits (|22| at most) and log-probs: 1.1e-5
-ATOL_HIDDEN = 7.2e-6  # hidden states and the cache: 1.8e-6
+ATOL_LOGITS = 5.6e-5  # logits (|22| at most) and log-probs: 1.4e-5
+ATOL_HIDDEN = 1.2e-5  # hidden states and the cache: 2.9e-6
 NUCLEUS_PROBS_ATOL = 3.1e-6  # softmax of stored logits: 7.7e-7
 # KL(fp32 || int8) of the next-token distribution over the teacher-forced steps. The tiny model
 # measures mean 8e-3 / max 5.6e-2 nats: its 32-wide layers quantise coarsely and its rescaled

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import platform
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -25,11 +26,15 @@ ROOT = TESTS.parent
 X86 = platform.machine().lower() in ("x86_64", "amd64")
 
 
+# A test marked as a whole, or one of its parameters marked.
+PARITY_MARK = re.compile(r"^@pytest\.mark\.parity$|marks=pytest\.mark\.parity\b", re.MULTILINE)
+
+
 def _parity_files() -> list[str]:
     return sorted(
         str(path.relative_to(ROOT))
         for path in TESTS.glob("test_*.py")
-        if "@pytest.mark.parity" in path.read_text(encoding="utf-8")
+        if PARITY_MARK.search(path.read_text(encoding="utf-8"))
     )
 
 
@@ -62,6 +67,7 @@ def _run_parity(env_changes: dict[str, str]) -> None:
 def test_the_parity_tests_collect_from_the_files_that_mark_them() -> None:
     files = _parity_files()
     assert "tests/test_cosyvoice2_hift.py" in files and "tests/test_prompt_features.py" in files
+    assert "tests/test_streaming.py" in files  # marks one parameter only
     assert "tests/test_kernel_paths.py" not in files  # the re-run never runs itself
 
 
