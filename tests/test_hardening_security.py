@@ -29,6 +29,9 @@ import pytest
 from conftest import terminate
 from wyoming.event import Event
 
+from wyoming_cosyvoice.loudness import LEVELS_DIR
+from wyoming_cosyvoice.tts_cache_guard import STATE_FILE
+
 ROOT = Path(__file__).resolve().parent.parent
 ZERO_SHOT_WAV = ROOT / "tests" / "data" / "zero_shot" / "prompt16k_pcm16.wav"
 
@@ -200,7 +203,7 @@ def snapshot(root: Path) -> dict[str, tuple[int, int]]:
 
 
 @pytest.mark.skipif(not Path("/proc/self/net/tcp").exists(), reason="needs Linux /proc")
-def test_real_server_binds_only_the_uri_and_writes_only_its_prepared_weights(
+def test_real_server_binds_only_the_uri_and_writes_only_its_prepared_weights_and_state(
     wy: SimpleNamespace, tmp_path: Path
 ) -> None:
     home, tmp, cwd, data = (tmp_path / n for n in ("home", "tmp", "cwd", "data"))
@@ -247,7 +250,13 @@ def test_real_server_binds_only_the_uri_and_writes_only_its_prepared_weights(
     written = [k for k in set(after) - set(before) if Path(k).parent == prepared]
     assert {Path(k).name.split(".")[0] for k in written} == {"flow", "hift", "llm"}, written
     assert all(k.endswith(".safetensors") for k in written), written
-    added = sorted(set(after) - set(before) - {*written, str(prepared)})
+    # And the server's own state beside the models: each voice's learnt loudness
+    # (wyoming_cosyvoice.loudness) and what Home Assistant's TTS cache last heard
+    # (wyoming_cosyvoice.tts_cache_guard).
+    levels = Path("data", LEVELS_DIR)
+    state = {str(Path("data", STATE_FILE)), str(levels), str(levels / "CosyVoice-300M-SFT.json")}
+    assert state <= set(after) - set(before), sorted(set(after) - set(before))
+    added = sorted(set(after) - set(before) - {*written, str(prepared), *state})
     # Directory mtimes count too: a file made and removed again is still a write.
     changed = sorted(
         k
