@@ -58,22 +58,39 @@ def run_script(
     return result.returncode, calls.read_text().splitlines(), result.stderr
 
 
-CI_STUBS = {"script/setup": ("setup", 0), "script/lint": ("lint", 0), ".venv/bin/python": ("py", 0)}
+CI_STUBS = {
+    "script/setup": ("setup", 0),
+    "script/lint": ("lint", 0),
+    "script/image-test": ("image-test", 0),
+    ".venv/bin/python": ("py", 0),
+}
 
 
-def test_ci_runs_setup_then_lint_then_exactly_the_readme_test_command() -> None:
+def test_ci_runs_setup_lint_the_image_test_then_exactly_the_readme_test_command() -> None:
     lines = [
         line
         for line in CI_RUN.read_text().splitlines()
         if line.strip() and not line.startswith("#") and not line.startswith(("set ", "cd "))
     ]
-    assert lines == ["./script/setup --test", "./script/lint", readme_test_command()]
+    assert lines == [
+        "./script/setup --test",
+        "./script/lint",
+        "./script/image-test",
+        readme_test_command(),
+    ]
 
 
 def test_ci_passes_when_lint_and_tests_pass(tmp_path: Path) -> None:
     code, calls, _ = run_script(tmp_path, ".ci/run", CI_STUBS)
     assert code == 0
-    assert calls == ["setup --test", "lint ", "setup --test", "py -m pytest"]
+    assert calls == ["setup --test", "lint ", "image-test ", "setup --test", "py -m pytest"]
+
+
+def test_an_image_test_failure_fails_ci_before_the_tests(tmp_path: Path) -> None:
+    stubs = {**CI_STUBS, "script/image-test": ("image-test", 1)}
+    code, calls, _ = run_script(tmp_path, ".ci/run", stubs)
+    assert code != 0
+    assert "py -m pytest" not in calls
 
 
 def test_a_lint_failure_fails_ci_before_the_tests(tmp_path: Path) -> None:
