@@ -24,6 +24,7 @@ from typing import Any
 import httpx
 import pytest
 from conftest import wait_until
+from http_process import record_voice
 from test_http import BackgroundServer, parse_wav
 
 from engine.types import SynthesisOptions
@@ -32,23 +33,11 @@ DATA = Path(__file__).parent / "data"
 TINY_V1 = DATA / "tiny_model"
 TINY_V2 = DATA / "cosyvoice2" / "tiny"
 ONNX = DATA / "zero_shot" / "onnx"
-PROMPT_16K = DATA / "zero_shot" / "prompt16k_pcm16.wav"
 V2 = "CosyVoice2-0.5B"
 TOKENS = 60  # speech tokens per sentence (25 a second)
 SAMPLES = TOKENS * 2 * 480  # two mel frames a token, 480 samples a frame at 24 kHz
 # How the tiny v1 model says each built-in voice's sentence: 4 s, cheap flow steps.
 QUICK_V1 = SynthesisOptions(force_tokens=200, n_timesteps=2)
-
-
-def record_voice(folder: Path, name: str) -> None:
-    """A 5 s recording and its transcript (the 2.5 s test prompt, twice)."""
-    folder.mkdir(parents=True, exist_ok=True)
-    with wave.open(str(PROMPT_16K), "rb") as recording:
-        pcm, params = recording.readframes(recording.getnframes()), recording.getparams()
-    with wave.open(str(folder / f"{name}.wav"), "wb") as doubled:
-        doubled.setparams(params)
-        doubled.writeframes(pcm + pcm)
-    (folder / f"{name}.txt").write_text("希望你以后能够做的比我还好呦。", encoding="utf-8")
 
 
 def wait_for_voice(srv: BackgroundServer, name: str) -> None:
