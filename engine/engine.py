@@ -15,13 +15,16 @@ import random
 import threading
 import time
 from collections.abc import Generator, Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
-from engine.constants import SAMPLE_RATE
+from engine.api import Engine, StreamGeometry
+from engine.constants import HOP, MEL_CACHE, SAMPLE_RATE, TOKEN_OVERLAP, TOKEN_RATE
 from engine.engine_base import EngineBase, by_format
+from engine.family import detect_model_kind
 from engine.flow_estimator import TransformerBlock
 from engine.lm_thread import LmTokens
 from engine.onednn_layers import use_onednn_convs, use_onednn_linears
@@ -32,9 +35,17 @@ from engine.runtime import (
     setup_cpu,
 )
 from engine.start_policy import GAPLESS, estimate_speech_seconds, hold_until_gapless
-from engine.streaming import ChunkVocoder, FlowPrompt, GeneratorNoise, stream_audio, whole_audio
+from engine.streaming import (
+    ChunkVocoder,
+    FlowPrompt,
+    GeneratorNoise,
+    hop_sizes,
+    stream_audio,
+    whole_audio,
+)
 from engine.types import (
     AudioChunk,
+    StreamSchedule,
     SynthesisOptions,
     UnknownSpeakerError,
 )
@@ -49,16 +60,6 @@ if TYPE_CHECKING:
 _LOGGER = logging.getLogger(__name__)
 
 
-def detect_model_kind(model_dir: Path) -> str:
-    """'instruct', 'base' or 'sft', from the official directory names."""
-    name = model_dir.name.lower()
-    if "instruct" in name:
-        return "instruct"
-    if name.endswith("300m") or name.endswith("300m-base"):
-        return "base"
-    return "sft"
-
-
 def _estimator_on_onednn(flow: FlowModel, weights: str) -> int:
     """Put the flow estimator's layers on oneDNN (engine.onednn_layers: faster passes): every
     estimator's convolutions, a float32 one's transformer layers too; how many were moved."""
@@ -69,8 +70,33 @@ def _estimator_on_onednn(flow: FlowModel, weights: str) -> int:
     return packed
 
 
+@dataclass(frozen=True)
+class V1StreamGeometry(StreamGeometry):
+    """v1's chunks: the schedule's hops anywhere, each computing the last 20 tokens again."""
+
+    def hops(self, schedule: StreamSchedule) -> Iterator[int]:
+        return hop_sizes(schedule)
+
+    def prompt_tail(self, schedule: StreamSchedule) -> int:
+        return 0
+
+
+STREAM_GEOMETRY = V1StreamGeometry(
+    token_rate=TOKEN_RATE,
+    frames_per_token=SAMPLE_RATE / HOP / TOKEN_RATE,
+    overlap_tokens=TOKEN_OVERLAP,
+    lookahead_tokens=0,
+    chunk_tokens=1,
+    held_back_s=MEL_CACHE * HOP / SAMPLE_RATE,
+    hift_context_s=MEL_CACHE * HOP / SAMPLE_RATE,
+)
+
+
 class CosyVoiceEngine(EngineBase["FlowModel"]):
     """A loaded CosyVoice v1 model directory plus the text frontend."""
+
+    family_name = "cosyvoice"
+    stream_geometry = STREAM_GEOMETRY
 
     def __init__(
         self,
@@ -307,3 +333,7 @@ class CosyVoiceEngine(EngineBase["FlowModel"]):
         custom voice's recording; 0 for a built-in speaker)."""
         custom = self._custom_voice(speaker)
         return 0 if custom is None else int(custom.prompt.speech_feat.shape[1])
+
+
+if TYPE_CHECKING:  # mypy holds the class to the whole surface
+    _SURFACE: type[Engine] = CosyVoiceEngine

@@ -28,14 +28,14 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from itertools import islice
 from typing import Any
 
+from engine.api import Engine, StreamGeometry
 from engine.stage_times import flow_passes
 from engine.start_policy import estimate_speech_seconds
-from engine.types import StreamSchedule
 from wyoming_cosyvoice.config import AutoSettings, ProfileConfig
 from wyoming_cosyvoice.stage_costs import CostMeter, StageCosts
 
@@ -57,78 +57,6 @@ GROWING_SPEECH_S = 5.0
 CALIBRATION_TEXT = "您好，您咨询的iPhone15 Pro壳子有现货，支持顺丰次日达，现在下单还送钢化膜。"
 
 
-# --- how a model family cuts its work ---------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Geometry:
-    """How a model family turns speech tokens into flow work, vocoder work and audio."""
-
-    family: str  # "cosyvoice" (v1) or "cosyvoice2"
-    token_rate: float  # speech tokens per second of audio
-    frames_per_token: float  # mel frames per speech token
-    overlap_tokens: int  # tokens each streamed chunk computes again from the one before (v1)
-    lookahead_tokens: int  # tokens past a chunk's end needed before it is cut (CosyVoice2)
-    chunk_tokens: int  # attention chunk (CosyVoice2): hops end on its boundaries
-    held_back_s: float  # audio each streamed chunk keeps back for the next one's cross-fade
-    hift_context_s: float  # left context HiFT computes again in each chunk after the first
-
-    def hops(self, schedule: StreamSchedule) -> Iterator[int]:
-        """New tokens per streamed chunk, as the engine cuts them."""
-        if self.family != "cosyvoice2":
-            from engine.streaming import hop_sizes
-
-            return hop_sizes(schedule)
-        from engine.cosyvoice2.engine import chunk_hops
-        from engine.cosyvoice2.streaming import official_hops
-
-        if schedule.name == "official":
-            return official_hops(0)
-        rate = int(self.token_rate)
-        return chunk_hops(schedule, self.chunk_tokens, self.prompt_tail(schedule), rate)
-
-    def prompt_tail(self, schedule: StreamSchedule) -> int:
-        """Prompt tokens the first streamed chunk computes again (CosyVoice2: those of the
-        prompt's unfinished attention chunk; v1: none)."""
-        if self.family != "cosyvoice2" or schedule.name == "official":
-            return 0
-        from engine.cosyvoice2.engine import prompt_tail
-
-        rate = int(self.token_rate)
-        return prompt_tail(schedule, self.chunk_tokens, self.lookahead_tokens, rate)
-
-
-V1_GEOMETRY = Geometry(
-    family="cosyvoice",
-    token_rate=50,
-    frames_per_token=22050 / 256 / 50,
-    overlap_tokens=20,
-    lookahead_tokens=0,
-    chunk_tokens=1,
-    held_back_s=20 * 256 / 22050,
-    hift_context_s=20 * 256 / 22050,
-)
-
-
-def geometry_of(engine: Any) -> Geometry:
-    """The geometry of a loaded engine's model family (v1's for an engine that names none)."""
-    if getattr(engine, "kind", None) != "cosyvoice2":
-        return V1_GEOMETRY
-    args = engine.models.flow.args
-    frame_s = engine.models.hift.upp / engine.sample_rate
-    held_back_s = 8 * frame_s  # engine.cosyvoice2.streaming.MEL_CACHE frames
-    return Geometry(
-        family="cosyvoice2",
-        token_rate=engine.token_rate,
-        frames_per_token=args.token_mel_ratio,
-        overlap_tokens=0,
-        lookahead_tokens=args.pre_lookahead_len,
-        chunk_tokens=args.encoder.static_chunk_size,
-        held_back_s=held_back_s,
-        hift_context_s=held_back_s,
-    )
-
-
 @dataclass(frozen=True)
 class PlannedChunk:
     """One chunk of a request as the engine will compute it."""
@@ -140,7 +68,7 @@ class PlannedChunk:
 
 
 def plan_chunks(
-    profile: ProfileConfig, n_tokens: int, geometry: Geometry, prompt_frames: int = 0
+    profile: ProfileConfig, n_tokens: int, geometry: StreamGeometry, prompt_frames: int = 0
 ) -> list[PlannedChunk]:
     """The chunks of ``n_tokens`` speech tokens under ``profile`` (one when not streamed).
 
@@ -183,7 +111,7 @@ def plan_chunks(
     return chunks
 
 
-def calibration_tokens(profile: ProfileConfig, geometry: Geometry) -> int:
+def calibration_tokens(profile: ProfileConfig, geometry: StreamGeometry) -> int:
     """The calibration request's speech tokens under ``profile``: its first streamed chunk and
     the next one (the engine's last chunk after them is a small one: the flow and HiFT calls
     of a streamed request, in three sizes for the fit of their cost)."""
@@ -241,7 +169,7 @@ def predict(
     profile: ProfileConfig,
     costs: StageCosts,
     n_tokens: int,
-    geometry: Geometry,
+    geometry: StreamGeometry,
     *,
     prompt_frames: int = 0,
     loaded: Mapping[str, Sequence[str]] | None = None,
@@ -289,7 +217,7 @@ class Choice:
         }
 
 
-def speech_seconds(text: str, force_tokens: int | None, geometry: Geometry) -> float:
+def speech_seconds(text: str, force_tokens: int | None, geometry: StreamGeometry) -> float:
     """How long ``text`` will take to say (exact when the token count is forced)."""
     if force_tokens is not None:
         return force_tokens / geometry.token_rate
@@ -301,7 +229,7 @@ def choose_profile(
     costs: StageCosts | None,
     speech_s: float,
     target_s: float,
-    geometry: Geometry = V1_GEOMETRY,
+    geometry: StreamGeometry,
     *,
     prompt_frames: int = 0,
     loaded: Mapping[str, Sequence[str]] | None = None,
@@ -386,7 +314,7 @@ class AutoProfile:
         self,
         text: str,
         *,
-        engine: Any,
+        engine: Engine,
         speaker: str | None,
         client: str,
         force_tokens: int | None = None,
@@ -398,8 +326,8 @@ class AutoProfile:
 
         Plain arithmetic on the measured costs: runs on the event loop.
         """
-        geometry = geometry_of(engine)
-        prompt_frames = getattr(engine, "flow_prompt_frames", lambda speaker: 0)(speaker)
+        geometry = engine.stream_geometry
+        prompt_frames = engine.flow_prompt_frames(speaker)
         speech_s = speech_seconds(text, force_tokens, geometry)
         if growing and force_tokens is None:
             speech_s = max(speech_s, GROWING_SPEECH_S)
@@ -410,22 +338,22 @@ class AutoProfile:
             self.settings.first_audio_s,
             geometry,
             prompt_frames=prompt_frames,
-            loaded=getattr(engine, "weight_formats", None),
+            loaded=engine.weight_formats,
         )
         self.last, self._last_at = choice, time.time()
         _LOGGER.info("Profile auto for %s: %s, %s", client, choice.profile.name, choice.reason)
         return choice.profile
 
-    def out_of_reach(self, engine: Any) -> list[ProfileConfig]:
+    def out_of_reach(self, engine: Engine) -> list[ProfileConfig]:
         """The candidates it would choose for no text at the costs measured now (none before
         they are): even the shortest speech's first audio comes later than the target, and
         another candidate's comes sooner."""
         costs = self.meter.costs()
         if costs is None:
             return []
-        geometry = geometry_of(engine)
+        geometry = engine.stream_geometry
         n_tokens = max(1, math.ceil(MIN_SPEECH_S * geometry.token_rate))
-        loaded = getattr(engine, "weight_formats", None)
+        loaded = engine.weight_formats
         first_audio = {
             c.name: predict(c, costs, n_tokens, geometry, loaded=loaded).first_audio_s
             for c in self.candidates
@@ -434,15 +362,15 @@ class AutoProfile:
         target = self.settings.first_audio_s
         return [c for c in self.candidates if first_audio[c.name] > target and c is not soonest]
 
-    def calibrate(self, engine: Any) -> None:
+    def calibrate(self, engine: Engine) -> None:
         """Measure every loaded weight format once (on the engine thread, after the warm-up):
         per format one request as requests pay it, with the first profile's settings that runs
         in it: streamed on its schedule, in the default voice, a sentence of an answer's length,
         its first two chunks' worth of speech tokens and the engine's last chunk."""
         start = time.perf_counter()
-        geometry = geometry_of(engine)
+        geometry = engine.stream_geometry
         runs = 0
-        for profile in self._one_per_format(getattr(engine, "weight_formats", None)):
+        for profile in self._one_per_format(engine.weight_formats):
             tokens = calibration_tokens(profile, geometry)
             options = profile.options(speaker=None, seed=0, instruct=None, force_tokens=tokens)
             try:

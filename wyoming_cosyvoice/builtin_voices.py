@@ -22,12 +22,12 @@ import gc
 import logging
 import time
 from pathlib import Path
-from typing import Any
 
+from engine.api import Engine, TakesVoices
+from engine.family import Family
 from engine.types import SynthesisOptions
 from wyoming_cosyvoice.config import ServerConfig
 from wyoming_cosyvoice.download import (
-    FAMILY_MODELS,
     DownloadError,
     ModelNotFoundError,
     ensure_extra_files,
@@ -36,40 +36,43 @@ from wyoming_cosyvoice.download import (
 
 _LOGGER = logging.getLogger(__name__)
 
-SOURCE_MODEL = "CosyVoice-300M-SFT"  # whose built-in speakers become the voices
-# Under the download directory; named for what it holds.
-BUILTIN_VOICES_DIR = "CosyVoice2-voices-from-CosyVoice-300M-SFT"
-V2_CACHE_SUFFIX = ".cosyvoice2.prompt.pt"  # engine.cosyvoice2.prompt.COSYVOICE2.cache_suffix
 # Written once every speaker was tried: the folder is finished (a dot file: no voice).
 FINISHED_MARK = ".finished"
-# How the v1 model says each sentence: its own defaults (the real model ends each sentence
+# How the source model says each sentence: its own defaults (the real model ends each sentence
 # by itself).
 SPEAKING_OPTIONS = SynthesisOptions()
 
 
-def builtin_voices_dir(config: ServerConfig) -> Path:
-    return config.effective_download_dir / BUILTIN_VOICES_DIR
+def builtin_voices_dir(config: ServerConfig, family: Family) -> Path | None:
+    """Under the download directory, named for what it holds
+    (``CosyVoice2-voices-from-CosyVoice-300M-SFT``); None for a family whose models ship
+    their speakers."""
+    if family.voices_from is None:
+        return None
+    return config.effective_download_dir / f"{family.label}-voices-from-{family.voices_from}"
 
 
-def cached_voice_names(folder: Path) -> list[str]:
-    """Names of the folder's voices with a CosyVoice2 prompt cache, without importing torch."""
-    if not folder.is_dir():
+def cached_voice_names(folder: Path | None, family: Family) -> list[str]:
+    """Names of the folder's voices with a prompt cache of ``family``'s, without torch."""
+    if folder is None or not folder.is_dir():
         return []
-    return sorted(p.name[: -len(V2_CACHE_SUFFIX)] for p in folder.glob(f"*{V2_CACHE_SUFFIX}"))
+    suffix = family.prompt_cache_suffix
+    return sorted(p.name[: -len(suffix)] for p in folder.glob(f"*{suffix}"))
 
 
 def make_missing_voices(
-    model_dir: Path, config: ServerConfig, *, cache_dir: Path | None = None
+    model_dir: Path, family: Family, config: ServerConfig, *, cache_dir: Path | None = None
 ) -> None:
-    """Make the built-in voices for the CosyVoice2 directory ``model_dir`` unless the folder is
-    finished; never raises for voices that cannot be had, it logs why. Runs before the v2
-    engine loads, so the v1 model is gone before the v2 one takes its memory. ``cache_dir``:
-    where the v1 model's prepared files go when its directory cannot be written."""
-    folder = builtin_voices_dir(config)
-    if (folder / FINISHED_MARK).is_file():
+    """Make the built-in voices for ``model_dir`` (of ``family``, whose models ship no
+    speakers) unless the folder is finished; never raises for voices that cannot be had, it
+    logs why. Runs before that model loads, so the source model is gone before this one takes
+    its memory. ``cache_dir``: where the source model's prepared files go when its directory
+    cannot be written."""
+    folder = builtin_voices_dir(config, family)
+    if folder is None or family.voices_from is None or (folder / FINISHED_MARK).is_file():
         return
     try:
-        _make_voices(model_dir, config, folder, cache_dir)
+        _make_voices(model_dir, family, family.voices_from, config, folder, cache_dir)
     except (ModelNotFoundError, DownloadError, OSError) as err:
         _LOGGER.warning(
             "No built-in voices for %s: %s\nTo get them, allow the download of %s (no "
@@ -78,70 +81,66 @@ def make_missing_voices(
             "docs/custom-voices.md)",
             model_dir.name,
             err,
-            SOURCE_MODEL,
+            family.voices_from,
         )
 
 
 def _make_voices(
-    model_dir: Path, config: ServerConfig, folder: Path, cache_dir: Path | None
+    model_dir: Path,
+    family: Family,
+    source_model: str,
+    config: ServerConfig,
+    folder: Path,
+    cache_dir: Path | None,
 ) -> None:
-    from engine.cosyvoice2.builtin_voices import make_builtin_voices
-    from engine.cosyvoice2.prompt import prompt_models
-    from engine.engine import CosyVoiceEngine
+    from engine.family import load_engine
     from engine.runtime import give_back_free_heap
 
+    maker = family.engine_class()
+    if not issubclass(maker, TakesVoices):
+        raise TypeError(f"{family.label}'s engine takes no made voices")
     offline, endpoint = config.offline, config.hub_endpoint
     source_dir = ensure_model(
-        SOURCE_MODEL,
+        source_model,
         config.data_dirs,
         config.effective_download_dir,
         offline=offline,
         endpoint=endpoint,
     )
-    ensure_extra_files(model_dir, FAMILY_MODELS["cosyvoice2"], offline=offline, endpoint=endpoint)
+    ensure_extra_files(model_dir, family.base_model, offline=offline, endpoint=endpoint)
     _LOGGER.info(
-        "Making CosyVoice2's built-in voices from %s's speakers into %s (once)",
-        SOURCE_MODEL,
+        "Making %s's built-in voices from %s's speakers into %s (once)",
+        family.label,
+        source_model,
         folder,
     )
     start = time.monotonic()
-    v1 = CosyVoiceEngine.load(
+    source: Engine = load_engine(
         source_dir,
         threads=config.load.threads,
         lm_int8=config.load.weights.lm == "int8",
         cache_dir=cache_dir,
     )
     try:
-        models = prompt_models(model_dir)
-        speakers = list(v1.speakers)
-        for number, speaker in enumerate(speakers, 1):
-            _LOGGER.info("Built-in voice %d of %d: %s", number, len(speakers), speaker)
-            make_builtin_voices(v1, folder, models, speakers=[speaker], options=SPEAKING_OPTIONS)
-        models.close()
+        maker.make_voices(source, model_dir, folder, SPEAKING_OPTIONS)
     finally:
-        del v1  # the v1 model is needed no more: give its memory back
+        del source  # the source model is needed no more: give its memory back
         gc.collect()
         give_back_free_heap()
-    (folder / FINISHED_MARK).write_text("every speaker of the v1 model was tried\n")
+    (folder / FINISHED_MARK).write_text(f"every speaker of {source_model} was tried\n")
     _LOGGER.info("Built-in voices made in %.0f s", time.monotonic() - start)
 
 
-def add_builtin_voices(engine: Any, config: ServerConfig) -> list[str]:
-    """Offer the built-in voices folder's voices as the CosyVoice2 ``engine``'s speakers; the
-    names added."""
-    folder = builtin_voices_dir(config)
-    if not cached_voice_names(folder):
+def add_builtin_voices(engine: Engine, family: Family, config: ServerConfig) -> list[str]:
+    """Offer the built-in voices folder's voices as ``engine``'s speakers (an engine that
+    takes voices); the names added."""
+    folder = builtin_voices_dir(config, family)
+    if folder is None or not cached_voice_names(folder, family):
         return []
-    return _add_voices(engine, folder)
-
-
-def _add_voices(engine: Any, folder: Path) -> list[str]:
-    from engine.cosyvoice2.prompt import prompt_models, voice_library
-
-    result = voice_library(folder, prompt_models(engine.model_dir)).scan()
+    if not isinstance(engine, TakesVoices):
+        raise TypeError(f"the {engine.kind} engine takes no made voices")
+    result = engine.add_voices_from(folder)
     for name, reason in result.rejected.items():
         _LOGGER.warning("Built-in voice %r not offered: %s", name, reason)
-    for voice in result.voices.values():
-        engine.add_voice(voice)
     _LOGGER.info("Built-in voices from %s: %s", folder, ", ".join(result.voices) or "none")
     return list(result.voices)

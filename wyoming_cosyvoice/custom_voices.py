@@ -32,20 +32,21 @@ import time
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from engine.api import Engine
+from engine.family import PROMPT_CACHE_ENDING
 from wyoming_cosyvoice.config import ServerConfig
-from wyoming_cosyvoice.download import FAMILY_MODELS, MODELS
 from wyoming_cosyvoice.scheduler import Scheduler
 from wyoming_cosyvoice.tts_cache_guard import TtsCacheGuard, voice_files_identity
-from wyoming_cosyvoice.voice_catalog import INSTRUCT_KINDS, VoiceCatalog, describe_custom_voice
+from wyoming_cosyvoice.voice_catalog import VoiceCatalog, describe_custom_voice
 from wyoming_cosyvoice.voice_names import name_key
+
+if TYPE_CHECKING:
+    from engine.prompt.voices import ScanResult
 
 _LOGGER = logging.getLogger(__name__)
 
-CACHE_SUFFIX = ".prompt.pt"  # ends every cache the engine writes next to a voice
-# The cache file of each family's voices (engine.prompt.recipe's PromptRecipe.cache_suffix).
-CACHE_SUFFIXES = {"cosyvoice": CACHE_SUFFIX, "cosyvoice2": ".cosyvoice2.prompt.pt"}
 DOWNLOAD_RETRY_S = 600.0  # a failed download is tried again on a folder change, not sooner
 
 Fingerprint = tuple[tuple[str, int, int], ...]
@@ -55,16 +56,17 @@ _NEVER = object()  # no fingerprint taken yet: the first check always scans
 def voice_model_name(config: ServerConfig, model_dir: Path) -> str:
     """The model whose repository completes ``model_dir`` with its prompt models: the
     configured one, unless the directory (``--model-dir``) is of another family."""
-    from wyoming_cosyvoice.model import model_family_name
+    from wyoming_cosyvoice.model import family_at
 
-    family = model_family_name(model_dir)
-    configured = MODELS.get(config.model)
-    return config.model if configured and configured.family == family else FAMILY_MODELS[family]
+    family = family_at(model_dir)
+    return config.model if config.model in family.models else family.base_model
 
 
-def prompt_model_files(config: ServerConfig, model_dir: Path) -> tuple[str, ...]:
+def prompt_model_files(model_dir: Path) -> tuple[str, ...]:
     """The ONNX files voices of ``model_dir``'s family are extracted with."""
-    return MODELS[voice_model_name(config, model_dir)].voice_files
+    from wyoming_cosyvoice.model import family_at
+
+    return family_at(model_dir).prompt_model_files
 
 
 def folder_fingerprint(
@@ -76,7 +78,7 @@ def folder_fingerprint(
             (p.name, st.st_size, st.st_mtime_ns)
             for p in voices_dir.iterdir()
             if not p.name.startswith(".")
-            and not p.name.lower().endswith(CACHE_SUFFIX)
+            and not p.name.lower().endswith(PROMPT_CACHE_ENDING)
             and p.is_file()
             and (st := p.stat())
         ]
@@ -130,9 +132,12 @@ class CustomVoices:
         self.tts_cache = tts_cache  # told what each offered voice is made of, after a scan
         self.config, self.scheduler, self.model_dir = config, scheduler, model_dir
         self.voices_dir = config.voices_dir
+        from wyoming_cosyvoice.model import family_at
+
+        family = family_at(model_dir)
         self.model_name = voice_model_name(config, model_dir)
-        self.prompt_models = MODELS[self.model_name].voice_files
-        self.cache_suffix = CACHE_SUFFIXES[MODELS[self.model_name].family]
+        self.prompt_models = family.prompt_model_files
+        self.cache_suffix = family.prompt_cache_suffix
         self.scans = 0
         self._seen: object = _NEVER
         self._offered: set[str] = set()
@@ -156,9 +161,6 @@ class CustomVoices:
         try:
             engine = await asyncio.shield(self.scheduler.ready)
         except Exception:  # a failed load is reported (and ends the server) elsewhere
-            return
-        if not hasattr(engine, "enable_custom_voices"):
-            _LOGGER.warning("This engine has no custom voices; ignoring %s", self.voices_dir)
             return
         _LOGGER.info(
             "Custom voices from %s (checked for changes every %g s)",
@@ -207,7 +209,7 @@ class CustomVoices:
             )
         return "waiting", "the server has not scanned it yet"
 
-    async def scan(self, engine: Any) -> None:
+    async def scan(self, engine: Engine) -> None:
         """Scan on the engine thread (fetching the prompt models first if a voice needs them)."""
         scan = partial(engine.enable_custom_voices, self.voices_dir)
         result = await self.scheduler.run_on_engine(scan)
@@ -275,7 +277,7 @@ class CustomVoices:
         _LOGGER.info("Prompt models ready in %.0f s", time.monotonic() - started)
         return True
 
-    def _publish(self, engine: Any, result: Any) -> None:
+    def _publish(self, engine: Engine, result: ScanResult) -> None:
         """Swap in a catalog with the scan's good voices and log what changed."""
         catalog = VoiceCatalog(
             list(engine.speakers), [(name, v.language) for name, v in result.voices.items()]
@@ -297,7 +299,7 @@ class CustomVoices:
                 "extracted" if voice.source == "extracted" else f"from {name}{self.cache_suffix}",
                 voice.load_seconds,
             )
-            if voice.instruct and getattr(engine, "kind", None) in INSTRUCT_KINDS:
+            if voice.instruct and engine.instruction_form is not None:
                 _LOGGER.info(
                     "Custom voice %r speaks with its instruction: %s", name, voice.instruct
                 )

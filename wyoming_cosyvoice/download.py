@@ -20,51 +20,37 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from engine.family import FAMILIES, Family
 from wyoming_cosyvoice import addon
 
 _LOGGER = logging.getLogger(__name__)
 
-MODEL_FILES = ("cosyvoice.yaml", "llm.pt", "flow.pt", "hift.pt", "spk2info.pt")
-VOICE_FILES = ("campplus.onnx", "speech_tokenizer_v1.onnx")  # custom voices (custom_voices.py)
-# CosyVoice2: the Qwen2 backbone's config and tokenizer, not its weights (they are in llm.pt).
-MODEL_FILES_V2 = (
-    "cosyvoice2.yaml",
-    "llm.pt",
-    "flow.pt",
-    "hift.pt",
-    "CosyVoice-BlankEN/config.json",
-    "CosyVoice-BlankEN/vocab.json",
-    "CosyVoice-BlankEN/merges.txt",
-    "CosyVoice-BlankEN/tokenizer_config.json",
-)
-VOICE_FILES_V2 = ("campplus.onnx", "speech_tokenizer_v2.onnx")
 _STATE_FILE = ".download.json"
 _CHUNK = 1 << 20
 
 
 @dataclass(frozen=True)
 class ModelSpec:
+    """An official model: its repository and what its family needs of it (engine.family)."""
+
     repo_id: str
-    files: tuple[str, ...] = MODEL_FILES
+    family: Family
     revision: str = "main"
-    voice_files: tuple[str, ...] = VOICE_FILES  # the prompt models voices are extracted with
-    family: str = "cosyvoice"  # engine.family's name for the model's family
+
+    @property
+    def files(self) -> tuple[str, ...]:
+        """What a directory of the model needs."""
+        return self.family.model_files
+
+    @property
+    def voice_files(self) -> tuple[str, ...]:
+        """The prompt models voices are extracted with (custom_voices.py)."""
+        return self.family.prompt_model_files
 
 
 MODELS = {
-    "CosyVoice-300M-SFT": ModelSpec("FunAudioLLM/CosyVoice-300M-SFT"),
-    "CosyVoice-300M-Instruct": ModelSpec("FunAudioLLM/CosyVoice-300M-Instruct"),
-    "CosyVoice-300M": ModelSpec("FunAudioLLM/CosyVoice-300M"),
-    "CosyVoice2-0.5B": ModelSpec(
-        "FunAudioLLM/CosyVoice2-0.5B",
-        files=MODEL_FILES_V2,
-        voice_files=VOICE_FILES_V2,
-        family="cosyvoice2",
-    ),
+    name: ModelSpec(repo, family) for family in FAMILIES for name, repo in family.models.items()
 }
-# The model of a family whose files a directory of that family is completed from.
-FAMILY_MODELS = {"cosyvoice": "CosyVoice-300M", "cosyvoice2": "CosyVoice2-0.5B"}
-SAMPLE_RATES = {"cosyvoice": 22050, "cosyvoice2": 24000}  # known before torch is imported
 
 
 class ModelNotFoundError(Exception):
@@ -85,12 +71,7 @@ def model_spec(name: str) -> ModelSpec:
     return MODELS[name]
 
 
-def family_spec(family: str) -> ModelSpec:
-    """The spec of ``family``'s base model: which files a directory of that family needs."""
-    return MODELS[FAMILY_MODELS[family]]
-
-
-def missing_files(model_dir: Path, files: tuple[str, ...] = MODEL_FILES) -> list[str]:
+def missing_files(model_dir: Path, files: tuple[str, ...]) -> list[str]:
     """Files absent or empty in ``model_dir``."""
     return [
         f for f in files if not (model_dir / f).is_file() or (model_dir / f).stat().st_size == 0
@@ -102,9 +83,7 @@ def candidate_dirs(name: str, data_dirs: tuple[Path, ...]) -> list[Path]:
     return [p for d in data_dirs for p in (d / name, d / "pretrained_models" / name)]
 
 
-def find_model(
-    name: str, data_dirs: tuple[Path, ...], files: tuple[str, ...] = MODEL_FILES
-) -> Path | None:
+def find_model(name: str, data_dirs: tuple[Path, ...], files: tuple[str, ...]) -> Path | None:
     for path in candidate_dirs(name, data_dirs):
         if path.is_dir() and not missing_files(path, files):
             return path

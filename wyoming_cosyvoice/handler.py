@@ -61,7 +61,6 @@ from wyoming_cosyvoice.sentences import (
     opening_language,
 )
 from wyoming_cosyvoice.speaker_presets import (
-    kind_from_name,
     listed_presets,
     preset_voice_name,
     speaker_names,
@@ -382,13 +381,13 @@ class EventHandler:
 
     def _info(self) -> Info:
         scheduler = self._ctx.scheduler
-        kind = getattr(scheduler.engine, "kind", None) or kind_from_name(scheduler.model_dir.name)
+        form = scheduler.instruction_form  # the model family's until the engine has loaded
         return build_info(
             scheduler.catalog,
             streaming=self._config.profile.streaming,
             model=self._config.model,
-            speakers=speaker_names(kind),
-            preset_voices=listed_presets(self._config.preset_voices, kind),
+            speakers=speaker_names(form),
+            preset_voices=listed_presets(self._config.preset_voices, form),
         )
 
     # --- speaking -----------------------------------------------------------------------

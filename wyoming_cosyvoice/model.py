@@ -11,14 +11,18 @@ import pickle
 import zipfile
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from engine.api import Engine
 from wyoming_cosyvoice.auto_profile import AutoProfile
 from wyoming_cosyvoice.config import ServerConfig
 from wyoming_cosyvoice.loudness import LEVELS_DIR, LevelStore, VoiceLevels
 from wyoming_cosyvoice.repeat_cache import RepeatCache
-from wyoming_cosyvoice.scheduler import Engine, EngineFactory, Scheduler
+from wyoming_cosyvoice.scheduler import EngineFactory, Scheduler
 from wyoming_cosyvoice.stage_costs import CostMeter, free_cores_now
+
+if TYPE_CHECKING:
+    from engine.family import Family
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -27,21 +31,16 @@ def resolve_model_dir(config: ServerConfig) -> Path:
     """--model-dir as given (checked), else found in the data dirs or downloaded."""
     from engine.family import model_family
     from engine.types import ModelLoadError
-    from wyoming_cosyvoice.download import (
-        ModelNotFoundError,
-        ensure_model,
-        family_spec,
-        missing_files,
-    )
+    from wyoming_cosyvoice.download import ModelNotFoundError, ensure_model, missing_files
 
     if config.model_dir is not None:
         if not config.model_dir.is_dir():
             raise ModelNotFoundError(f"--model-dir {config.model_dir} is not a directory")
         try:
-            family = model_family(config.model_dir).name
+            family = model_family(config.model_dir)
         except ModelLoadError as err:
             raise ModelNotFoundError(f"--model-dir {err}") from err
-        absent = missing_files(config.model_dir, family_spec(family).files)
+        absent = missing_files(config.model_dir, family.model_files)
         if absent:
             raise ModelNotFoundError(
                 f"--model-dir {config.model_dir} is missing or has empty: {', '.join(absent)}"
@@ -81,25 +80,31 @@ def load_cosyvoice(
     return engine
 
 
-def model_family_name(model_dir: Path) -> str:
-    """``cosyvoice`` or ``cosyvoice2``: the directory's family, read without torch.
+def family_at(model_dir: Path) -> Family:
+    """The directory's model family, read without torch.
 
-    A directory of no known family counts as v1's here: its load reports what is wrong.
+    A directory of no known family counts as the first family's here: its load reports what is
+    wrong.
     """
-    from engine.family import model_family
+    from engine.family import FAMILIES, model_family
     from engine.types import ModelLoadError
 
     try:
-        return model_family(model_dir).name
+        return model_family(model_dir)
     except ModelLoadError:
-        return "cosyvoice"
+        return FAMILIES[0]
 
 
 def model_sample_rate(model_dir: Path) -> int:
     """The rate the directory's model speaks at, known before the engine loads."""
-    from wyoming_cosyvoice.download import SAMPLE_RATES
+    return family_at(model_dir).sample_rate
 
-    return SAMPLE_RATES[model_family_name(model_dir)]
+
+def model_instruction_form(model_dir: Path) -> str | None:
+    """How the directory's model reads an instruction (engine.api; None: it takes none), known
+    before the engine loads."""
+    family = family_at(model_dir)
+    return family.instruction_form_of(family.kind_of(model_dir))
 
 
 def engine_cache_dir(config: ServerConfig) -> Path | None:
@@ -135,15 +140,17 @@ def load_options(config: ServerConfig) -> dict[str, Any]:
 def load_with_voices(
     model_dir: Path, threads: int | None, *, config: ServerConfig, **load_options: Any
 ) -> Engine:
-    """:func:`load_cosyvoice`; for CosyVoice2 with the built-in voices folder's voices (made
-    first, before the v2 model takes its memory, when the folder has none)."""
-    if model_family_name(model_dir) != "cosyvoice2":
+    """:func:`load_cosyvoice`; for a family whose models ship no speakers (CosyVoice2) with the
+    built-in voices folder's voices (made first, before the model takes its memory, when the
+    folder has none)."""
+    family = family_at(model_dir)
+    if family.voices_from is None:
         return load_cosyvoice(model_dir, threads, **load_options)
     from wyoming_cosyvoice.builtin_voices import add_builtin_voices, make_missing_voices
 
-    make_missing_voices(model_dir, config, cache_dir=engine_cache_dir(config))
+    make_missing_voices(model_dir, family, config, cache_dir=engine_cache_dir(config))
     engine = load_cosyvoice(model_dir, threads, **load_options)
-    add_builtin_voices(engine, config)
+    add_builtin_voices(engine, family, config)
     return engine
 
 
@@ -170,6 +177,7 @@ def scheduler_for_config(
         parallel=load.parallel_sentences,
         shared_cores=shared_cores,
         sample_rate=model_sample_rate(model_dir),
+        instruction_form=model_instruction_form(model_dir),
         prime_options=[
             profile.options(speaker=None, seed=None, instruct=None, force_tokens=None)
             for profile in config.auto_candidates or [config.profile]
@@ -196,19 +204,20 @@ def voice_levels(config: ServerConfig, model_dir: Path) -> VoiceLevels:
     state file must not create a data dir of its own)."""
     from wyoming_cosyvoice.builtin_voices import builtin_voices_dir
 
-    folders = (config.voices_dir, builtin_voices_dir(config))
+    folders = (config.voices_dir, builtin_voices_dir(config, family_at(model_dir)))
     data = config.effective_download_dir
     store = LevelStore(data / LEVELS_DIR / f"{model_dir.name}.json") if data.is_dir() else None
     return VoiceLevels(config.loudness, config.volume, folders, store)
 
 
 def speakers_before_load(config: ServerConfig, model_dir: Path) -> list[str] | None:
-    """The voices ``describe`` lists while the model loads: v1's speaker table, CosyVoice2's
-    built-in voices already made."""
-    if model_family_name(model_dir) == "cosyvoice2":
+    """The voices ``describe`` lists while the model loads: v1's speaker table, the built-in
+    voices already made of a family whose models ship none (CosyVoice2)."""
+    family = family_at(model_dir)
+    if family.voices_from is not None:
         from wyoming_cosyvoice.builtin_voices import builtin_voices_dir, cached_voice_names
 
-        return cached_voice_names(builtin_voices_dir(config)) or None
+        return cached_voice_names(builtin_voices_dir(config, family), family) or None
     return peek_speakers(model_dir)
 
 

@@ -15,13 +15,14 @@ import asyncio
 import collections
 import logging
 import threading
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Generator, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
+from engine.api import Engine, PrimesVoices, SpeaksGrowingText
 from engine.constants import SAMPLE_RATE
 from engine.text_feed import TextFeed
 from engine.types import AudioChunk, SynthesisCancelled, SynthesisOptions
@@ -38,29 +39,9 @@ if TYPE_CHECKING:
 _LOGGER = logging.getLogger(__name__)
 
 
-class Engine(Protocol):
-    """The part of ``engine.engine.CosyVoiceEngine`` the server uses."""
-
-    speakers: list[str]
-    kind: str
-
-    # sample_rate (22050 or 24000) is read with getattr: test fakes may lack it.
-
-    def synthesize(
-        self, text: str, options: SynthesisOptions, cancel: threading.Event | None = None
-    ) -> Iterator[AudioChunk]: ...
-
-    def warmup(self) -> None: ...
-
-
-# An engine that can speak a sentence while its text is still arriving also has
-# ``synthesize_growing(text: TextFeed, options, cancel)`` (CosyVoice2); read with getattr.
-GROWING = "synthesize_growing"
-
-
-def speaks_growing(engine: object) -> bool:
+def speaks_growing(engine: Engine | None) -> bool:
     """The engine speaks a sentence while its text is still arriving."""
-    return callable(getattr(engine, GROWING, None))
+    return isinstance(engine, SpeaksGrowingText)
 
 
 EngineFactory = Callable[[Path, "int | None"], Engine]
@@ -148,6 +129,7 @@ class Scheduler:
         parallel: int = 1,
         shared_cores: bool = False,
         sample_rate: int = SAMPLE_RATE,
+        instruction_form: str | None = None,
         prime_options: Sequence[SynthesisOptions] = (),
         repeat_cache: RepeatCache | None = None,
         levels: VoiceLevels | None = None,
@@ -156,6 +138,9 @@ class Scheduler:
         self.model_dir = model_dir
         # The rate of the audio the engine makes: the model family's until it has loaded.
         self.sample_rate = sample_rate
+        # How the model reads an instruction (engine.api; None: it takes none): the model
+        # family's word for the directory until the engine says it.
+        self.instruction_form = instruction_form
         # The flow settings of the server's profile: an engine that primes its default voice
         # (CosyVoice2) does so with them after the warm-up, so the first request does not.
         self._prime_options = prime_options
@@ -220,8 +205,8 @@ class Scheduler:
             _LOGGER.info(
                 "Model ready in %.1f s (%s, HiFT in %s, speakers: %s)",
                 loop.time() - start,
-                getattr(engine, "kind", "?"),
-                getattr(engine, "hift_dtype", "float32"),  # bfloat16: the fast profiles
+                engine.kind,
+                engine.hift_dtype,  # bfloat16: the fast profiles
                 ", ".join(engine.speakers) or "none",
             )
         except BaseException as err:
@@ -230,7 +215,8 @@ class Scheduler:
                 self._ready.exception()  # retrieved: no "never retrieved" log; waiters see it
             raise
         self.engine = engine
-        self.sample_rate = getattr(engine, "sample_rate", self.sample_rate)
+        self.sample_rate = engine.sample_rate
+        self.instruction_form = engine.instruction_form
         self.catalog = VoiceCatalog(list(engine.speakers))
         self._ready.set_result(engine)
         return engine
@@ -238,21 +224,19 @@ class Scheduler:
     async def _prime(self, engine: Engine) -> None:
         """Prime the default voice for the flow settings of the server's profile (``auto``:
         of every profile it chooses from), if the engine primes voices."""
-        prime = getattr(engine, "prime_voice", None)
-        if prime is None or not engine.speakers:
+        if not isinstance(engine, PrimesVoices) or not engine.speakers:
             return
         for options in self._prime_options:
-            await self._call(self._executor, prime, options)
+            await self._call(self._executor, engine.prime_voice, options)
 
     async def _unprime(self, engine: Engine, profiles: Sequence[ProfileConfig]) -> None:
         """Let go of the default voice's primed prompt for profiles auto will not choose on this
         machine (CosyVoice2: half a gigabyte for realtime's settings)."""
-        unprime = getattr(engine, "unprime_voice", None)
-        if unprime is None or not engine.speakers:
+        if not isinstance(engine, PrimesVoices) or not engine.speakers:
             return
         for profile in profiles:
             options = profile.options(speaker=None, seed=None, instruct=None, force_tokens=None)
-            await self._call(self._executor, unprime, options)
+            await self._call(self._executor, engine.unprime_voice, options)
             _LOGGER.info("Profile %s cannot start in time here: its primed voice let go",
                          profile.name)  # fmt: skip
 
@@ -314,8 +298,10 @@ class Scheduler:
                 raise SynthesisCancelled("cancelled while queued")
             if isinstance(text, str):
                 start = partial(engine.synthesize, text, options, cancel)
-            else:
-                start = partial(getattr(engine, GROWING), text, options, cancel)
+            elif isinstance(engine, SpeaksGrowingText):
+                start = partial(engine.synthesize_growing, text, options, cancel)
+            else:  # the speech asks only when speaks_growing(engine)
+                raise TypeError(f"the {engine.kind} engine cannot speak a growing sentence")
             chunks = await self._call(executor, _with_threads, budget, start)
             try:
                 next_chunk = partial(next, chunks, None)
@@ -427,9 +413,8 @@ def _idle() -> None:
 
 
 def _close_quietly(chunks: Iterator[AudioChunk]) -> None:
-    close = getattr(chunks, "close", None)
-    if close is not None:
+    if isinstance(chunks, Generator):
         try:
-            close()
+            chunks.close()
         except Exception:  # a failing cleanup must not kill the engine thread
             _LOGGER.exception("Closing a synthesis generator failed")

@@ -10,11 +10,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlparse
 
+from engine.api import Engine
 from wyoming_cosyvoice.config import ServerConfig
 from wyoming_cosyvoice.handler import ConnectionContext, EventHandler
 from wyoming_cosyvoice.model import load_cosyvoice, scheduler_for_config
 from wyoming_cosyvoice.prepared_phrases import PhrasePreparer
-from wyoming_cosyvoice.scheduler import Engine, EngineFactory, Scheduler
+from wyoming_cosyvoice.scheduler import EngineFactory, Scheduler
 from wyoming_cosyvoice.sentences import SplitterFactory, make_splitter
 
 _LOGGER = logging.getLogger(__name__)

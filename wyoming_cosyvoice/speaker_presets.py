@@ -32,30 +32,32 @@ import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
+from engine.api import DESCRIBED_SPEAKER, INSTRUCT2
+from engine.family import instruct_models
 from wyoming_cosyvoice.protocol import VoiceNotFoundError
-from wyoming_cosyvoice.voice_catalog import INSTRUCT_KINDS, VoiceCatalog
+from wyoming_cosyvoice.voice_catalog import VoiceCatalog
 
 SPEEDS = {"slow": 0.8, "normal": 1.0, "fast": 1.25}
-# style -> instruction, per engine kind that takes one
+# style -> instruction, in each form a model reads one (engine.api: its instruction_form)
 STYLES: dict[str, dict[str, str]] = {
     "calm": {
-        "instruct": "A calm speaker with a gentle, even tone.",
-        "cosyvoice2": "用平静的语气说这句话",
+        DESCRIBED_SPEAKER: "A calm speaker with a gentle, even tone.",
+        INSTRUCT2: "用平静的语气说这句话",
     },
     "cheerful": {
-        "instruct": "A cheerful speaker with a bright, happy tone.",
-        "cosyvoice2": "用开心的语气说这句话",
+        DESCRIBED_SPEAKER: "A cheerful speaker with a bright, happy tone.",
+        INSTRUCT2: "用开心的语气说这句话",
     },
     "sad": {
-        "instruct": "A sad speaker with a low, soft tone.",
-        "cosyvoice2": "用悲伤的语气说这句话",
+        DESCRIBED_SPEAKER: "A sad speaker with a low, soft tone.",
+        INSTRUCT2: "用悲伤的语气说这句话",
     },
     "serious": {
-        "instruct": "A serious speaker with a firm, steady tone.",
-        "cosyvoice2": "用严肃的语气说这句话",
+        DESCRIBED_SPEAKER: "A serious speaker with a firm, steady tone.",
+        INSTRUCT2: "用严肃的语气说这句话",
     },
 }
-INSTRUCT_MODELS = "CosyVoice-300M-Instruct or CosyVoice2-0.5B"
+INSTRUCT_MODELS = " or ".join(instruct_models())
 # "<voice> (<preset>)": a voice name carrying a preset
 _PRESET_VOICE = re.compile(r"(?P<voice>.*\S)\s*\(\s*(?P<preset>[^()]*?)\s*\)")
 
@@ -74,21 +76,14 @@ class StyleUnsupportedError(VoiceNotFoundError):
     """A speaking style asked of a model that takes no instructions."""
 
 
-def takes_styles(kind: str | None) -> bool:
-    return kind in INSTRUCT_KINDS
+def takes_styles(form: str | None) -> bool:
+    """Whether a model reading instructions in ``form`` (None: it takes none) has styles."""
+    return form is not None and all(form in phrases for phrases in STYLES.values())
 
 
-def kind_from_name(model_name: str) -> str | None:
-    """The engine kind a model directory's name says, as far as styles go (before the load)."""
-    name = model_name.casefold()
-    if "cosyvoice2" in name:
-        return "cosyvoice2"
-    return "instruct" if "instruct" in name else None
-
-
-def speaker_names(kind: str | None) -> list[str]:
-    """The speakers ``describe`` lists for each voice of a model of this kind."""
-    return [*SPEEDS, *(STYLES if takes_styles(kind) else ())]
+def speaker_names(form: str | None) -> list[str]:
+    """The speakers ``describe`` lists for each voice of a model of this instruction form."""
+    return [*SPEEDS, *(STYLES if takes_styles(form) else ())]
 
 
 def is_preset_name(name: str) -> bool:
@@ -96,10 +91,10 @@ def is_preset_name(name: str) -> bool:
     return _parts(name) is not None
 
 
-def listed_presets(names: Iterable[str], kind: str | None) -> list[str]:
-    """The presets of ``server.preset_voices`` a model of this kind speaks: styles only where
-    it takes instructions."""
-    return [n for n in names if (parts := _parts(n)) and (parts[0] is None or takes_styles(kind))]
+def listed_presets(names: Iterable[str], form: str | None) -> list[str]:
+    """The presets of ``server.preset_voices`` a model of this instruction form speaks: styles
+    only where it takes instructions."""
+    return [n for n in names if (parts := _parts(n)) and (parts[0] is None or takes_styles(form))]
 
 
 def preset_voice_name(voice: str, preset: str) -> str:
@@ -108,15 +103,15 @@ def preset_voice_name(voice: str, preset: str) -> str:
 
 
 def with_presets(
-    err: VoiceNotFoundError, request: Mapping[str, str], catalog: VoiceCatalog, kind: str | None
+    err: VoiceNotFoundError, request: Mapping[str, str], catalog: VoiceCatalog, form: str | None
 ) -> VoiceNotFoundError:
     """``err`` for a request whose speaker is unknown, with the preset speakers it could have
     named besides the voices (Wyoming and HTTP say the same); else ``err`` itself."""
     speaker = request.get("speaker")
     if not speaker or catalog.find(speaker) is not None:
         return err
-    what = "a speed or style" if takes_styles(kind) else "a speed"
-    return VoiceNotFoundError(f"{err}; or a speaker for {what}: {', '.join(speaker_names(kind))}")
+    what = "a speed or style" if takes_styles(form) else "a speed"
+    return VoiceNotFoundError(f"{err}; or a speaker for {what}: {', '.join(speaker_names(form))}")
 
 
 def _parts(name: str) -> tuple[str | None, str | None] | None:
@@ -131,30 +126,30 @@ def _parts(name: str) -> tuple[str | None, str | None] | None:
     return (styles[0] if styles else None), (speeds[0] if speeds else None)
 
 
-def find_preset(name: str, kind: str | None, asked_by: str = "") -> SpeakerPreset | None:
-    """The preset ``name`` is for a model of ``kind``; None if it is none. A style with a model
-    that takes no instructions raises :class:`StyleUnsupportedError` (saying ``asked_by``, the
-    field that asked: the speaker unless given)."""
+def find_preset(name: str, form: str | None, asked_by: str = "") -> SpeakerPreset | None:
+    """The preset ``name`` is for a model reading instructions in ``form``; None if it is
+    none. A style with a model that takes no instructions raises :class:`StyleUnsupportedError`
+    (saying ``asked_by``, the field that asked: the speaker unless given)."""
     parts = _parts(name)
     if parts is None:
         return None
     style, speed = parts
     instruction = None
     if style is not None:
-        if not takes_styles(kind):
+        if not takes_styles(form):
             raise StyleUnsupportedError(
                 f"{asked_by or f'speaker {name!r}'} asks for the speaking style {style!r}, "
                 f"which needs the {INSTRUCT_MODELS} model; this model's speakers are "
                 f"{', '.join(SPEEDS)}"
             )
-        assert kind is not None
-        instruction = STYLES[style][kind]
+        assert form is not None
+        instruction = STYLES[style][form]
     speed_value = SPEEDS[speed] if speed is not None else None
     return SpeakerPreset(name.strip().casefold(), speed_value, style, instruction)
 
 
 def split_preset(
-    request: Mapping[str, str] | None, catalog: VoiceCatalog, kind: str | None
+    request: Mapping[str, str] | None, catalog: VoiceCatalog, form: str | None
 ) -> tuple[dict[str, str], SpeakerPreset | None]:
     """(voice request, preset): ``speaker`` taken out of the request when it names a preset,
     else the preset of a voice name ``<voice> (<preset>)`` (the name then names the voice).
@@ -162,12 +157,12 @@ def split_preset(
     With a model that takes no instructions a style name that is also a voice's name stays that
     voice (as before styles existed); otherwise it is refused with the reason.
     """
-    wanted, named = _split_voice_name(request, catalog, kind)
+    wanted, named = _split_voice_name(request, catalog, form)
     speaker = wanted.get("speaker")
     if not speaker:
         return wanted, named
     try:
-        preset = find_preset(speaker, kind)
+        preset = find_preset(speaker, form)
     except StyleUnsupportedError:
         if catalog.find(speaker) is not None:
             return wanted, None
@@ -178,7 +173,7 @@ def split_preset(
 
 
 def _split_voice_name(
-    request: Mapping[str, str] | None, catalog: VoiceCatalog, kind: str | None
+    request: Mapping[str, str] | None, catalog: VoiceCatalog, form: str | None
 ) -> tuple[dict[str, str], SpeakerPreset | None]:
     """(voice request, preset) of a voice name ``<voice> (<preset>)``; a name the catalogue
     knows as it is, or whose parts are no voice and preset, is left as it is."""
@@ -190,7 +185,7 @@ def _split_voice_name(
     if match is None or catalog.find(match["voice"]) is None:
         return wanted, None
     # (a style the model cannot speak raises, naming the voice)
-    preset = find_preset(match["preset"], kind, f"voice {name!r}")
+    preset = find_preset(match["preset"], form, f"voice {name!r}")
     if preset is not None:
         wanted["name"] = match["voice"]
     return wanted, preset

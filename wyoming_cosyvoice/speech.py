@@ -36,6 +36,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
+from engine.api import Engine
 from engine.text.normalize import detect_language
 from engine.text_feed import TextFeed
 from engine.types import AudioChunk, EngineError, SynthesisCancelled, SynthesisOptions
@@ -46,7 +47,7 @@ from wyoming_cosyvoice.protocol import LimitExceededError, VoiceNotFoundError
 from wyoming_cosyvoice.scheduler import Scheduler
 from wyoming_cosyvoice.sentences import Sentence
 from wyoming_cosyvoice.speaker_presets import split_preset, with_presets
-from wyoming_cosyvoice.voice_catalog import INSTRUCT_KINDS, Voice, VoiceCatalog
+from wyoming_cosyvoice.voice_catalog import Voice, VoiceCatalog
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -148,12 +149,13 @@ def instruction_text(text: str, field: str) -> str | None:
 def split_instruction(
     request: Mapping[str, str] | None,
     catalog: VoiceCatalog,
-    kind: str | None,
+    form: str | None,
     field: str = "voice.speaker",
 ) -> tuple[dict[str, str], str | None]:
     """(voice request, instruction): ``speaker`` is an instruction when it names no voice.
 
-    Only with a model that takes instructions (-Instruct, CosyVoice2): there Wyoming's
+    Only with a model that takes instructions (``form``, engine.api's ``instruction_form``:
+    -Instruct, CosyVoice2): there Wyoming's
     ``voice.speaker`` is the one free-text field
     Home Assistant forwards per request (``tts.speak`` options ``voice`` + ``speaker``). A
     speaker that names a voice keeps its old meaning; with other models an unknown speaker stays
@@ -161,7 +163,7 @@ def split_instruction(
     """
     wanted = dict(request or {})
     speaker = wanted.get("speaker")
-    if kind not in INSTRUCT_KINDS or not speaker or catalog.find(speaker) is not None:
+    if form is None or not speaker or catalog.find(speaker) is not None:
         return wanted, None
     del wanted["speaker"]
     return wanted, instruction_text(speaker, field)
@@ -210,7 +212,7 @@ class VoiceChoice:
         return choice
 
     def resolve(
-        self, catalog: VoiceCatalog, model_kind: str | None, sentence: Sentence
+        self, catalog: VoiceCatalog, form: str | None, sentence: Sentence
     ) -> tuple[Voice, str | None]:
         """(voice, instruction) for ``sentence``; raises VoiceNotFoundError."""
         if self._chosen is not None and not self.per_sentence:
@@ -218,10 +220,10 @@ class VoiceChoice:
         catalog = self.catalog or catalog
         wanted, instruct = self.request, self.instruct
         if self.speaker_instructs:
-            wanted, preset = split_preset(wanted, catalog, model_kind)
+            wanted, preset = split_preset(wanted, catalog, form)
             if preset is not None:
                 self.speed, instruct = preset.speed, instruct or preset.instruction
-            wanted, from_speaker = split_instruction(wanted, catalog, model_kind)
+            wanted, from_speaker = split_instruction(wanted, catalog, form)
             instruct = from_speaker or instruct  # the call's own words over a preset voice's
         language = sentence.language if self.per_sentence else self.text_language
         try:
@@ -231,7 +233,7 @@ class VoiceChoice:
         except VoiceNotFoundError as err:
             if not self.speaker_instructs:
                 raise
-            raise with_presets(err, wanted, catalog, model_kind) from err
+            raise with_presets(err, wanted, catalog, form) from err
         self._chosen = (voice, instruct)
         return self._chosen
 
@@ -402,9 +404,7 @@ class Speech:
         engine = await scheduler.wait_ready(limits.load_wait_s)
         growing = item.text if isinstance(item, GrowingSentence) else None
         sentence = item.so_far if isinstance(item, GrowingSentence) else item
-        voice, instruct = self.voices.resolve(
-            scheduler.catalog, getattr(engine, "kind", None), sentence
-        )
+        voice, instruct = self.voices.resolve(scheduler.catalog, engine.instruction_form, sentence)
         self._voices_used[voice.name] = None
         if index == 0:
             self._choose_profile(engine, voice, growing=growing is not None)
@@ -433,7 +433,7 @@ class Speech:
         self._events.put_nowait(SentenceEnd(index))
         await self._levels.finished(level)
 
-    def _choose_profile(self, engine: Any, voice: Voice, *, growing: bool) -> None:
+    def _choose_profile(self, engine: Engine, voice: Voice, *, growing: bool) -> None:
         """``auto``: the profile of this request, chosen once by the text given so far
         (``growing``: its first sentence is still arriving)."""
         auto = self.scheduler.auto

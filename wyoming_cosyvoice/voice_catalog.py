@@ -38,9 +38,6 @@ _MAIN_REGION = {"zh": "zh_cn", "en": "en_us", "ja": "ja_jp", "ko": "ko_kr", "yue
 # CosyVoice v1 is multilingual: a speaker of unknown origin is offered for every language.
 ALL_LANGUAGES = ["zh_CN", "en_US", "ja_JP", "ko_KR", "zh_HK"]
 _LANGUAGE_TAG = re.compile(r"[a-zA-Z]{2,3}([-_][a-zA-Z0-9]{2,4})?")
-# Engine kinds that speak a voice with a style instruction: v1's -Instruct model and CosyVoice2
-# (instruct2: any voice, with dialects, emotions, speed).
-INSTRUCT_KINDS = ("instruct", "cosyvoice2")
 # language detected from a custom voice's transcript (engine codes) -> (HA language, label)
 _CUSTOM_LANGUAGES = {
     "zh": ("zh_CN", "Mandarin Chinese"),

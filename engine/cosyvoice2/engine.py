@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, cast
 
 import torch
 
+from engine.api import Engine, PrimesVoices, SpeaksGrowingText, StreamGeometry, TakesVoices
 from engine.cosyvoice2.flow import FlowStream
 from engine.cosyvoice2.frontend import CosyVoice2TextFrontend
 from engine.cosyvoice2.growing_text import GrowingTextIds
@@ -52,6 +53,7 @@ from engine.cosyvoice2.lm import BACKBONE_DIR
 from engine.cosyvoice2.model_dir import PARTS, CosyVoice2Models
 from engine.cosyvoice2.prompt import COSYVOICE2, VoiceConditioning, conditioning, flow_prompt
 from engine.cosyvoice2.streaming import (
+    MEL_CACHE,
     FlowPrompt,
     GeneratorNoise,
     HiftNoiseSource,
@@ -142,6 +144,25 @@ def prompt_tail(schedule: StreamSchedule, chunk: int, lookahead: int, token_rate
     return chunk - first if first <= chunk - lookahead else lookahead
 
 
+@dataclass(frozen=True)
+class ChunkedStreamGeometry(StreamGeometry):
+    """CosyVoice2's chunks: hops ending on attention chunk boundaries (:func:`chunk_hops`), the
+    first completing the prompt's last chunk (:func:`prompt_tail`); the official schedule's
+    hops as the official runtime cuts them."""
+
+    def hops(self, schedule: StreamSchedule) -> Iterator[int]:
+        if schedule.name == OFFICIAL_SCHEDULE.name:
+            return official_hops(0)
+        rate = int(self.token_rate)
+        return chunk_hops(schedule, self.chunk_tokens, self.prompt_tail(schedule), rate)
+
+    def prompt_tail(self, schedule: StreamSchedule) -> int:
+        if schedule.name == OFFICIAL_SCHEDULE.name:
+            return 0
+        rate = int(self.token_rate)
+        return prompt_tail(schedule, self.chunk_tokens, self.lookahead_tokens, rate)
+
+
 @dataclass
 class _Primed:
     """A voice's flow stream with its prompt chunks computed, for one set of flow settings."""
@@ -150,8 +171,10 @@ class _Primed:
     stream: FlowStream
 
 
-class CosyVoice2Engine(EngineBase["CausalFlow"]):
+class CosyVoice2Engine(EngineBase["CausalFlow"], SpeaksGrowingText, PrimesVoices, TakesVoices):
     """A loaded CosyVoice2 model directory plus its text frontend and voices."""
+
+    family_name = KIND
 
     def __init__(
         self,
@@ -240,6 +263,33 @@ class CosyVoice2Engine(EngineBase["CausalFlow"]):
         if voice.name not in self.voices:
             self.speakers.append(voice.name)
         self.voices[voice.name] = voice
+
+    @classmethod
+    def make_voices(
+        cls, source: Engine, model_dir: Path, folder: Path, options: SynthesisOptions
+    ) -> None:
+        """Make v2 prompt voices in ``folder`` from the v1 engine ``source``'s speakers, one
+        at a time (:func:`engine.cosyvoice2.builtin_voices.make_builtin_voices`)."""
+        from engine.cosyvoice2.builtin_voices import make_builtin_voices
+        from engine.cosyvoice2.prompt import prompt_models
+
+        models = prompt_models(model_dir)
+        try:
+            speakers = list(source.speakers)
+            for number, speaker in enumerate(speakers, 1):
+                _LOGGER.info("Built-in voice %d of %d: %s", number, len(speakers), speaker)
+                make_builtin_voices(source, folder, models, speakers=[speaker], options=options)
+        finally:
+            models.close()
+
+    def add_voices_from(self, folder: Path) -> ScanResult:
+        """Offer the voices of ``folder`` (v2 prompts, made once) as built-in speakers."""
+        from engine.cosyvoice2.prompt import prompt_models, voice_library
+
+        result = voice_library(folder, prompt_models(self.model_dir)).scan()
+        for voice in result.voices.values():
+            self.add_voice(voice)
+        return result
 
     def enable_custom_voices(self, voices_dir: Path | str) -> ScanResult:
         """Use NAME.wav + NAME.txt voices from ``voices_dir`` (call again to re-scan)."""
@@ -615,6 +665,21 @@ class CosyVoice2Engine(EngineBase["CausalFlow"]):
         (a voice's prompt chunks are computed once, when it is primed)."""
         return 0
 
+    @property
+    def stream_geometry(self) -> ChunkedStreamGeometry:
+        """How streamed chunks are cut, from the flow's and HiFT's configuration."""
+        args = self.models.flow.args
+        held_back_s = MEL_CACHE * self.models.hift.upp / self.sample_rate
+        return ChunkedStreamGeometry(
+            token_rate=self.token_rate,
+            frames_per_token=args.token_mel_ratio,
+            overlap_tokens=0,
+            lookahead_tokens=args.pre_lookahead_len,
+            chunk_tokens=args.encoder.static_chunk_size,
+            held_back_s=held_back_s,
+            hift_context_s=held_back_s,
+        )
+
 
 def _whole_text(text: TextFeed, cancel: threading.Event | None) -> str:
     """The sentence once it has ended (waits; :class:`SynthesisCancelled` on ``cancel``)."""
@@ -633,3 +698,7 @@ def _check_cancel(cancel: threading.Event | None) -> None:
 def _starting_with(first: int, rest: Iterator[int]) -> Iterator[int]:
     yield first
     yield from rest
+
+
+if TYPE_CHECKING:  # mypy holds the class to the whole surface
+    _SURFACE: type[Engine] = CosyVoice2Engine

@@ -30,6 +30,7 @@ import torch
 
 from engine.cosyvoice2.frontend import CosyVoice2TextFrontend
 from engine.cosyvoice2.streaming import FlowPrompt
+from engine.family import family_named
 from engine.prompt.extract import PromptFeatures, model_input_zero_shot
 from engine.prompt.features import V2_PROMPT_MEL
 from engine.prompt.onnx_models import PromptModels, SpeechTokenizer
@@ -45,7 +46,7 @@ COSYVOICE2 = PromptRecipe(
     tokenizer=V2_SPEECH_TOKENIZER,
     mel_from_recording=True,
     token_mel_ratio=2,
-    cache_suffix=".cosyvoice2.prompt.pt",
+    cache_suffix=family_named("cosyvoice2").prompt_cache_suffix,
 )
 
 ZERO_SHOT, CROSS_LINGUAL, INSTRUCT2 = "zero_shot", "cross_lingual", "instruct2"

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine.family import PROMPT_CACHE_ENDING, family_named
 from engine.prompt.features import V1_PROMPT_MEL, MelSpec
 from engine.prompt.onnx_models import V1_SPEECH_TOKENIZER, SpeechTokenizer
 
-CACHE_ENDING = ".prompt.pt"
+CACHE_ENDING = PROMPT_CACHE_ENDING
 
 
 @dataclass(frozen=True)
@@ -43,5 +44,5 @@ COSYVOICE1 = PromptRecipe(
     tokenizer=V1_SPEECH_TOKENIZER,
     mel_from_recording=False,
     token_mel_ratio=None,
-    cache_suffix=".prompt.pt",
+    cache_suffix=family_named("cosyvoice").prompt_cache_suffix,
 )

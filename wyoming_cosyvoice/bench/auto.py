@@ -48,6 +48,7 @@ class AutoRunConfig:
 
 def run(config: AutoRunConfig) -> dict[str, Any]:
     """Load as an ``auto`` server does, choose for the text, measure the streamed request."""
+    from engine.api import PrimesVoices
     from engine.bench.measure import peak_rss_mb, stream_request
     from engine.bench.timers import StageTimer
     from engine.family import load_engine, model_family
@@ -62,7 +63,8 @@ def run(config: AutoRunConfig) -> dict[str, Any]:
     assert auto is not None  # server.profile is auto
     weights = settings.load.weights
     start = time.perf_counter()
-    engine = load_engine(
+    # Any: the benchmark times the models inside the engine (StageTimer).
+    engine: Any = load_engine(
         config.model_dir,
         threads=config.threads,
         lm_int8=config.lm_int8,
@@ -72,7 +74,7 @@ def run(config: AutoRunConfig) -> dict[str, Any]:
     )
     result: dict[str, Any] = {"load_s": time.perf_counter() - start}
     speaker = None
-    if model_family(config.model_dir).name == "cosyvoice2":  # a prompt voice, as a server has
+    if model_family(config.model_dir).voices_from is not None:  # a prompt voice, as a server has
         from engine.bench.cosyvoice2 import add_bench_voice
         from engine.bench.measure import PROMPT_TRANSCRIPT
 
@@ -80,10 +82,11 @@ def run(config: AutoRunConfig) -> dict[str, Any]:
     if config.warmup:
         engine.warmup()
     auto.calibrate(engine)
-    unprime = getattr(engine, "unprime_voice", None)
-    if unprime is not None:  # as the server does: no primed voice for a profile never chosen
-        for out in auto.out_of_reach(engine):
-            unprime(out.options(speaker=speaker, seed=None, instruct=None, force_tokens=None))
+    out_of_reach = auto.out_of_reach(engine)
+    if isinstance(engine, PrimesVoices):  # as the server: none primed for a profile never chosen
+        for out in out_of_reach:
+            options = out.options(speaker=speaker, seed=None, instruct=None, force_tokens=None)
+            engine.unprime_voice(options)
     profile = auto.choose(
         config.text,
         engine=engine,
@@ -94,9 +97,8 @@ def run(config: AutoRunConfig) -> dict[str, Any]:
     assert auto.last is not None
     result["choice"] = auto.last.as_dict()
     options = profile.options(speaker=speaker, seed=SEED, instruct=None, force_tokens=config.tokens)
-    prime = getattr(engine, "prime_voice", None)
-    if prime is not None:  # CosyVoice2: the chosen settings' prompt chunks, before the request
-        prime(options)
+    if isinstance(engine, PrimesVoices):  # the chosen settings' prompt chunks, before the request
+        engine.prime_voice(options)
     flow = engine.flows.get(profile.flow_weights, engine.models.flow)
     hift = engine.hifts.get(profile.hift_weights, engine.models.hift)
     timer = StageTimer(engine.sample_rate, engine.models.hift.upp)

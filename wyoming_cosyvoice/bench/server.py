@@ -20,11 +20,12 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from engine.api import Engine
 from wyoming_cosyvoice import __main__ as server_cli
 from wyoming_cosyvoice.config import ServerConfig
 from wyoming_cosyvoice.download import ModelNotFoundError
-from wyoming_cosyvoice.model import load_cosyvoice, load_options, model_family_name
-from wyoming_cosyvoice.scheduler import Engine, EngineFactory
+from wyoming_cosyvoice.model import family_at, load_cosyvoice, load_options
+from wyoming_cosyvoice.scheduler import EngineFactory
 
 PROG = "python -m wyoming_cosyvoice.bench.server"
 _LOGGER = logging.getLogger("wyoming_cosyvoice")
@@ -92,7 +93,7 @@ def synthetic_voice_loader(config: ServerConfig, transcript: str) -> EngineFacto
 
     def load(model_dir: Path, threads: int | None) -> Engine:
         engine: Any = load_cosyvoice(model_dir, threads, **options)
-        if model_family_name(model_dir) == "cosyvoice2":
+        if family_at(model_dir).voices_from is not None:  # no speakers of its own
             from engine.bench.cosyvoice2 import add_bench_voice
 
             add_bench_voice(engine, transcript)

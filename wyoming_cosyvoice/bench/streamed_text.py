@@ -76,6 +76,7 @@ def prompt_transcript(text: str) -> str:
 def model_problem(synthetic: str | None, model_dir: Path | None) -> str | None:
     """Why the model cannot show early speech (None: it can): only CosyVoice2 speaks a sentence
     before it ends. Reads the directory's family without loading it."""
+    from engine.api import SpeaksGrowingText
     from engine.family import model_family
     from engine.types import ModelLoadError
 
@@ -84,10 +85,12 @@ def model_problem(synthetic: str | None, model_dir: Path | None) -> str | None:
         return None if synthetic == COSYVOICE2 else f"{needs}: --synthetic {COSYVOICE2}"
     assert model_dir is not None
     try:
-        family = model_family(model_dir).name
+        family = model_family(model_dir)
     except ModelLoadError as err:
         return f"--model-dir {err}"
-    return None if family == COSYVOICE2 else f"{needs}; {model_dir} is {family}"
+    if issubclass(family.engine_class(), SpeaksGrowingText):
+        return None
+    return f"{needs}; {model_dir} is {family.name}"
 
 
 def setting_args(early_speech: bool, text: str) -> list[str]:

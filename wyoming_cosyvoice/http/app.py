@@ -98,7 +98,7 @@ class TtsRoutes:
                  splitter_factory: SplitterFactory) -> None:  # fmt: skip
         self.config, self.scheduler = config, scheduler
         self.parser = SpeechParser(config, lambda: scheduler.catalog, splitter_factory,
-                                   lambda: getattr(scheduler.engine, "kind", None))  # fmt: skip
+                                   lambda: scheduler.instruction_form)  # fmt: skip
         self.page = _page()
 
     # --- state ----------------------------------------------------------------------------
@@ -142,7 +142,7 @@ class TtsRoutes:
             body["error"] = error
         # What the engine chose for this CPU: int8 kernels, native bfloat16, thread ceiling.
         engine = self.scheduler.ready.result() if state == "ready" else None
-        choices = getattr(engine, "cpu_choices", None)
+        choices = engine.cpu_choices if engine is not None else None
         if choices is not None:
             body["cpu"] = choices.as_dict()
         if state == "ready":
@@ -163,7 +163,8 @@ class TtsRoutes:
                 for v in catalog.voices
             ],
             "default": self.config.voice,
-            "speakers": speaker_names(self.parser.kind()),  # speeds and styles, per request
+            # speeds and styles, per request
+            "speakers": speaker_names(self.scheduler.instruction_form),
             "speed": self.config.speed,
             "profiles": self.config.servable_profiles,
             "default_profile": self.config.profile.name,

@@ -28,11 +28,11 @@ OPENAI_SPEEDS = (0.25, 4.0)
 
 
 def speaker_preset(
-    speaker: str | None, catalog: VoiceCatalog, kind: str | None
+    speaker: str | None, catalog: VoiceCatalog, form: str | None
 ) -> tuple[str | None, SpeakerPreset | None]:
     """(speaker left to name a voice, preset): ``speaker`` is a preset when it names one."""
     try:
-        rest, preset = split_preset({"speaker": speaker} if speaker else {}, catalog, kind)
+        rest, preset = split_preset({"speaker": speaker} if speaker else {}, catalog, form)
     except StyleUnsupportedError as err:
         raise HttpError(400, str(err), code="style_unsupported", param="speaker") from err
     return rest.get("speaker"), preset
@@ -51,8 +51,9 @@ def _speed(data: dict[str, Any], openai: bool) -> float | None:
     return min(max(float(value), MIN_SPEED), MAX_SPEED)
 
 
-def _style(data: dict[str, Any], kind: str | None) -> str | None:
-    """The instruction of the request's ``style``, for a model of ``kind``."""
+def _style(data: dict[str, Any], form: str | None) -> str | None:
+    """The instruction of the request's ``style``, for a model reading instructions in
+    ``form`` (engine.api)."""
     style = data.get("style")
     if style is None or style == "":
         return None
@@ -62,17 +63,17 @@ def _style(data: dict[str, Any], kind: str | None) -> str | None:
     if name not in STYLES:
         raise HttpError(400, f"unknown style {style!r}; styles: {', '.join(STYLES)}",
                         code="unknown_style", param="style")  # fmt: skip
-    if kind is None or not takes_styles(kind):
+    if form is None or not takes_styles(form):
         raise HttpError(400, f"'style' needs the {INSTRUCT_MODELS} model; the model this server "
                         "runs takes no instructions", code="style_unsupported",
                         param="style")  # fmt: skip
-    return STYLES[name][kind]
+    return STYLES[name][form]
 
 
 def delivery(
     data: dict[str, Any],
     *,
-    kind: str | None,
+    form: str | None,
     default_speed: float,
     preset: SpeakerPreset | None = None,
     instructions: str | None = None,
@@ -84,7 +85,7 @@ def delivery(
     the field ``instructions_field``: OpenAI's ``instructions``, or a ``speaker`` that names no
     voice) and ``style`` are two ways to say the same thing: one request gives one."""
     speed = _speed(data, openai)
-    style = _style(data, kind)
+    style = _style(data, form)
     if style is not None and instructions:
         raise HttpError(400, f"give either 'style' or an instruction in '{instructions_field}',"
                         " not both", param="style")  # fmt: skip

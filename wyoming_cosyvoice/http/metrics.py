@@ -207,7 +207,7 @@ class ServerState:
             "version": __version__,
             "model": self.config.model,
             "profile": self.config.profile.name,
-            "family": str(getattr(engine, "kind", "")) if engine is not None else "",
+            "family": engine.kind if engine is not None else "",
             "sample_rate": str(self.scheduler.sample_rate),
         }
 

@@ -32,14 +32,14 @@ from wyoming_cosyvoice.sentences import (
     iter_sentences,
     opening_language,
 )
-from wyoming_cosyvoice.speaker_presets import kind_from_name, with_presets
+from wyoming_cosyvoice.speaker_presets import INSTRUCT_MODELS, with_presets
 from wyoming_cosyvoice.speech import (
     SpeechSettings,
     VoiceChoice,
     instruction_text,
     split_instruction,
 )
-from wyoming_cosyvoice.voice_catalog import INSTRUCT_KINDS, Voice, VoiceCatalog
+from wyoming_cosyvoice.voice_catalog import Voice, VoiceCatalog
 
 FORMATS = ("wav", "pcm")
 _MAX_SEED = 2**32 - 1
@@ -53,7 +53,6 @@ TTS_FIELDS = ("text", "voice", "speaker", "profile", "seed", "stream", "format",
 # OpenAI's fields, then this server's extensions (the same as /tts).
 OPENAI_FIELDS = ("model", "input", "voice", "instructions", "response_format", "speed",
                  "stream_format", "profile", "seed", "volume", "style")  # fmt: skip
-INSTRUCT_MODELS = "CosyVoice2-0.5B or CosyVoice-300M-Instruct"
 
 
 @dataclass(frozen=True)
@@ -167,12 +166,13 @@ class SpeechParser:
         config: ServerConfig,
         catalog: Callable[[], VoiceCatalog],
         splitter_factory: SplitterFactory,
-        model_kind: Callable[[], str | None] = lambda: None,
+        instruction_form: Callable[[], str | None] = lambda: None,
     ) -> None:
         self.config = config
         self._catalog = catalog  # a callable: the catalog is replaced once the model loads
         self._splitter_factory = splitter_factory
-        self._model_kind = model_kind  # 'sft', 'base', 'instruct' or 'cosyvoice2' once loaded
+        # How the model reads an instruction (engine.api; None: it takes none).
+        self._instruction_form = instruction_form
 
     def tts(self, data: dict[str, Any]) -> SpeechRequest:
         """``POST /tts``: {text, voice?, speaker?, profile?, seed?, stream?, format?, volume?}."""
@@ -182,10 +182,10 @@ class SpeechParser:
         audio_format = self._format(data.get("format"), "format")
         sentences = iter_sentences(text, self._splitter_factory())
         speaker, preset = speaker_preset(_optional(data, "speaker", str, "a speaker name"),
-                                         self._catalog(), self.kind())  # fmt: skip
+                                         self._catalog(), self.form())  # fmt: skip
         speaker, spoken = self._speaker_instruction(speaker)
         voice = self._voice(_optional(data, "voice", str, "a voice name"), speaker, text)
-        speed, instruct = delivery(data, kind=self.kind(), default_speed=self.config.speed,
+        speed, instruct = delivery(data, form=self.form(), default_speed=self.config.speed,
                                    preset=preset, instructions=spoken,
                                    instructions_field="speaker")  # fmt: skip
         return self._request(data, text, sentences, voice, stream=stream,
@@ -213,7 +213,7 @@ class SpeechParser:
             name = None
         sentences = iter_sentences(text, self._splitter_factory())
         voice = self._voice(name, None, text)
-        speed, instruct = delivery(data, kind=self.kind(), default_speed=self.config.speed,
+        speed, instruct = delivery(data, form=self.form(), default_speed=self.config.speed,
                                    instructions=self._instructions(data), openai=True)  # fmt: skip
         return self._request(data, text, sentences, voice, stream=stream_format is not None,
                              audio_format=audio_format, sse=stream_format == "sse",
@@ -225,7 +225,7 @@ class SpeechParser:
         instruct = _optional(data, "instructions", str, "a string")
         if instruct is None or not instruct.strip():
             return None  # clients that always send the field send it empty
-        if self._model_kind() not in INSTRUCT_KINDS:
+        if self.form() is None:
             raise HttpError(400, f"'instructions' needs the {INSTRUCT_MODELS} model; the model "
                             "this server runs has no instruct mode",
                             code="instructions_unsupported", param="instructions")  # fmt: skip
@@ -241,18 +241,16 @@ class SpeechParser:
             return None, None
         try:
             wanted, instruction = split_instruction({"speaker": speaker}, self._catalog(),
-                                                    self.kind(), "'speaker'")  # fmt: skip
+                                                    self.form(), "'speaker'")  # fmt: skip
         except LimitExceededError as err:
             raise _too_long(err, "speaker") from err
         return wanted.get("speaker"), instruction
 
     # --- the shared checks ----------------------------------------------------------------
 
-    def kind(self) -> str | None:
-        """The model's kind; before it has loaded, what its directory's name says."""
-        model_dir = self.config.model_dir
-        return self._model_kind() or kind_from_name(model_dir.name if model_dir else
-                                                    self.config.model)  # fmt: skip
+    def form(self) -> str | None:
+        """How the model reads an instruction (engine.api; None: it takes none)."""
+        return self._instruction_form()
 
     def _text(self, data: dict[str, Any], key: str) -> str:
         text = data.get(key)
@@ -294,7 +292,7 @@ class SpeechParser:
         try:
             return catalog.resolve(wanted, default=self.config.voice, text_language=language)
         except VoiceNotFoundError as err:
-            told = with_presets(err, wanted, catalog, self.kind())
+            told = with_presets(err, wanted, catalog, self.form())
             raise HttpError(404, str(told), code="voice_not_found",
                             param="speaker" if speaker else "voice") from err  # fmt: skip
 
