@@ -1,9 +1,10 @@
 """Shared fixtures for the server tests: free ports, a fake engine, an in-process server, a client.
 
-The fake engine has the real engine's contract (``engine.engine.CosyVoiceEngine``): speakers,
-``synthesize(text, options, cancel)`` as a plain blocking generator of ``AudioChunk``s that
-raises ``SynthesisCancelled`` soon after ``cancel`` is set. Its audio is deterministic (a sine
-per speaker, ``SAMPLES_PER_CHAR`` samples per character) so tests can check exact lengths.
+The fake engine has the real engine's surface (``engine.api.Engine``, its defaults from
+``fake_surface.FakeSurface``): speakers, ``synthesize(text, options, cancel)`` as a plain
+blocking generator of ``AudioChunk``s that raises ``SynthesisCancelled`` soon after ``cancel``
+is set. Its audio is deterministic (a sine per speaker, ``SAMPLES_PER_CHAR`` samples per
+character) so tests can check exact lengths.
 """
 
 from __future__ import annotations
@@ -25,11 +26,16 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pytest
 import torch
+from fake_surface import FakeSurface
+
+if TYPE_CHECKING:
+    from engine.api import Engine
+    from engine.types import AudioChunk, SynthesisOptions
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY_MODEL = ROOT / "tests" / "data" / "tiny_model"
@@ -45,7 +51,7 @@ def free_port() -> int:
 # --- fake engine ----------------------------------------------------------------------------
 
 
-class FakeEngine:
+class FakeEngine(FakeSurface):
     """Deterministic stand-in for CosyVoiceEngine; records every call."""
 
     SAMPLES_PER_CHAR = 441  # 20 ms of audio per input character
@@ -70,7 +76,6 @@ class FakeEngine:
             "粤语女",
             "韩语女",
         ]
-        self.kind = "sft"
         self.calls: list[Call] = []
         self.lock = threading.Lock()
         self.warmed = False
@@ -83,10 +88,20 @@ class FakeEngine:
         return len(sentence) * cls.SAMPLES_PER_CHAR
 
     def synthesize(
-        self, text: str, options: Any, cancel: threading.Event | None = None
-    ) -> Iterator[Any]:
-        from engine.types import AudioChunk, EngineError, SynthesisCancelled, UnknownSpeakerError
+        self,
+        text: str,
+        options: SynthesisOptions | None = None,
+        cancel: threading.Event | None = None,
+    ) -> Iterator[AudioChunk]:
+        from engine.types import (
+            AudioChunk,
+            EngineError,
+            SynthesisCancelled,
+            SynthesisOptions,
+            UnknownSpeakerError,
+        )
 
+        options = options or SynthesisOptions()
         if options.speaker not in self.speakers:
             raise UnknownSpeakerError(f"unknown speaker {options.speaker!r}")
         call = Call(text, options.speaker, threading.current_thread().name)
@@ -129,6 +144,10 @@ class FakeEngine:
                 return
             if time.monotonic() > deadline:
                 raise EngineError("the test never let the held sentence go on")
+
+
+if TYPE_CHECKING:  # mypy holds the fake to the whole surface
+    _SURFACE: type[Engine] = FakeEngine
 
 
 @dataclass

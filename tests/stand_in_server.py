@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from fake_surface import FakeSurface
 
 CANCEL_SEEN = "stand-in engine: cancel seen"
 # Set by a test: the stand-in creates this file once it is inside its long computation.
@@ -24,9 +25,8 @@ COMPUTING_FILE_ENV = "STAND_IN_COMPUTING_FILE"
 _COMPUTE_S = 600.0
 
 
-class StuckEngine:
+class StuckEngine(FakeSurface):
     speakers = ["中文女", "英文男"]  # the tiny model's
-    kind = "sft"
 
     def __init__(self, model_dir: Path, threads: int | None = None) -> None:
         pass

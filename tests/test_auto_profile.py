@@ -22,19 +22,20 @@ from typing import Any
 import pytest
 import torch
 from conftest import FakeEngine
+from fake_surface import FakeSurface
 
+from engine.api import PrimesVoices, StreamGeometry
+from engine.cosyvoice2.engine import ChunkedStreamGeometry
 from engine.cpu import detect
+from engine.engine import STREAM_GEOMETRY as V1_GEOMETRY
 from engine.stage_times import StageTime, flow_passes, flow_units
 from engine.types import SynthesisOptions
 from wyoming_cosyvoice.auto_profile import (
     CALIBRATION_TEXT,
     GROWING_SPEECH_S,
-    V1_GEOMETRY,
     AutoProfile,
-    Geometry,
     calibration_tokens,
     choose_profile,
-    geometry_of,
     plan_chunks,
     playback_stall,
     predict,
@@ -69,7 +70,7 @@ def costs(scale: float = 1.0, cores: int = 2, **changes: Any) -> StageCosts:
 
 
 def choose(speech_s: float, stage_costs: StageCosts | None, target_s: float = 1.5) -> Any:
-    return choose_profile(CANDIDATES, stage_costs, speech_s, target_s)
+    return choose_profile(CANDIDATES, stage_costs, speech_s, target_s, V1_GEOMETRY)
 
 
 # --- the prediction ---------------------------------------------------------------------------
@@ -142,7 +143,7 @@ def test_the_v1_plan_cuts_the_chunks_the_engine_cuts(
 ) -> None:
     profile = CONFIG.profiles[name]
     made = _durations(v1_engine, profile, tokens)
-    planned = [chunk.audio_s for chunk in plan_chunks(profile, tokens, geometry_of(v1_engine))]
+    planned = [chunk.audio_s for chunk in plan_chunks(profile, tokens, v1_engine.stream_geometry)]
     assert len(planned) == len(made)
     assert planned == pytest.approx(made, abs=0.025)  # a mel frame's rounding per chunk
 
@@ -178,8 +179,8 @@ def v2_engine(tmp_path_factory: pytest.TempPathFactory) -> Any:
 
 def test_the_cosyvoice2_plan_cuts_the_chunks_the_engine_cuts(v2_engine: Any) -> None:
     engine = v2_engine
-    geometry = geometry_of(engine)
-    assert geometry.family == "cosyvoice2" and geometry.token_rate == engine.token_rate
+    geometry = engine.stream_geometry
+    assert isinstance(geometry, ChunkedStreamGeometry) and geometry.token_rate == engine.token_rate
     for profile in (REALTIME, FASTEST):
         for tokens in (20, 90):
             made = _durations(engine, profile, tokens, speaker="tester")
@@ -195,7 +196,9 @@ def _heard(engine: Any, profile: Any, tokens: int, speaker: str | None = None) -
     return heard
 
 
-def _planned_work(profile: Any, tokens: int, geometry: Geometry) -> tuple[list[float], list[float]]:
+def _planned_work(
+    profile: Any, tokens: int, geometry: StreamGeometry
+) -> tuple[list[float], list[float]]:
     """Each planned chunk's flow units and HiFT seconds."""
     per_frame = flow_units(1, profile.n_timesteps, profile.cfg_rate)
     chunks = plan_chunks(profile, tokens, geometry)
@@ -210,7 +213,7 @@ def test_the_engine_reports_each_calls_work_as_the_plan_counts_it(
     frames the flow computes (CosyVoice2's first chunk computes the prompt's unfinished
     attention chunk too), the seconds HiFT is fed."""
     engine, speaker = (v1_engine, None) if family == "cosyvoice" else (v2_engine, "tester")
-    geometry = geometry_of(engine)
+    geometry = engine.stream_geometry
     assert geometry == GEOMETRIES[family]  # the fake engine below cuts as this one does
     for profile in (REALTIME, FAST, FASTEST):
         tokens = calibration_tokens(profile, geometry)
@@ -226,8 +229,7 @@ def test_the_engine_reports_each_calls_work_as_the_plan_counts_it(
 # --- the calibration --------------------------------------------------------------------------
 
 
-V2_GEOMETRY = Geometry(
-    family="cosyvoice2",
+V2_GEOMETRY = ChunkedStreamGeometry(
     token_rate=25,
     frames_per_token=2,
     overlap_tokens=0,
@@ -240,7 +242,7 @@ V2_GEOMETRY = Geometry(
 PROMPT_FRAMES = 250
 
 
-class TimedEngine:
+class TimedEngine(FakeSurface):
     """A fake engine that reports what a request's stages would cost on a small machine,
     modelled beyond the meter's lines: the LM's way to its first token grows with the text,
     each flow pass (ODE step and batch row) costs a fixed part and, per frame, more the more
@@ -253,17 +255,15 @@ class TimedEngine:
     HIFT = {"fp32": (0.03, 0.3), "bf16": (0.02, 0.15)}  # per call, per second fed
     LM_TOKEN_S = 0.03
 
-    def __init__(self, geometry: Geometry) -> None:
+    def __init__(self, geometry: StreamGeometry) -> None:
         self.geometry = geometry
         self.kind = "sft" if geometry is V1_GEOMETRY else "cosyvoice2"
+        self.speakers = ["tester"]
         self.requests: list[tuple[str, SynthesisOptions]] = []
-        # What geometry_of reads of a CosyVoice2 engine (the tiny model's are the same).
-        self.token_rate, self.sample_rate = 25, 24000
-        encoder = SimpleNamespace(static_chunk_size=25)
-        flow_args = SimpleNamespace(token_mel_ratio=2, pre_lookahead_len=3, encoder=encoder)
-        self.models = SimpleNamespace(
-            flow=SimpleNamespace(args=flow_args), hift=SimpleNamespace(upp=480)
-        )
+
+    @property
+    def stream_geometry(self) -> StreamGeometry:
+        return self.geometry
 
     def prefill_s(self, text: str) -> float:
         return 0.25 + 0.005 * len(text)
@@ -304,7 +304,7 @@ class TimedEngine:
 GEOMETRIES = {"cosyvoice": V1_GEOMETRY, "cosyvoice2": V2_GEOMETRY}
 
 
-def _calibrated(geometry: Geometry) -> tuple[TimedEngine, AutoProfile]:
+def _calibrated(geometry: StreamGeometry) -> tuple[TimedEngine, AutoProfile]:
     engine = TimedEngine(geometry)
     auto = AutoProfile(CONFIG.auto, CANDIDATES, CostMeter(lambda: 2))  # type: ignore[arg-type]
     auto.calibrate(engine)
@@ -317,7 +317,6 @@ def test_the_calibration_is_a_streamed_request_of_an_answers_length(family: str)
     default voice, a sentence of an answer's length, its first chunk and the next."""
     geometry = GEOMETRIES[family]
     engine, _ = _calibrated(geometry)
-    assert geometry_of(engine) == geometry
     assert [(o.flow_weights, o.hift_weights) for _, o in engine.requests] == [
         ("fp32", "fp32"),
         ("int8", "bf16"),
@@ -559,12 +558,22 @@ def _measure_every_format(meter: CostMeter, reference: StageCosts) -> None:
     meter.record(StageTime("lm_token", "", reference.lm_token_s * 40, 40))
 
 
+class ChoosingEngine(FakeSurface):
+    """What auto's choice reads of an engine: v1's, with every weight format loaded."""
+
+    speakers = ["tester"]
+    weight_formats = {"flow": ("fp32", "int8"), "hift": ("fp32", "bf16")}
+
+    def synthesize(self, text: str, options: Any = None, cancel: Any = None) -> Iterator[Any]:
+        raise AssertionError("auto's choice speaks nothing")
+
+
 def test_a_busy_box_makes_auto_choose_a_cheaper_profile() -> None:
     free = [2]
     meter = CostMeter(lambda: free[0])
     auto = AutoProfile(CONFIG.auto, CANDIDATES, meter)  # type: ignore[arg-type]
     _measure_every_format(meter, costs(scale=0.1))
-    engine = SimpleNamespace(kind="sft")
+    engine = ChoosingEngine()
     quiet = auto.choose("Turning on the kitchen light.", engine=engine, speaker=None, client="t")
     free[0] = 1
     busy = auto.choose("Turning on the kitchen light.", engine=engine, speaker=None, client="t")
@@ -768,7 +777,7 @@ def test_the_real_engine_measures_and_chooses(tmp_path: Path) -> None:
     assert "Traceback" not in log
 
 
-class PrimingCostEngine(CostEngine):
+class PrimingCostEngine(CostEngine, PrimesVoices):
     """The cost engine with CosyVoice2's primed voices: records what it primes and lets go."""
 
     def __init__(self, model_dir: Path, threads: int | None = None, *, scale: float) -> None:
@@ -810,7 +819,7 @@ def test_a_sentence_still_arriving_is_chosen_for_as_a_long_one() -> None:
     meter = CostMeter(lambda: 2)
     auto = AutoProfile(CONFIG.auto, CANDIDATES, meter)  # type: ignore[arg-type]
     _measure_every_format(meter, costs(scale=0.3))
-    engine = SimpleNamespace(kind="sft")
+    engine = ChoosingEngine()
     opening = "Sure, I have"
     whole = auto.choose(opening, engine=engine, speaker=None, client="t")
     growing = auto.choose(opening, engine=engine, speaker=None, client="t", growing=True)

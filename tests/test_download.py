@@ -23,16 +23,18 @@ from pathlib import Path
 
 import pytest
 
+from engine.family import family_named
 from wyoming_cosyvoice.download import (
-    MODEL_FILES,
-    MODEL_FILES_V2,
-    VOICE_FILES_V2,
     DownloadError,
     ModelNotFoundError,
     download_model,
     ensure_model,
     find_model,
 )
+
+V1, V2 = family_named("cosyvoice"), family_named("cosyvoice2")
+MODEL_FILES, VOICE_FILES = V1.model_files, V1.prompt_model_files
+MODEL_FILES_V2, VOICE_FILES_V2 = V2.model_files, V2.prompt_model_files
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "tests" / "data" / "tiny_model"
@@ -201,7 +203,7 @@ def test_interrupted_download_resumes_and_never_looks_complete(hub: Hub, tmp_pat
         ensure_model(NAME, (tmp_path,), tmp_path, endpoint=endpoint(hub), attempts=2)
     partial = tmp_path / f"{NAME}.partial"
     assert not (tmp_path / NAME).exists()
-    assert find_model(NAME, (tmp_path,)) is None
+    assert find_model(NAME, (tmp_path,), MODEL_FILES) is None
     kept = (partial / "llm.pt.incomplete").stat().st_size
     assert kept == 2_000_000  # two attempts, the second resumed after the first
     assert (partial / "cosyvoice.yaml").is_file()  # finished files are kept too
@@ -342,7 +344,7 @@ def test_cli_downloads_through_hf_endpoint(hub: Hub, tmp_path: Path) -> None:
 def test_voice_files_are_added_to_a_complete_model_dir(hub: Hub, tmp_path: Path) -> None:
     import shutil
 
-    from wyoming_cosyvoice.download import VOICE_FILES, ensure_extra_files
+    from wyoming_cosyvoice.download import ensure_extra_files
 
     for name in VOICE_FILES:
         hub.files[name] = os.urandom(300_000)

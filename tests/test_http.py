@@ -23,6 +23,8 @@ import httpx
 import pytest
 from conftest import TINY_MODEL, FakeEngine, Outcomes, SimpleSplitter, wait_until
 
+from engine.api import DESCRIBED_SPEAKER
+
 RATE = 22050
 
 
@@ -269,7 +271,7 @@ class InstructEngine(FakeEngine):
 
     def __init__(self, model_dir: Path, threads: int | None = None) -> None:
         super().__init__(model_dir, threads)
-        self.kind = "instruct"
+        self.kind, self.instruction_form = "instruct", DESCRIBED_SPEAKER
         self.options: list[Any] = []
 
     def synthesize(self, text: str, options: Any, cancel: Any = None) -> Iterator[Any]:
@@ -321,7 +323,7 @@ def test_openai_instructions_reach_an_instruct_model() -> None:
             "/v1/audio/speech",
             {"input": "Hi.", "instructions": "Whisper."},
             400,
-            "'instructions' needs the CosyVoice2-0.5B or CosyVoice-300M-Instruct model",
+            "'instructions' needs the CosyVoice-300M-Instruct or CosyVoice2-0.5B model",
         ),
         ("/v1/audio/speech", {"input": "Hi.", "instructions": 3}, 400, "must be a string"),
     ],

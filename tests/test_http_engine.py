@@ -20,6 +20,7 @@ from typing import Any
 
 import httpx
 import pytest
+from fake_surface import FakeSurface
 from test_http import BackgroundServer, parse_wav
 
 TOKENS = 80  # 1.6 s of audio per sentence: at least two chunks with the realtime schedule
@@ -45,12 +46,13 @@ class Recorder:
             return [i for i, e in enumerate(self.events) if e[: len(prefix)] == prefix]
 
 
-class InstrumentedEngine:
+class InstrumentedEngine(FakeSurface):
     """The real engine, recording what it produces and on which thread."""
 
     def __init__(self, inner: Any, recorder: Recorder) -> None:
         self.inner, self.recorder = inner, recorder
         self.speakers, self.kind = inner.speakers, inner.kind
+        self.sample_rate, self.instruction_form = inner.sample_rate, inner.instruction_form
 
     def warmup(self) -> None:
         self.inner.warmup()

@@ -12,6 +12,7 @@ import pytest
 from test_http import BackgroundServer, httpx
 from test_server_speed import InstructEngine, SpeedEngine
 
+from engine.api import DESCRIBED_SPEAKER
 from wyoming_cosyvoice.speaker_presets import STYLES
 
 FIXED = {"server.profile": "realtime"}
@@ -113,7 +114,7 @@ def test_styles_by_name_are_the_models_instructions(
     response = _post(instruct, path, {text_key: text(), "style": "cheerful", "speed": 1.25})
     assert response.status_code == 200, response.text
     options = _last_options(instruct)
-    assert (options.instruct, options.speed) == (STYLES["cheerful"]["instruct"], 1.25)
+    assert (options.instruct, options.speed) == (STYLES["cheerful"][DESCRIBED_SPEAKER], 1.25)
 
 
 def test_tts_takes_a_style_speaker(instruct: BackgroundServer) -> None:
@@ -122,7 +123,7 @@ def test_tts_takes_a_style_speaker(instruct: BackgroundServer) -> None:
     options = _last_options(instruct)
     assert (options.speaker, options.instruct, options.speed) == (
         "英文男",
-        STYLES["sad"]["instruct"],
+        STYLES["sad"][DESCRIBED_SPEAKER],
         0.8,
     )
 

@@ -18,6 +18,7 @@ import pytest
 import yaml
 from test_server_speed import FIXED, CosyVoice2Engine, SpeedEngine, describe
 
+from engine.api import INSTRUCT2
 from wyoming_cosyvoice import addon
 from wyoming_cosyvoice.config import ConfigError, load_config, packaged_settings
 from wyoming_cosyvoice.speaker_presets import SPEEDS, STYLES, is_preset_name
@@ -87,7 +88,7 @@ def test_a_style_voice_is_the_models_instruction_and_a_free_text_speaker_wins(wy
         wy, CosyVoice2Engine, {}, {"name": "en-female (calm-slow)"},
         {"name": "en-female (calm-slow)", "speaker": "用四川话说这句话"}))  # fmt: skip
     assert [r.error() for r in replies] == [None, None]
-    assert (options[0].instruct, options[0].speed) == (STYLES["calm"]["cosyvoice2"], 0.8)
+    assert (options[0].instruct, options[0].speed) == (STYLES["calm"][INSTRUCT2], 0.8)
     assert (options[1].instruct, options[1].speed) == ("用四川话说这句话", 0.8)
 
 

@@ -161,9 +161,12 @@ def run(coro: Any) -> Any:
 # --- voices out of the box --------------------------------------------------------------------
 
 
-def test_first_start_makes_voices_from_the_v1_speakers(server: SimpleNamespace) -> None:
-    from wyoming_cosyvoice.builtin_voices import BUILTIN_VOICES_DIR
+# Where the voices made from v1's speakers are kept, under the download directory: existing
+# installs have it, so its name stays.
+BUILTIN_VOICES_DIR = "CosyVoice2-voices-from-CosyVoice-300M-SFT"
 
+
+def test_first_start_makes_voices_from_the_v1_speakers(server: SimpleNamespace) -> None:
     folder = server.data / BUILTIN_VOICES_DIR
     for speaker in ("中文女", "英文男"):
         for suffix in (".wav", ".txt", ".cosyvoice2.prompt.pt"):
@@ -179,7 +182,8 @@ def test_first_start_makes_voices_from_the_v1_speakers(server: SimpleNamespace) 
 def test_an_unfinished_voices_folder_is_finished_on_the_next_start(
     server: SimpleNamespace, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from wyoming_cosyvoice.builtin_voices import BUILTIN_VOICES_DIR, make_missing_voices
+    from engine.family import family_named
+    from wyoming_cosyvoice.builtin_voices import make_missing_voices
     from wyoming_cosyvoice.config import load_config
 
     monkeypatch.setattr("wyoming_cosyvoice.builtin_voices.SPEAKING_OPTIONS", QUICK_V1)
@@ -191,12 +195,13 @@ def test_an_unfinished_voices_folder_is_finished_on_the_next_start(
         path.unlink()
     kept = (folder / "中文女.wav").read_bytes()
     config = load_config(None, [("server.data_dirs", [str(data)]), ("server.offline", True)])
-    make_missing_voices(data / V2, config)
+    family = family_named("cosyvoice2")
+    make_missing_voices(data / V2, family, config)
     assert (folder / "英文男.cosyvoice2.prompt.pt").is_file() and (folder / ".finished").is_file()
     assert (folder / "中文女.wav").read_bytes() == kept
     # Finished: the v1 model is not needed any more.
     shutil.rmtree(data / "CosyVoice-300M-SFT")
-    make_missing_voices(data / V2, config)
+    make_missing_voices(data / V2, family, config)
 
 
 def test_describe_lists_the_voices_before_and_after_the_load(
@@ -353,17 +358,20 @@ def test_a_cached_voice_is_logged_with_its_cache_file(
 
 def test_voice_caches_are_named_per_family(tmp_path: Path) -> None:
     from engine.cosyvoice2.prompt import COSYVOICE2
+    from engine.family import family_named
     from engine.prompt.recipe import COSYVOICE1
-    from wyoming_cosyvoice.builtin_voices import V2_CACHE_SUFFIX
     from wyoming_cosyvoice.config import load_config
-    from wyoming_cosyvoice.custom_voices import CACHE_SUFFIXES, prompt_model_files
+    from wyoming_cosyvoice.custom_voices import prompt_model_files, voice_model_name
 
-    assert CACHE_SUFFIXES["cosyvoice"] == COSYVOICE1.cache_suffix
-    assert CACHE_SUFFIXES["cosyvoice2"] == V2_CACHE_SUFFIX == COSYVOICE2.cache_suffix
+    assert family_named("cosyvoice").prompt_cache_suffix == COSYVOICE1.cache_suffix
+    assert family_named("cosyvoice2").prompt_cache_suffix == COSYVOICE2.cache_suffix
+    assert COSYVOICE1.cache_suffix != COSYVOICE2.cache_suffix
     config = load_config(None, [("server.model", "CosyVoice-300M-SFT")])
     # A --model-dir of another family than the configured model: its own prompt models.
-    assert prompt_model_files(config, TINY_V2) == ("campplus.onnx", "speech_tokenizer_v2.onnx")
-    assert prompt_model_files(config, TINY_V1) == ("campplus.onnx", "speech_tokenizer_v1.onnx")
+    assert prompt_model_files(TINY_V2) == ("campplus.onnx", "speech_tokenizer_v2.onnx")
+    assert prompt_model_files(TINY_V1) == ("campplus.onnx", "speech_tokenizer_v1.onnx")
+    assert voice_model_name(config, TINY_V2) == "CosyVoice2-0.5B"
+    assert voice_model_name(config, TINY_V1) == "CosyVoice-300M-SFT"
 
 
 def test_the_synthesize_command_writes_24_khz(server: SimpleNamespace, tmp_path: Path) -> None:

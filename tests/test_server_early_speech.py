@@ -13,8 +13,10 @@ from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
+from fake_surface import FakeSurface
 from wyoming.event import Event
 
+from engine.api import SpeaksGrowingText
 from engine.text_feed import TextFeed
 from engine.types import AudioChunk, SynthesisCancelled
 
@@ -22,7 +24,7 @@ FIRST = "Turn on the kitchen lights please."
 SECOND = "And the hall."
 
 
-class GrowingFakeEngine:
+class GrowingFakeEngine(FakeSurface, SpeaksGrowingText):
     """The fake engine, plus ``synthesize_growing``: its first audio once three words have
     arrived, the rest after the sentence's end (as long as ``synthesize`` would make)."""
 
@@ -30,7 +32,7 @@ class GrowingFakeEngine:
 
     def __init__(self, model_dir: Path, threads: int | None, fake: type) -> None:
         self.fake = fake(model_dir, threads)
-        self.speakers, self.kind = self.fake.speakers, self.fake.kind
+        self.speakers = self.fake.speakers
         self.growing: list[SimpleNamespace] = []
 
     def warmup(self) -> None:

@@ -8,6 +8,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import torch
+from fake_surface import FakeSurface
 
 from engine import thread_budget
 from wyoming_cosyvoice.scheduler import _Slots
@@ -60,13 +61,13 @@ def test_a_cancelled_waiter_gives_its_turn_away() -> None:
     assert run(main()) == [0]
 
 
-class MeetingEngine:
+class MeetingEngine(FakeSurface):
     """A fake engine whose sentences wait until another sentence runs at the same time."""
 
     def __init__(self, fake: Any) -> None:
         self._fake = fake
         self.threads = fake.threads
-        self.speakers, self.kind = self._fake.speakers, self._fake.kind
+        self.speakers = self._fake.speakers
         self.meet = threading.Barrier(2, timeout=10)
         self.seen: list[tuple[str, str, int]] = []  # (text, engine thread, torch threads)
         self.budgets: list[Any] = []  # options.threads of each sentence

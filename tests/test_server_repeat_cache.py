@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 from conftest import FakeEngine
 
+from engine.api import DESCRIBED_SPEAKER
 from engine.types import AudioChunk, SynthesisOptions
 from wyoming_cosyvoice.repeat_cache import RepeatCache
 from wyoming_cosyvoice.voice_catalog import Voice, VoiceCatalog
@@ -160,7 +161,8 @@ def test_an_instruction_makes_a_new_sentence(wy: SimpleNamespace) -> None:
     class InstructEngine(FakeEngine):
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
-            self.kind, self.instructions = "instruct", []
+            self.kind, self.instruction_form = "instruct", DESCRIBED_SPEAKER
+            self.instructions: list[str | None] = []
 
         def synthesize(self, text: str, options: Any, cancel: Any = None) -> Iterator[Any]:
             self.instructions.append(options.instruct)

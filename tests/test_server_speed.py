@@ -20,6 +20,7 @@ from conftest import FakeEngine
 from wyoming.event import Event
 from wyoming.info import Describe, Info
 
+from engine.api import DESCRIBED_SPEAKER, INSTRUCT2
 from engine.types import AudioChunk
 from wyoming_cosyvoice.speaker_presets import SPEEDS, STYLES
 
@@ -31,11 +32,10 @@ FIXED = {"server.profile": "realtime"}
 class SpeedEngine(FakeEngine):
     """The fake engine, whose audio lasts ``1 / options.speed`` as long; keeps every options."""
 
-    kind_name = "sft"
+    kind = "sft"
 
     def __init__(self, model_dir: Path, threads: int | None = None) -> None:
         super().__init__(model_dir, threads, delay=0.0)
-        self.kind = self.kind_name
         self.options: list[Any] = []
 
     def synthesize(
@@ -50,11 +50,11 @@ class SpeedEngine(FakeEngine):
 
 
 class InstructEngine(SpeedEngine):
-    kind_name = "instruct"
+    kind, instruction_form = "instruct", DESCRIBED_SPEAKER
 
 
 class CosyVoice2Engine(SpeedEngine):
-    kind_name = "cosyvoice2"
+    kind, instruction_form = "cosyvoice2", INSTRUCT2
 
 
 def run(coro: Any) -> Any:
@@ -176,7 +176,7 @@ def test_a_speaker_that_names_a_voice_still_picks_the_voice(wy: Any) -> None:
 
 @pytest.mark.parametrize("engine", [InstructEngine, CosyVoice2Engine])
 def test_a_style_speaker_is_the_models_instruction(wy: Any, engine: type) -> None:
-    kind = engine.kind_name
+    form = engine.instruction_form
 
     async def main() -> list[tuple[str | None, float]]:
         async with wy.fake_server(FIXED, engine=engine) as server:
@@ -187,9 +187,9 @@ def test_a_style_speaker_is_the_models_instruction(wy: Any, engine: type) -> Non
             return [(o.instruct, o.speed) for o in server.engines[0].options]
 
     assert run(main()) == [
-        (STYLES["calm"][kind], 1.0),
-        (STYLES["cheerful"][kind], 0.8),
-        (STYLES["sad"][kind], 1.25),
+        (STYLES["calm"][form], 1.0),
+        (STYLES["cheerful"][form], 0.8),
+        (STYLES["sad"][form], 1.25),
         ("Speak like a pirate.", 1.0),  # no preset: a free-text instruction, as before
     ]
 
@@ -202,7 +202,7 @@ def test_a_style_streams_too(wy: Any) -> None:
             assert reply.error() is None and reply.types[-1] == "synthesize-stopped"
             return [(o.instruct, o.speed) for o in server.engines[0].options]
 
-    assert run(main()) == [(STYLES["calm"]["instruct"], 1.25)] * 2
+    assert run(main()) == [(STYLES["calm"][DESCRIBED_SPEAKER], 1.25)] * 2
 
 
 def test_a_style_with_a_model_without_instructions_is_refused_with_the_reason(wy: Any) -> None:

@@ -16,6 +16,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+from fake_surface import FakeSurface
 from wyoming.event import Event
 
 from engine.text.segment import split_sentences
@@ -27,12 +28,13 @@ TEXT = (
 )
 
 
-class RecordingEngine:
+class RecordingEngine(FakeSurface):
     """The real engine with a fixed number of speech tokens (random weights never end a
     sentence by themselves), recording the text of every call."""
 
     def __init__(self, inner: Any) -> None:
         self.inner, self.speakers, self.kind = inner, inner.speakers, inner.kind
+        self.sample_rate, self.instruction_form = inner.sample_rate, inner.instruction_form
         self.texts: list[str] = []
         self.lock = threading.Lock()
 

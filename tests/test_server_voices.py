@@ -34,6 +34,7 @@ import pytest
 from conftest import terminate
 from wyoming.info import Describe, Info
 
+from engine.api import DESCRIBED_SPEAKER
 from wyoming_cosyvoice.custom_voices import folder_fingerprint
 from wyoming_cosyvoice.protocol import LimitExceededError
 from wyoming_cosyvoice.speech import split_instruction
@@ -277,13 +278,16 @@ def test_restart_uses_the_cache_and_survives_missing_prompt_models(
 def test_speaker_field_as_instruction() -> None:
     catalog = VoiceCatalog(["中文女"], [("anna", "en")])
     voice = {"name": "anna", "speaker": "  Speak   slowly. "}
-    assert split_instruction(voice, catalog, "instruct") == ({"name": "anna"}, "Speak slowly.")
+    assert split_instruction(voice, catalog, DESCRIBED_SPEAKER) == (
+        {"name": "anna"},
+        "Speak slowly.",
+    )
     named = {"name": "anna", "speaker": "zh-female"}  # a voice: keeps its old meaning
-    assert split_instruction(named, catalog, "instruct") == (named, None)
-    assert split_instruction(voice, catalog, "sft") == (voice, None)
-    assert split_instruction(None, catalog, "instruct") == ({}, None)
+    assert split_instruction(named, catalog, DESCRIBED_SPEAKER) == (named, None)
+    assert split_instruction(voice, catalog, None) == (voice, None)
+    assert split_instruction(None, catalog, DESCRIBED_SPEAKER) == ({}, None)
     with pytest.raises(LimitExceededError):
-        split_instruction({"speaker": "x" * 1001}, catalog, "instruct")
+        split_instruction({"speaker": "x" * 1001}, catalog, DESCRIBED_SPEAKER)
 
 
 def test_catalog_keeps_builtins_first_and_refuses_taken_names() -> None:
