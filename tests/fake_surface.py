@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from engine.api import StreamGeometry
+from engine.engine import STREAM_GEOMETRY
 from engine.types import AudioChunk, SynthesisOptions
 
 if TYPE_CHECKING:
@@ -23,13 +24,6 @@ if TYPE_CHECKING:
     from engine.prompt.voices import ScanResult
 
 SAMPLE_RATE = 22050  # v1's
-
-
-def v1_geometry() -> StreamGeometry:
-    """v1's stream geometry (imported when asked: engine.engine imports torch)."""
-    from engine.engine import STREAM_GEOMETRY
-
-    return STREAM_GEOMETRY
 
 
 class FakeSurface(ABC):
@@ -47,7 +41,7 @@ class FakeSurface(ABC):
 
     @property
     def stream_geometry(self) -> StreamGeometry:
-        return v1_geometry()
+        return STREAM_GEOMETRY
 
     @abstractmethod
     def synthesize(

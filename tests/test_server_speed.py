@@ -275,7 +275,7 @@ def test_describe_then_speak_with_every_listed_speaker(wy: Any) -> None:
 def test_preset_names(name: str, expected: tuple[float | None, str | None] | None) -> None:
     from wyoming_cosyvoice.speaker_presets import find_preset
 
-    preset = find_preset(name, "instruct")
+    preset = find_preset(name, DESCRIBED_SPEAKER)
     assert (None if preset is None else (preset.speed, preset.style)) == expected
 
 
