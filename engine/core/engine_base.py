@@ -13,14 +13,14 @@ from typing import TYPE_CHECKING, Generic, TypeVar, cast
 import torch
 from torch import nn
 
-from engine.runtime import audio_chunks, loaded_format, pick_weights, weight_pairs
-from engine.types import AudioChunk, SynthesisOptions
+from engine.core.runtime import audio_chunks, loaded_format, pick_weights, weight_pairs
+from engine.core.types import AudioChunk, SynthesisOptions
 
 if TYPE_CHECKING:
-    from engine import cpu
-    from engine.hift import HiFTGenerator
-    from engine.lm_thread import LmTokens
-    from engine.prepared import PreparedLoad
+    from engine.core import cpu
+    from engine.core.hift import HiFTGenerator
+    from engine.core.lm_thread import LmTokens
+    from engine.core.prepared import PreparedLoad
 
 FlowT = TypeVar("FlowT", bound=nn.Module)
 ModuleT = TypeVar("ModuleT", bound=nn.Module)
