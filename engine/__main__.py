@@ -11,13 +11,13 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.text import cli as frontend_cli
-from engine.types import (
+from engine.core.types import (
     LOW_LATENCY_SCHEDULE,
     OFFICIAL_SCHEDULE,
     EngineError,
     SynthesisOptions,
 )
+from engine.text import cli as frontend_cli
 
 _LOGGER = logging.getLogger("engine")
 
@@ -79,8 +79,8 @@ def _synthesize(args: argparse.Namespace) -> int:
 
 
 def _prepare(args: argparse.Namespace) -> int:
+    from engine.core.prepared import prepare_model
     from engine.family import model_family
-    from engine.prepared import prepare_model
 
     formats = {"llm": args.lm, "flow": args.flow, "hift": args.hift}
     parts = model_family(args.model_dir).model_parts()
@@ -90,7 +90,7 @@ def _prepare(args: argparse.Namespace) -> int:
 
 
 def _prepare_arguments(prep: argparse.ArgumentParser) -> None:
-    from engine.prepared import WEIGHT_FORMATS
+    from engine.core.prepared import WEIGHT_FORMATS
 
     prep.add_argument(
         "--model-dir", type=Path, required=True, help="model directory in the official layout"

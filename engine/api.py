@@ -23,16 +23,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from engine.cpu import CpuChoices
+    from engine.core.cpu import CpuChoices
+    from engine.core.text_feed import TextFeed
+    from engine.core.types import AudioChunk, StreamSchedule, SynthesisOptions
     from engine.prompt.voices import ScanResult
-    from engine.text_feed import TextFeed
-    from engine.types import AudioChunk, StreamSchedule, SynthesisOptions
-
-# How an engine reads a style instruction (SynthesisOptions.instruct), if it takes one:
-# v1's -Instruct model reads a description of the speaker in place of the speaker ...
-DESCRIBED_SPEAKER = "described-speaker"
-# ... CosyVoice2 (instruct2) an instruction to any voice, in Chinese for emotions and dialects.
-INSTRUCT2 = "instruct2"
 
 
 @dataclass(frozen=True)
@@ -70,8 +64,8 @@ class Engine(Protocol):
 
     @property
     def instruction_form(self) -> str | None:
-        """How the engine reads ``SynthesisOptions.instruct`` (:data:`DESCRIBED_SPEAKER`,
-        :data:`INSTRUCT2`); None: it takes no instruction."""
+        """How the engine reads ``SynthesisOptions.instruct`` (``engine.family``'s
+        ``DESCRIBED_SPEAKER``, ``INSTRUCT2``); None: it takes no instruction."""
 
     @property
     def weight_formats(self) -> dict[str, tuple[str, ...]]:

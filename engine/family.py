@@ -3,11 +3,11 @@
 =================  ===============================================  =========================
 config file        models                                           engine
 =================  ===============================================  =========================
-cosyvoice.yaml     CosyVoice-300M, -300M-SFT, -300M-Instruct (v1)   engine.engine
+cosyvoice.yaml     CosyVoice-300M, -300M-SFT, -300M-Instruct (v1)   engine.cosyvoice1.engine
 cosyvoice2.yaml    CosyVoice2-0.5B                                   engine.cosyvoice2.engine
 =================  ===============================================  =========================
 
-A family names its engine class and the :class:`~engine.prepared.ModelParts` that prepare and
+A family names its engine class and the :class:`~engine.core.prepared.ModelParts` that prepare and
 load its weights; both are imported only when used. It also holds what a caller needs to know
 before the engine has loaded, read without torch: its official models and the files each needs,
 the rate it speaks at, its prompt voices' cache files, whether and how it takes instructions.
@@ -20,19 +20,22 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from importlib import import_module
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
-from engine.api import DESCRIBED_SPEAKER, INSTRUCT2
-from engine.types import ModelLoadError
+from engine.core.types import ModelLoadError
 
 if TYPE_CHECKING:
-    from engine.api import Engine
-    from engine.prepared import ModelParts
+    from engine.core.prepared import ModelParts
 
 # Config files of families the engine knows but cannot run (a clearer error than "no config").
 _UNSUPPORTED = {"cosyvoice3.yaml": "Fun-CosyVoice3"}
 
 
+# How a model reads a style instruction (SynthesisOptions.instruct; engine.api.Engine's
+# instruction_form): v1's -Instruct model a description of the speaker in place of the speaker ...
+DESCRIBED_SPEAKER = "described-speaker"
+# ... CosyVoice2 (instruct2) an instruction to any voice, in Chinese for emotions and dialects.
+INSTRUCT2 = "instruct2"
 # Every voice cache a prompt recipe writes beside a voice ends with this (engine.prompt.recipe).
 PROMPT_CACHE_ENDING = ".prompt.pt"
 
@@ -80,6 +83,19 @@ class Family:
         return self.instruction_form if kind in self.instruct_kinds else None
 
 
+class OfFamily:
+    """What an engine class knows of its family: the family's entry, and the instruction form
+    of its model's kind. Each family's engine class inherits it and names its ``family``."""
+
+    family: ClassVar[Family]
+    kind: str  # the loaded model's kind
+
+    @property
+    def instruction_form(self) -> str | None:
+        """How this model reads an instruction (engine.api); None: it takes none."""
+        return self.family.instruction_form_of(self.kind)
+
+
 def detect_model_kind(model_dir: Path) -> str:
     """A v1 model's kind, from the official directory names: 'instruct', 'base' or 'sft'."""
     name = model_dir.name.lower()
@@ -95,8 +111,8 @@ FAMILIES = (
         "cosyvoice",
         "CosyVoice v1",
         "cosyvoice.yaml",
-        "engine.engine:CosyVoiceEngine",
-        "engine.prepared:V1_PARTS",
+        "engine.cosyvoice1.engine:CosyVoiceEngine",
+        "engine.core.prepared:V1_PARTS",
         models={
             "CosyVoice-300M-SFT": "FunAudioLLM/CosyVoice-300M-SFT",
             "CosyVoice-300M-Instruct": "FunAudioLLM/CosyVoice-300M-Instruct",
@@ -188,8 +204,7 @@ def model_family(model_dir: Path | str) -> Family:
     raise ModelLoadError(f"model directory {model_dir} is incomplete: missing {expected}")
 
 
-def load_engine(model_dir: Path | str, **options: Any) -> Engine:
+def load_engine(model_dir: Path | str, **options: Any) -> Any:
     """The engine of ``model_dir``'s family, loaded (``options``: its ``load`` keywords:
-    threads, lm_int8, flow_int8, hift_bf16, cache_dir, ...)."""
-    engine: Engine = model_family(model_dir).engine_class().load(model_dir, **options)
-    return engine
+    threads, lm_int8, flow_int8, hift_bf16, cache_dir, ...): an ``engine.api.Engine``."""
+    return model_family(model_dir).engine_class().load(model_dir, **options)

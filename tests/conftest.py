@@ -35,7 +35,7 @@ from fake_surface import FakeSurface
 
 if TYPE_CHECKING:
     from engine.api import Engine
-    from engine.types import AudioChunk, SynthesisOptions
+    from engine.core.types import AudioChunk, SynthesisOptions
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY_MODEL = ROOT / "tests" / "data" / "tiny_model"
@@ -93,7 +93,7 @@ class FakeEngine(FakeSurface):
         options: SynthesisOptions | None = None,
         cancel: threading.Event | None = None,
     ) -> Iterator[AudioChunk]:
-        from engine.types import (
+        from engine.core.types import (
             AudioChunk,
             EngineError,
             SynthesisCancelled,
@@ -135,7 +135,7 @@ class FakeEngine(FakeSurface):
 
     def _wait_for_hold(self, cancel: threading.Event | None) -> None:
         """Until ``hold`` is set or the call is cancelled (bounded against a hang)."""
-        from engine.types import EngineError
+        from engine.core.types import EngineError
 
         assert self.hold is not None
         deadline = time.monotonic() + self.HOLD_LIMIT_S
@@ -429,7 +429,7 @@ ONEDNN_OPS_NEEDED = (
 )
 INT8_KERNELS_NEEDED = (
     "needs a torch quantized engine that packs and computes int8 Linear layers here (x86, "
-    "fbgemm or qnnpack: engine.cpu.choose_int8_engine); this CPU and torch build have none of "
+    "fbgemm or qnnpack: engine.core.cpu.choose_int8_engine); this CPU and torch build have none of "
     "them working"
 )
 
@@ -528,8 +528,8 @@ def _user_cache_in_tmp(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Non
 @pytest.fixture(scope="session", autouse=True)
 def _torch_within_the_thread_ceiling() -> None:
     """Tests that run torch without the engine's load stay within the CPU's thread ceiling, as
-    the load does (engine.cpu: one thread where the torch build dies on more)."""
-    from engine.cpu import capped_threads, thread_ceiling
+    the load does (engine.core.cpu: one thread where the torch build dies on more)."""
+    from engine.core.cpu import capped_threads, thread_ceiling
 
     threads = capped_threads(None, thread_ceiling())
     if threads:
@@ -540,7 +540,7 @@ def _torch_within_the_thread_ceiling() -> None:
 def _threads_ignore_the_machines_load(monkeypatch: pytest.MonkeyPatch) -> None:
     """Thread counts in tests must not depend on what else the machine runs: the engine's
     shrinking to the cores other processes leave free is tested with a scripted monitor."""
-    from engine import thread_budget
+    from engine.core import thread_budget
 
     monkeypatch.setattr(thread_budget, "_follow_free_cores", False)
     monkeypatch.setattr(thread_budget, "_configured", None)

@@ -16,11 +16,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from engine.api import StreamGeometry
-from engine.engine import STREAM_GEOMETRY
-from engine.types import AudioChunk, SynthesisOptions
+from engine.core.types import AudioChunk, SynthesisOptions
+from engine.cosyvoice1.engine import STREAM_GEOMETRY
 
 if TYPE_CHECKING:
-    from engine.cpu import CpuChoices
+    from engine.core.cpu import CpuChoices
     from engine.prompt.voices import ScanResult
 
 SAMPLE_RATE = 22050  # v1's

@@ -25,11 +25,11 @@ from conftest import FakeEngine
 from fake_surface import FakeSurface
 
 from engine.api import PrimesVoices, StreamGeometry
+from engine.core.cpu import detect
+from engine.core.stage_times import StageTime, flow_passes, flow_units
+from engine.core.types import SynthesisOptions
+from engine.cosyvoice1.engine import STREAM_GEOMETRY as V1_GEOMETRY
 from engine.cosyvoice2.engine import ChunkedStreamGeometry
-from engine.cpu import detect
-from engine.engine import STREAM_GEOMETRY as V1_GEOMETRY
-from engine.stage_times import StageTime, flow_passes, flow_units
-from engine.types import SynthesisOptions
 from wyoming_cosyvoice.auto_profile import (
     CALIBRATION_TEXT,
     GROWING_SPEECH_S,
@@ -123,7 +123,7 @@ def test_a_format_the_cpu_lacks_costs_what_the_engine_runs_instead() -> None:
 
 @pytest.fixture(scope="module")
 def v1_engine(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    from engine.engine import CosyVoiceEngine
+    from engine.cosyvoice1.engine import CosyVoiceEngine
 
     torch.set_num_threads(1)
     target = tmp_path_factory.mktemp("v1") / "CosyVoice-300M-SFT"

@@ -155,7 +155,7 @@ def test_synthetic_300m_matches_the_official_checkpoint_layout() -> None:
 
 
 def test_synthetic_model_loads_with_the_engine(tmp_path: Path) -> None:
-    from engine.weights import load_model_dir
+    from engine.core.weights import load_model_dir
 
     model_dir = ensure_synthetic_model(tmp_path, config=TINY_MODEL / "cosyvoice.yaml")
     hift = torch.load(model_dir / "hift.pt", weights_only=True)
@@ -170,8 +170,8 @@ def test_synthetic_model_loads_with_the_engine(tmp_path: Path) -> None:
 
 def test_synthetic_lm_runs_to_the_forced_token_count(tmp_path: Path) -> None:
     """Random weights must not stop at a random EOS: the benchmark needs exactly N tokens."""
-    from engine.hparams import load_model_args
-    from engine.llm import TransformerLM
+    from engine.core.hparams import load_model_args
+    from engine.cosyvoice1.llm import TransformerLM
 
     model_dir = ensure_synthetic_model(tmp_path, config=TINY_MODEL / "cosyvoice.yaml")
     state = torch.load(model_dir / "llm.pt", weights_only=True)
@@ -227,10 +227,10 @@ def test_summary_medians_bounds_and_ratios() -> None:
 @pytest.mark.parametrize("int8", [True, False])
 def test_gemv_probe_runs_the_lm_kernel(int8: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     import engine.bench.limits
-    import engine.quantize
+    import engine.core.quantize
 
     built: list[nn.Module] = []
-    real = engine.quantize.int8_linear
+    real = engine.core.quantize.int8_linear
 
     def recording(weight: torch.Tensor, bias: torch.Tensor | None = None) -> nn.Module:
         built.append(real(weight, bias))
@@ -240,7 +240,7 @@ def test_gemv_probe_runs_the_lm_kernel(int8: bool, monkeypatch: pytest.MonkeyPat
         fn()
         return 1.0
 
-    monkeypatch.setattr(engine.quantize, "int8_linear", recording)
+    monkeypatch.setattr(engine.core.quantize, "int8_linear", recording)
     monkeypatch.setattr(engine.bench.limits, "_best_time", one_second)
     # One decoder block's 12.6 M weights in one (pretended) second: 1 byte each in int8, 4 in fp32.
     block_bytes = (3 * 1024 * 1024 + 1024 * 1024 + 2 * 4096 * 1024) * (1 if int8 else 4)
@@ -312,10 +312,10 @@ def test_flop_count_is_the_same_for_the_int8_flow() -> None:
     # The int8 flow does the same products: its bound must not shrink to its convolutions.
     from engine.bench.limits import count_stage_flops
     from engine.bench.timers import StageTimer
-    from engine.constants import SPEECH_VOCAB
-    from engine.quantize import quantize_flow_int8
-    from engine.streaming import ChunkVocoder, FlowPrompt, GeneratorNoise
-    from engine.weights import load_model_dir
+    from engine.core.constants import SPEECH_VOCAB
+    from engine.core.quantize import quantize_flow_int8
+    from engine.core.weights import load_model_dir
+    from engine.cosyvoice1.streaming import ChunkVocoder, FlowPrompt, GeneratorNoise
 
     def flops(int8: bool) -> float:
         models = load_model_dir(TINY_MODEL)

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from engine.types import LOW_LATENCY_SCHEDULE, OFFICIAL_SCHEDULE
+from engine.core.types import LOW_LATENCY_SCHEDULE, OFFICIAL_SCHEDULE
 from wyoming_cosyvoice.__main__ import build_parser, config_from_args
 from wyoming_cosyvoice.config import (
     ConfigError,

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import engine.cosyvoice2.lm as lm_module
+from engine.core.types import SynthesisCancelled
 from engine.cosyvoice2.lm import (
     BistreamSession,
     CosyVoice2LM,
@@ -20,7 +21,6 @@ from engine.cosyvoice2.lm import (
     load_speech_lm,
     load_speech_lm_args,
 )
-from engine.types import SynthesisCancelled
 
 DATA = Path(__file__).parent / "data" / "cosyvoice2"
 TINY = DATA / "tiny"

@@ -1,5 +1,5 @@
 """CosyVoice2 speaks a sentence while its text is still arriving (``synthesize_growing``): the
-tiny model, a sentence fed through a :class:`~engine.text_feed.TextFeed`."""
+tiny model, a sentence fed through a :class:`~engine.core.text_feed.TextFeed`."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 from test_cosyvoice2_engine import load_tiny
 
+from engine.core.text_feed import TextFeed
+from engine.core.types import AudioChunk, SynthesisCancelled, SynthesisOptions
 from engine.cosyvoice2.engine import CosyVoice2Engine
-from engine.text_feed import TextFeed
-from engine.types import AudioChunk, SynthesisCancelled, SynthesisOptions
 
 # No sentence end: what an LLM has streamed of its first sentence so far.
 BEGUN = (

@@ -19,14 +19,9 @@ from parity import waveform_atol
 from torch import nn
 
 from engine.__main__ import main
-from engine.cosyvoice2.engine import CosyVoice2Engine, chunk_hops, prompt_tail
-from engine.cosyvoice2.model_dir import PARTS, CosyVoice2Models, load_model_dir
-from engine.family import load_engine, model_family
-from engine.prepared import PREPARED_DIR, PreparedLoad, WeightFormats, prepare_model
-from engine.prompt.extract import PromptFeatures
-from engine.prompt.voices import CustomVoice
-from engine.quantize import Int8Linear
-from engine.types import (
+from engine.core.prepared import PREPARED_DIR, PreparedLoad, WeightFormats, prepare_model
+from engine.core.quantize import Int8Linear
+from engine.core.types import (
     LOW_LATENCY_SCHEDULE,
     OFFICIAL_SCHEDULE,
     ModelLoadError,
@@ -35,6 +30,11 @@ from engine.types import (
     SynthesisOptions,
     UnknownSpeakerError,
 )
+from engine.cosyvoice2.engine import CosyVoice2Engine, chunk_hops, prompt_tail
+from engine.cosyvoice2.model_dir import PARTS, CosyVoice2Models, load_model_dir
+from engine.family import load_engine, model_family
+from engine.prompt.extract import PromptFeatures
+from engine.prompt.voices import CustomVoice
 
 DATA = Path(__file__).parent / "data" / "cosyvoice2"
 TINY = DATA / "tiny"
@@ -429,7 +429,7 @@ def test_a_voice_must_be_known(fresh: CosyVoice2Engine, tmp_path: Path) -> None:
 
 
 def test_the_engine_is_picked_by_the_model_directory() -> None:
-    from engine.engine import CosyVoiceEngine
+    from engine.cosyvoice1.engine import CosyVoiceEngine
 
     assert model_family(TINY).engine_class() is CosyVoice2Engine
     assert model_family(V1_TINY).engine_class() is CosyVoiceEngine
@@ -518,8 +518,8 @@ def test_the_float_estimator_runs_its_transformer_layers_on_onednn(
 ) -> None:
     """As v1's: every Linear of its transformer blocks, where torch has oneDNN's matmul (the
     official-stream test above holds with them)."""
-    from engine.flow_estimator import TransformerBlock
-    from engine.onednn_layers import OneDnnLinear, onednn_linear_available
+    from engine.core.onednn_layers import OneDnnLinear, onednn_linear_available
+    from engine.cosyvoice1.flow_estimator import TransformerBlock
 
     blocks = [
         m for m in engine.models.flow.decoder.estimator.modules() if isinstance(m, TransformerBlock)

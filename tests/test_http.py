@@ -23,7 +23,7 @@ import httpx
 import pytest
 from conftest import TINY_MODEL, FakeEngine, Outcomes, SimpleSplitter, wait_until
 
-from engine.api import DESCRIBED_SPEAKER
+from engine.family import DESCRIBED_SPEAKER
 
 RATE = 22050
 

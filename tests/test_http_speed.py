@@ -12,7 +12,7 @@ import pytest
 from test_http import BackgroundServer, httpx
 from test_server_speed import InstructEngine, SpeedEngine
 
-from engine.api import DESCRIBED_SPEAKER
+from engine.family import DESCRIBED_SPEAKER
 from wyoming_cosyvoice.speaker_presets import STYLES
 
 FIXED = {"server.profile": "realtime"}

@@ -1,4 +1,4 @@
-"""engine.prepared: the files the engine runs from are written once, used as they are, prepared
+"""engine.core.prepared: the files the engine runs from are written once, used as they are, prepared
 again when their checkpoint or torch changes, rebuilt with a warning when damaged, and compute
 exactly what the official checkpoints compute.
 
@@ -20,22 +20,22 @@ from conftest import TINY_MODEL, synthesize_all
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from engine import prepared
 from engine.__main__ import main
-from engine.engine import CosyVoiceEngine
-from engine.flow_estimator import TransformerBlock
-from engine.onednn_layers import use_onednn_convs, use_onednn_linears
-from engine.prepared import (
+from engine.core import prepared
+from engine.core.onednn_layers import use_onednn_convs, use_onednn_linears
+from engine.core.prepared import (
     PREPARED_DIR,
     PreparedLoad,
     WeightFormats,
     prepare_model,
     prepared_dirs,
 )
-from engine.quantize import quantize_flow_int8, quantize_lm_int8
-from engine.transformer import ROW_BLOCK, STORED_POSITIONS, RelPosAttention
-from engine.types import SynthesisOptions
-from engine.weights import load_model_dir
+from engine.core.quantize import quantize_flow_int8, quantize_lm_int8
+from engine.core.transformer import ROW_BLOCK, STORED_POSITIONS, RelPosAttention
+from engine.core.types import SynthesisOptions
+from engine.core.weights import load_model_dir
+from engine.cosyvoice1.engine import CosyVoiceEngine
+from engine.cosyvoice1.flow_estimator import TransformerBlock
 
 
 @pytest.fixture(autouse=True)
@@ -136,7 +136,7 @@ def test_a_file_of_the_previous_format_is_prepared_again(
     tensors, key = stored(path)
     older = {name: t for name, t in tensors.items() if not name.endswith("pos_rows")}
     save_file(older, path, metadata={**key, "file_format": "1"})
-    with caplog.at_level(logging.INFO, logger="engine.prepared"):
+    with caplog.at_level(logging.INFO, logger="engine.core.prepared"):
         engine = load(model)
     assert engine.prepared_at_load == ("llm.fp32",)
     assert "file_format" in caplog.text
@@ -192,7 +192,7 @@ def test_a_changed_checkpoint_is_prepared_again(
     checkpoint = model / "flow.pt"
     st = checkpoint.stat()
     os.utime(checkpoint, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
-    with caplog.at_level(logging.INFO, logger="engine.prepared"):
+    with caplog.at_level(logging.INFO, logger="engine.core.prepared"):
         engine = load(model)
     assert engine.prepared_at_load == ("flow.fp32",)
     assert "Preparing flow.fp32" in caplog.text and "source_mtime_ns" in caplog.text

@@ -18,7 +18,7 @@ import pytest
 import yaml
 from test_server_speed import FIXED, CosyVoice2Engine, SpeedEngine, describe
 
-from engine.api import INSTRUCT2
+from engine.family import INSTRUCT2
 from wyoming_cosyvoice import addon
 from wyoming_cosyvoice.config import ConfigError, load_config, packaged_settings
 from wyoming_cosyvoice.speaker_presets import SPEEDS, STYLES, is_preset_name

@@ -12,8 +12,8 @@ import pytest
 import yaml
 from test_bench import TINY_MODEL, run_bench_json
 
-from engine.constants import SAMPLE_RATE
-from engine.cpu import bf16_native, detect
+from engine.core.constants import SAMPLE_RATE
+from engine.core.cpu import bf16_native, detect
 from wyoming_cosyvoice.bench import server as launcher
 from wyoming_cosyvoice.bench.__main__ import main as bench_main
 from wyoming_cosyvoice.bench.concurrency import server_command
@@ -171,6 +171,6 @@ def test_benchmark_loads_the_profiles_int8_flow_and_reports_its_deviation(
         assert 0 < result["wave_rel_l2_vs_exact_hift"] < 0.05
     else:
         assert (result["hift_weights"], result["wave_rel_l2_vs_exact_hift"]) == ("float32", 0)
-    # The first run prepared the int8 weights, the second read them (engine.prepared).
+    # The first run prepared the int8 weights, the second read them (engine.core.prepared).
     prepared = sorted(p.name for p in (model / "prepared").iterdir())
     assert prepared == ["flow.int8.safetensors", f"hift.{hift}.safetensors", "llm.int8.safetensors"]

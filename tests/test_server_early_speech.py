@@ -17,8 +17,8 @@ from fake_surface import FakeSurface
 from wyoming.event import Event
 
 from engine.api import SpeaksGrowingText
-from engine.text_feed import TextFeed
-from engine.types import AudioChunk, SynthesisCancelled
+from engine.core.text_feed import TextFeed
+from engine.core.types import AudioChunk, SynthesisCancelled
 
 FIRST = "Turn on the kitchen lights please."
 SECOND = "And the hall."

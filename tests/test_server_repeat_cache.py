@@ -15,8 +15,8 @@ from typing import Any
 import numpy as np
 from conftest import FakeEngine
 
-from engine.api import DESCRIBED_SPEAKER
-from engine.types import AudioChunk, SynthesisOptions
+from engine.core.types import AudioChunk, SynthesisOptions
+from engine.family import DESCRIBED_SPEAKER
 from wyoming_cosyvoice.repeat_cache import RepeatCache
 from wyoming_cosyvoice.voice_catalog import Voice, VoiceCatalog
 

@@ -20,8 +20,8 @@ from conftest import FakeEngine
 from wyoming.event import Event
 from wyoming.info import Describe, Info
 
-from engine.api import DESCRIBED_SPEAKER, INSTRUCT2
-from engine.types import AudioChunk
+from engine.core.types import AudioChunk
+from engine.family import DESCRIBED_SPEAKER, INSTRUCT2
 from wyoming_cosyvoice.speaker_presets import SPEEDS, STYLES
 
 STYLE_NAMES = list(STYLES)

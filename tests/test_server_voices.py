@@ -34,7 +34,7 @@ import pytest
 from conftest import terminate
 from wyoming.info import Describe, Info
 
-from engine.api import DESCRIBED_SPEAKER
+from engine.family import DESCRIBED_SPEAKER
 from wyoming_cosyvoice.custom_voices import folder_fingerprint
 from wyoming_cosyvoice.protocol import LimitExceededError
 from wyoming_cosyvoice.speech import split_instruction

@@ -9,9 +9,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine import transformer
-from engine.hparams import load_model_args
-from engine.transformer import (
+from engine.core import transformer
+from engine.core.hparams import load_model_args
+from engine.core.transformer import (
     ROW_BLOCK,
     STORED_POSITIONS,
     RelPosEncoder,

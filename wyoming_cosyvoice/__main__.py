@@ -159,7 +159,7 @@ def import_engine() -> str | None:
     thread, mostly runs outside the GIL.
     """
     try:
-        import engine.engine  # noqa: F401
+        import engine.cosyvoice1.engine  # noqa: F401
     except ImportError as err:
         return f"cannot import the engine: {err}"
     return None

@@ -20,7 +20,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from engine.types import MAX_SPEED, MIN_SPEED
+from engine.core.types import MAX_SPEED, MIN_SPEED
 from wyoming_cosyvoice.config import AUTO_PROFILE, packaged_settings
 from wyoming_cosyvoice.loudness import VOLUME_RANGE
 

@@ -20,7 +20,7 @@ The prediction follows one request through its chunks (:func:`plan_chunks`, the 
 hop sizes), with the stages one after the other: the LM's tokens up to a chunk, then its flow and
 HiFT. The LM thread beside the vocoder shares the same cores, so that is close on a small box
 and errs slow on a big one. The text's spoken length is the engine's rough estimate from its
-words and characters (engine.start_policy).
+words and characters (engine.core.start_policy).
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ from itertools import islice
 from typing import Any
 
 from engine.api import Engine, StreamGeometry
-from engine.stage_times import flow_passes
-from engine.start_policy import estimate_speech_seconds
+from engine.core.stage_times import flow_passes
+from engine.core.start_policy import estimate_speech_seconds
 from wyoming_cosyvoice.config import AutoSettings, ProfileConfig
 from wyoming_cosyvoice.stage_costs import CostMeter, StageCosts
 

@@ -24,8 +24,8 @@ import time
 from pathlib import Path
 
 from engine.api import Engine, TakesVoices
+from engine.core.types import SynthesisOptions
 from engine.family import Family
-from engine.types import SynthesisOptions
 from wyoming_cosyvoice.config import ServerConfig
 from wyoming_cosyvoice.download import (
     DownloadError,
@@ -93,8 +93,8 @@ def _make_voices(
     folder: Path,
     cache_dir: Path | None,
 ) -> None:
+    from engine.core.runtime import give_back_free_heap
     from engine.family import load_engine
-    from engine.runtime import give_back_free_heap
 
     maker = family.engine_class()
     if not issubclass(maker, TakesVoices):

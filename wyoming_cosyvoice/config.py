@@ -25,8 +25,8 @@ from typing import Any
 
 import yaml
 
-from engine.start_policy import START_POLICIES
-from engine.types import (
+from engine.core.start_policy import START_POLICIES
+from engine.core.types import (
     LOW_LATENCY_SCHEDULE,
     MAX_SPEED,
     MIN_SPEED,

@@ -29,8 +29,8 @@ _LOGGER = logging.getLogger(__name__)
 
 def resolve_model_dir(config: ServerConfig) -> Path:
     """--model-dir as given (checked), else found in the data dirs or downloaded."""
+    from engine.core.types import ModelLoadError
     from engine.family import model_family
-    from engine.types import ModelLoadError
     from wyoming_cosyvoice.download import ModelNotFoundError, ensure_model, missing_files
 
     if config.model_dir is not None:
@@ -86,8 +86,8 @@ def family_at(model_dir: Path) -> Family:
     A directory of no known family counts as the first family's here: its load reports what is
     wrong.
     """
+    from engine.core.types import ModelLoadError
     from engine.family import FAMILIES, model_family
-    from engine.types import ModelLoadError
 
     try:
         return model_family(model_dir)

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from engine.bench.profiles import BUILTIN_PROFILES, DEFAULT_PROFILE, BenchProfile, get_profile
-from engine.types import EngineError
+from engine.core.types import EngineError
 
 _LOGGER = logging.getLogger("engine.bench")
 
@@ -124,8 +124,8 @@ def measure_limits(threads: int | None, lm_int8: bool) -> dict[str, float]:
 
 def model_files(model_dir: Path, lm_int8: bool, flow_int8: bool = False) -> list[Path]:
     """The files a load reads: the model directory's, plus the prepared files of its formats
-    (engine.prepared; HiFT's in both)."""
-    from engine.prepared import file_name, prepared_dirs
+    (engine.core.prepared; HiFT's in both)."""
+    from engine.core.prepared import file_name, prepared_dirs
 
     files = sorted(path for path in model_dir.iterdir() if path.is_file())
     formats = [
@@ -274,7 +274,7 @@ def measure_beside_neighbours(
 
 def default_tokens(model_dir: Path) -> int:
     """Speech tokens for ``DEFAULT_AUDIO_S`` seconds of audio of the directory's model."""
-    from engine.constants import TOKEN_RATE
+    from engine.core.constants import TOKEN_RATE
     from engine.family import model_family
 
     if model_family(model_dir).name == "cosyvoice2":

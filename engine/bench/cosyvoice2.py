@@ -20,7 +20,7 @@ import torch
 
 from engine.bench.deviation import EXACT_CFG, EXACT_STEPS, hift_relative_l2
 from engine.bench.limits import StageFlops, count_stage_flops
-from engine.quantize import next_token_kl
+from engine.core.quantize import next_token_kl
 
 if TYPE_CHECKING:
     from engine.bench.timers import StageTimer

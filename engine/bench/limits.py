@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from engine.bench.timers import StageEvent, StageTimer
-from engine.onednn_layers import OneDnnLinear, onednn_linear_available
+from engine.core.onednn_layers import OneDnnLinear, onednn_linear_available
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -73,7 +73,7 @@ def measure_gemv_gbps(*, int8: bool, blocks: int = GEMV_BLOCKS, repeats: int = 5
     """GB/s of weights read by the LM's matrix-vector kernel: one row through LM-shaped layers."""
     from functools import partial
 
-    from engine.quantize import int8_linear
+    from engine.core.quantize import int8_linear
 
     products: list[tuple[Callable[[torch.Tensor], torch.Tensor], torch.Tensor]] = []
     n_bytes = 0

@@ -8,7 +8,7 @@ would see it, with a warm page cache (``engine.bench`` reads the model files jus
 What a run measures:
 
 * ``load_s``: the engine's load of the model directory (with ``--lm-int8``,
-  ``lm_int8_cache_hit`` says whether the int8 weights were already prepared: engine.prepared).
+  ``lm_int8_cache_hit`` says whether the int8 weights were already prepared: engine.core.prepared).
 * streaming request: ``first_audio_ms`` (request → first audio chunk), its parts
   (``first_audio_*_ms``, from the stage timers) and ``stall_ms`` (playing from the first chunk
   in real time, the total time playback waits for the next chunk); the flow's cost per chunk
@@ -37,7 +37,7 @@ import torch
 from engine.bench.limits import count_stage_flops, lm_weight_bytes_per_token
 from engine.bench.profiles import BenchProfile
 from engine.bench.timers import StageTimer
-from engine.constants import SPEECH_VOCAB, TOKEN_RATE
+from engine.core.constants import SPEECH_VOCAB, TOKEN_RATE
 
 _LOGGER = logging.getLogger(__name__)
 FLOP_COUNT_TOKENS = 50  # fallback window when the request made no tokens to size it by
@@ -108,7 +108,7 @@ def stream_request(
     if options.force_tokens is not None:
         expected = options.force_tokens / getattr(engine, "token_rate", TOKEN_RATE)
     else:
-        from engine.start_policy import estimate_speech_seconds
+        from engine.core.start_policy import estimate_speech_seconds
 
         expected = estimate_speech_seconds(text)
     held = replay_gapless(arrivals, durations, expected, engine.sample_rate)
@@ -138,8 +138,8 @@ def replay_gapless(
     The policy only delays delivery (compute is unchanged), so replaying the eager run's
     timings through it with a fake clock gives its exact behaviour on this run.
     """
-    from engine.start_policy import hold_until_gapless
-    from engine.types import AudioChunk
+    from engine.core.start_policy import hold_until_gapless
+    from engine.core.types import AudioChunk
 
     now = [0.0]
 
@@ -176,7 +176,7 @@ def _stage_flops(
     The same window as each flow call of the timed non-streaming request: the estimator's
     attention grows with the square of the window, so a shorter one would understate the work.
     """
-    from engine.streaming import ChunkVocoder, FlowPrompt, GeneratorNoise
+    from engine.cosyvoice1.streaming import ChunkVocoder, FlowPrompt, GeneratorNoise
 
     models = engine.models
     embedding = models.speakers[engine.speakers[0]].reshape(1, -1)
@@ -205,15 +205,14 @@ def _stage_flops(
 
 def run(config: RunConfig) -> dict[str, Any]:
     """Measure one configuration in this process; returns the worker's JSON object."""
+    from engine.core.types import SynthesisOptions
     from engine.family import load_engine, model_family
-    from engine.types import SynthesisOptions
 
     profile = BenchProfile.from_json(config.profile)
     cosyvoice2 = model_family(config.model_dir).name == "cosyvoice2"
     start = time.perf_counter()
     flow_int8 = profile.flow_weights == "int8"
-    # Any: the benchmark times and measures the models inside the engine.
-    engine: Any = load_engine(
+    engine = load_engine(
         config.model_dir,
         threads=config.threads,
         lm_int8=config.lm_int8,
@@ -227,7 +226,7 @@ def run(config: RunConfig) -> dict[str, Any]:
         "flow_weights": profile.flow_weights,
         # what HiFT ran in: bf16 is asked for, float32 without CPU support
         "hift_weights": engine.hift_dtype,
-        # int8 kernels, native bfloat16 and thread ceiling (engine.cpu)
+        # int8 kernels, native bfloat16 and thread ceiling (engine.core.cpu)
         "cpu": engine.cpu_choices.as_dict() if engine.cpu_choices is not None else None,
     }
     # A miss prepares the weights first (quantising takes seconds); a hit reads them prepared.
@@ -315,7 +314,7 @@ def _deviations(
         mel_relative_l2,
         random_tokens_mel,
     )
-    from engine.weights import load_model_dir
+    from engine.core.weights import load_model_dir
 
     embedding = engine.models.speakers[engine.speakers[0]].reshape(1, -1)
     hift_bf16 = engine.hift_dtype != "float32"

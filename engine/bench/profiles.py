@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from engine.types import LOW_LATENCY_SCHEDULE, OFFICIAL_SCHEDULE, StreamSchedule
+from engine.core.types import LOW_LATENCY_SCHEDULE, OFFICIAL_SCHEDULE, StreamSchedule
 
 
 @dataclass(frozen=True)

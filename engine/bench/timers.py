@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from engine.constants import HOP, SAMPLE_RATE
+from engine.core.constants import HOP, SAMPLE_RATE
 
 # The parts of a streamed request's first audio, in the order it waits for them.
 FIRST_AUDIO_PARTS = (

@@ -28,16 +28,16 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from engine.cosyvoice2.flow_args import UpsampleEncoderArgs
-from engine.cosyvoice2.flow_cache import ConvTail, KVBuffer, chunk_visible
-from engine.hparams import EncoderArgs
-from engine.transformer import (
+from engine.core.hparams import EncoderArgs
+from engine.core.transformer import (
     RelPosAttention,
     _InputLayer,
     _Layer,
     _rel_pos_tables,
     _skew,
 )
+from engine.cosyvoice2.flow_args import UpsampleEncoderArgs
+from engine.cosyvoice2.flow_cache import ConvTail, KVBuffer, chunk_visible
 
 
 class PreLookahead(nn.Module):

@@ -1,13 +1,13 @@
 """CosyVoice2Engine: text in, 24 kHz audio chunks out, for a CosyVoice2-0.5B model directory.
 
-The same public surface as v1's :class:`engine.engine.CosyVoiceEngine` (``load``,
+The same public surface as v1's :class:`engine.cosyvoice1.engine.CosyVoiceEngine` (``load``,
 ``synthesize``, ``warmup``, ``speakers``, ``kind``, ``sample_rate``, custom voices), so a caller
 picks the engine by the model directory (:func:`engine.family.load_engine`) and drives either.
 
 Per text segment: the v2 frontend's ids → the speech LM (the first chunk's tokens in the
-caller's thread, the rest in the LM thread of :mod:`engine.lm_thread`) → the incremental flow
+caller's thread, the rest in the LM thread of :mod:`engine.core.lm_thread`) → the incremental flow
 (:class:`~engine.cosyvoice2.flow.FlowStream`: each chunk's frames computed once) → HiFT at 24 kHz
-→ :class:`~engine.types.AudioChunk`.
+→ :class:`~engine.core.types.AudioChunk`.
 
 v2 ships no built-in speakers: it speaks in the voice of a prompt recording. A voice is a
 :class:`~engine.prompt.voices.CustomVoice` with v2 features — from a voices folder
@@ -46,6 +46,28 @@ from typing import TYPE_CHECKING, cast
 import torch
 
 from engine.api import Engine, PrimesVoices, SpeaksGrowingText, StreamGeometry, TakesVoices
+from engine.core.engine_base import EngineBase, by_format
+from engine.core.lm_thread import LmTokens
+from engine.core.onednn_layers import use_onednn_linears
+from engine.core.runtime import (
+    extra_weight_formats,
+    give_back_free_heap,
+    pick_weights,
+    prepared_loads,
+    setup_cpu,
+)
+from engine.core.start_policy import GAPLESS, estimate_speech_seconds, hold_until_gapless
+from engine.core.text_feed import TextFeed
+from engine.core.thread_budget import apply_thread_budget, vocoder_busy
+from engine.core.types import (
+    OFFICIAL_SCHEDULE,
+    AudioChunk,
+    StreamSchedule,
+    SynthesisCancelled,
+    SynthesisOptions,
+    UnknownSpeakerError,
+)
+from engine.cosyvoice1.flow_estimator import TransformerBlock
 from engine.cosyvoice2.flow import FlowStream
 from engine.cosyvoice2.frontend import CosyVoice2TextFrontend
 from engine.cosyvoice2.growing_text import GrowingTextIds
@@ -63,28 +85,7 @@ from engine.cosyvoice2.streaming import (
     stream_audio,
     whole_audio,
 )
-from engine.engine_base import EngineBase, by_format
-from engine.flow_estimator import TransformerBlock
-from engine.lm_thread import LmTokens
-from engine.onednn_layers import use_onednn_linears
-from engine.runtime import (
-    extra_weight_formats,
-    give_back_free_heap,
-    pick_weights,
-    prepared_loads,
-    setup_cpu,
-)
-from engine.start_policy import GAPLESS, estimate_speech_seconds, hold_until_gapless
-from engine.text_feed import TextFeed
-from engine.thread_budget import apply_thread_budget, vocoder_busy
-from engine.types import (
-    OFFICIAL_SCHEDULE,
-    AudioChunk,
-    StreamSchedule,
-    SynthesisCancelled,
-    SynthesisOptions,
-    UnknownSpeakerError,
-)
+from engine.family import OfFamily, family_named
 
 if TYPE_CHECKING:
     from engine.cosyvoice2.flow import CausalFlow
@@ -171,10 +172,12 @@ class _Primed:
     stream: FlowStream
 
 
-class CosyVoice2Engine(EngineBase["CausalFlow"], SpeaksGrowingText, PrimesVoices, TakesVoices):
+class CosyVoice2Engine(
+    EngineBase["CausalFlow"], OfFamily, SpeaksGrowingText, PrimesVoices, TakesVoices
+):
     """A loaded CosyVoice2 model directory plus its text frontend and voices."""
 
-    family_name = KIND
+    family = family_named(KIND)
 
     def __init__(
         self,
@@ -222,8 +225,8 @@ class CosyVoice2Engine(EngineBase["CausalFlow"], SpeaksGrowingText, PrimesVoices
     ) -> CosyVoice2Engine:
         """Load a CosyVoice2 directory in the official layout (raises ModelLoadError).
 
-        The options are v1's (:meth:`engine.engine.CosyVoiceEngine.load`): int8 LM and flow
-        layers, a bfloat16 HiFT, the threads, where prepared files go when the model
+        The options are v1's (:meth:`engine.cosyvoice1.engine.CosyVoiceEngine.load`): int8 LM and
+        flow layers, a bfloat16 HiFT, the threads, where prepared files go when the model
         directory cannot be written, and extra formats of the flow and HiFT for requests to
         choose. ``flow_cache_dtype``: what the incremental flow keeps its keys and values in
         (the default ``torch.float16`` halves that memory for a tested small deviation; None:
@@ -242,7 +245,8 @@ class CosyVoice2Engine(EngineBase["CausalFlow"], SpeaksGrowingText, PrimesVoices
             for weights, flow in flows.items():
                 if weights != "int8":
                     # A float32 estimator's transformer layers run on oneDNN, as v1's
-                    # (engine.onednn_layers); its convolutions stay: the chunk caches read them.
+                    # (engine.core.onednn_layers); its convolutions stay: the chunk caches read
+                    # them.
                     use_onednn_linears(flow.decoder.estimator, TransformerBlock)
             frontend = CosyVoice2TextFrontend(model_dir / BACKBONE_DIR)
         models = CosyVoice2Models.of(model_dir, loads[0].args, modules)
@@ -412,7 +416,7 @@ class CosyVoice2Engine(EngineBase["CausalFlow"], SpeaksGrowingText, PrimesVoices
         noise = self.hift_noise(seed)
         speech, hops = self._speech_stream(voice, cond.flow_prompt, options, noise)
         # The first chunk's tokens (all tokens when not streaming) come from this thread; the LM
-        # thread takes over once that chunk is out (engine.lm_thread says why).
+        # thread takes over once that chunk is out (engine.core.lm_thread says why).
         first = next(hops) if speech is not None else 0
         inline = first + self.models.flow.args.pre_lookahead_len if speech is not None else None
         tokens = LmTokens(

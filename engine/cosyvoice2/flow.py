@@ -28,11 +28,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from engine.core.types import ModelLoadError
+from engine.core.weights import state_dict_problems
 from engine.cosyvoice2.encoder import EncoderState, UpsampleConformerEncoder
 from engine.cosyvoice2.flow_args import NOISE_FRAMES, NOISE_SEED, CausalFlowArgs
 from engine.cosyvoice2.flow_estimator import CausalConditionalDecoder, EstimatorState
-from engine.types import ModelLoadError
-from engine.weights import state_dict_problems
 
 _LOGGER = logging.getLogger(__name__)
 

@@ -1,9 +1,9 @@
 """Hyperparameters of the CosyVoice2 flow and HiFT, read from an official ``cosyvoice2.yaml``.
 
-The file is read as data by :func:`engine.hparams.read_model_yaml` (no tag is executed). v2's
+The file is read as data by :func:`engine.core.hparams.read_model_yaml` (no tag is executed). v2's
 ``flow`` section is a ``CausalMaskedDiffWithXvec`` (upsampling Conformer encoder, chunk-causal
 decoder); its ``hift`` section has v1's layout with other numbers, so it fills v1's
-:class:`~engine.hparams.HiFTArgs`.
+:class:`~engine.core.hparams.HiFTArgs`.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from engine.hparams import (
+from engine.core.hparams import (
     HiFTArgs,
     ModelConfigError,
     RefNode,
@@ -141,7 +141,7 @@ def _encoder_args(sec: _Section, pre_lookahead_len: int) -> UpsampleEncoderArgs:
 
 
 def flow_args_from_doc(doc: dict[str, Any], source: str = "cosyvoice2.yaml") -> CausalFlowArgs:
-    """The flow section of a parsed v2 yaml (:func:`engine.hparams.read_model_yaml`)."""
+    """The flow section of a parsed v2 yaml (:func:`engine.core.hparams.read_model_yaml`)."""
     if "flow" not in doc:
         raise ModelConfigError(f"{source}: missing top-level section 'flow'")
     flow = doc["flow"]

@@ -1,6 +1,6 @@
 """The chunk-causal vector-field estimator of the CosyVoice2 flow (``decoder.estimator``).
 
-v1's U-Net (:mod:`engine.flow_estimator`) at a single resolution, made causal: every
+v1's U-Net (:mod:`engine.cosyvoice1.flow_estimator`) at a single resolution, made causal: every
 convolution pads on the left only, the ResNet blocks normalise each frame over its channels
 (LayerNorm) instead of over time (GroupNorm), and in streaming mode each attention query sees
 every frame up to the end of its own chunk (``static_chunk_size`` frames). Layout for channel
@@ -27,9 +27,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from engine.cosyvoice1.flow_estimator import (
+    TimestepMLP,
+    TransformerBlock,
+    _masked,
+    sinusoidal_embedding,
+)
 from engine.cosyvoice2.flow_args import CausalEstimatorArgs
 from engine.cosyvoice2.flow_cache import ConvTail, KVBuffer, chunk_visible, visibility_bias
-from engine.flow_estimator import TimestepMLP, TransformerBlock, _masked, sinusoidal_embedding
 
 
 class CausalBlock1D(nn.Module):

@@ -25,11 +25,11 @@ from typing import Any
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
+from engine.core.types import ModelLoadError
 from engine.text import rules, wetext_backend
 from engine.text.errors import TextInputError
 from engine.text.frontend import Segment, _check
 from engine.text.normalize import normalize
-from engine.types import ModelLoadError
 
 _LOGGER = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ classes: the speech tokens, then EOS and two more stop tokens (the last one is t
 of interleaved text input). Sampling any of the three ends the answer; only EOS is masked while
 fewer than ``min_len`` tokens were drawn. Lengths count the text tokens only (prompt excluded):
 ``min_len = int(2 n)``, ``max_len = int(20 n)``. The draw is v1's repetition-aware nucleus
-sampling (:mod:`engine.sampling`) with the yaml's top-p / top-k / window.
+sampling (:mod:`engine.core.sampling`) with the yaml's top-p / top-k / window.
 
 Text that arrives in pieces (an LLM's reply) goes through :class:`BistreamSession`
 (:meth:`CosyVoice2LM.bistream`): text and speech tokens interleaved by ``mix_ratio``, speech
@@ -38,6 +38,17 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor, nn
 
+from engine.core.hparams import (
+    ModelConfigError,
+    SamplingArgs,
+    TaggedNode,
+    _Section,
+    read_model_yaml,
+)
+from engine.core.sampling import Sampler, forced_sampler, ras_sampling
+from engine.core.transformer import KVCache
+from engine.core.types import ModelLoadError, SynthesisCancelled
+from engine.core.weights import state_dict_problems
 from engine.cosyvoice2.qwen2 import (
     Qwen2CausalLM,
     Qwen2Config,
@@ -46,11 +57,6 @@ from engine.cosyvoice2.qwen2 import (
     int8_layer_names,
     quantize_int8,
 )
-from engine.hparams import ModelConfigError, SamplingArgs, TaggedNode, _Section, read_model_yaml
-from engine.sampling import Sampler, forced_sampler, ras_sampling
-from engine.transformer import KVCache
-from engine.types import ModelLoadError, SynthesisCancelled
-from engine.weights import state_dict_problems
 
 CONFIG_FILE = "cosyvoice2.yaml"
 BACKBONE_DIR = "CosyVoice-BlankEN"  # config.json and tokenizer files of the Qwen2 backbone

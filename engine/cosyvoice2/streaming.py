@@ -8,7 +8,7 @@ on that chunk's frames only. The vocoder hides the seams as the official runtime
 * the first 3840 output samples are cross-faded (Hamming, float64) with the 3840 held back
   from the previous chunk, and every chunk but the last holds back its own last 3840.
 
-A speed other than 1 resamples the mel in time before HiFT (engine.speed), chunk by chunk as
+A speed other than 1 resamples the mel in time before HiFT (engine.core.speed), chunk by chunk as
 the whole mel would be.
 
 The official schedule: the first chunk after ``TOKEN_HOP`` (25) tokens — plus what brings the
@@ -27,15 +27,15 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from engine.core.hift import HiftNoise
+from engine.core.speed import MelStretcher, stretch_mel
+from engine.core.stage_times import StageListener, report, report_flow, since
+from engine.core.thread_budget import ThreadBudget, apply_thread_budget, vocoder_busy
+from engine.cosyvoice1.streaming import fade_in_out
 from engine.cosyvoice2.flow import CausalFlow, FlowStream
-from engine.hift import HiftNoise
-from engine.speed import MelStretcher, stretch_mel
-from engine.stage_times import StageListener, report, report_flow, since
-from engine.streaming import fade_in_out
-from engine.thread_budget import ThreadBudget, apply_thread_budget, vocoder_busy
 
 if TYPE_CHECKING:
-    from engine.hift import HiFTGenerator
+    from engine.core.hift import HiFTGenerator
 
 TOKEN_HOP = 25  # the official first hop: one attention chunk
 MAX_TOKEN_HOP = 100  # hops double up to this (four chunks)

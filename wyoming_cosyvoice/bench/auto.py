@@ -63,8 +63,7 @@ def run(config: AutoRunConfig) -> dict[str, Any]:
     assert auto is not None  # server.profile is auto
     weights = settings.load.weights
     start = time.perf_counter()
-    # Any: the benchmark times the models inside the engine (StageTimer).
-    engine: Any = load_engine(
+    engine = load_engine(
         config.model_dir,
         threads=config.threads,
         lm_int8=config.lm_int8,

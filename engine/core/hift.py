@@ -8,8 +8,8 @@ does: at 22.05 kHz each sample's phase is the running sum of its own increments;
 the phase is summed at the frame rate and interpolated back to the samples.
 
 Convolutions are plain: weight norm is folded at load time by
-:func:`engine.weight_norm.normalize_hift_state_dict`, and attribute names mirror the folded keys so
-``load_state_dict(..., strict=True)`` works directly.
+:func:`engine.core.weight_norm.normalize_hift_state_dict`, and attribute names mirror the folded
+keys so ``load_state_dict(..., strict=True)`` works directly.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from engine.hparams import HiFTArgs
+from engine.core.hparams import HiFTArgs
 
 _PER_SAMPLE_PHASE_RATE = 22050
 # float32 constants exactly as the reference computes them (python doubles rounded to float32).

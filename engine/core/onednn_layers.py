@@ -10,7 +10,7 @@ which it reorders on every call; on a reordered weight a single k3 conv over 35-
 only the summation order differs (≈1e-6 relative).
 
 The reordered weight is a copy in oneDNN's blocked layout; the float32 pages it was read from
-go with the load's mapping of the prepared file (engine.prepared): no second resident copy.
+go with the load's mapping of the prepared file (engine.core.prepared): no second resident copy.
 Where torch was built without oneDNN the layers stay ``nn.Linear`` and ``nn.Conv1d``.
 """
 

@@ -110,7 +110,7 @@ def _quantized_engine(name: str) -> Iterator[None]:
 @functools.cache
 def int8_engine_works(name: str) -> bool:
     """Whether the engine packs a per-channel int8 layer here and computes it (and its fused
-    ReLU): the recipe of engine.quantize, on a small layer."""
+    ReLU): the recipe of engine.core.quantize, on a small layer."""
     gen = torch.Generator().manual_seed(0)
     weight, x = torch.randn(16, 32, generator=gen), torch.randn(4, 32, generator=gen)
     scales = weight.abs().amax(1).double() / 127.5  # symmetric, as the per-channel observer

@@ -8,20 +8,19 @@ from __future__ import annotations
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Generator, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, ClassVar, Generic, TypeVar, cast
+from typing import TYPE_CHECKING, Generic, TypeVar, cast
 
 import torch
 from torch import nn
 
-from engine.family import Family, family_named
-from engine.runtime import audio_chunks, loaded_format, pick_weights, weight_pairs
-from engine.types import AudioChunk, SynthesisOptions
+from engine.core.runtime import audio_chunks, loaded_format, pick_weights, weight_pairs
+from engine.core.types import AudioChunk, SynthesisOptions
 
 if TYPE_CHECKING:
-    from engine import cpu
-    from engine.hift import HiFTGenerator
-    from engine.lm_thread import LmTokens
-    from engine.prepared import PreparedLoad
+    from engine.core import cpu
+    from engine.core.hift import HiFTGenerator
+    from engine.core.lm_thread import LmTokens
+    from engine.core.prepared import PreparedLoad
 
 FlowT = TypeVar("FlowT", bound=nn.Module)
 ModuleT = TypeVar("ModuleT", bound=nn.Module)
@@ -49,9 +48,7 @@ def by_format(
 class EngineBase(ABC, Generic[FlowT]):
     """The flow and HiFT by weight format, what the load prepared and chose for this CPU."""
 
-    family_name: ClassVar[str]  # its entry in engine.family
     sample_rate: int  # of the audio chunks, the family's
-    kind: str  # the model's kind (engine.api.Engine.kind)
 
     def __init__(self, flow: FlowT, hift: HiFTGenerator) -> None:
         # The prepared files load() had to prepare first (e.g. "llm.int8"; empty: none).
@@ -76,15 +73,6 @@ class EngineBase(ABC, Generic[FlowT]):
         self.hifts = hifts
         self.prepared_at_load = tuple(name for load in loads for name in load.prepared_now)
         self.cpu_choices = choices
-
-    @property
-    def family(self) -> Family:
-        return family_named(self.family_name)
-
-    @property
-    def instruction_form(self) -> str | None:
-        """How this model reads an instruction (engine.api); None: it takes none."""
-        return self.family.instruction_form_of(self.kind)
 
     @property
     def weight_formats(self) -> dict[str, tuple[str, ...]]:

@@ -13,7 +13,7 @@ The flow's int8 layers (:func:`flow_int8_layer_names`: its encoder blocks and ev
 the estimator) are an approximation for the fast profiles: a quarter of the flow's 400 MB
 resident, and faster estimator passes (the mel deviation is printed by the benchmark).
 
-Quantising is done once, by ``engine.prepared``: :func:`int8_parts` gives each layer's plain
+Quantising is done once, by ``engine.core.prepared``: :func:`int8_parts` gives each layer's plain
 parts (int8 weight, per-channel scales, float bias), which the prepared file stores. A load packs
 them for the CPU's int8 kernels (:class:`Int8Packing`, in the background while the rest loads);
 :func:`quantize_int8` does both steps on a float model, the same way.
@@ -34,12 +34,12 @@ import torch
 from torch import nn
 from torch.ao.nn.quantized.dynamic import Linear as DynamicLinear
 
-from engine import qnnpack
-from engine.cpu import ensure_int8_engine
+from engine.core import qnnpack
+from engine.core.cpu import ensure_int8_engine
 
 if TYPE_CHECKING:
-    from engine.flow import FlowModel
-    from engine.llm import TransformerLM
+    from engine.cosyvoice1.flow import FlowModel
+    from engine.cosyvoice1.llm import TransformerLM
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -222,7 +222,7 @@ def _per_channel_view(
 
     ``torch._make_per_channel_quantized_tensor`` copies the int8 data: for the full-size LM that
     is 255 MB of fresh pages written once and freed right after packing. The kernels' packing
-    only reads the weight (QNNPACK's keeps it until it packs: engine.qnnpack), so a view is
+    only reads the weight (QNNPACK's keeps it until it packs: engine.core.qnnpack), so a view is
     enough.
     """
     qweight = torch._empty_per_channel_affine_quantized(
@@ -246,7 +246,7 @@ def _pack(qweight: torch.Tensor, bias: torch.Tensor | None) -> Int8Linear:
     module.reduce_range = not under_qnnpack
     if under_qnnpack:
         # QNNPACK packs at a layer's first call and until then holds the weight it was given
-        # (a view of the loaded file): packed now, the layer lets it go (engine.qnnpack).
+        # (a view of the loaded file): packed now, the layer lets it go (engine.core.qnnpack).
         qnnpack.release_packed_originals()
         qnnpack.pack_now(module, module.in_features)
     return module
@@ -284,7 +284,7 @@ def quantize_int8(model: nn.Module, names: list[str]) -> nn.Module:
     """Swap the Linear layers ``names`` of ``model`` for dynamic int8 ones, in place.
 
     The recipe of ``quantize_dynamic`` with ``per_channel_dynamic_qconfig`` (per-channel
-    symmetric qint8 weights, packed for torch's quantized engine: engine.cpu picks one that
+    symmetric qint8 weights, packed for torch's quantized engine: engine.core.cpu picks one that
     works on this CPU), through the plain parts a prepared file stores.
     """
     for name in names:  # one layer at a time: never two float copies of the whole model

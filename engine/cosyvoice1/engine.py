@@ -5,7 +5,7 @@ CosyVoice2 has its own engine with the same surface (engine.cosyvoice2.engine);
 
 The engine is a plain synchronous generator API (no asyncio, no wyoming). Callers drive
 ``synthesize()`` from any thread; once a streamed segment's first chunk is out, the LM goes on
-in a helper thread so it overlaps with the flow and vocoder (engine.lm_thread).
+in a helper thread so it overlaps with the flow and vocoder (engine.core.lm_thread).
 """
 
 from __future__ import annotations
@@ -22,20 +22,27 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.api import Engine, StreamGeometry
-from engine.constants import HOP, MEL_CACHE, SAMPLE_RATE, TOKEN_OVERLAP, TOKEN_RATE
-from engine.engine_base import EngineBase, by_format
-from engine.family import detect_model_kind
-from engine.flow_estimator import TransformerBlock
-from engine.lm_thread import LmTokens
-from engine.onednn_layers import use_onednn_convs, use_onednn_linears
-from engine.runtime import (
+from engine.core.constants import HOP, MEL_CACHE, SAMPLE_RATE, TOKEN_OVERLAP, TOKEN_RATE
+from engine.core.engine_base import EngineBase, by_format
+from engine.core.lm_thread import LmTokens
+from engine.core.onednn_layers import use_onednn_convs, use_onednn_linears
+from engine.core.runtime import (
     extra_weight_formats,
     pick_weights,
     prepared_loads,
     setup_cpu,
 )
-from engine.start_policy import GAPLESS, estimate_speech_seconds, hold_until_gapless
-from engine.streaming import (
+from engine.core.start_policy import GAPLESS, estimate_speech_seconds, hold_until_gapless
+from engine.core.types import (
+    AudioChunk,
+    StreamSchedule,
+    SynthesisOptions,
+    UnknownSpeakerError,
+)
+from engine.core.voice import Voice
+from engine.core.weights import LoadedModels
+from engine.cosyvoice1.flow_estimator import TransformerBlock
+from engine.cosyvoice1.streaming import (
     ChunkVocoder,
     FlowPrompt,
     GeneratorNoise,
@@ -43,17 +50,10 @@ from engine.streaming import (
     stream_audio,
     whole_audio,
 )
-from engine.types import (
-    AudioChunk,
-    StreamSchedule,
-    SynthesisOptions,
-    UnknownSpeakerError,
-)
-from engine.voice import Voice
-from engine.weights import LoadedModels
+from engine.family import OfFamily, detect_model_kind, family_named
 
 if TYPE_CHECKING:
-    from engine.flow import FlowModel
+    from engine.cosyvoice1.flow import FlowModel
     from engine.prompt.voices import CustomVoice, ScanResult, VoiceLibrary
     from engine.text.frontend import Segment, TextFrontend
 
@@ -61,7 +61,7 @@ _LOGGER = logging.getLogger(__name__)
 
 
 def _estimator_on_onednn(flow: FlowModel, weights: str) -> int:
-    """Put the flow estimator's layers on oneDNN (engine.onednn_layers: faster passes): every
+    """Put the flow estimator's layers on oneDNN (engine.core.onednn_layers: faster passes): every
     estimator's convolutions, a float32 one's transformer layers too; how many were moved."""
     estimator = flow.decoder.estimator
     packed = use_onednn_convs(estimator)
@@ -92,10 +92,10 @@ STREAM_GEOMETRY = V1StreamGeometry(
 )
 
 
-class CosyVoiceEngine(EngineBase["FlowModel"]):
+class CosyVoiceEngine(EngineBase["FlowModel"], OfFamily):
     """A loaded CosyVoice v1 model directory plus the text frontend."""
 
-    family_name = "cosyvoice"
+    family = family_named("cosyvoice")
     stream_geometry = STREAM_GEOMETRY
 
     def __init__(
@@ -134,15 +134,15 @@ class CosyVoiceEngine(EngineBase["FlowModel"]):
         """Load a model directory in the official layout (raises ModelLoadError).
 
         ``lm_int8`` swaps the LM decoder's weights for int8 (faster, slightly different
-        sampling distribution; see engine.quantize); ``flow_int8`` the flow's (an approximation
+        sampling distribution; see engine.core.quantize); ``flow_int8`` the flow's (an approximation
         for the fast profiles: faster estimator passes, 300 MB less memory); ``hift_bf16`` runs
         HiFT's filter in bfloat16 where oneDNN supports it (another approximation: about twice
         as fast with AVX-512 BF16, half its weights' memory; ``hift_dtype`` on the engine says
-        what was used). Kernels and threads are chosen for this CPU (engine.cpu; the engine's
+        what was used). Kernels and threads are chosen for this CPU (engine.core.cpu; the engine's
         ``cpu_choices`` say which): int8 falls back to float32 where no int8 kernel works, and
         ``threads`` is capped where more would crash.
 
-        The models run from their prepared files (engine.prepared), in ``prepared/`` beside the
+        The models run from their prepared files (engine.core.prepared), in ``prepared/`` beside the
         model files, or under ``cache_dir`` when the model directory cannot be written (None:
         ``$XDG_CACHE_HOME/cosyvoice-engine``). A file missing or out of date is prepared
         first, which takes seconds; ``prepared_at_load`` on the engine names those prepared.
@@ -300,7 +300,7 @@ class CosyVoiceEngine(EngineBase["FlowModel"]):
             )
 
         # The first chunk's tokens (all tokens when not streaming) come from this thread; an LM
-        # thread takes over once that chunk is out (engine.lm_thread says why).
+        # thread takes over once that chunk is out (engine.core.lm_thread says why).
         first_chunk = options.schedule.first_hop + options.schedule.overlap
         tokens = LmTokens(
             make_tokens,

@@ -13,12 +13,13 @@ machine an int8 LM step took 26–28 ms with one team and 33–40 ms with two). 
 same generator over only when the consumer asks for the next token, i.e. after the first chunk
 has been vocoded.
 
-Before each token the producing thread applies the caller's thread budget (engine.thread_budget:
-the configured count without one, never more than the cores other processes leave free, and one
-thread while the vocoder beside it computes). It runs at normal priority: a lowered one let the
-vocoder go first on a quiet machine, but on a shared one it also put the LM behind every other
-process, and a streamed answer took twice as long to finish. torch's thread count belongs to
-each thread, and a new thread starts from the last count set anywhere in the process.
+Before each token the producing thread applies the caller's thread budget
+(engine.core.thread_budget: the configured count without one, never more than the cores other
+processes leave free, and one thread while the vocoder beside it computes). It runs at normal
+priority: a lowered one let the vocoder go first on a quiet machine, but on a shared one it also
+put the LM behind every other process, and a streamed answer took twice as long to finish. torch's
+thread count belongs to each thread, and a new thread starts from the last count set anywhere in
+the process.
 """
 
 from __future__ import annotations
@@ -31,9 +32,9 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from engine.stage_times import StageListener, report
-from engine.thread_budget import ThreadBudget, apply_thread_budget, lm_beside_vocoder
-from engine.types import SynthesisCancelled
+from engine.core.stage_times import StageListener, report
+from engine.core.thread_budget import ThreadBudget, apply_thread_budget, lm_beside_vocoder
+from engine.core.types import SynthesisCancelled
 
 _LOGGER = logging.getLogger(__name__)
 _END = object()
@@ -50,7 +51,7 @@ class LmTokens:
     ``inline``: how many tokens to generate in the consumer's thread before a background thread
     takes over; ``None`` generates all of them inline (no thread at all). ``threads``: the
     caller's thread budget, applied before each token. ``on_stage``: told what the inline
-    tokens cost (engine.stage_times: the way to the first token, then the rest per token).
+    tokens cost (engine.core.stage_times: the way to the first token, then the rest per token).
     """
 
     def __init__(

@@ -4,7 +4,7 @@ Every checkpoint is opened with ``torch.load(weights_only=True, mmap=True)``: no
 The models are built on the ``meta`` device and the checkpoint's tensors are assigned in place.
 Every failure is a :class:`ModelLoadError` that names the file and the offending keys.
 
-This is the reference path, straight from the official files: ``engine.prepared`` turns its
+This is the reference path, straight from the official files: ``engine.core.prepared`` turns its
 result into the files the engine runs from.
 """
 
@@ -22,13 +22,13 @@ from typing import TYPE_CHECKING, cast
 import torch
 from torch import nn
 
-from engine.hparams import ModelArgs, ModelConfigError, load_model_args
-from engine.types import ModelLoadError
+from engine.core.hparams import ModelArgs, ModelConfigError, load_model_args
+from engine.core.types import ModelLoadError
 
 if TYPE_CHECKING:
-    from engine.flow import FlowModel
-    from engine.hift import HiFTGenerator
-    from engine.llm import TransformerLM
+    from engine.core.hift import HiFTGenerator
+    from engine.cosyvoice1.flow import FlowModel
+    from engine.cosyvoice1.llm import TransformerLM
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -208,9 +208,9 @@ def _without_init() -> Iterator[None]:
 def build_on_meta(args: ModelArgs, part: str) -> nn.Module:
     """One of the three models (``llm``, ``flow``, ``hift``), built without memory for weights."""
     # Imported here so this module can be read (e.g. for file checks) without the model code.
-    from engine.flow import FlowModel
-    from engine.hift import HiFTGenerator
-    from engine.llm import TransformerLM
+    from engine.core.hift import HiFTGenerator
+    from engine.cosyvoice1.flow import FlowModel
+    from engine.cosyvoice1.llm import TransformerLM
 
     builders = {
         "llm": lambda: TransformerLM(args.llm),
@@ -223,7 +223,7 @@ def build_on_meta(args: ModelArgs, part: str) -> nn.Module:
 
 def read_part(model_dir: Path, args: ModelArgs, part: str) -> nn.Module:
     """One model loaded from its official checkpoint (HiFT with its weight norm folded)."""
-    from engine.weight_norm import normalize_hift_state_dict
+    from engine.core.weight_norm import normalize_hift_state_dict
 
     path = Path(model_dir) / f"{part}.pt"
     state = read_state_dict(path)

@@ -3,12 +3,12 @@
 Three things set it. The caller's budget: one that runs several syntheses side by side (the
 server's ``parallel_sentences``) gives a sentence running alone every core and sentences side by
 side one each; without a budget, the process's configured count (``configure_threads``). And the
-cores other processes leave free (engine.cpu_share): never more threads than that, because a
+cores other processes leave free (engine.core.cpu_share): never more threads than that, because a
 multi-thread OpenMP team sharing its cores with a busy neighbour waits on its descheduled member
 at every operation. And one OpenMP team at a time inside this process: once the first chunk is
-out, the LM runs in a thread beside the vocoder (engine.lm_thread), and two teams of N threads on N
-cores wait on each other's descheduled members the same way. While the vocoder computes a chunk,
-the LM thread beside it runs one thread and the vocoder the rest; while the vocoder waits for
+out, the LM runs in a thread beside the vocoder (engine.core.lm_thread), and two teams of N threads
+on N cores wait on each other's descheduled members the same way. While the vocoder computes a
+chunk, the LM thread beside it runs one thread and the vocoder the rest; while the vocoder waits for
 tokens, the LM takes every free core. Asking between steps, not only between audio chunks,
 matters at a change: a first chunk takes seconds.
 
@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from engine.cpu_share import process_monitor
+from engine.core.cpu_share import process_monitor
 
 ThreadBudget = Callable[[], int]
 
@@ -86,7 +86,7 @@ def threads_now(budget: ThreadBudget | None, *, beside_vocoder: bool = False) ->
     shared between an LM thread beside the vocoder and the vocoder.
 
     Never more than the configured count either: that one is already capped to what this CPU's
-    libraries survive (engine.cpu).
+    libraries survive (engine.core.cpu).
     """
     wanted = configured_threads()
     if budget is not None:

@@ -15,8 +15,8 @@ import re
 import time
 from collections.abc import Callable, Iterable, Iterator
 
-from engine.constants import TOKEN_RATE
-from engine.types import AudioChunk
+from engine.core.constants import TOKEN_RATE
+from engine.core.types import AudioChunk
 
 EAGER = "eager"
 GAPLESS = "gapless"

@@ -6,7 +6,7 @@ fast when all N run at once: each parallel operation waits at a barrier for its 
 and a member that shares its core with a busy neighbour is descheduled for whole scheduler
 slices. With one busy neighbour on a 2-core machine, a 2-thread team ran 6–10x slower than one
 thread. So the engine asks, before each LM token and flow step, how many cores are free and runs
-no more threads than that (engine.thread_budget).
+no more threads than that (engine.core.thread_budget).
 
 What others use is measured, not guessed from the load average: a background thread samples
 ``/proc/stat`` (the busy time of the CPUs this process may run on, steal time included) and

@@ -16,14 +16,14 @@ from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
-from engine import cpu
-from engine.thread_budget import configure_threads
-from engine.types import AudioChunk, SynthesisCancelled
+from engine.core import cpu
+from engine.core.thread_budget import configure_threads
+from engine.core.types import AudioChunk, SynthesisCancelled
 
 if TYPE_CHECKING:
     from pathlib import Path
 
-    from engine.prepared import ModelParts, PreparedLoad, WeightFormats
+    from engine.core.prepared import ModelParts, PreparedLoad, WeightFormats
 
 _LOGGER = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -49,7 +49,7 @@ def setup_cpu(threads: int | None, *, lm_int8: bool, flow_int8: bool, hift_bf16:
 
     Called before any torch op: past the ceiling the first multi-threaded op would crash.
     """
-    from engine.prepared import WeightFormats
+    from engine.core.prepared import WeightFormats
 
     threads = cpu.capped_threads(threads, cpu.thread_ceiling())
     configure_threads(threads)
@@ -76,11 +76,11 @@ def extra_weight_formats(extra: Iterable[str], setup: CpuSetup) -> dict[str, str
     """The formats of ``extra`` ("flow.int8", "hift.bf16", ...) a load adds beside its primary
     ones, by part: those this CPU runs (as ``setup_cpu`` falls back) that are not primary.
 
-    Only the flow and HiFT have extras (a request chooses between them, engine.types'
+    Only the flow and HiFT have extras (a request chooses between them, engine.core.types'
     ``SynthesisOptions.flow_weights``); ValueError names any other. Each part has two formats,
     so one extra at most.
     """
-    from engine.prepared import WEIGHT_FORMATS
+    from engine.core.prepared import WEIGHT_FORMATS
 
     chosen: dict[str, str] = {}
     for name in extra:
@@ -115,7 +115,7 @@ def prepared_loads(
     While int8 layers are packed on every core the block runs on one torch thread: an OpenMP
     region there would wait for a free core, several times slower than one thread alone.
     """
-    from engine.prepared import V1_PARTS, PreparedLoad, WeightFormats
+    from engine.core.prepared import V1_PARTS, PreparedLoad, WeightFormats
 
     family = parts or V1_PARTS
     loads = [PreparedLoad(model_dir, formats, cache_dir, family)]
@@ -144,7 +144,7 @@ def pick_weights(loaded: Mapping[str, T], wanted: str | None) -> tuple[str, T]:
 def loaded_format(module: torch.nn.Module) -> str:
     """The weight format a loaded flow or HiFT runs in: int8 (int8 layers), bf16 (a bfloat16
     filter) or fp32."""
-    from engine.quantize import Int8Linear
+    from engine.core.quantize import Int8Linear
 
     if any(isinstance(sub, Int8Linear) for sub in module.modules()):
         return "int8"

@@ -8,8 +8,8 @@ from functools import cached_property
 
 import numpy as np
 
-from engine.constants import SAMPLE_RATE
-from engine.stage_times import StageListener
+from engine.core.constants import SAMPLE_RATE
+from engine.core.stage_times import StageListener
 
 
 class EngineError(Exception):
@@ -75,7 +75,7 @@ class SynthesisOptions:
     # Fixes the number of speech tokens (benchmarks: random weights never emit EOS).
     force_tokens: int | None = None
     # 'eager': release audio as soon as it exists; 'gapless': hold the first chunks until
-    # playback from then on will not starve (see engine.start_policy).
+    # playback from then on will not starve (see engine.core.start_policy).
     start_policy: str = "eager"
     # The caller's split: False when ``text`` is one sentence the caller has already split off,
     # so the engine normalises it as one segment instead of splitting it again.
@@ -84,17 +84,17 @@ class SynthesisOptions:
     # segment): chooses a custom voice's cross-lingual mode and the language tag.
     language: str | None = None
     # Asked before each LM token and flow step: torch threads from then on (None: leave the
-    # calling thread's count). engine.thread_budget says why.
+    # calling thread's count). engine.core.thread_budget says why.
     threads: Callable[[], int] | None = field(default=None, compare=False, repr=False)
     # The loaded weight format the flow ('fp32', 'int8') and HiFT ('fp32', 'bf16') run in; an
     # engine loaded with several formats (``extra_formats``) holds each. None, or a format the
     # engine did not load (a CPU without the kernels for it): its primary format.
     flow_weights: str | None = None
     hift_weights: str | None = None
-    # Hears what each stage cost (engine.stage_times), on the thread that ran it.
+    # Hears what each stage cost (engine.core.stage_times), on the thread that ran it.
     on_stage: StageListener | None = field(default=None, compare=False, repr=False)
     # Speaking speed: 1.0 as the model speaks, 1.25 a quarter faster (the mel is resampled in
-    # time before the vocoder, engine.speed); MIN_SPEED..MAX_SPEED.
+    # time before the vocoder, engine.core.speed); MIN_SPEED..MAX_SPEED.
     speed: float = 1.0
 
     def __post_init__(self) -> None:

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from engine.hparams import EncoderArgs
+from engine.core.hparams import EncoderArgs
 
 # The official table has 5000 rows; each row is computed on its own, so a shorter table holds the
 # same values. Starting small and doubling keeps ≈ 50 MB of never-read rows out of memory.
@@ -200,7 +200,7 @@ class RelPosAttention(nn.Module):
         self.pos_bias_v = nn.Parameter(torch.empty(heads, self.d_k))
         nn.init.xavier_uniform_(self.pos_bias_u)
         nn.init.xavier_uniform_(self.pos_bias_v)
-        # The int8 LM puts q, k and v in one layer here (engine.quantize) and drops the three.
+        # The int8 LM puts q, k and v in one layer here (engine.core.quantize) and drops the three.
         self.linear_qkv: nn.Module | None = None
         self.register_buffer("pos_rows", None)
         # (weight keys, blocks of rows in position order, each (h, B, d_k)): see _row_blocks

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from engine.hparams import SamplingArgs
+from engine.core.hparams import SamplingArgs
 
 # draw(probabilities (N,), generator) -> index into probabilities
 Draw = Callable[[Tensor, "torch.Generator | None"], int]

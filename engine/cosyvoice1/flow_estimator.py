@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from engine.hparams import EstimatorArgs
+from engine.core.hparams import EstimatorArgs
 
 _GROUPS = 8  # GroupNorm groups in every Block1D
 _TIME_SCALE = 1000.0  # flow time t in [0, 1] is scaled before the sinusoidal embedding
@@ -111,7 +111,7 @@ class SelfAttention(nn.Module):
 
     q, k and v stay three Linear layers: one fused GEMM measured no faster at the streaming chunk
     sizes with MKL and would save ≈ 2 % of a pass on oneDNN. The engine's load swaps the float
-    layers for oneDNN ones on reordered weights (engine.onednn_layers).
+    layers for oneDNN ones on reordered weights (engine.core.onednn_layers).
     """
 
     def __init__(self, dim: int, heads: int, head_dim: int) -> None:

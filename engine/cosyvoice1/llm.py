@@ -1,8 +1,8 @@
 """TransformerLM (``llm.pt``): text encoder + autoregressive speech-token LM.
 
 Attribute names equal the official state-dict keys. Decoding uses the preallocated KV cache of
-:class:`engine.transformer.RelPosEncoder`; :meth:`TransformerLM.generate` yields tokens one by one
-so a streaming consumer can take them as they come. No threads, no asyncio inside.
+:class:`engine.core.transformer.RelPosEncoder`; :meth:`TransformerLM.generate` yields tokens one by
+one so a streaming consumer can take them as they come. No threads, no asyncio inside.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from engine.hparams import LLMArgs
-from engine.sampling import Sampler, forced_sampler, ras_sampling
-from engine.transformer import KVCache, RelPosEncoder
+from engine.core.hparams import LLMArgs
+from engine.core.sampling import Sampler, forced_sampler, ras_sampling
+from engine.core.transformer import KVCache, RelPosEncoder
 
 TokenIds = Sequence[int] | Tensor
 

@@ -10,11 +10,11 @@ chunks share ``TOKEN_OVERLAP`` tokens; the seams are hidden exactly as the offic
   over those 5120 samples, and the first 5120 output samples are cross-faded with the previous
   chunk's held-back tail.
 
-A speed other than 1 resamples the mel in time between the fade and HiFT (engine.speed), chunk
+A speed other than 1 resamples the mel in time between the fade and HiFT (engine.core.speed), chunk
 by chunk as the whole mel would be.
 
-A :class:`~engine.types.StreamSchedule` decides where chunks are cut: the official schedule (hop
-100, so first audio after 120 tokens) or our low-latency one (small first hop, growing hops).
+A :class:`~engine.core.types.StreamSchedule` decides where chunks are cut: the official schedule
+(hop 100, so first audio after 120 tokens) or our low-latency one (small first hop, growing hops).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 import torch
 
-from engine.constants import (
+from engine.core.constants import (
     HOP,
     MEL_CACHE,
     MEL_OVERLAP,
@@ -36,14 +36,14 @@ from engine.constants import (
     SOURCE_CACHE,
     TOKEN_OVERLAP,
 )
-from engine.speed import MelStretcher
-from engine.stage_times import StageListener, report, report_flow, since
-from engine.thread_budget import ThreadBudget, apply_thread_budget, vocoder_busy
-from engine.types import StreamSchedule
+from engine.core.speed import MelStretcher
+from engine.core.stage_times import StageListener, report, report_flow, since
+from engine.core.thread_budget import ThreadBudget, apply_thread_budget, vocoder_busy
+from engine.core.types import StreamSchedule
 
 if TYPE_CHECKING:
-    from engine.flow import FlowModel
-    from engine.hift import HiFTGenerator
+    from engine.core.hift import HiFTGenerator
+    from engine.cosyvoice1.flow import FlowModel
 
 # float64, as upstream multiplies float32 tensors by numpy hamming windows (fixtures README §9.5).
 _MEL_WINDOW = torch.from_numpy(np.hamming(2 * MEL_OVERLAP))
@@ -157,7 +157,7 @@ class ChunkVocoder:
     def _hift(
         self, mel: torch.Tensor, cache_source: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        from engine.hift import HiftNoise
+        from engine.core.hift import HiftNoise
 
         phase, sine_noise = self.noise.hift_noise(mel.shape[2] * HOP)
         apply_thread_budget(self.threads)

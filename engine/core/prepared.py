@@ -6,7 +6,7 @@ the engine's first load of a model in a weight format) turns each model into the
 engine reads, in the formats it reads them: int8 layers as int8 weights with per-channel scales
 and their float biases, HiFT's weight norm folded and its convolution weights laid out
 channels-last (in bfloat16 for ``hift.bf16``), the LM's positional rows computed (its causal
-layers' ``pos_rows``: engine.transformer). Nothing the engine would replace or drop at load.
+layers' ``pos_rows``: engine.core.transformer). Nothing the engine would replace or drop at load.
 
 The files go to a ``prepared/`` folder beside the model files (``llm.int8.safetensors``,
 ``flow.fp32.safetensors``, ``hift.fp32.safetensors``, ...), or, when the model directory cannot be
@@ -22,7 +22,7 @@ device and assigns the mapped tensors in place. Three exceptions keep the memory
 model to what it reads:
 
 * The int8 layers' parts are packed for the CPU's int8 kernels in the background
-  (engine.quantize), a few layers at a time, each group through a mapping of its own: the
+  (engine.core.quantize), a few layers at a time, each group through a mapping of its own: the
   packed layers are copies, and a group's mapping goes (with its pages) once it is packed.
 * Small tensors (norms, biases) are read as copies too: where the page cache holds large folios
   (ext4, Linux 6.16 and later) touching 1 KB of a mapped file maps the 2 MiB around it.
@@ -50,7 +50,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from engine.quantize import (
+from engine.core.quantize import (
     Int8Packing,
     flow_int8_layer_names,
     install_int8_layers,
@@ -59,9 +59,9 @@ from engine.quantize import (
     int8_parts,
     replaced_float_keys,
 )
-from engine.transformer import store_position_rows
-from engine.types import ModelLoadError
-from engine.weights import (
+from engine.core.transformer import store_position_rows
+from engine.core.types import ModelLoadError
+from engine.core.weights import (
     PARTS,
     SPEAKER_FILE,
     LoadedModels,
@@ -75,7 +75,7 @@ from engine.weights import (
 )
 
 if TYPE_CHECKING:
-    from engine.hift import HiFTGenerator
+    from engine.core.hift import HiFTGenerator
 
 _LOGGER = logging.getLogger(__name__)
 

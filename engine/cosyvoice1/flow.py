@@ -24,9 +24,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from engine.flow_estimator import ConditionalDecoder
-from engine.hparams import EstimatorArgs, FlowArgs
-from engine.transformer import RelPosEncoder
+from engine.core.hparams import EstimatorArgs, FlowArgs
+from engine.core.transformer import RelPosEncoder
+from engine.cosyvoice1.flow_estimator import ConditionalDecoder
 
 _LOGGER = logging.getLogger(__name__)
 
