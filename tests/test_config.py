@@ -160,7 +160,6 @@ def test_a_new_profile_names_every_setting(tmp_path: Path) -> None:
         ("server.samples_per_chunk", 0, "server.samples_per_chunk"),
         ("server.threads", True, "server.threads"),
         ("server.threads", -1, "server.threads"),
-        ("server.model", "Fun-CosyVoice3-0.5B", "server.model"),
         ("server.hub_endpoint", "hf-mirror.com", "server.hub_endpoint"),
         ("server.profile", "ludicrous", "server.profile"),
         ("server.uri", "http://x:1", "server.uri"),
@@ -211,12 +210,6 @@ def test_settings_yaml_is_the_only_home_of_a_default() -> None:
         "limits", "profiles", "cache", "auto", "force_tokens"
     }  # fmt: skip
     assert settings == set(packaged_settings()["server"])
-
-
-def test_a_model_is_named_by_the_server_or_loaded_from_its_directory(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match="unknown model 'Mine'"):
-        cli("--model", "Mine")
-    assert cli("--model", "Mine", "--model-dir", str(tmp_path)).model_dir == tmp_path
 
 
 def test_a_hub_endpoint_is_an_http_url_without_its_last_slash() -> None:

@@ -99,10 +99,10 @@ def _settings_args(options: Mapping[str, Any]) -> list[str]:
     try:
         load_config(None, [parse_override(item) for item in changed.values()])
     except ConfigError as err:
-        option = next(
+        named = next(
             (o for o, item in changed.items() if _names(err.key, item.partition("=")[0])), None
         )
-        raise ValueError(f"option {option!r}: {err.problem}" if option else str(err)) from err
+        raise ValueError(f"option {named!r}: {err.problem}" if named else str(err)) from err
     return [arg for item in changed.values() for arg in ("--set", item)]
 
 

@@ -593,8 +593,6 @@ def build_config(raw: dict[str, Any]) -> ServerConfig:
     if not MIN_SPEED <= values["speed"] <= MAX_SPEED:
         raise ConfigError("server.speed", f"must be a number from {MIN_SPEED:g} to "
                           f"{MAX_SPEED:g}, not {values['speed']!r}")  # fmt: skip
-    if values["model_dir"] is None:
-        _check_model(values["model"])
 
     data_dirs = server.get("data_dirs")
     if isinstance(data_dirs, str):
@@ -644,16 +642,6 @@ def _threads(value: Any) -> int | None:
     if count < 0:
         raise ConfigError("server.threads", f"must be 0 (every core) or more, not {count!r}")
     return count or None
-
-
-def _check_model(name: str) -> None:
-    """A model the server can find or download by name (``--model-dir`` takes any other)."""
-    # Imported here: download imports the add-on glue, which imports this module.
-    from wyoming_cosyvoice.download import MODELS
-
-    if name not in MODELS:
-        raise ConfigError("server.model", f"unknown model {name!r} (known: {', '.join(MODELS)}; "
-                          "server.model_dir or --model-dir loads any other directory)")  # fmt: skip
 
 
 def _preset_voices(value: Any) -> tuple[str, ...]:
