@@ -409,9 +409,9 @@ def test_missing_and_unknown_options_fall_back_to_defaults(config: dict[str, Any
 
 @pytest.mark.parametrize(
     ("key", "value"),
-    [("profile", "turbo"), ("threads", -1), ("threads", True),
-     ("seed", "7"), ("streaming", "yes"), ("streaming", 1), ("debug_logging", 1),
-     ("parallel_sentences", 0), ("volume", 3), ("preset_voices", ["slow", "loud"]),
+    [("profile", "turbo"), ("threads", -1), ("threads", True), ("seed", "7"),
+     ("streaming", "yes"), ("streaming", 1), ("debug_logging", 1), ("parallel_sentences", 0),
+     ("parallel_sentences", True), ("volume", 3), ("preset_voices", ["slow", "loud"]),
      ("prepared_phrases", [1]), ("repeat_cache_mb", -1)],
 )  # fmt: skip
 def test_bad_values_name_the_option(key: str, value: Any) -> None:

@@ -94,7 +94,7 @@ def _settings_args(options: Mapping[str, Any]) -> list[str]:
     changed: dict[str, str] = {}  # option -> "key=value"
     for option, value in options.items():
         key, wanted = option_setting(option), setting_value(value)
-        if key is not None and wanted is not None and wanted != setting_default(key):
+        if key is not None and wanted is not None and not _is_default(wanted, key):
             changed[option] = f"{key}={_yaml_text(wanted)}"
     try:
         load_config(None, [parse_override(item) for item in changed.values()])
@@ -104,6 +104,12 @@ def _settings_args(options: Mapping[str, Any]) -> list[str]:
         )
         raise ValueError(f"option {named!r}: {err.problem}" if named else str(err)) from err
     return [arg for item in changed.values() for arg in ("--set", item)]
+
+
+def _is_default(value: Any, key: str) -> bool:
+    """Whether ``value`` is settings.yaml's for ``key`` (``true`` is not a count of 1)."""
+    default = setting_default(key)
+    return bool(value == default and type(value) is type(default))
 
 
 def _names(error_key: str, key: str) -> bool:
@@ -121,7 +127,8 @@ def options_to_args(
 ) -> list[str]:
     """Map the add-on options (``/data/options.json``) to ``wyoming-cosyvoice`` arguments.
 
-    Pure: reads nothing, writes nothing. Raises ValueError naming the option on a bad value.
+    Reads only the package's settings, writes nothing. Raises ValueError naming the option on
+    a bad value.
     A missing option is the server's default; unknown keys are ignored (the Supervisor may keep
     options of an older add-on version).
     """
