@@ -407,6 +407,20 @@ def test_missing_and_unknown_options_fall_back_to_defaults(config: dict[str, Any
     assert "server.seed=0" in addon.options_to_args({"seed": 0})  # 0 is a seed, not "unset"
 
 
+def test_options_json_warns_of_options_this_add_on_does_not_have(
+    tmp_path: Path, config: dict[str, Any], caplog: pytest.LogCaptureFixture
+) -> None:
+    path = tmp_path / "options.json"
+    path.write_text(json.dumps({**config["options"], "seed": 1, "old_option": 1, "uri": "x"}))
+    with caplog.at_level("WARNING", logger=addon.__name__):
+        assert addon.read_options(path)["seed"] == 1
+    assert [r.getMessage() for r in caplog.records] == ["ignoring unknown options: old_option, uri"]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger=addon.__name__):
+        assert addon.read_options(tmp_path / "absent.json") == {}  # the server's defaults
+    assert "using the default options" in caplog.text
+
+
 @pytest.mark.parametrize(
     ("key", "value"),
     [("profile", "turbo"), ("threads", -1), ("threads", True), ("seed", "7"),
