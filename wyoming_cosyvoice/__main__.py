@@ -77,7 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("int8", "fp32"),
         help="LM decoder weights: int8 (default, 3x faster) or fp32 (exact official maths)",
     )
-    add("--threads", type=int, help="CPU threads for the engine")
+    add("--threads", type=int, help="CPU threads for the engine at most (0: all cores)")
     add(
         "--parallel-sentences",
         type=int,
