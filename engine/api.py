@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
@@ -132,12 +132,17 @@ class TakesVoices(ABC):
     @classmethod
     @abstractmethod
     def make_voices(
-        cls, source: Engine, model_dir: Path, folder: Path, options: SynthesisOptions
+        cls,
+        source: Engine,
+        model_dir: Path,
+        folder: Path,
+        options: SynthesisOptions,
+        on_speaker: Callable[[int, int, str], None] = lambda number, count, speaker: None,
     ) -> None:
         """Have ``source`` (a loaded engine of the ``voices_from`` model) say a sentence in
         each of its speakers into ``folder`` as prompt voices for the model in ``model_dir``,
-        with ``options``; speakers whose voice is there already are kept as they are, failures
-        are logged."""
+        with ``options``, telling ``on_speaker(number, count, speaker)`` before each; speakers
+        whose voice is there already are kept as they are, failures are logged."""
 
     @abstractmethod
     def add_voices_from(self, folder: Path) -> ScanResult:

@@ -27,6 +27,7 @@ from conftest import wait_until
 from http_process import record_voice
 from test_http import BackgroundServer, parse_wav
 
+from engine.api import PrimesVoices
 from engine.core.types import SynthesisOptions
 
 DATA = Path(__file__).parent / "data"
@@ -403,13 +404,17 @@ def test_a_fast_profile_loads_cosyvoice2_in_its_weight_formats(tmp_path: Path) -
 
 
 def test_the_default_voice_is_primed_for_the_server_profile(wy: SimpleNamespace) -> None:
-    class PrimingEngine(wy.FakeEngine):
+    class PrimingEngine(wy.FakeEngine, PrimesVoices):
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
             self.primed: list[tuple[bool, SynthesisOptions]] = []
 
-        def prime_voice(self, options: SynthesisOptions) -> None:
+        def prime_voice(self, options: SynthesisOptions | None = None) -> None:
+            assert options is not None
             self.primed.append((self.warmed, options))
+
+        def unprime_voice(self, options: SynthesisOptions | None = None) -> None:
+            raise AssertionError("a fixed profile lets go of no primed voice")
 
     async def start() -> Any:
         settings = {"server.warmup": True, "server.profile": "fastest"}
@@ -425,13 +430,17 @@ def test_the_default_voice_is_primed_for_the_server_profile(wy: SimpleNamespace)
 def test_the_auto_profile_primes_the_default_voice_for_each_profile_it_chooses_from(
     wy: SimpleNamespace,
 ) -> None:
-    class PrimingEngine(wy.FakeEngine):
+    class PrimingEngine(wy.FakeEngine, PrimesVoices):
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
             self.primed: list[SynthesisOptions] = []
 
-        def prime_voice(self, options: SynthesisOptions) -> None:
+        def prime_voice(self, options: SynthesisOptions | None = None) -> None:
+            assert options is not None
             self.primed.append(options)
+
+        def unprime_voice(self, options: SynthesisOptions | None = None) -> None:
+            pass  # what auto lets go of: test_auto_profile's concern
 
     async def start() -> Any:
         settings = {"server.warmup": True, "server.profile": "auto"}

@@ -122,13 +122,17 @@ def _make_voices(
         cache_dir=cache_dir,
     )
     try:
-        maker.make_voices(source, model_dir, folder, SPEAKING_OPTIONS)
+        maker.make_voices(source, model_dir, folder, SPEAKING_OPTIONS, _log_speaker)
     finally:
         del source  # the source model is needed no more: give its memory back
         gc.collect()
         give_back_free_heap()
     (folder / FINISHED_MARK).write_text(f"every speaker of {source_model} was tried\n")
     _LOGGER.info("Built-in voices made in %.0f s", time.monotonic() - start)
+
+
+def _log_speaker(number: int, count: int, speaker: str) -> None:
+    _LOGGER.info("Built-in voice %d of %d: %s", number, count, speaker)
 
 
 def add_builtin_voices(engine: Engine, family: Family, config: ServerConfig) -> list[str]:

@@ -270,7 +270,12 @@ class CosyVoice2Engine(
 
     @classmethod
     def make_voices(
-        cls, source: Engine, model_dir: Path, folder: Path, options: SynthesisOptions
+        cls,
+        source: Engine,
+        model_dir: Path,
+        folder: Path,
+        options: SynthesisOptions,
+        on_speaker: Callable[[int, int, str], None] = lambda number, count, speaker: None,
     ) -> None:
         """Make v2 prompt voices in ``folder`` from the v1 engine ``source``'s speakers, one
         at a time (:func:`engine.cosyvoice2.builtin_voices.make_builtin_voices`)."""
@@ -281,7 +286,7 @@ class CosyVoice2Engine(
         try:
             speakers = list(source.speakers)
             for number, speaker in enumerate(speakers, 1):
-                _LOGGER.info("Built-in voice %d of %d: %s", number, len(speakers), speaker)
+                on_speaker(number, len(speakers), speaker)
                 make_builtin_voices(source, folder, models, speakers=[speaker], options=options)
         finally:
             models.close()
