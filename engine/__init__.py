@@ -7,8 +7,10 @@ Public surface::
     for chunk in engine.synthesize("你好。", SynthesisOptions(speaker="中文女")):
         play(chunk.pcm16)  # at chunk.sample_rate (engine.sample_rate): 22050 or 24000 Hz
 
-``CosyVoiceEngine`` (v1) and ``CosyVoice2Engine`` have the same surface; ``model_family``
-says which one a directory needs.
+``CosyVoiceEngine`` (v1) and ``CosyVoice2Engine`` have the same surface, ``Engine``
+(engine.api), and declare what they can do beyond it by inheriting ``SpeaksGrowingText``,
+``PrimesVoices`` or ``TakesVoices``; ``model_family`` says which one a directory needs, and
+what is known of its models before one loads.
 
 Names are imported lazily so that light users (the text frontend, the server's start-up)
 do not pay for importing torch.
@@ -22,6 +24,10 @@ from typing import Any
 _EXPORTS = {
     "CosyVoiceEngine": "engine.cosyvoice1.engine",
     "CosyVoice2Engine": "engine.cosyvoice2.engine",
+    "Engine": "engine.api",
+    "SpeaksGrowingText": "engine.api",
+    "PrimesVoices": "engine.api",
+    "TakesVoices": "engine.api",
     "load_engine": "engine.family",
     "model_family": "engine.family",
     "AudioChunk": "engine.core.types",
