@@ -518,8 +518,8 @@ def test_the_float_estimator_runs_its_transformer_layers_on_onednn(
 ) -> None:
     """As v1's: every Linear of its transformer blocks, where torch has oneDNN's matmul (the
     official-stream test above holds with them)."""
+    from engine.core.estimator_blocks import TransformerBlock
     from engine.core.onednn_layers import OneDnnLinear, onednn_linear_available
-    from engine.cosyvoice1.flow_estimator import TransformerBlock
 
     blocks = [
         m for m in engine.models.flow.decoder.estimator.modules() if isinstance(m, TransformerBlock)

@@ -22,6 +22,7 @@ import torch
 
 from engine.core.constants import SAMPLE_RATE
 from engine.core.engine_base import EngineBase, by_format
+from engine.core.estimator_blocks import TransformerBlock
 from engine.core.lm_thread import LmTokens
 from engine.core.onednn_layers import use_onednn_convs, use_onednn_linears
 from engine.core.runtime import (
@@ -31,21 +32,15 @@ from engine.core.runtime import (
     setup_cpu,
 )
 from engine.core.start_policy import GAPLESS, estimate_speech_seconds, hold_until_gapless
+from engine.core.streaming import FlowPrompt, GeneratorNoise
 from engine.core.types import (
     AudioChunk,
     SynthesisOptions,
     UnknownSpeakerError,
 )
 from engine.core.voice import Voice
-from engine.core.weights import LoadedModels
-from engine.cosyvoice1.flow_estimator import TransformerBlock
-from engine.cosyvoice1.streaming import (
-    ChunkVocoder,
-    FlowPrompt,
-    GeneratorNoise,
-    stream_audio,
-    whole_audio,
-)
+from engine.cosyvoice1.model_dir import PARTS, LoadedModels, loaded_models
+from engine.cosyvoice1.streaming import ChunkVocoder, stream_audio, whole_audio
 
 if TYPE_CHECKING:
     from engine.cosyvoice1.flow import FlowModel
@@ -141,8 +136,8 @@ class CosyVoiceEngine(EngineBase["FlowModel"]):
         model_dir = Path(model_dir)
         cache = Path(cache_dir) if cache_dir else None
         # Prepares what is missing, then packs the int8 layers in the background.
-        with prepared_loads(model_dir, formats, extras, cache) as loads:
-            models = loads[0].models()
+        with prepared_loads(model_dir, formats, extras, cache, PARTS) as loads:
+            models = loaded_models(loads[0])
             alternates = loads[1].assigned() if extras else {}
             flows = by_format("flow", (formats.flow, models.flow), alternates, extras)
             # Reordered here, on this thread while the int8 layers are packed, where it adds

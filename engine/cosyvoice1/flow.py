@@ -24,9 +24,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from engine.core.hparams import EstimatorArgs, FlowArgs
+from engine.core.hparams import EstimatorArgs
 from engine.core.transformer import RelPosEncoder
 from engine.cosyvoice1.flow_estimator import ConditionalDecoder
+from engine.cosyvoice1.hparams import FlowArgs
 
 _LOGGER = logging.getLogger(__name__)
 

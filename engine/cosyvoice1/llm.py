@@ -14,9 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from engine.core.hparams import LLMArgs
 from engine.core.sampling import Sampler, forced_sampler, ras_sampling
 from engine.core.transformer import KVCache, RelPosEncoder
+from engine.cosyvoice1.hparams import LLMArgs
 
 TokenIds = Sequence[int] | Tensor
 

@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING, cast
 import torch
 
 from engine.core.engine_base import EngineBase, by_format
+from engine.core.estimator_blocks import TransformerBlock
 from engine.core.lm_thread import LmTokens
 from engine.core.onednn_layers import use_onednn_linears
 from engine.core.runtime import (
@@ -56,6 +57,7 @@ from engine.core.runtime import (
     setup_cpu,
 )
 from engine.core.start_policy import GAPLESS, estimate_speech_seconds, hold_until_gapless
+from engine.core.streaming import FlowPrompt, GeneratorNoise, HiftNoiseSource
 from engine.core.text_feed import TextFeed
 from engine.core.thread_budget import apply_thread_budget, vocoder_busy
 from engine.core.types import (
@@ -66,7 +68,6 @@ from engine.core.types import (
     SynthesisOptions,
     UnknownSpeakerError,
 )
-from engine.cosyvoice1.flow_estimator import TransformerBlock
 from engine.cosyvoice2.flow import FlowStream
 from engine.cosyvoice2.frontend import CosyVoice2TextFrontend
 from engine.cosyvoice2.growing_text import GrowingTextIds
@@ -74,9 +75,6 @@ from engine.cosyvoice2.lm import BACKBONE_DIR
 from engine.cosyvoice2.model_dir import PARTS, CosyVoice2Models
 from engine.cosyvoice2.prompt import COSYVOICE2, VoiceConditioning, conditioning, flow_prompt
 from engine.cosyvoice2.streaming import (
-    FlowPrompt,
-    GeneratorNoise,
-    HiftNoiseSource,
     SpeechStream,
     chunk_aligned,
     official_hops,

@@ -41,9 +41,10 @@ from torch import Tensor, nn
 from engine.core.hparams import (
     ModelConfigError,
     SamplingArgs,
+    Section,
     TaggedNode,
-    _Section,
     read_model_yaml,
+    sampling_args,
 )
 from engine.core.sampling import Sampler, forced_sampler, ras_sampling
 from engine.core.transformer import KVCache
@@ -85,8 +86,7 @@ def speech_lm_args(llm_section: object, backbone: Qwen2Config, source: str) -> S
     """The args from a parsed yaml ``llm`` section (``!new:...Qwen2LM``) and the backbone's."""
     if isinstance(llm_section, TaggedNode) and llm_section.target.rsplit(".", 1)[-1] != LM_CLASS:
         raise ModelConfigError(f"{source}: 'llm' is {llm_section.target}, expected {LM_CLASS}")
-    sec = _Section(llm_section, "llm", source)
-    sampling = sec.sub("sampling")
+    sec = Section(llm_section, "llm", source)
     mix_ratio = sec.ints("mix_ratio", [5, 15])
     if len(mix_ratio) != 2:
         raise ModelConfigError(f"{source}: 'llm.mix_ratio' must hold two integers")
@@ -95,12 +95,7 @@ def speech_lm_args(llm_section: object, backbone: Qwen2Config, source: str) -> S
         llm_output_size=sec.int("llm_output_size"),
         speech_token_size=sec.int("speech_token_size"),
         mix_ratio=(mix_ratio[0], mix_ratio[1]),
-        sampling=SamplingArgs(
-            top_p=sampling.float("top_p", 0.8),
-            top_k=sampling.int("top_k", 25),
-            win_size=sampling.int("win_size", 10),
-            tau_r=sampling.float("tau_r", 0.1),
-        ),
+        sampling=sampling_args(sec.sub("sampling")),
         backbone=backbone,
     )
     if not args.llm_input_size == args.llm_output_size == backbone.hidden_size:
