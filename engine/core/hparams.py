@@ -338,6 +338,17 @@ def estimator_fields(est: Section) -> dict[str, Any]:
     }
 
 
+def flow_fields(flow: Section) -> dict[str, Any]:
+    """The sizes every family's ``flow`` section gives (its flow args' first fields)."""
+    return {
+        "input_size": flow.int("input_size", 512),
+        "output_size": flow.int("output_size", 80),
+        "spk_embed_dim": flow.int("spk_embed_dim", 192),
+        "vocab_size": flow.int("vocab_size", 4096),
+        "input_frame_rate": flow.int("input_frame_rate", 50),
+    }
+
+
 def cfm_fields(flow: Section) -> tuple[dict[str, Any], Section]:
     """What a flow's ``decoder`` (the conditional flow matching) says beside its estimator, as
     the flow args' fields, and the estimator's section."""

@@ -18,7 +18,7 @@ import torch
 
 from engine.core import cpu
 from engine.core.thread_budget import configure_threads
-from engine.core.types import AudioChunk, SynthesisCancelled
+from engine.core.types import AudioChunk, raise_if_cancelled
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -203,8 +203,7 @@ def audio_chunks(
             wave = next(waves, None)
         if wave is None:
             return
-        if cancel is not None and cancel.is_set():
-            raise SynthesisCancelled("synthesis cancelled")
+        raise_if_cancelled(cancel)
         if wave.numel() == 0:  # a chunk whose frames the speed's resampling still holds
             continue
         chunk = AudioChunk(wave.reshape(-1).float().numpy().copy(), sample_rate)

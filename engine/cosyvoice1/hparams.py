@@ -15,6 +15,7 @@ from engine.core.hparams import (
     cfm_fields,
     encoder_args,
     estimator_fields,
+    flow_fields,
     hift_args,
     read_model_yaml,
     sampling_args,
@@ -84,11 +85,7 @@ def _flow_args(sec: Section) -> FlowArgs:
     regulator = sec.sub("length_regulator")
     cfm, est = cfm_fields(sec)
     return FlowArgs(
-        input_size=sec.int("input_size", 512),
-        output_size=sec.int("output_size", 80),
-        spk_embed_dim=sec.int("spk_embed_dim", 192),
-        vocab_size=sec.int("vocab_size", 4096),
-        input_frame_rate=sec.int("input_frame_rate", 50),
+        **flow_fields(sec),
         encoder=encoder_args(sec.sub("encoder"), conformer=True),
         regulator_channels=regulator.int("channels"),
         regulator_sampling_ratios=regulator.ints("sampling_ratios"),

@@ -8,32 +8,15 @@ one so a streaming consumer can take them as they come. No threads, no asyncio i
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from engine.core.sampling import Sampler, forced_sampler, ras_sampling
+from engine.core.lm_step import StepOut, TokenIds, speech_tokens, token_ids
+from engine.core.sampling import Sampler, forced_sampler
 from engine.core.transformer import KVCache, RelPosEncoder
 from engine.cosyvoice1.hparams import LLMArgs
-
-TokenIds = Sequence[int] | Tensor
-
-
-class StepOut(NamedTuple):
-    """Last hidden state (B, D) after ``after_norm`` and raw decoder logits (B, V+1)."""
-
-    hidden: Tensor
-    logits: Tensor
-
-
-def _ids(ids: TokenIds | None, device: torch.device) -> Tensor:
-    """Token ids as a (1, N) int64 tensor; accepts lists, (N,) and (1, N) tensors."""
-    if ids is None:
-        return torch.zeros(1, 0, dtype=torch.long, device=device)
-    t = torch.as_tensor(ids, dtype=torch.long, device=device)
-    return t.reshape(1, -1)
 
 
 class TransformerLM(nn.Module):
@@ -86,13 +69,13 @@ class TransformerLM(nn.Module):
     ) -> Tensor:
         """(1, L0, D) = [SOS | spk? | encoded(prompt_text ++ text) | TASK | prompt speech]."""
         dev = self._device
-        text = torch.cat([_ids(prompt_text_ids, dev), _ids(text_ids, dev)], dim=1)
+        text = torch.cat([token_ids(prompt_text_ids, dev), token_ids(text_ids, dev)], dim=1)
         emb = self.llm_embedding.weight
         parts = [emb[0].view(1, 1, -1), self.speaker_input(embedding)]
         if text.shape[1] > 0:
             parts.append(self.encode_text(text))
         parts.append(emb[1].view(1, 1, -1))
-        parts.append(self.speech_embedding(_ids(prompt_speech_ids, dev)))
+        parts.append(self.speech_embedding(token_ids(prompt_speech_ids, dev)))
         return torch.cat(parts, dim=1)
 
     # --- decoding --------------------------------------------------------------------------
@@ -138,7 +121,7 @@ class TransformerLM(nn.Module):
         ``sampler`` replace the RAS draw (tests; they receive the EOS-masked log-probs and the
         history); a forced EOS id ends the stream.
         """
-        n_text = _ids(text_ids, torch.device("cpu")).shape[1]
+        n_text = token_ids(text_ids, torch.device("cpu")).shape[1]
         min_len, max_len = self.length_limits(n_text)
         if max_tokens is not None:
             max_len = min_len = max(0, int(max_tokens))  # EOS masked throughout: exact count
@@ -151,20 +134,14 @@ class TransformerLM(nn.Module):
             lm_input = self.build_input(text_ids, prompt_text_ids, prompt_speech_ids, embedding)
             cache = self.new_cache(lm_input.shape[1] + max_len)
             out = self.prefill(lm_input, cache)
-        history: list[int] = []
-        for step in range(max_len):
-            with torch.inference_mode():
-                logp = out.logits[0].float().log_softmax(dim=0)
-                if step < min_len:  # HEAD: EOS forbidden by masking, before any sampling
-                    logp[self.eos] = float("-inf")
-                if sampler is not None:
-                    token = sampler(logp, history)
-                else:
-                    token = ras_sampling(logp, history, self.args.sampling, generator)
-            if token == self.eos:
-                return
-            yield token
-            history.append(token)
-            if step + 1 < max_len:
-                with torch.inference_mode():
-                    out = self.decode_step(token, cache)
+        yield from speech_tokens(
+            out,
+            lambda token: self.decode_step(token, cache),
+            min_len=min_len,
+            max_len=max_len,
+            eos=self.eos,
+            stop_tokens=(self.eos,),
+            sampling=self.args.sampling,
+            sampler=sampler,
+            generator=generator,
+        )

@@ -22,6 +22,7 @@ from engine.core.hparams import (
     TaggedNode,
     cfm_fields,
     estimator_fields,
+    flow_fields,
     hift_args,
     read_model_yaml,
 )
@@ -147,11 +148,7 @@ def flow_args_from_doc(doc: dict[str, Any], source: str = "cosyvoice2.yaml") -> 
     cfm, est = cfm_fields(sec)
     lookahead = sec.int("pre_lookahead_len", 3)
     args = CausalFlowArgs(
-        input_size=sec.int("input_size", 512),
-        output_size=sec.int("output_size", 80),
-        spk_embed_dim=sec.int("spk_embed_dim", 192),
-        vocab_size=sec.int("vocab_size", 4096),
-        input_frame_rate=sec.int("input_frame_rate", 50),
+        **flow_fields(sec),
         token_mel_ratio=sec.int("token_mel_ratio", 2),
         pre_lookahead_len=lookahead,
         encoder=_encoder_args(sec.sub("encoder"), lookahead),
@@ -213,6 +210,6 @@ def load_flow_args(yaml_path: Path) -> CausalFlowArgs:
     return flow_args_from_doc(read_model_yaml(yaml_path), Path(yaml_path).name)
 
 
-def loadhift_args(yaml_path: Path) -> HiFTArgs:
+def load_hift_args(yaml_path: Path) -> HiFTArgs:
     """Read the HiFT hyperparameters of an official v2 yaml."""
     return hift_args_from_doc(read_model_yaml(yaml_path), Path(yaml_path).name)
