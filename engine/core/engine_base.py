@@ -6,6 +6,7 @@ per weight format. Each model family's engine inherits :class:`EngineBase`."""
 from __future__ import annotations
 
 import logging
+import random
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -25,6 +26,7 @@ from engine.core.runtime import (
     setup_cpu,
     weight_pairs,
 )
+from engine.core.start_policy import GAPLESS, estimate_speech_seconds, hold_until_gapless
 from engine.core.types import AudioChunk, SynthesisOptions
 
 if TYPE_CHECKING:
@@ -63,6 +65,7 @@ class EngineBase(ABC, Generic[FlowT]):
     """The flow and HiFT by weight format, what the load prepared and chose for this CPU."""
 
     sample_rate: int  # of the audio chunks, the family's
+    token_rate: int  # speech tokens a second, the family's
     # How the family's directory is prepared and loaded (its three models, its speakers).
     model_parts: ClassVar[ModelParts]
 
@@ -189,6 +192,22 @@ class EngineBase(ABC, Generic[FlowT]):
         cancel: threading.Event | None = None,
     ) -> Iterator[AudioChunk]:
         """Yield audio for ``text``: per streamed chunk, or one chunk per segment."""
+
+    @staticmethod
+    def _seed(options: SynthesisOptions) -> int:
+        """The request's seed, or a random one (each segment adds its index)."""
+        return options.seed if options.seed is not None else random.randrange(2**31)
+
+    def _released(
+        self, chunks: Iterator[AudioChunk], texts: Iterable[str], options: SynthesisOptions
+    ) -> Iterator[AudioChunk]:
+        """``chunks`` as the request's start policy releases them: at once, or (gapless,
+        streamed) held until playback of the ``texts``' expected speech cannot starve."""
+        if not (options.stream and options.start_policy == GAPLESS):
+            return chunks
+        forced, rate = options.force_tokens, self.token_rate
+        expected = sum(estimate_speech_seconds(text, forced, rate) for text in texts)
+        return hold_until_gapless(chunks, expected / options.speed)
 
     def _segment_audio(
         self,

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Container, Iterable, Iterator, Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from engine.core.hparams import SamplingArgs
-from engine.core.sampling import Sampler, ras_sampling
+from engine.core.sampling import Sampler, forced_sampler, ras_sampling
+from engine.core.transformer import KVCache
 from engine.core.types import raise_if_cancelled
 
 TokenIds = Sequence[int] | Tensor
@@ -79,3 +80,84 @@ def speech_tokens(
         if step + 1 < max_len:
             with torch.inference_mode():
                 out = decode_step(token)
+
+
+class SpeechTokenLM(nn.Module):
+    """What every family's speech-token LM shares: its speech tokens drawn one by one from its
+    assembled input. A family gives the input's layout and its steps."""
+
+    eos: int  # the stop token masked while fewer than min_len tokens were drawn
+    stop_tokens: frozenset[int]  # any of these ends the answer
+    args: Any  # the family's LM args, with ``sampling``
+
+    def build_input(
+        self,
+        text_ids: TokenIds,
+        prompt_text_ids: TokenIds | None = None,
+        prompt_speech_ids: TokenIds | None = None,
+        embedding: Tensor | None = None,
+    ) -> Tensor:
+        """The input embeddings (1, L0, D) of one answer."""
+        raise NotImplementedError
+
+    def new_cache(self, max_len: int, batch: int = 1) -> KVCache:
+        raise NotImplementedError
+
+    def prefill(self, lm_input: Tensor, cache: KVCache) -> StepOut:
+        raise NotImplementedError
+
+    def decode_step(self, tokens: Tensor | int, cache: KVCache) -> StepOut:
+        raise NotImplementedError
+
+    def length_limits(self, n_tts_text: int) -> tuple[int, int]:
+        """(min_len, max_len) in speech tokens for ``n_tts_text`` text tokens (prompt excluded)."""
+        raise NotImplementedError
+
+    def generate(
+        self,
+        text_ids: TokenIds,
+        prompt_text_ids: TokenIds | None = None,
+        prompt_speech_ids: TokenIds | None = None,
+        embedding: Tensor | None = None,
+        *,
+        generator: torch.Generator | None = None,
+        max_tokens: int | None = None,
+        forced_tokens: Sequence[int] | None = None,
+        sampler: Sampler | None = None,
+        cancel: threading.Event | None = None,
+    ) -> Iterator[int]:
+        """Yield speech tokens until a stop token or the length cap (stop tokens not yielded).
+
+        ``max_tokens`` fixes the count (benchmarks, ``SynthesisOptions.force_tokens``): it
+        replaces both limits, so EOS stays masked and exactly that many tokens are drawn (fewer
+        only if another stop token, or a forced one, ends them). ``forced_tokens`` /
+        ``sampler`` replace the draw (tests; they receive the EOS-masked log-probs and the
+        history). ``cancel`` is checked before each token: :class:`SynthesisCancelled` once
+        it is set.
+        """
+        n_text = token_ids(text_ids, torch.device("cpu")).shape[1]
+        min_len, max_len = self.length_limits(n_text)
+        if max_tokens is not None:
+            max_len = min_len = max(0, int(max_tokens))  # EOS masked throughout: exact count
+        if forced_tokens is not None:
+            sampler = forced_sampler(forced_tokens)
+        if max_len == 0:
+            return
+        raise_if_cancelled(cancel)
+        # inference_mode blocks never span a yield: the mode is thread-local state of the caller.
+        with torch.inference_mode():
+            lm_input = self.build_input(text_ids, prompt_text_ids, prompt_speech_ids, embedding)
+            cache = self.new_cache(lm_input.shape[1] + max_len)
+            out = self.prefill(lm_input, cache)
+        yield from speech_tokens(
+            out,
+            lambda token: self.decode_step(token, cache),
+            min_len=min_len,
+            max_len=max_len,
+            eos=self.eos,
+            stop_tokens=self.stop_tokens,
+            sampling=self.args.sampling,
+            sampler=sampler,
+            generator=generator,
+            cancel=cancel,
+        )

@@ -11,7 +11,6 @@ in a helper thread so it overlaps with the flow and vocoder (engine.core.lm_thre
 from __future__ import annotations
 
 import logging
-import random
 import threading
 import time
 from collections.abc import Generator, Iterator
@@ -21,7 +20,7 @@ from typing import TYPE_CHECKING, cast
 import torch
 from torch import nn
 
-from engine.core.constants import SAMPLE_RATE
+from engine.core.constants import SAMPLE_RATE, TOKEN_RATE
 from engine.core.engine_base import EngineBase
 from engine.core.estimator_blocks import TransformerBlock
 from engine.core.lm_thread import LmTokens
@@ -29,7 +28,6 @@ from engine.core.onednn_layers import use_onednn_convs, use_onednn_linears
 from engine.core.runtime import (
     pick_weights,
 )
-from engine.core.start_policy import GAPLESS, estimate_speech_seconds, hold_until_gapless
 from engine.core.streaming import FlowPrompt, GeneratorNoise
 from engine.core.types import (
     AudioChunk,
@@ -91,6 +89,7 @@ class CosyVoiceEngine(EngineBase["FlowModel"]):
         self.kind = kind or detect_model_kind(models.model_dir)
         self.threads = threads
         self.sample_rate = SAMPLE_RATE
+        self.token_rate = TOKEN_RATE
         self.speakers: list[str] = list(models.speakers)
         self.frontend = frontend or TextFrontend()
         self.custom_voices: VoiceLibrary | None = None
@@ -180,7 +179,7 @@ class CosyVoiceEngine(EngineBase["FlowModel"]):
         # Built-in voices are resolved first so an unknown name fails before any work.
         builtin = None if custom is not None else self.voice(options.speaker, options.instruct)
         segments = self.frontend.segments(text, split=options.split, language=options.language)
-        seed = options.seed if options.seed is not None else random.randrange(2**31)
+        seed = self._seed(options)
 
         def chunks() -> Iterator[AudioChunk]:
             for index, segment in enumerate(segments):
@@ -191,11 +190,7 @@ class CosyVoiceEngine(EngineBase["FlowModel"]):
                     ids, voice = segment.token_ids, builtin
                 yield from self._segment(ids, voice, options, seed + index, cancel)
 
-        if options.stream and options.start_policy == GAPLESS:
-            expected = sum(estimate_speech_seconds(s.text, options.force_tokens) for s in segments)
-            yield from hold_until_gapless(chunks(), expected / options.speed)
-        else:
-            yield from chunks()
+        yield from self._released(chunks(), (s.text for s in segments), options)
 
     def _segment(
         self,

@@ -33,7 +33,6 @@ Streaming schedules:
 from __future__ import annotations
 
 import logging
-import random
 import threading
 import time
 from collections.abc import Callable, Generator, Iterator
@@ -51,7 +50,6 @@ from engine.core.runtime import (
     give_back_free_heap,
     pick_weights,
 )
-from engine.core.start_policy import GAPLESS, estimate_speech_seconds, hold_until_gapless
 from engine.core.streaming import FlowPrompt, GeneratorNoise, HiftNoiseSource
 from engine.core.text_feed import TextFeed
 from engine.core.thread_budget import apply_thread_budget, vocoder_busy
@@ -163,7 +161,7 @@ class CosyVoice2Engine(VoicesMixin, EngineBase["CausalFlow"]):
         if options.instruct:
             self.frontend.instruct_ids(options.instruct)  # so does an empty instruction
         segments = self.frontend.segments(text, split=options.split)
-        seed = options.seed if options.seed is not None else random.randrange(2**31)
+        seed = self._seed(options)
 
         def chunks() -> Iterator[AudioChunk]:
             for index, segment in enumerate(segments):
@@ -179,22 +177,11 @@ class CosyVoice2Engine(VoicesMixin, EngineBase["CausalFlow"]):
                 )
 
         try:
-            if options.stream and options.start_policy == GAPLESS:
-                expected = sum(
-                    self._expected_seconds(s.text, options.force_tokens) for s in segments
-                )
-                yield from hold_until_gapless(chunks(), expected / options.speed)
-            else:
-                yield from chunks()
+            yield from self._released(chunks(), (s.text for s in segments), options)
         finally:
             # The answer's flow state (hundreds of MB for a long sentence) is free by now: give
             # it back at once rather than hold it until the next request's first chunk.
             give_back_free_heap()
-
-    def _expected_seconds(self, text: str, forced_tokens: int | None) -> float:
-        if forced_tokens is not None:
-            return forced_tokens / self.token_rate
-        return estimate_speech_seconds(text)
 
     def _segment(
         self,
@@ -302,7 +289,7 @@ class CosyVoice2Engine(VoicesMixin, EngineBase["CausalFlow"]):
             instruct=options.instruct,
             language=options.language,
         )
-        seed = options.seed if options.seed is not None else random.randrange(2**31)
+        seed = self._seed(options)
 
         def make_tokens(generator: torch.Generator) -> Iterator[int]:
             return growing_tokens(

@@ -28,8 +28,7 @@ naming them. :meth:`CosyVoice2LM.int8_layer_names` lists the layers the int8 opt
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,10 +43,9 @@ from engine.core.hparams import (
     read_model_yaml,
     sampling_args,
 )
-from engine.core.lm_step import StepOut, TokenIds, speech_tokens, token_ids
-from engine.core.sampling import Sampler, forced_sampler
+from engine.core.lm_step import SpeechTokenLM, StepOut, TokenIds, token_ids
 from engine.core.transformer import KVCache
-from engine.core.types import ModelLoadError, raise_if_cancelled
+from engine.core.types import ModelLoadError
 from engine.core.weights import state_dict_problems
 from engine.cosyvoice2.qwen2 import (
     Qwen2CausalLM,
@@ -122,7 +120,7 @@ class _Backbone(nn.Module):
         self.model = Qwen2CausalLM(cfg)
 
 
-class CosyVoice2LM(nn.Module):
+class CosyVoice2LM(SpeechTokenLM):
     """The CosyVoice2 speech-token LM."""
 
     SOS = 0  # rows of llm_embedding
@@ -170,8 +168,11 @@ class CosyVoice2LM(nn.Module):
         text_ids: TokenIds,
         prompt_text_ids: TokenIds | None = None,
         prompt_speech_ids: TokenIds | None = None,
+        embedding: Tensor | None = None,
     ) -> Tensor:
         """(1, L0, D) = [SOS | text(prompt ++ text) | TASK_ID | prompt speech]."""
+        if embedding is not None:
+            raise ValueError("CosyVoice2's LM takes no speaker embedding (its flow does)")
         dev = self._device
         text = torch.cat([token_ids(prompt_text_ids, dev), token_ids(text_ids, dev)], dim=1)
         return torch.cat(
@@ -208,52 +209,6 @@ class CosyVoice2LM(nn.Module):
         return (
             int(n_tts_text * self.args.min_token_text_ratio),
             int(n_tts_text * self.args.max_token_text_ratio),
-        )
-
-    def generate(
-        self,
-        text_ids: TokenIds,
-        prompt_text_ids: TokenIds | None = None,
-        prompt_speech_ids: TokenIds | None = None,
-        *,
-        generator: torch.Generator | None = None,
-        max_tokens: int | None = None,
-        forced_tokens: Sequence[int] | None = None,
-        sampler: Sampler | None = None,
-        cancel: threading.Event | None = None,
-    ) -> Iterator[int]:
-        """Yield speech tokens until a stop token or the length cap (stop tokens not yielded).
-
-        ``max_tokens`` fixes the count (benchmarks: EOS stays masked throughout, exactly that
-        many tokens unless another stop token is drawn). ``forced_tokens`` / ``sampler`` replace
-        the draw (tests); the sampler receives the EOS-masked log-probs and the history.
-        ``cancel`` is checked before each token: :class:`SynthesisCancelled` once it is set.
-        """
-        n_text = token_ids(text_ids, torch.device("cpu")).shape[1]
-        min_len, max_len = self.length_limits(n_text)
-        if max_tokens is not None:
-            max_len = min_len = max(0, int(max_tokens))
-        if forced_tokens is not None:
-            sampler = forced_sampler(forced_tokens)
-        if max_len == 0:
-            return
-        raise_if_cancelled(cancel)
-        # inference_mode blocks never span a yield: the mode is thread-local state of the caller.
-        with torch.inference_mode():
-            lm_input = self.build_input(text_ids, prompt_text_ids, prompt_speech_ids)
-            cache = self.new_cache(lm_input.shape[1] + max_len)
-            out = self.prefill(lm_input, cache)
-        yield from speech_tokens(
-            out,
-            lambda token: self.decode_step(token, cache),
-            min_len=min_len,
-            max_len=max_len,
-            eos=self.eos,
-            stop_tokens=self.stop_tokens,
-            sampling=self.args.sampling,
-            sampler=sampler,
-            generator=generator,
-            cancel=cancel,
         )
 
     # --- int8 ----------------------------------------------------------------------------------
