@@ -52,7 +52,7 @@ FAMILIES = (
         "CosyVoice v1",
         "cosyvoice.yaml",
         "engine.cosyvoice1.engine:CosyVoiceEngine",
-        "engine.core.prepared:V1_PARTS",
+        "engine.cosyvoice1.model_dir:PARTS",
     ),
     Family(
         "cosyvoice2",

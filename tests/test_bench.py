@@ -155,7 +155,7 @@ def test_synthetic_300m_matches_the_official_checkpoint_layout() -> None:
 
 
 def test_synthetic_model_loads_with_the_engine(tmp_path: Path) -> None:
-    from engine.core.weights import load_model_dir
+    from engine.cosyvoice1.model_dir import load_model_dir
 
     model_dir = ensure_synthetic_model(tmp_path, config=TINY_MODEL / "cosyvoice.yaml")
     hift = torch.load(model_dir / "hift.pt", weights_only=True)
@@ -170,7 +170,7 @@ def test_synthetic_model_loads_with_the_engine(tmp_path: Path) -> None:
 
 def test_synthetic_lm_runs_to_the_forced_token_count(tmp_path: Path) -> None:
     """Random weights must not stop at a random EOS: the benchmark needs exactly N tokens."""
-    from engine.core.hparams import load_model_args
+    from engine.cosyvoice1.hparams import load_model_args
     from engine.cosyvoice1.llm import TransformerLM
 
     model_dir = ensure_synthetic_model(tmp_path, config=TINY_MODEL / "cosyvoice.yaml")
@@ -314,8 +314,9 @@ def test_flop_count_is_the_same_for_the_int8_flow() -> None:
     from engine.bench.timers import StageTimer
     from engine.core.constants import SPEECH_VOCAB
     from engine.core.quantize import quantize_flow_int8
-    from engine.core.weights import load_model_dir
-    from engine.cosyvoice1.streaming import ChunkVocoder, FlowPrompt, GeneratorNoise
+    from engine.core.streaming import FlowPrompt, GeneratorNoise
+    from engine.cosyvoice1.model_dir import load_model_dir
+    from engine.cosyvoice1.streaming import ChunkVocoder
 
     def flops(int8: bool) -> float:
         models = load_model_dir(TINY_MODEL)

@@ -79,7 +79,7 @@ class Geometry:
             from engine.cosyvoice1.streaming import hop_sizes
 
             return hop_sizes(schedule)
-        from engine.cosyvoice2.engine import chunk_hops
+        from engine.cosyvoice2.schedule import chunk_hops
         from engine.cosyvoice2.streaming import official_hops
 
         if schedule.name == "official":
@@ -92,7 +92,7 @@ class Geometry:
         prompt's unfinished attention chunk; v1: none)."""
         if self.family != "cosyvoice2" or schedule.name == "official":
             return 0
-        from engine.cosyvoice2.engine import prompt_tail
+        from engine.cosyvoice2.schedule import prompt_tail
 
         rate = int(self.token_rate)
         return prompt_tail(schedule, self.chunk_tokens, self.lookahead_tokens, rate)

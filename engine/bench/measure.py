@@ -176,7 +176,8 @@ def _stage_flops(
     The same window as each flow call of the timed non-streaming request: the estimator's
     attention grows with the square of the window, so a shorter one would understate the work.
     """
-    from engine.cosyvoice1.streaming import ChunkVocoder, FlowPrompt, GeneratorNoise
+    from engine.core.streaming import FlowPrompt, GeneratorNoise
+    from engine.cosyvoice1.streaming import ChunkVocoder
 
     models = engine.models
     embedding = models.speakers[engine.speakers[0]].reshape(1, -1)
@@ -314,7 +315,7 @@ def _deviations(
         mel_relative_l2,
         random_tokens_mel,
     )
-    from engine.core.weights import load_model_dir
+    from engine.cosyvoice1.model_dir import load_model_dir
 
     embedding = engine.models.speakers[engine.speakers[0]].reshape(1, -1)
     hift_bf16 = engine.hift_dtype != "float32"
