@@ -205,6 +205,7 @@ def test_summary_medians_bounds_and_ratios() -> None:
             "tokens": 400,
             "audio_s": 8.0,
             "lm_weight_bytes_per_token": 720e6,
+            "lm_cache_bytes_per_token": 80e6,
             "flow_gflop_per_audio_s": 150.0,
             "hift_gflop_per_audio_s": 50.0,
         }
@@ -214,18 +215,24 @@ def test_summary_medians_bounds_and_ratios() -> None:
         runs,
         {"mem_bw_gbps": 20.0, "gemv_gbps": 8.0, "gemm_gflops": 60.0},
         text="t",
-        profile={"name": "realtime"},
+        profile={"name": "realtime", "n_timesteps": 10},
         model_dir="m",
     )
     assert result["load_s"] == 2.0
     assert result["spread"]["load_s"] == {"median": 2.0, "min": 1.0, "max": 3.0}
-    assert result["lm_bound_ms_per_token"] == pytest.approx(36.0)
-    assert result["lm_vs_bound"] == pytest.approx(80.0 / 36.0)
-    assert result["lm_kernel_bound_ms_per_token"] == pytest.approx(90.0)  # 720 MB at 8 GB/s
-    assert result["lm_vs_kernel_bound"] == pytest.approx(80.0 / 90.0)
+    assert result["lm_bound_ms_per_token"] == pytest.approx(40.0)  # 800 MB at 20 GB/s
+    assert result["lm_vs_bound"] == pytest.approx(80.0 / 40.0)
+    # The weights at the GEMV kernel's 8 GB/s, the cache at the read bandwidth.
+    assert result["lm_kernel_bound_ms_per_token"] == pytest.approx(90.0 + 4.0)
+    assert result["lm_vs_kernel_bound"] == pytest.approx(80.0 / 94.0)
     assert result["flow_bound_ms_per_audio_s"] == pytest.approx(2500.0)
     assert result["hift_vs_bound"] == pytest.approx(1000.0 / (50 / 60 * 1000))
-    assert result["rtf_bound"] == pytest.approx((36.0 * 50 + 2500.0 + 50 / 60 * 1000) / 1000)
+    assert result["rtf_bound"] == pytest.approx((40.0 * 50 + 2500.0 + 50 / 60 * 1000) / 1000)
+    work = result["work_per_audio_s"]  # per second of speech: 50 tokens
+    assert work["lm"]["gb"] == pytest.approx(40.0)
+    assert (work["lm"]["bound_ms"], work["lm"]["measured_ms"]) == pytest.approx((2000, 4000))
+    assert (work["flow"]["gflop"], work["flow"]["bound_ms"]) == pytest.approx((150, 2500))
+    assert work["hift"]["measured_ms"] == 1000.0
 
 
 @pytest.mark.parametrize("int8", [True, False])
