@@ -321,8 +321,8 @@ def test_neighbours_run_for_the_block_and_are_gone_after_it() -> None:
 
 def test_flop_count_is_the_same_for_the_int8_flow() -> None:
     # The int8 flow does the same products: its bound must not shrink to its convolutions.
-    from engine.bench.work import count_stage_flops
     from engine.bench.timers import StageTimer
+    from engine.bench.work import count_stage_flops
     from engine.constants import SPEECH_VOCAB
     from engine.quantize import quantize_flow_int8
     from engine.streaming import ChunkVocoder, FlowPrompt, GeneratorNoise

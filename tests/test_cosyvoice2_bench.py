@@ -14,7 +14,6 @@ import pytest
 import torch
 from test_bench import REQUIRED_FIELDS
 
-from engine.bench.work import lm_weight_bytes_per_token
 from engine.bench.synthetic import (
     COSYVOICE2_STOP_CLASSES,
     EOS_BIAS,
@@ -22,6 +21,7 @@ from engine.bench.synthetic import (
     ensure_synthetic_cosyvoice2,
 )
 from engine.bench.timers import FIRST_AUDIO_PARTS
+from engine.bench.work import lm_weight_bytes_per_token
 from engine.cosyvoice2.model_dir import load_model_dir
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -293,9 +293,7 @@ def run(config: RunConfig) -> dict[str, Any]:
         steps, cfg = profile.n_timesteps, profile.cfg_rate
         result.update(asdict(v2.stage_flops(engine, timer, steps, cfg, flow_window)))
         result.update(
-            v2.deviations(
-                engine, steps, cfg, config.text, lm_int8=lm_int8, flow_int8=flow_int8
-            )
+            v2.deviations(engine, steps, cfg, config.text, lm_int8=lm_int8, flow_int8=flow_int8)
         )
     elif config.count_flops:
         result.update(

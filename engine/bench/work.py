@@ -56,7 +56,7 @@ def _held_bytes(module: nn.Module) -> int:
     """Bytes of the tensors a module holds itself (its children's not included)."""
     if callable(getattr(module, "weight", None)) and hasattr(module, "_packed_params"):
         return _packed_bytes(module)
-    tensors = [*module.parameters(recurse=False)]
+    tensors: list[torch.Tensor] = [*module.parameters(recurse=False)]
     tensors += [t for name, t in module.named_buffers(recurse=False) if name != POSITION_ROWS]
     return sum(_tensor_bytes(t) for t in tensors)
 
