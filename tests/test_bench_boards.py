@@ -8,13 +8,22 @@ import json
 import pytest
 
 from engine.bench import boards
-from engine.bench.boards import COUNTS, FAMILIES, Board, board_estimates, estimate, record
+from engine.bench.boards import (
+    COUNTS,
+    FAMILIES,
+    Board,
+    Limits,
+    board_estimates,
+    estimate,
+    record,
+)
 from wyoming_cosyvoice.bench.profiles import server_profiles
 
+HERE = Limits(read_gbps=20.0, gemm_gflops=100.0)  # the measured machine
 
-def _entry(hift_ran: str = "float32", hift_bound: float = 500.0) -> dict:
-    """A profile measured on a machine of 20 GB/s and 100 GFLOP/s: the LM at 2× its bound,
-    the flow at 1.5×, HiFT at 2× (float32) or 1× (bfloat16)."""
+
+def _entry(hift_ran: str = "float32") -> dict:
+    """A profile measured on HERE: the LM at 2× its bound, the flow at 1.5×, HiFT at 1×."""
     return {
         "hift_ran": hift_ran,
         "gemm_gflops": 100.0,
@@ -32,19 +41,19 @@ def _entry(hift_ran: str = "float32", hift_bound: float = 500.0) -> dict:
                 "tokens": 50,
                 "weight_bytes_per_token": 90e6,
                 "cache_bytes_per_token": 10e6,
-                "bound_ms": 250.0,  # 100 MB at 20 GB/s, 50 times
+                "gb": 5.0,  # 100 MB 50 times: 250 ms at 20 GB/s
                 "measured_ms": 500.0,
             },
-            "flow": {"gflop": 100.0, "bound_ms": 1000.0, "measured_ms": 1500.0},
-            "hift": {"gflop": 50.0, "bound_ms": hift_bound, "measured_ms": 1000.0 / 2},
+            "flow": {"gflop": 100.0, "measured_ms": 1500.0},
+            "hift": {"gflop": 50.0, "measured_ms": 500.0},
         },
     }
 
 
 def test_a_board_takes_the_work_at_the_measured_distance_from_its_limits() -> None:
-    fp32_hift = {"gflop": 50.0, "bound_ms": 500.0, "measured_ms": 1000.0}
+    fp32_hift = {"gflop": 50.0, "measured_ms": 1000.0}
     # A board of 10 GB/s and 50 GFLOP/s.
-    result = estimate(_entry(), 10.0, 50.0, fp32_hift)
+    result = estimate(_entry(), 10.0, 50.0, fp32_hift, HERE)
     assert result.lm_ms_per_token == pytest.approx(100e6 / 10e9 * 1e3 * 2)  # 20 ms
     assert result.flow_ms == pytest.approx(100 / 50 * 1e3 * 1.5)  # 3000 ms
     assert result.hift_ms == pytest.approx(50 / 50 * 1e3 * 1.0)  # the entry's HiFT: 1× bound
@@ -59,24 +68,35 @@ def test_a_stage_faster_than_its_bound_counts_at_its_bound() -> None:
     entry = _entry()
     entry["work_per_audio_s"]["flow"]["measured_ms"] = 500.0  # half its bound
     fp32_hift = entry["work_per_audio_s"]["hift"]
-    assert estimate(entry, 10.0, 50.0, fp32_hift).flow_ms == pytest.approx(100 / 50 * 1e3)
+    assert estimate(entry, 10.0, 50.0, fp32_hift, HERE).flow_ms == pytest.approx(100 / 50 * 1e3)
 
 
 def test_a_bfloat16_hift_runs_as_float32_on_a_board() -> None:
     # Measured with a native bfloat16 HiFT at 1× its float32 bound; the board runs float32,
     # at the float32 HiFT's 2×: its HiFT and its first chunk's HiFT take twice as long.
-    fp32_hift = {"gflop": 50.0, "bound_ms": 500.0, "measured_ms": 1000.0}
-    bf16 = estimate(_entry("bfloat16"), 10.0, 50.0, fp32_hift)
-    fp32 = estimate(_entry("float32"), 10.0, 50.0, fp32_hift)
+    fp32_hift = {"gflop": 50.0, "measured_ms": 1000.0}
+    bf16 = estimate(_entry("bfloat16"), 10.0, 50.0, fp32_hift, HERE)
+    fp32 = estimate(_entry("float32"), 10.0, 50.0, fp32_hift, HERE)
     assert bf16.hift_ms == pytest.approx(2000.0) and fp32.hift_ms == pytest.approx(1000.0)
     assert bf16.first_audio_s - fp32.first_audio_s == pytest.approx(2 * 100 / 1e3)
 
 
 def test_a_range_of_figures_gives_a_range_of_estimates() -> None:
     board = Board("b", (10.0, 20.0), (50.0, 100.0), "r", "g")
-    (low, high) = board_estimates({"realtime": _entry()}, board)["realtime"]
+    (low, high) = board_estimates({"realtime": _entry()}, board, HERE)["realtime"]
     assert high.rtf < low.rtf and high.first_audio_s < low.first_audio_s
     assert boards._cell((low, high)) == "≈ 0.6–1.2 s / 2.5–5"
+
+
+def test_the_measured_machine_is_the_best_its_probes_read() -> None:
+    # A probe in a busy moment reads the machine slow; each limit is the best of the runs.
+    counts = {
+        "families": {
+            "CosyVoice-300M-SFT": {"realtime": {"mem_bw_gbps": 8.0, "gemm_gflops": 150.0}},
+            "CosyVoice2-0.5B": {"fastest": {"mem_bw_gbps": 30.0, "gemm_gflops": 90.0}},
+        }
+    }
+    assert boards.measured_limits(counts) == Limits(30.0, 150.0)
 
 
 def test_a_recorded_result_keeps_what_the_estimates_need() -> None:

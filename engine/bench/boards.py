@@ -9,7 +9,8 @@ second of speech (engine.bench.work) and the boards' published figures.
     script/board-estimates --show                    # also each stage's time and the bounds
 
 The model (docs/dev/performance-notes.md, *Board estimates*): each stage takes on a board what
-its work needs there, at the engine's measured distance from the bound on the measured machine:
+its work needs there, at the engine's measured distance from the bound on the measured machine
+(its limits: the best its probes read over the recorded runs):
 
 * LM per token: (weight + KV-cache bytes) ÷ the board's read bandwidth × (measured ÷ bound here);
 * flow and HiFT per second of speech: FLOPs ÷ the board's float32 matrix rate × (measured ÷
@@ -168,35 +169,62 @@ class Estimate:
     rtf_bound: float  # every stage at the board's limits
 
 
-def _efficiency(stage: dict[str, Any]) -> float:
+@dataclass(frozen=True)
+class Limits:
+    """The measured machine's read bandwidth and float32 matrix rate."""
+
+    read_gbps: float
+    gemm_gflops: float
+
+
+def measured_limits(counts: dict[str, Any]) -> Limits:
+    """The best figures the benchmark's probes read on the measured machine over every recorded
+    run, as the benchmark keeps the best of its own probes: on a shared machine one probe can
+    read a busy moment, and a probe that understates the machine flatters the engine."""
+    entries = [e for profiles in counts["families"].values() for e in profiles.values()]
+    return Limits(max(e["mem_bw_gbps"] for e in entries), max(e["gemm_gflops"] for e in entries))
+
+
+def _efficiency(measured_ms: float, bound_ms: float) -> float:
     """How many times its bound a stage took on the measured machine, at least once.
 
-    Below once, the machine's probe read it slower than the stage ran (a busy moment of a
-    shared machine), or the stage ran a faster format than the float32 products its bound
-    counts (the int8 flow); neither is known to carry over to a board, so no gain is counted.
+    Below once, the stage ran a faster format than the float32 products its bound counts (the
+    int8 flow), or the probes read the machine slower than the stage ran (a busy moment);
+    neither is known to carry over to a board, so no gain is counted.
     """
-    return max(1.0, float(stage["measured_ms"]) / float(stage["bound_ms"]))
+    return max(1.0, measured_ms / bound_ms)
 
 
 def estimate(
-    entry: dict[str, Any], board_read_gbps: float, board_gflops: float, fp32_hift: dict[str, Any]
+    entry: dict[str, Any],
+    board_read_gbps: float,
+    board_gflops: float,
+    fp32_hift: dict[str, Any],
+    here: Limits,
 ) -> Estimate:
-    """``entry`` (a recorded profile) on a board with these figures; ``fp32_hift``: the
-    family's float32 HiFT work, for a board that runs the profile's bfloat16 HiFT in float32."""
+    """``entry`` (a recorded profile, measured on a machine of limits ``here``) on a board with
+    these figures; ``fp32_hift``: the family's float32 HiFT, for a board that runs the profile's
+    bfloat16 HiFT in float32."""
     work = entry["work_per_audio_s"]
     lm, flow = work["lm"], work["flow"]
     hift = work["hift"] if entry["hift_ran"] == "float32" else fp32_hift
+
+    def compute_efficiency(stage: dict[str, Any]) -> float:
+        return _efficiency(stage["measured_ms"], stage["gflop"] / here.gemm_gflops * 1e3)
+
+    lm_efficiency = _efficiency(lm["measured_ms"], lm["gb"] / here.read_gbps * 1e3)
     lm_bytes = lm["weight_bytes_per_token"] + (lm["cache_bytes_per_token"] or 0)
     lm_bound = lm_bytes / board_read_gbps / 1e6  # ms per token
     flow_bound = flow["gflop"] / board_gflops * 1e3
     hift_bound = hift["gflop"] / board_gflops * 1e3
-    lm_ms = lm_bound * _efficiency(lm)
-    flow_ms, hift_ms = flow_bound * _efficiency(flow), hift_bound * _efficiency(hift)
+    lm_ms = lm_bound * lm_efficiency
+    flow_ms = flow_bound * compute_efficiency(flow)
+    hift_ms = hift_bound * compute_efficiency(hift)
     rtf = (lm["tokens"] * lm_ms + flow_ms + hift_ms) / 1e3
     rtf_bound = (lm["tokens"] * lm_bound + flow_bound + hift_bound) / 1e3
     parts = entry["first_audio_parts_ms"]
-    slower = entry["gemm_gflops"] / board_gflops
-    hift_format = _efficiency(hift) / _efficiency(work["hift"])
+    slower = here.gemm_gflops / board_gflops
+    hift_format = compute_efficiency(hift) / compute_efficiency(work["hift"])
     compute = sum(parts[part] for part in COMPUTE_PARTS) + parts["hift"] * (hift_format - 1)
     first_audio = compute * slower + (entry["first_chunk_tokens"] - 1) * lm_ms
     return Estimate(lm_ms, flow_ms, hift_ms, first_audio / 1e3, rtf, rtf_bound)
@@ -209,13 +237,15 @@ def _fp32_hift(profiles: dict[str, Any]) -> dict[str, Any]:
     raise ValueError("no profile of the family ran HiFT in float32 (measure realtime)")
 
 
-def board_estimates(profiles: dict[str, Any], board: Board) -> dict[str, tuple[Estimate, Estimate]]:
+def board_estimates(
+    profiles: dict[str, Any], board: Board, here: Limits
+) -> dict[str, tuple[Estimate, Estimate]]:
     """Each profile on ``board``: (at its low figures, at its high figures)."""
     hift = _fp32_hift(profiles)
     return {
         name: (
-            estimate(entry, board.read_gbps[0], board.gemm_gflops[0], hift),
-            estimate(entry, board.read_gbps[1], board.gemm_gflops[1], hift),
+            estimate(entry, board.read_gbps[0], board.gemm_gflops[0], hift, here),
+            estimate(entry, board.read_gbps[1], board.gemm_gflops[1], hift, here),
         )
         for name, entry in profiles.items()
     }
@@ -238,6 +268,11 @@ def _span(low: float, high: float) -> str:
     return a if a == b else f"{a}–{b}"
 
 
+def _figures(span: tuple[float, float]) -> str:
+    low, high = (f"{value:.3g}" for value in span)
+    return low if low == high else f"{low}–{high}"
+
+
 def _cell(pair: tuple[Estimate, Estimate]) -> str:
     slow, fast = pair
     first = _span(fast.first_audio_s, slow.first_audio_s)
@@ -247,7 +282,7 @@ def _cell(pair: tuple[Estimate, Estimate]) -> str:
 def render(counts: dict[str, Any]) -> str:
     """The generated part of addon/DOCS.md: a table per family, then the boards' figures."""
     lines = [BEGIN, ""]
-    machine = counts["measured_machine"]
+    here = measured_limits(counts)
     for family, title in FAMILIES.items():
         profiles = counts["families"].get(family)
         if not profiles:
@@ -259,17 +294,13 @@ def render(counts: dict[str, Any]) -> str:
         lines.append("| machine | " + " | ".join(header) + " |")
         lines.append("|---|" + "---|" * len(shown))
         for board in BOARDS:
-            cells = board_estimates(profiles, board)
+            cells = board_estimates(profiles, board, here)
             lines.append(f"| {board.name} | " + " | ".join(_cell(cells[n]) for n in shown) + " |")
-        measured = [
-            f"{profiles[n]['first_audio_ms'] / 1e3:.1f} s / {profiles[n]['rtf']:.1f}" for n in shown
-        ]
-        lines.append(f"| *measured:* {machine} | " + " | ".join(measured) + " |")
         lines.append("")
     lines.append("| machine | memory bandwidth | matrix multiply (float32) |")
     lines.append("|---|---|---|")
     for board in BOARDS:
-        read, gemm = _span(*board.read_gbps), _span(*board.gemm_gflops)
+        read, gemm = _figures(board.read_gbps), _figures(board.gemm_gflops)
         lines.append(
             f"| {board.name} | ≈ {read} GB/s: {board.read_source} | ≈ {gemm} GFLOP/s: "
             f"{board.gemm_source} |"
@@ -288,9 +319,11 @@ def replace_block(text: str, block: str) -> str:
 
 def show(counts: dict[str, Any], out: Any) -> None:
     """Each stage's estimated time and the bound RTF, per family, board and profile."""
+    here = measured_limits(counts)
+    out.write(f"measured machine: {here.read_gbps:.1f} GB/s, {here.gemm_gflops:.0f} GFLOP/s\n")
     for family, profiles in counts["families"].items():
         for board in BOARDS:
-            for name, (low, high) in board_estimates(profiles, board).items():
+            for name, (low, high) in board_estimates(profiles, board, here).items():
                 out.write(
                     f"{family:<20}{board.name[:28]:<30}{name:<10}"
                     f"LM {low.lm_ms_per_token:6.1f}–{high.lm_ms_per_token:<6.1f} ms/token  "
@@ -312,11 +345,6 @@ def main(argv: list[str] | None = None) -> int:
         metavar="BENCH_JSON",
         help="record these benchmark results (python -m engine.bench --json) first",
     )
-    parser.add_argument(
-        "--machine",
-        help="with --record: the measured machine as the table names it, "
-        "e.g. '2 cores of an AMD EPYC (AVX2)'",
-    )
     parser.add_argument("--check", action="store_true", help="exit 1 if addon/DOCS.md differs")
     parser.add_argument("--show", action="store_true", help="print each stage's estimate")
     args = parser.parse_args(argv)
@@ -324,10 +352,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.record:
         results = [json.loads(path.read_text(encoding="utf-8")) for path in args.record]
         counts = add_records(counts, results)
-        if args.machine:
-            counts["measured_machine"] = args.machine
-        if not counts.get("measured_machine"):
-            parser.error("--machine is needed the first time")
         COUNTS.write_text(json.dumps(counts, indent=1, ensure_ascii=False) + "\n", "utf-8")
     text = DOCS.read_text(encoding="utf-8")
     updated = replace_block(text, render(counts))
