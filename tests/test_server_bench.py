@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import os
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import yaml
 from test_bench import TINY_MODEL, run_bench_json
 
+from engine.bench.profiles import BUILTIN_PROFILES
 from engine.constants import SAMPLE_RATE
 from engine.cpu import bf16_native, detect
 from wyoming_cosyvoice.bench import server as launcher
@@ -46,6 +48,14 @@ def test_the_profiles_are_the_server_configs(tmp_path: Path) -> None:
     assert exact_int8.source.endswith("config.yaml")
     fastest = server_profiles()["fastest"]  # the repository's own
     assert (fastest.n_timesteps, fastest.cfg_rate, fastest.flow_weights) == (4, 0.0, "int8")
+
+
+def test_the_engines_own_profiles_are_the_servers_of_those_names() -> None:
+    # python -m engine.bench cannot read the server's settings: its realtime and quality must
+    # measure what a server with its default settings runs under those names.
+    server = server_profiles()
+    for name, profile in BUILTIN_PROFILES.items():
+        assert replace(profile, source="config.yaml") == server[name], name
 
 
 def test_each_profile_is_measured_in_the_formats_its_server_loads(tmp_path: Path) -> None:
