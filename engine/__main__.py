@@ -84,7 +84,9 @@ def _prepare(args: argparse.Namespace) -> int:
 
     formats = {"llm": args.lm, "flow": args.flow, "hift": args.hift}
     parts = model_family(args.model_dir).model_parts()
-    for label, path, prepared_now in prepare_model(args.model_dir, formats, args.cache_dir, parts):
+    for label, path, prepared_now in prepare_model(
+        args.model_dir, formats, args.cache_dir, parts=parts
+    ):
         _LOGGER.info("%s: %s (%s)", label, path, "prepared" if prepared_now else "up to date")
     return 0
 

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from test_cosyvoice2_engine import load_tiny
 
+import engine.cosyvoice2.growing_speech as growing_speech
 from engine.core.text_feed import TextFeed
 from engine.core.types import AudioChunk, SynthesisCancelled, SynthesisOptions
 from engine.cosyvoice2.engine import CosyVoice2Engine
@@ -51,13 +52,13 @@ class Sessions:
 
     def __init__(self, engine: CosyVoice2Engine, monkeypatch: pytest.MonkeyPatch) -> None:
         self.opened = 0
-        inner = engine.models.llm.bistream
+        inner = growing_speech.BistreamSession
 
-        def bistream(*args: object, **kwargs: object) -> object:
+        def session(*args: object, **kwargs: object) -> object:
             self.opened += 1
             return inner(*args, **kwargs)  # type: ignore[arg-type]
 
-        monkeypatch.setattr(engine.models.llm, "bistream", bistream)
+        monkeypatch.setattr(growing_speech, "BistreamSession", session)
 
 
 def _first_then_finish(engine: CosyVoice2Engine, feed: TextFeed, **kw: object) -> np.ndarray:

@@ -371,13 +371,8 @@ def v2_model():
 def test_an_extracted_prompt_drives_the_tiny_v2_model(
     voices_dir: Path, models, frontend, v2_model, instruct
 ) -> None:
-    from engine.cosyvoice2.streaming import (
-        GeneratorNoise,
-        SpeechStream,
-        official_hops,
-        stream_audio,
-        whole_audio,
-    )
+    from engine.core.streaming import GeneratorNoise
+    from engine.cosyvoice2.streaming import SpeechStream, official_hops, stream_audio, whole_audio
 
     lm, flow, hift = v2_model
     voice = load_voice(voices_dir, "anna", models, COSYVOICE2)

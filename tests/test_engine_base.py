@@ -34,6 +34,8 @@ class _Tokens:
 
 
 class _Engine(EngineBase[nn.Linear]):
+    """Only what every engine inherits; it is never loaded (no load hooks)."""
+
     sample_rate = 16000
 
     def __init__(self) -> None:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from engine.bench.deviation import lm_int8_kl, mel_relative_l2
-from engine.core.weights import load_model_dir
+from engine.cosyvoice1.model_dir import load_model_dir
 
 DATA = Path(__file__).parent / "data"
 

@@ -63,7 +63,7 @@ def model_copy(tmp_path: Path, wy: SimpleNamespace) -> Path:
 
 def test_malicious_speaker_file_is_refused_everywhere(model_copy: Path, tmp_path: Path) -> None:
     from engine.core.types import ModelLoadError
-    from engine.core.weights import load_model_dir, load_speakers
+    from engine.cosyvoice1.model_dir import load_model_dir, load_speakers
     from wyoming_cosyvoice.model import peek_speakers
 
     marker = tmp_path / "pwned"

@@ -15,8 +15,8 @@ from parity import F0_RTOL, HIFT_AUDIO_ATOL, SOURCE_ATOL
 from torch import Tensor
 
 from engine.core.hift import _PHASE_TILE, HiFTGenerator, HiftNoise, _cumulative_phase
-from engine.core.hparams import load_model_args
 from engine.core.weight_norm import normalize_hift_state_dict
+from engine.cosyvoice1.hparams import load_model_args
 
 DATA = Path(__file__).parent / "data"
 CASES = ("mel100", "cached_mel70")

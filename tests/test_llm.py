@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.core.hparams import load_model_args
+from engine.cosyvoice1.hparams import load_model_args
 from engine.cosyvoice1.llm import TransformerLM
 
 DATA = Path(__file__).parent / "data"

@@ -16,11 +16,11 @@ import pytest
 import torch
 
 from engine.core.constants import HOP, MEL_CACHE, MEL_OVERLAP, SOURCE_CACHE, tokens_to_frames
+from engine.core.streaming import FlowPrompt
 from engine.core.types import LOW_LATENCY_SCHEDULE, OFFICIAL_SCHEDULE, StreamSchedule
-from engine.core.weights import load_model_dir
+from engine.cosyvoice1.model_dir import load_model_dir
 from engine.cosyvoice1.streaming import (
     ChunkVocoder,
-    FlowPrompt,
     check_schedule,
     hop_sizes,
     stream_audio,

@@ -11,6 +11,7 @@ import torch
 from conftest import ONEDNN_OPS_NEEDED
 from torch import nn
 
+from engine.core.estimator_blocks import TransformerBlock
 from engine.core.onednn_layers import (
     OneDnnConv1d,
     OneDnnLinear,
@@ -20,7 +21,6 @@ from engine.core.onednn_layers import (
     use_onednn_linears,
 )
 from engine.cosyvoice1.engine import CosyVoiceEngine
-from engine.cosyvoice1.flow_estimator import TransformerBlock
 
 TINY = Path(__file__).parent / "data" / "tiny_model"
 

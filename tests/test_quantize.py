@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.core.hparams import load_model_args
 from engine.core.quantize import next_token_kl, quantize_lm_int8
+from engine.cosyvoice1.hparams import load_model_args
 from engine.cosyvoice1.llm import TransformerLM
 
 DATA = Path(__file__).parent / "data"

@@ -18,6 +18,7 @@ from conftest import synthesize_all
 from engine.core.constants import HOP
 from engine.core.prepared import PREPARED_DIR
 from engine.core.speed import MelStretcher, stretch_mel
+from engine.core.streaming import FlowPrompt
 from engine.core.types import (
     LOW_LATENCY_SCHEDULE,
     MAX_SPEED,
@@ -25,7 +26,7 @@ from engine.core.types import (
     InvalidOptionError,
     SynthesisOptions,
 )
-from engine.cosyvoice1.streaming import ChunkVocoder, FlowPrompt, stream_audio
+from engine.cosyvoice1.streaming import ChunkVocoder, stream_audio
 from engine.cosyvoice2.engine import CosyVoice2Engine
 from engine.cosyvoice2.streaming import SpeechStream, official_hops
 from engine.cosyvoice2.streaming import stream_audio as stream_v2

@@ -14,9 +14,10 @@ import torch
 from parity import waveform_atol
 
 from engine.core import thread_budget
+from engine.core.streaming import FlowPrompt
 from engine.core.types import OFFICIAL_SCHEDULE
-from engine.core.weights import load_model_dir
-from engine.cosyvoice1.streaming import ChunkVocoder, FlowPrompt, stream_audio, whole_audio
+from engine.cosyvoice1.model_dir import load_model_dir
+from engine.cosyvoice1.streaming import ChunkVocoder, stream_audio, whole_audio
 
 DATA = Path(__file__).parent / "data"
 FIXTURES = torch.load(DATA / "stream_fixtures.pt", weights_only=True)

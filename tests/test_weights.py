@@ -11,9 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.core.hparams import ModelConfigError, load_model_args, read_model_yaml
+from engine.core.hparams import ModelConfigError, read_model_yaml
 from engine.core.types import ModelLoadError
-from engine.core.weights import load_model_dir, load_speakers, read_state_dict
+from engine.core.weights import read_state_dict
+from engine.cosyvoice1.hparams import load_model_args
+from engine.cosyvoice1.model_dir import load_model_dir, load_speakers
 
 DATA = Path(__file__).parent / "data"
 TINY = DATA / "tiny_model"

@@ -78,8 +78,8 @@ def official_config_path() -> Path:
 def state_dict_specs(config: Path) -> dict[str, dict[str, torch.Size]]:
     """{file: {key: shape}} of the three checkpoints, as the engine expects them (HiFT folded)."""
     from engine.core.hift import HiFTGenerator
-    from engine.core.hparams import load_model_args
     from engine.cosyvoice1.flow import FlowModel
+    from engine.cosyvoice1.hparams import load_model_args
     from engine.cosyvoice1.llm import TransformerLM
 
     args = load_model_args(config)

@@ -1,29 +1,45 @@
 """What every engine class keeps of its load: the flow and HiFT in each loaded weight format,
-the prepared files the load had to prepare and the CPU choices; how a segment's waves become
-audio chunks; and its warm-up's runs, one per weight format. Each model family's engine
-inherits :class:`EngineBase`."""
+the prepared files the load had to prepare and the CPU choices; the load itself, one sequence
+with the family's hooks; how a segment's waves become audio chunks; and its warm-up's runs, one
+per weight format. Each model family's engine inherits :class:`EngineBase`."""
 
 from __future__ import annotations
 
+import logging
+import random
 import threading
+import time
 from abc import ABC, abstractmethod
-from collections.abc import Generator, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Generic, TypeVar, cast
+from collections.abc import Callable, Generator, Iterable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar, cast
 
 import torch
 from torch import nn
 
-from engine.core.runtime import audio_chunks, loaded_format, pick_weights, weight_pairs
+from engine.core.runtime import (
+    audio_chunks,
+    extra_weight_formats,
+    loaded_format,
+    pick_weights,
+    prepared_loads,
+    setup_cpu,
+    weight_pairs,
+)
+from engine.core.start_policy import GAPLESS, estimate_speech_seconds, hold_until_gapless
 from engine.core.types import AudioChunk, SynthesisOptions
 
 if TYPE_CHECKING:
     from engine.core import cpu
     from engine.core.hift import HiFTGenerator
     from engine.core.lm_thread import LmTokens
-    from engine.core.prepared import PreparedLoad
+    from engine.core.prepared import ModelParts, PreparedLoad
+
+_LOGGER = logging.getLogger(__name__)
 
 FlowT = TypeVar("FlowT", bound=nn.Module)
 ModuleT = TypeVar("ModuleT", bound=nn.Module)
+EngineT = TypeVar("EngineT", bound="EngineBase[Any]")
 
 # The warm-up's text and flow steps: every code path runs once, at low cost.
 _WARMUP_TEXT = "Hello."
@@ -49,6 +65,9 @@ class EngineBase(ABC, Generic[FlowT]):
     """The flow and HiFT by weight format, what the load prepared and chose for this CPU."""
 
     sample_rate: int  # of the audio chunks, the family's
+    token_rate: int  # speech tokens a second, the family's
+    # How the family's directory is prepared and loaded (its three models, its speakers).
+    model_parts: ClassVar[ModelParts]
 
     def __init__(self, flow: FlowT, hift: HiFTGenerator) -> None:
         # The prepared files load() had to prepare first (e.g. "llm.int8"; empty: none).
@@ -59,6 +78,86 @@ class EngineBase(ABC, Generic[FlowT]):
         # (``extra_formats``) for a request to choose (SynthesisOptions.flow_weights).
         self.flows: dict[str, FlowT] = {loaded_format(flow): flow}
         self.hifts: dict[str, HiFTGenerator] = {loaded_format(hift): hift}
+
+    # --- the load: one sequence, the family's hooks ----------------------------------------
+
+    @classmethod
+    def load(
+        cls: type[EngineT],
+        model_dir: Path | str,
+        *,
+        threads: int | None = None,
+        lm_int8: bool = False,
+        flow_int8: bool = False,
+        hift_bf16: bool = False,
+        cache_dir: Path | str | None = None,
+        extra_formats: Iterable[str] = (),
+        **engine_options: Any,
+    ) -> EngineT:
+        """Load a model directory of the family in the official layout (raises ModelLoadError).
+
+        ``lm_int8`` swaps the LM decoder's weights for int8 (faster, slightly different
+        sampling distribution; see engine.core.quantize); ``flow_int8`` the flow's (an
+        approximation for the fast profiles: faster estimator passes, less memory);
+        ``hift_bf16`` runs HiFT's filter in bfloat16 where oneDNN supports it (another
+        approximation: about twice as fast with AVX-512 BF16, half its weights' memory;
+        ``hift_dtype`` on the engine says what was used). Kernels and threads are chosen for
+        this CPU (engine.core.cpu; the engine's ``cpu_choices`` say which): int8 falls back to
+        float32 where no int8 kernel works, and ``threads`` is capped where more would crash.
+
+        The models run from their prepared files (engine.core.prepared), in ``prepared/``
+        beside the model files, or under ``cache_dir`` when the model directory cannot be
+        written (None: ``$XDG_CACHE_HOME/cosyvoice-engine``). A file missing or out of date is
+        prepared first, which takes seconds; ``prepared_at_load`` on the engine names those.
+
+        ``extra_formats`` ("flow.int8", "hift.bf16", ...) loads the flow and HiFT in these
+        formats too, beside the primary ones, so that each request may choose
+        (``SynthesisOptions.flow_weights``, ``hift_weights``); those this CPU cannot run are
+        left out, as the primary ones fall back. ``engine_options``: the family's own (its
+        engine class says which).
+
+        The sequence is every family's; the family's hooks adapt each flow for this CPU
+        (:meth:`_adapt_flow`), build its text frontend (:meth:`_build_frontend`, while the int8
+        layers are packed) and its models (:meth:`_models_of`).
+        """
+        setup = setup_cpu(threads, lm_int8=lm_int8, flow_int8=flow_int8, hift_bf16=hift_bf16)
+        extras = extra_weight_formats(extra_formats, setup)
+        start = time.perf_counter()
+        model_dir = Path(model_dir)
+        cache = Path(cache_dir) if cache_dir else None
+        # Prepares what is missing, then packs the int8 layers in the background.
+        with prepared_loads(model_dir, setup.formats, extras, cache, cls.model_parts) as loads:
+            modules = loads[0].modules()
+            alternates = loads[1].assigned() if extras else {}
+            flows = by_format("flow", (setup.formats.flow, modules[1]), alternates, extras)
+            # Adapted here, on this thread while the int8 layers are packed, where it adds the
+            # least to the load time; so is the frontend built.
+            for weights, flow in flows.items():
+                cls._adapt_flow(flow, weights)
+            frontend = cls._build_frontend(model_dir)
+        _LOGGER.info("Loaded %s in %.2f s", model_dir, time.perf_counter() - start)
+        # Every family's engine is made as (models, *, threads, frontend, **its options).
+        make = cast("Callable[..., EngineT]", cls)
+        models = cls._models_of(loads[0], modules)
+        engine = make(models, threads=setup.threads, frontend=frontend, **engine_options)
+        hift = cast("HiFTGenerator", modules[2])
+        hifts = by_format("hift", (setup.formats.hift, hift), alternates, extras)
+        engine._record_load(cast("dict[str, Any]", flows), hifts, loads, setup.choices)
+        return engine
+
+    @classmethod
+    def _adapt_flow(cls, flow: nn.Module, weights: str) -> None:
+        """Adapt a loaded flow of format ``weights`` for this CPU (e.g. layers on oneDNN)."""
+
+    @classmethod
+    def _build_frontend(cls, model_dir: Path) -> Any:
+        """The family's text frontend for ``model_dir`` (every loadable family has one)."""
+        raise NotImplementedError(f"{cls.__name__} cannot be loaded: it builds no frontend")
+
+    @classmethod
+    def _models_of(cls, load: PreparedLoad, modules: tuple[nn.Module, nn.Module, nn.Module]) -> Any:
+        """The family's models (what its engine is made from) of a finished load."""
+        raise NotImplementedError(f"{cls.__name__} cannot be loaded: it makes no models")
 
     def _record_load(
         self,
@@ -93,6 +192,22 @@ class EngineBase(ABC, Generic[FlowT]):
         cancel: threading.Event | None = None,
     ) -> Iterator[AudioChunk]:
         """Yield audio for ``text``: per streamed chunk, or one chunk per segment."""
+
+    @staticmethod
+    def _seed(options: SynthesisOptions) -> int:
+        """The request's seed, or a random one (each segment adds its index)."""
+        return options.seed if options.seed is not None else random.randrange(2**31)
+
+    def _released(
+        self, chunks: Iterator[AudioChunk], texts: Iterable[str], options: SynthesisOptions
+    ) -> Iterator[AudioChunk]:
+        """``chunks`` as the request's start policy releases them: at once, or (gapless,
+        streamed) held until playback of the ``texts``' expected speech cannot starve."""
+        if not (options.stream and options.start_policy == GAPLESS):
+            return chunks
+        forced, rate = options.force_tokens, self.token_rate
+        expected = sum(estimate_speech_seconds(text, forced, rate) for text in texts)
+        return hold_until_gapless(chunks, expected / options.speed)
 
     def _segment_audio(
         self,

@@ -1,4 +1,4 @@
-"""Model hyperparameters read from an official ``cosyvoice.yaml`` — as data, never as code.
+"""Model hyperparameters read from an official model yaml — as data, never as code.
 
 The official file is HyperPyYAML: ``!new:pkg.Class`` / ``!name:pkg.fn`` / ``!apply:fn`` tags name
 upstream Python objects and ``!ref <key>`` points at another top-level key. We parse it with a
@@ -18,7 +18,7 @@ import yaml
 
 
 class ModelConfigError(ValueError):
-    """The model's ``cosyvoice.yaml`` is missing, unreadable or lacks a required value."""
+    """The model's yaml is missing, unreadable or lacks a required value."""
 
 
 # --- YAML reading ---------------------------------------------------------------------------
@@ -156,21 +156,6 @@ class SamplingArgs:
 
 
 @dataclass(frozen=True)
-class LLMArgs:
-    """TransformerLM (``llm.pt``)."""
-
-    text_token_size: int
-    speech_token_size: int
-    text_encoder_input_size: int
-    llm_input_size: int
-    llm_output_size: int
-    spk_embed_dim: int
-    text_encoder: EncoderArgs
-    llm: EncoderArgs
-    sampling: SamplingArgs
-
-
-@dataclass(frozen=True)
 class EstimatorArgs:
     """ConditionalDecoder U-Net of the flow-matching decoder."""
 
@@ -182,26 +167,6 @@ class EstimatorArgs:
     num_mid_blocks: int
     num_heads: int
     act_fn: str
-
-
-@dataclass(frozen=True)
-class FlowArgs:
-    """MaskedDiffWithXvec (``flow.pt``)."""
-
-    input_size: int
-    output_size: int
-    spk_embed_dim: int
-    vocab_size: int
-    input_frame_rate: int
-    encoder: EncoderArgs
-    regulator_channels: int
-    regulator_sampling_ratios: tuple[int, ...]
-    cfm_in_channels: int
-    spk_emb_dim: int
-    sigma_min: float
-    t_scheduler: str
-    inference_cfg_rate: float
-    estimator: EstimatorArgs
 
 
 @dataclass(frozen=True)
@@ -229,17 +194,7 @@ class HiFTArgs:
     f0_cond_channels: int
 
 
-@dataclass(frozen=True)
-class ModelArgs:
-    """Everything needed to build the three models of one model directory."""
-
-    sample_rate: int
-    llm: LLMArgs
-    flow: FlowArgs
-    hift: HiFTArgs
-
-
-class _Section:
+class Section:
     """Typed access to one yaml mapping, with errors naming the key path."""
 
     def __init__(self, data: Any, path: str, source: str) -> None:
@@ -295,11 +250,11 @@ class _Section:
             raise ModelConfigError(f"{self.source}: '{self.path}.{key}' must be a list of lists")
         return tuple(tuple(int(x) for x in v) for v in value)
 
-    def sub(self, key: builtins.str) -> _Section:
-        return _Section(self._get(key), f"{self.path}.{key}", self.source)
+    def sub(self, key: builtins.str) -> Section:
+        return Section(self._get(key), f"{self.path}.{key}", self.source)
 
 
-def _encoder_args(sec: _Section, *, conformer: bool) -> EncoderArgs:
+def encoder_args(sec: Section, *, conformer: bool) -> EncoderArgs:
     input_layer = sec.str("input_layer", "linear")
     if input_layer not in ("linear", "linear_legacy"):
         raise ModelConfigError(
@@ -332,61 +287,7 @@ def _encoder_args(sec: _Section, *, conformer: bool) -> EncoderArgs:
     )
 
 
-def _llm_args(sec: _Section) -> LLMArgs:
-    sampling = sec.sub("sampling")
-    return LLMArgs(
-        text_token_size=sec.int("text_token_size"),
-        speech_token_size=sec.int("speech_token_size"),
-        text_encoder_input_size=sec.int("text_encoder_input_size"),
-        llm_input_size=sec.int("llm_input_size"),
-        llm_output_size=sec.int("llm_output_size"),
-        spk_embed_dim=sec.int("spk_embed_dim", 192),
-        text_encoder=_encoder_args(sec.sub("text_encoder"), conformer=True),
-        llm=_encoder_args(sec.sub("llm"), conformer=False),
-        sampling=SamplingArgs(
-            top_p=sampling.float("top_p", 0.8),
-            top_k=sampling.int("top_k", 25),
-            win_size=sampling.int("win_size", 10),
-            tau_r=sampling.float("tau_r", 0.1),
-        ),
-    )
-
-
-def _flow_args(sec: _Section) -> FlowArgs:
-    regulator = sec.sub("length_regulator")
-    cfm = sec.sub("decoder")
-    cfm_params = cfm.sub("cfm_params")
-    if "content" in cfm_params.data:  # !new:omegaconf.DictConfig {content: {...}}
-        cfm_params = cfm_params.sub("content")
-    est = cfm.sub("estimator")
-    return FlowArgs(
-        input_size=sec.int("input_size", 512),
-        output_size=sec.int("output_size", 80),
-        spk_embed_dim=sec.int("spk_embed_dim", 192),
-        vocab_size=sec.int("vocab_size", 4096),
-        input_frame_rate=sec.int("input_frame_rate", 50),
-        encoder=_encoder_args(sec.sub("encoder"), conformer=True),
-        regulator_channels=regulator.int("channels"),
-        regulator_sampling_ratios=regulator.ints("sampling_ratios"),
-        cfm_in_channels=cfm.int("in_channels", 240),
-        spk_emb_dim=cfm.int("spk_emb_dim", 80),
-        sigma_min=cfm_params.float("sigma_min", 1e-6),
-        t_scheduler=cfm_params.str("t_scheduler", "cosine"),
-        inference_cfg_rate=cfm_params.float("inference_cfg_rate", 0.7),
-        estimator=EstimatorArgs(
-            in_channels=est.int("in_channels"),
-            out_channels=est.int("out_channels"),
-            channels=est.ints("channels", [256, 256]),
-            attention_head_dim=est.int("attention_head_dim", 64),
-            n_blocks=est.int("n_blocks", 1),
-            num_mid_blocks=est.int("num_mid_blocks", 2),
-            num_heads=est.int("num_heads", 4),
-            act_fn=est.str("act_fn", "snake"),
-        ),
-    )
-
-
-def _hift_args(sec: _Section) -> HiFTArgs:
+def hift_args(sec: Section) -> HiFTArgs:
     istft = sec.sub("istft_params")
     f0 = sec.sub("f0_predictor")
     return HiFTArgs(
@@ -412,17 +313,54 @@ def _hift_args(sec: _Section) -> HiFTArgs:
     )
 
 
-def load_model_args(yaml_path: Path) -> ModelArgs:
-    """Read the hyperparameters of the three models from an official ``cosyvoice.yaml``."""
-    doc = read_model_yaml(yaml_path)
-    source = Path(yaml_path).name
-    top = _Section(doc, "", source)
-    for key in ("llm", "flow", "hift"):
-        if key not in doc:
-            raise ModelConfigError(f"{yaml_path}: missing top-level section '{key}'")
-    return ModelArgs(
-        sample_rate=top.int("sample_rate", 22050),
-        llm=_llm_args(_Section(doc["llm"], "llm", source)),
-        flow=_flow_args(_Section(doc["flow"], "flow", source)),
-        hift=_hift_args(_Section(doc["hift"], "hift", source)),
+def sampling_args(sec: Section) -> SamplingArgs:
+    """The LM's ``sampling`` section (repetition-aware nucleus sampling)."""
+    return SamplingArgs(
+        top_p=sec.float("top_p", 0.8),
+        top_k=sec.int("top_k", 25),
+        win_size=sec.int("win_size", 10),
+        tau_r=sec.float("tau_r", 0.1),
     )
+
+
+def estimator_fields(est: Section) -> dict[str, Any]:
+    """The fields of :class:`EstimatorArgs` from a flow's ``decoder.estimator`` section (a
+    family's estimator args may add more)."""
+    return {
+        "in_channels": est.int("in_channels"),
+        "out_channels": est.int("out_channels"),
+        "channels": est.ints("channels", [256, 256]),
+        "attention_head_dim": est.int("attention_head_dim", 64),
+        "n_blocks": est.int("n_blocks", 1),
+        "num_mid_blocks": est.int("num_mid_blocks", 2),
+        "num_heads": est.int("num_heads", 4),
+        "act_fn": est.str("act_fn", "snake"),
+    }
+
+
+def flow_fields(flow: Section) -> dict[str, Any]:
+    """The sizes every family's ``flow`` section gives (its flow args' first fields)."""
+    return {
+        "input_size": flow.int("input_size", 512),
+        "output_size": flow.int("output_size", 80),
+        "spk_embed_dim": flow.int("spk_embed_dim", 192),
+        "vocab_size": flow.int("vocab_size", 4096),
+        "input_frame_rate": flow.int("input_frame_rate", 50),
+    }
+
+
+def cfm_fields(flow: Section) -> tuple[dict[str, Any], Section]:
+    """What a flow's ``decoder`` (the conditional flow matching) says beside its estimator, as
+    the flow args' fields, and the estimator's section."""
+    cfm = flow.sub("decoder")
+    params = cfm.sub("cfm_params")
+    if "content" in params.data:  # !new:omegaconf.DictConfig {content: {...}}
+        params = params.sub("content")
+    fields = {
+        "cfm_in_channels": cfm.int("in_channels", 240),
+        "spk_emb_dim": cfm.int("spk_emb_dim", 80),
+        "sigma_min": params.float("sigma_min", 1e-6),
+        "t_scheduler": params.str("t_scheduler", "cosine"),
+        "inference_cfg_rate": params.float("inference_cfg_rate", 0.7),
+    }
+    return fields, cfm.sub("estimator")

@@ -52,27 +52,14 @@ from torch import nn
 
 from engine.core.quantize import (
     Int8Packing,
-    flow_int8_layer_names,
     install_int8_layers,
-    int8_layer_names,
     int8_part_specs,
     int8_parts,
     replaced_float_keys,
 )
 from engine.core.transformer import store_position_rows
 from engine.core.types import ModelLoadError
-from engine.core.weights import (
-    PARTS,
-    SPEAKER_FILE,
-    LoadedModels,
-    build_on_meta,
-    check_materialized,
-    finish_assigned,
-    list_keys,
-    load_speakers,
-    read_model_args,
-    read_part,
-)
+from engine.core.weights import PARTS, check_materialized, finish_assigned, list_keys
 
 if TYPE_CHECKING:
     from engine.core.hift import HiFTGenerator
@@ -86,12 +73,6 @@ WEIGHT_FORMATS = {"llm": ("fp32", "int8"), "flow": ("fp32", "int8"), "hift": ("f
 _COPY_BYTES = 64 << 10
 
 Spec = dict[str, tuple[tuple[int, ...], torch.dtype]]
-
-
-def _v1_int8_names(module: nn.Module, part: str) -> list[str]:
-    if part == "hift":
-        return []
-    return int8_layer_names(module) if part == "llm" else flow_int8_layer_names(module)
 
 
 @dataclass(frozen=True)
@@ -109,15 +90,6 @@ class ModelParts:
     finish: Callable[[nn.Module, str], None] = lambda module, part: None
     # The built-in speakers' embeddings, read from the directory.
     read_speakers: Callable[[Path], dict[str, torch.Tensor]] = lambda model_dir: {}
-
-
-V1_PARTS = ModelParts(
-    read_args=read_model_args,
-    build_on_meta=build_on_meta,
-    read_part=read_part,
-    int8_names=_v1_int8_names,
-    read_speakers=lambda model_dir: load_speakers(model_dir / SPEAKER_FILE),
-)
 
 
 @dataclass(frozen=True)
@@ -190,9 +162,7 @@ def _in_run_dtype(module: nn.Module, part: str, weights: str) -> nn.Module:
     return module
 
 
-def run_module_on_meta(
-    args: Any, part: str, weights: str, parts: ModelParts = V1_PARTS
-) -> nn.Module:
+def run_module_on_meta(args: Any, part: str, weights: str, parts: ModelParts) -> nn.Module:
     """The model as the engine runs it in ``weights``, built on meta (no memory for weights)."""
     return _in_run_dtype(parts.build_on_meta(args, part), part, weights)
 
@@ -354,7 +324,7 @@ def _prepare(
     weights: str,
     dirs: list[Path],
     reason: str,
-    parts: ModelParts = V1_PARTS,
+    parts: ModelParts,
 ) -> Path:
     """Write the prepared file of one model and format to the first of ``dirs`` that takes it."""
     name = file_name(part, weights)
@@ -385,9 +355,9 @@ def ensure_prepared(
     args: Any,
     part: str,
     weights: str,
-    cache_dir: Path | None = None,
-    module: nn.Module | None = None,
-    parts: ModelParts = V1_PARTS,
+    cache_dir: Path | None,
+    module: nn.Module | None,
+    parts: ModelParts,
 ) -> tuple[_Checked, bool]:
     """The usable prepared file of one model and format; prepared first when it is missing,
     out of date or damaged (then the second value is True). ``module``: the model as
@@ -421,7 +391,8 @@ def prepare_model(
     model_dir: Path,
     formats: Mapping[str, list[str]],
     cache_dir: Path | None = None,
-    parts: ModelParts = V1_PARTS,
+    *,
+    parts: ModelParts,
 ) -> list[tuple[str, Path, bool]]:
     """Make sure the prepared files of ``model_dir`` exist for the given formats of each part.
 
@@ -434,7 +405,7 @@ def prepare_model(
     for part, choices in formats.items():
         for weights in choices:
             checked, prepared_now = ensure_prepared(
-                model_dir, args, part, weights, cache_dir, parts=parts
+                model_dir, args, part, weights, cache_dir, None, parts
             )
             done.append((f"{part}.{weights}", checked.path, prepared_now))
     return done
@@ -464,8 +435,8 @@ class _PartLoad:
     module: nn.Module
     file: _Checked
     int8_names: list[str]
-    part: str = ""
-    parts: ModelParts = V1_PARTS
+    part: str
+    parts: ModelParts
     packing: Int8Packing | None = None
     mapped: dict[str, torch.Tensor] = field(default_factory=dict)
 
@@ -556,8 +527,8 @@ class PreparedLoad:
         self,
         model_dir: Path,
         formats: WeightFormats,
-        cache_dir: Path | None = None,
-        parts: ModelParts = V1_PARTS,
+        cache_dir: Path | None,
+        parts: ModelParts,
         only: Collection[str] = PARTS,
     ) -> None:
         self.model_dir = Path(model_dir)
@@ -600,10 +571,6 @@ class PreparedLoad:
         models = self.assigned()
         llm, flow, hift = (models[part] for part in PARTS)
         return llm, flow, hift
-
-    def models(self) -> LoadedModels:
-        """A CosyVoice v1 directory's models, as :meth:`modules`, with its speakers."""
-        return LoadedModels.of(self.model_dir, self.args, self.modules(), self.speakers)
 
     def finish(self) -> None:
         for load in self._parts.values():

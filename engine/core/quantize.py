@@ -28,7 +28,7 @@ import threading
 import warnings
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -36,10 +36,6 @@ from torch.ao.nn.quantized.dynamic import Linear as DynamicLinear
 
 from engine.core import qnnpack
 from engine.core.cpu import ensure_int8_engine
-
-if TYPE_CHECKING:
-    from engine.cosyvoice1.flow import FlowModel
-    from engine.cosyvoice1.llm import TransformerLM
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -103,7 +99,7 @@ def _block_names(stack: str, blocks: nn.ModuleList) -> list[str]:
 
 def int8_layer_names(model: nn.Module) -> list[str]:
     """Dotted names (in ``llm``) of every layer :func:`quantize_lm_int8` swaps; call it before."""
-    llm = cast("TransformerLM", model)  # any module with the LM's layout
+    llm: Any = model  # any module with v1's LM layout (engine.cosyvoice1.llm)
     names = [
         *_block_names("text_encoder.encoders", llm.text_encoder.encoders),
         *_block_names("llm.encoders", llm.llm.encoders),
@@ -117,7 +113,7 @@ def flow_int8_layer_names(model: nn.Module) -> list[str]:
     The estimator is where the time goes (10 passes per chunk, 400 Linear layers at 77-250
     rows); its attention keeps three q/k/v layers, whose calls cost little at those rows.
     """
-    flow = cast("FlowModel", model)  # any module with the flow's layout
+    flow: Any = model  # any module with v1's flow layout (engine.cosyvoice1.flow)
     estimator = [
         f"decoder.estimator.{n}"
         for n, m in flow.decoder.estimator.named_modules()

@@ -18,7 +18,7 @@ import torch
 
 from engine.core import cpu
 from engine.core.thread_budget import configure_threads
-from engine.core.types import AudioChunk, SynthesisCancelled
+from engine.core.types import AudioChunk, raise_if_cancelled
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -105,9 +105,9 @@ def prepared_loads(
     formats: WeightFormats,
     extras: Mapping[str, str],
     cache_dir: Path | None,
-    parts: ModelParts | None = None,
+    parts: ModelParts,
 ) -> Iterator[list[PreparedLoad]]:
-    """The model's prepared load (``parts``: its family's, None: v1) in its primary formats
+    """The model's prepared load (``parts``: its family's) in its primary formats
     and, with ``extras``, a second one of just those parts in their extra formats: finished
     when the block ends, cancelled (the int8 layers still packing in the background stop) when
     it fails.
@@ -115,13 +115,12 @@ def prepared_loads(
     While int8 layers are packed on every core the block runs on one torch thread: an OpenMP
     region there would wait for a free core, several times slower than one thread alone.
     """
-    from engine.core.prepared import V1_PARTS, PreparedLoad, WeightFormats
+    from engine.core.prepared import PreparedLoad, WeightFormats
 
-    family = parts or V1_PARTS
-    loads = [PreparedLoad(model_dir, formats, cache_dir, family)]
+    loads = [PreparedLoad(model_dir, formats, cache_dir, parts)]
     if extras:
         extra = WeightFormats(**extras)
-        loads.append(PreparedLoad(model_dir, extra, cache_dir, family, only=tuple(extras)))
+        loads.append(PreparedLoad(model_dir, extra, cache_dir, parts, only=tuple(extras)))
     packing = "int8" in (formats.llm, formats.flow, extras.get("flow"))
     try:
         with one_torch_thread() if packing else contextlib.nullcontext():
@@ -204,8 +203,7 @@ def audio_chunks(
             wave = next(waves, None)
         if wave is None:
             return
-        if cancel is not None and cancel.is_set():
-            raise SynthesisCancelled("synthesis cancelled")
+        raise_if_cancelled(cancel)
         if wave.numel() == 0:  # a chunk whose frames the speed's resampling still holds
             continue
         chunk = AudioChunk(wave.reshape(-1).float().numpy().copy(), sample_rate)

@@ -31,10 +31,13 @@ _SECONDS_PER_CJK = 0.22
 _SECONDS_PER_WORD = 0.33
 
 
-def estimate_speech_seconds(text: str, forced_tokens: int | None = None) -> float:
-    """Rough spoken length of ``text`` (exact when the token count is forced)."""
+def estimate_speech_seconds(
+    text: str, forced_tokens: int | None = None, token_rate: int = TOKEN_RATE
+) -> float:
+    """Rough spoken length of ``text`` (exact when the count of speech tokens, ``token_rate`` a
+    second, is forced)."""
     if forced_tokens is not None:
-        return forced_tokens / TOKEN_RATE
+        return forced_tokens / token_rate
     return len(_CJK.findall(text)) * _SECONDS_PER_CJK + len(_WORD.findall(text)) * _SECONDS_PER_WORD
 
 

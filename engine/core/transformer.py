@@ -46,7 +46,7 @@ ROW_BLOCK = 256
 STORED_POSITIONS = 2048
 
 
-def _rel_pos_tables(d: int, n: int) -> tuple[Tensor, Tensor]:
+def rel_pos_tables(d: int, n: int) -> tuple[Tensor, Tensor]:
     """(pos, neg), each (N >= n, d) float32: rows m hold the encodings of +m and -m.
 
     Even dims sin, odd dims cos, w_i = 10000^(-2i/d); computed with the same float32 ops as the
@@ -69,7 +69,7 @@ def _rel_pos_tables(d: int, n: int) -> tuple[Tensor, Tensor]:
 
 
 def _encodings(d: int, size: int) -> tuple[Tensor, Tensor]:
-    """(pos, neg), each (size, d): the tables of :func:`_rel_pos_tables`, not kept."""
+    """(pos, neg), each (size, d): the tables of :func:`rel_pos_tables`, not kept."""
     position = torch.arange(0, size, dtype=torch.float32).unsqueeze(1)
     div_term = torch.exp(torch.arange(0, d, 2, dtype=torch.float32) * -(math.log(10000.0) / d))
     pos = torch.zeros(size, d)
@@ -83,7 +83,7 @@ def _encodings(d: int, size: int) -> tuple[Tensor, Tensor]:
 
 def rel_pos_table(d: int, length: int) -> Tensor:
     """(2L-1, d) encodings of relative positions L-1, L-2, …, -(L-1) (official slice order)."""
-    pos, neg = _rel_pos_tables(d, length)
+    pos, neg = rel_pos_tables(d, length)
     return torch.cat([pos[:length].flip(0), neg[1:length]], dim=0)
 
 
@@ -104,7 +104,7 @@ def _joined(scores: list[Tensor], dim: int) -> Tensor:
     return scores[0] if len(scores) == 1 else torch.cat(scores, dim)
 
 
-def _skew(raw: Tensor, t: int, length: int) -> Tensor:
+def skew(raw: Tensor, t: int, length: int) -> Tensor:
     """Relative → absolute key index: out[..., i, j] = raw[..., i, t-1-i+j].
 
     ``raw`` (..., T, W) is contiguous with column c ↔ relative position (L-1) - c and W >= L+T-1;
@@ -149,7 +149,7 @@ class KVCache:
         return torch.cat([kv[:, 0], kv[:, 1]], dim=-1)
 
 
-class _InputLayer(nn.Module):
+class InputLayer(nn.Module):
     """``embed.out``: Linear → LayerNorm(1e-5) → (Dropout) [→ ReLU for linear_legacy]."""
 
     def __init__(self, args: EncoderArgs) -> None:
@@ -238,7 +238,7 @@ class RelPosAttention(nn.Module):
         else:
             pe = rel_pos_table(x.shape[-1], t).to(dtype=x.dtype, device=x.device)
             p = self.linear_pos(pe).view(2 * t - 1, self.h, self.d_k).permute(1, 2, 0)
-            bias = _skew(torch.matmul(qv, p), t, t) * (1.0 / math.sqrt(self.d_k))
+            bias = skew(torch.matmul(qv, p), t, t) * (1.0 / math.sqrt(self.d_k))
         if mask is not None:
             bias = bias.masked_fill(~mask, float("-inf"))
         out = F.scaled_dot_product_attention(q + self.pos_bias_u.unsqueeze(1), k, v, attn_mask=bias)
@@ -260,7 +260,7 @@ class RelPosAttention(nn.Module):
             cached = (key, [] if held is None else list(held.unbind(0)))
         have = len(cached[1])
         if have < count:
-            pos, _ = _rel_pos_tables(w.shape[1], count * ROW_BLOCK)
+            pos, _ = rel_pos_tables(w.shape[1], count * ROW_BLOCK)
             new = [_row_block(w, self.h, block, pos) for block in range(have, count)]
             cached = (key, cached[1] + new)
         if cached is not self._pos_cache:
@@ -291,7 +291,7 @@ class RelPosAttention(nn.Module):
             queries = qv.view(b, self.h, self.d_k).permute(1, 2, 0)  # (h, d_k, B)
             raw = _joined([torch.bmm(rows, queries) for rows in self._pos_rows(length)], 1)
             raw = raw.permute(2, 0, 1).unsqueeze(2)  # (h, L, B) -> (B, h, 1, L)
-            bias = _skew(raw, t, length)  # already scaled by 1/sqrt(d_k) through the rows
+            bias = skew(raw, t, length)  # already scaled by 1/sqrt(d_k) through the rows
         else:
             bias = self._causal_pos_bias(qv, t, length)
         if mask is not None:
@@ -310,7 +310,7 @@ class RelPosAttention(nn.Module):
         # Negative relative positions (later keys) get -inf columns: causal even without a mask,
         # and they keep the skew in range.
         raw = F.pad(raw, (0, t - 1), value=float("-inf"))
-        return _skew(raw, t, length)  # already scaled by 1/sqrt(d_k) through the rows
+        return skew(raw, t, length)  # already scaled by 1/sqrt(d_k) through the rows
 
     def _uv_biases(self) -> Tensor:
         """(2, h, d_k): pos_bias_u and pos_bias_v stacked, rebuilt when either changes."""
@@ -354,7 +354,7 @@ class RelPosAttention(nn.Module):
         return self.linear_out(out.view(1, 1, h * d_k))
 
 
-class _Layer(nn.Module):
+class EncoderLayer(nn.Module):
     """Pre-LN block: x + MHA(LN_a(x)), then x + FFN(LN_b(x)); LayerNorm eps 1e-12."""
 
     def __init__(self, args: EncoderArgs) -> None:
@@ -397,14 +397,14 @@ class RelPosEncoder(nn.Module):
     def __init__(self, args: EncoderArgs) -> None:
         super().__init__()
         self.args = args
-        self.embed = _InputLayer(args)
-        self.encoders = nn.ModuleList(_Layer(args) for _ in range(args.num_blocks))
+        self.embed = InputLayer(args)
+        self.encoders = nn.ModuleList(EncoderLayer(args) for _ in range(args.num_blocks))
         self.after_norm = nn.LayerNorm(args.output_size, eps=1e-5)
         self.xscale = math.sqrt(args.output_size)
 
-    def _layers(self) -> Iterable[_Layer]:
+    def _layers(self) -> Iterable[EncoderLayer]:
         """The layers of ``encoders``, typed (a ModuleList yields plain modules)."""
-        return cast(Iterable[_Layer], self.encoders)
+        return cast(Iterable[EncoderLayer], self.encoders)
 
     def _input(self, x: Tensor) -> Tensor:
         """The input layer, scaled by sqrt(d) as upstream."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -26,6 +27,12 @@ class UnknownSpeakerError(EngineError, ValueError):
 
 class SynthesisCancelled(EngineError):
     """The caller's cancel event was set while synthesizing."""
+
+
+def raise_if_cancelled(cancel: threading.Event | None) -> None:
+    """:class:`SynthesisCancelled` once the request's ``cancel`` event is set."""
+    if cancel is not None and cancel.is_set():
+        raise SynthesisCancelled("synthesis cancelled")
 
 
 class InvalidOptionError(EngineError, ValueError):

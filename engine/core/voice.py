@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from engine.cosyvoice1.streaming import FlowPrompt
+    from engine.core.streaming import FlowPrompt
 
 
 @dataclass(frozen=True)

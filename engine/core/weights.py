@@ -1,4 +1,4 @@
-"""Read an official CosyVoice v1 model directory: config, checkpoints and speaker table.
+"""Read the checkpoints of an official model directory, and assign them to models built on meta.
 
 Every checkpoint is opened with ``torch.load(weights_only=True, mmap=True)``: no pickle code runs.
 The models are built on the ``meta`` device and the checkpoint's tensors are assigned in place.
@@ -15,35 +15,17 @@ import pickle
 import zipfile
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import nn
 
-from engine.core.hparams import ModelArgs, ModelConfigError, load_model_args
 from engine.core.types import ModelLoadError
-
-if TYPE_CHECKING:
-    from engine.core.hift import HiFTGenerator
-    from engine.cosyvoice1.flow import FlowModel
-    from engine.cosyvoice1.llm import TransformerLM
 
 _LOGGER = logging.getLogger(__name__)
 
-CONFIG_FILE = "cosyvoice.yaml"
 PARTS = ("llm", "flow", "hift")  # the three models, each in ``<part>.pt``
-CHECKPOINT_FILES = tuple(f"{part}.pt" for part in PARTS)
-SPEAKER_FILE = "spk2info.pt"
-REQUIRED_FILES = (CONFIG_FILE, *CHECKPOINT_FILES, SPEAKER_FILE)
-SPEAKER_EMBED_DIM = 192
 _MAX_LISTED_KEYS = 8
-
-
-def missing_model_files(model_dir: Path) -> list[str]:
-    """Names of the required files that ``model_dir`` lacks (empty when complete)."""
-    return [name for name in REQUIRED_FILES if not (Path(model_dir) / name).is_file()]
 
 
 def list_keys(keys: list[str]) -> str:
@@ -62,17 +44,6 @@ def check_model_dir(model_dir: Path, missing: list[str], expected: str = "") -> 
         raise ModelLoadError(
             f"model directory {model_dir} is incomplete: missing {', '.join(missing)}{expected}"
         )
-
-
-def read_model_args(model_dir: Path) -> ModelArgs:
-    """Check that ``model_dir`` is a complete model directory and read its config."""
-    model_dir = Path(model_dir)
-    missing = missing_model_files(model_dir) if model_dir.is_dir() else []
-    check_model_dir(model_dir, missing, f" (expected {', '.join(REQUIRED_FILES)})")
-    try:
-        return load_model_args(model_dir / CONFIG_FILE)
-    except ModelConfigError as err:
-        raise ModelLoadError(str(err)) from err
 
 
 def read_checkpoint(path: Path) -> object:
@@ -133,7 +104,7 @@ def state_dict_problems(
 def check_state_dict(module: nn.Module, state: Mapping[str, torch.Tensor], path: Path) -> None:
     """Compare keys and shapes with what ``module`` expects; raise naming every mismatch."""
     if problems := state_dict_problems(module, state):
-        raise ModelLoadError(f"{path} does not fit {CONFIG_FILE}: " + "; ".join(problems))
+        raise ModelLoadError(f"{path} does not fit {type(module).__name__}: " + "; ".join(problems))
 
 
 def finish_assigned(module: nn.Module) -> None:
@@ -163,32 +134,8 @@ def assign_state_dict(module: nn.Module, state: Mapping[str, torch.Tensor], path
     check_materialized(module, path)
 
 
-def load_speakers(path: Path) -> dict[str, torch.Tensor]:
-    """Read ``spk2info.pt`` into {speaker name: (192,) float32 x-vector (un-normalised)}."""
-    obj = read_checkpoint(path)
-    if not isinstance(obj, Mapping):
-        raise ModelLoadError(f"{path}: expected a dict of speakers, got {type(obj).__name__}")
-    speakers: dict[str, torch.Tensor] = {}
-    bad: list[str] = []
-    for name, info in obj.items():
-        embedding = info.get("embedding") if isinstance(info, Mapping) else None
-        if (
-            not isinstance(name, str)
-            or not torch.is_tensor(embedding)
-            or embedding.numel() != SPEAKER_EMBED_DIM
-        ):
-            bad.append(str(name))
-            continue
-        speakers[name] = embedding.detach().reshape(SPEAKER_EMBED_DIM).float().clone()
-    if bad:
-        raise ModelLoadError(
-            f"{path}: speakers without a {SPEAKER_EMBED_DIM}-value 'embedding': {list_keys(bad)}"
-        )
-    return speakers
-
-
 @contextmanager
-def _without_init() -> Iterator[None]:
+def without_init() -> Iterator[None]:
     """Skip ``torch.nn.init`` while building on meta: every value is replaced by a loaded one.
 
     Random init on meta tensors is not free: the first ``normal_`` imports torch's Python
@@ -203,76 +150,3 @@ def _without_init() -> Iterator[None]:
     finally:
         for name, fn in saved.items():
             setattr(nn.init, name, fn)
-
-
-def build_on_meta(args: ModelArgs, part: str) -> nn.Module:
-    """One of the three models (``llm``, ``flow``, ``hift``), built without memory for weights."""
-    # Imported here so this module can be read (e.g. for file checks) without the model code.
-    from engine.core.hift import HiFTGenerator
-    from engine.cosyvoice1.flow import FlowModel
-    from engine.cosyvoice1.llm import TransformerLM
-
-    builders = {
-        "llm": lambda: TransformerLM(args.llm),
-        "flow": lambda: FlowModel(args.flow),
-        "hift": lambda: HiFTGenerator(args.hift),
-    }
-    with torch.device("meta"), _without_init():
-        return builders[part]()
-
-
-def read_part(model_dir: Path, args: ModelArgs, part: str) -> nn.Module:
-    """One model loaded from its official checkpoint (HiFT with its weight norm folded)."""
-    from engine.core.weight_norm import normalize_hift_state_dict
-
-    path = Path(model_dir) / f"{part}.pt"
-    state = read_state_dict(path)
-    if part == "hift":
-        try:
-            state = normalize_hift_state_dict(state)
-        except ValueError as err:
-            raise ModelLoadError(f"{path}: {err}") from err
-    module = build_on_meta(args, part)
-    assign_state_dict(module, state, path)
-    return module
-
-
-@dataclass
-class LoadedModels:
-    """The three models of one directory plus its speaker table, ready for inference."""
-
-    model_dir: Path
-    args: ModelArgs
-    llm: TransformerLM
-    flow: FlowModel
-    hift: HiFTGenerator
-    speakers: dict[str, torch.Tensor]
-
-    @classmethod
-    def of(
-        cls,
-        model_dir: Path,
-        args: ModelArgs,
-        modules: tuple[nn.Module, nn.Module, nn.Module],
-        speakers: dict[str, torch.Tensor],
-    ) -> LoadedModels:
-        """From the three models in ``PARTS`` order."""
-        llm, flow, hift = modules
-        return cls(
-            model_dir,
-            args,
-            cast("TransformerLM", llm),
-            cast("FlowModel", flow),
-            cast("HiFTGenerator", hift),
-            speakers,
-        )
-
-
-def load_model_dir(model_dir: Path) -> LoadedModels:
-    """Build the LM, flow and HiFT from ``cosyvoice.yaml`` and the official checkpoints."""
-    model_dir = Path(model_dir)
-    args = read_model_args(model_dir)
-    llm, flow, hift = (read_part(model_dir, args, part) for part in PARTS)
-    speakers = load_speakers(model_dir / SPEAKER_FILE)
-    _LOGGER.debug("Loaded %s with %d speakers", model_dir, len(speakers))
-    return LoadedModels.of(model_dir, args, (llm, flow, hift), speakers)

@@ -11,28 +11,26 @@ in a helper thread so it overlaps with the flow and vocoder (engine.core.lm_thre
 from __future__ import annotations
 
 import logging
-import random
 import threading
 import time
-from collections.abc import Generator, Iterable, Iterator
+from collections.abc import Generator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
+from torch import nn
 
 from engine.api import Engine, StreamGeometry
 from engine.core.constants import HOP, MEL_CACHE, SAMPLE_RATE, TOKEN_OVERLAP, TOKEN_RATE
-from engine.core.engine_base import EngineBase, by_format
+from engine.core.engine_base import EngineBase
+from engine.core.estimator_blocks import TransformerBlock
 from engine.core.lm_thread import LmTokens
 from engine.core.onednn_layers import use_onednn_convs, use_onednn_linears
 from engine.core.runtime import (
-    extra_weight_formats,
     pick_weights,
-    prepared_loads,
-    setup_cpu,
 )
-from engine.core.start_policy import GAPLESS, estimate_speech_seconds, hold_until_gapless
+from engine.core.streaming import FlowPrompt, GeneratorNoise
 from engine.core.types import (
     AudioChunk,
     StreamSchedule,
@@ -40,19 +38,12 @@ from engine.core.types import (
     UnknownSpeakerError,
 )
 from engine.core.voice import Voice
-from engine.core.weights import LoadedModels
-from engine.cosyvoice1.flow_estimator import TransformerBlock
-from engine.cosyvoice1.streaming import (
-    ChunkVocoder,
-    FlowPrompt,
-    GeneratorNoise,
-    hop_sizes,
-    stream_audio,
-    whole_audio,
-)
-from engine.family import OfFamily, detect_model_kind, family_named
+from engine.cosyvoice1.model_dir import PARTS, LoadedModels
+from engine.cosyvoice1.streaming import ChunkVocoder, hop_sizes, stream_audio, whole_audio
+from engine.family_facts import OfFamily, detect_model_kind, family_named
 
 if TYPE_CHECKING:
+    from engine.core.prepared import PreparedLoad
     from engine.cosyvoice1.flow import FlowModel
     from engine.prompt.voices import CustomVoice, ScanResult, VoiceLibrary
     from engine.text.frontend import Segment, TextFrontend
@@ -93,8 +84,10 @@ STREAM_GEOMETRY = V1StreamGeometry(
 
 
 class CosyVoiceEngine(EngineBase["FlowModel"], OfFamily):
-    """A loaded CosyVoice v1 model directory plus the text frontend."""
+    """A loaded CosyVoice v1 model directory plus the text frontend (:meth:`load`'s own
+    option: ``kind``, the model kind when the directory's name does not tell it)."""
 
+    model_parts = PARTS
     family = family_named("cosyvoice")
     stream_geometry = STREAM_GEOMETRY
 
@@ -114,67 +107,27 @@ class CosyVoiceEngine(EngineBase["FlowModel"], OfFamily):
         self.kind = kind or detect_model_kind(models.model_dir)
         self.threads = threads
         self.sample_rate = SAMPLE_RATE
+        self.token_rate = TOKEN_RATE
         self.speakers: list[str] = list(models.speakers)
         self.frontend = frontend or TextFrontend()
         self.custom_voices: VoiceLibrary | None = None
 
     @classmethod
-    def load(
-        cls,
-        model_dir: Path | str,
-        *,
-        threads: int | None = None,
-        kind: str | None = None,
-        lm_int8: bool = False,
-        flow_int8: bool = False,
-        hift_bf16: bool = False,
-        cache_dir: Path | str | None = None,
-        extra_formats: Iterable[str] = (),
-    ) -> CosyVoiceEngine:
-        """Load a model directory in the official layout (raises ModelLoadError).
+    def _adapt_flow(cls, flow: nn.Module, weights: str) -> None:
+        packed = _estimator_on_onednn(cast("FlowModel", flow), weights)
+        _LOGGER.debug("%d estimator layers on oneDNN (%s flow)", packed, weights)
 
-        ``lm_int8`` swaps the LM decoder's weights for int8 (faster, slightly different
-        sampling distribution; see engine.core.quantize); ``flow_int8`` the flow's (an approximation
-        for the fast profiles: faster estimator passes, 300 MB less memory); ``hift_bf16`` runs
-        HiFT's filter in bfloat16 where oneDNN supports it (another approximation: about twice
-        as fast with AVX-512 BF16, half its weights' memory; ``hift_dtype`` on the engine says
-        what was used). Kernels and threads are chosen for this CPU (engine.core.cpu; the engine's
-        ``cpu_choices`` say which): int8 falls back to float32 where no int8 kernel works, and
-        ``threads`` is capped where more would crash.
-
-        The models run from their prepared files (engine.core.prepared), in ``prepared/`` beside the
-        model files, or under ``cache_dir`` when the model directory cannot be written (None:
-        ``$XDG_CACHE_HOME/cosyvoice-engine``). A file missing or out of date is prepared
-        first, which takes seconds; ``prepared_at_load`` on the engine names those prepared.
-
-        ``extra_formats`` ("flow.int8", "hift.bf16", ...) loads the flow and HiFT in these
-        formats too, beside the primary ones, so that each request may choose
-        (``SynthesisOptions.flow_weights``, ``hift_weights``); those this CPU cannot run are
-        left out, as the primary ones fall back.
-        """
+    @classmethod
+    def _build_frontend(cls, model_dir: Path) -> TextFrontend:
         from engine.text.frontend import TextFrontend
 
-        setup = setup_cpu(threads, lm_int8=lm_int8, flow_int8=flow_int8, hift_bf16=hift_bf16)
-        threads, choices, formats = setup.threads, setup.choices, setup.formats
-        extras = extra_weight_formats(extra_formats, setup)
-        start = time.perf_counter()
-        model_dir = Path(model_dir)
-        cache = Path(cache_dir) if cache_dir else None
-        # Prepares what is missing, then packs the int8 layers in the background.
-        with prepared_loads(model_dir, formats, extras, cache) as loads:
-            models = loads[0].models()
-            alternates = loads[1].assigned() if extras else {}
-            flows = by_format("flow", (formats.flow, models.flow), alternates, extras)
-            # Reordered here, on this thread while the int8 layers are packed, where it adds
-            # the least to the load time.
-            packed = sum(_estimator_on_onednn(flow, weights) for weights, flow in flows.items())
-            frontend = TextFrontend()  # built while the int8 layers are still being packed
-        _LOGGER.debug("%d estimator layers on oneDNN", packed)
-        _LOGGER.info("Loaded %s in %.2f s", model_dir, time.perf_counter() - start)
-        engine = cls(models, kind=kind, threads=threads, frontend=frontend)
-        hifts = by_format("hift", (formats.hift, models.hift), alternates, extras)
-        engine._record_load(flows, hifts, loads, choices)
-        return engine
+        return TextFrontend()
+
+    @classmethod
+    def _models_of(
+        cls, load: PreparedLoad, modules: tuple[nn.Module, nn.Module, nn.Module]
+    ) -> LoadedModels:
+        return LoadedModels.of(load.model_dir, load.args, modules, load.speakers)
 
     # --- voices ---------------------------------------------------------------------------
 
@@ -244,7 +197,7 @@ class CosyVoiceEngine(EngineBase["FlowModel"], OfFamily):
         # Built-in voices are resolved first so an unknown name fails before any work.
         builtin = None if custom is not None else self.voice(options.speaker, options.instruct)
         segments = self.frontend.segments(text, split=options.split, language=options.language)
-        seed = options.seed if options.seed is not None else random.randrange(2**31)
+        seed = self._seed(options)
 
         def chunks() -> Iterator[AudioChunk]:
             for index, segment in enumerate(segments):
@@ -255,11 +208,7 @@ class CosyVoiceEngine(EngineBase["FlowModel"], OfFamily):
                     ids, voice = segment.token_ids, builtin
                 yield from self._segment(ids, voice, options, seed + index, cancel)
 
-        if options.stream and options.start_policy == GAPLESS:
-            expected = sum(estimate_speech_seconds(s.text, options.force_tokens) for s in segments)
-            yield from hold_until_gapless(chunks(), expected / options.speed)
-        else:
-            yield from chunks()
+        yield from self._released(chunks(), (s.text for s in segments), options)
 
     def _segment(
         self,

@@ -17,16 +17,25 @@ accepted as empty.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from engine.core.hparams import EstimatorArgs, FlowArgs
+from engine.core.hparams import EstimatorArgs
+from engine.core.solver import (
+    T_SCHEDULERS,
+    FieldInputs,
+    GuidedEulerCFM,
+    StepCallback,
+    VectorField,
+)
+from engine.core.speaker import project_speaker
 from engine.core.transformer import RelPosEncoder
 from engine.cosyvoice1.flow_estimator import ConditionalDecoder
+from engine.cosyvoice1.hparams import FlowArgs
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -34,10 +43,6 @@ _SAMPLE_RATE = 22050  # hard-coded upstream in the token → frame conversion
 _HOP = 256
 _OVERLAP_TOKENS = 20  # streaming overlap between chunks, hard-coded upstream
 _CACHE_TAIL_FRAMES = 34  # = frames(_OVERLAP_TOKENS) at 50 Hz; the z/mu tail kept for the next chunk
-
-#: Called once per Euler step with (step index, x fed to the estimator (1, 80, T), flow time t
-#: (0-d tensor), raw estimator output (2, 80, T): row 0 conditional, row 1 unconditional).
-StepCallback = Callable[[int, Tensor, Tensor, Tensor], None]
 
 
 def tokens_to_frames(n_tokens: int, token_rate: int) -> int:
@@ -105,68 +110,25 @@ class InterpolateRegulator(nn.Module):
         return self.model(x)
 
 
-class ConditionalCFM(nn.Module):
+class ConditionalCFM(GuidedEulerCFM):
     """Euler solver for the flow ODE with classifier-free guidance (key prefix ``decoder``)."""
 
     def __init__(self, args: EstimatorArgs, t_scheduler: str) -> None:
         super().__init__()
-        if t_scheduler not in ("cosine", "linear"):
+        if t_scheduler not in T_SCHEDULERS:
             raise ValueError(f"unsupported t_scheduler {t_scheduler!r}")
         self.t_scheduler = t_scheduler
         self.estimator = ConditionalDecoder(args)
 
-    def time_grid(self, n_timesteps: int, dtype: torch.dtype = torch.float32) -> Tensor:
-        """t_0..t_n; cosine: 1 − cos(π/2 · k/n)."""
-        t_span = torch.linspace(0, 1, n_timesteps + 1, dtype=dtype)
-        if self.t_scheduler == "cosine":
-            t_span = 1 - torch.cos(t_span * 0.5 * torch.pi)
-        return t_span
-
-    def solve(
-        self,
-        z: Tensor,
-        mu: Tensor,
-        spks: Tensor,
-        cond: Tensor,
-        *,
-        n_timesteps: int,
-        cfg_rate: float,
-        step_callback: StepCallback | None = None,
-    ) -> Tensor:
-        """Integrate from noise z (1, 80, T) at t=0 to t=1; returns the mel (1, 80, T) float32."""
-        if n_timesteps < 1:
-            raise ValueError(f"n_timesteps must be at least 1, got {n_timesteps}")
-        t_span = self.time_grid(n_timesteps, mu.dtype)
-        # The CFG batch: row 0 conditional, row 1 with mu/spks/cond zeroed (same x, t, mask).
-        # These inputs are the same at every step, so they are built once. Guidance off
-        # (cfg_rate 0, a fast-path option) needs only the conditional row: half the work.
-        rows = 1 if cfg_rate == 0 else 2
-        mu_in = torch.cat([mu, torch.zeros_like(mu)])[:rows]  # (rows, 80, T)
-        spks_in = torch.cat([spks, torch.zeros_like(spks)])[:rows]  # (rows, 80)
-        cond_in = torch.cat([cond, torch.zeros_like(cond)])[:rows]  # (rows, 80, T)
-        mask = torch.ones(rows, 1, z.shape[-1], dtype=mu.dtype, device=mu.device)
-
-        # Time is advanced by accumulation (t += dt; dt = t_{k+1} − t) as upstream, which can
-        # differ from t_span[k] in the last float32 bit.
-        times, steps = [t_span[0]], [t_span[1] - t_span[0]]
-        for step in range(1, n_timesteps):
-            times.append(times[-1] + steps[-1])
-            steps.append(t_span[step + 1] - times[-1])
-        # Every step's time-MLP output in one batch, one row per step (the CFG rows share t).
-        step_biases = self.estimator.time_biases(torch.stack(times))
-
-        x = z
-        for step, (t, dt) in enumerate(zip(times, steps, strict=True)):
-            x_in = torch.cat([x, x]) if rows == 2 else x  # (rows, 80, T)
-            biases = [b[step : step + 1] for b in step_biases]
-            dphi = self.estimator(
-                x_in, mask, mu_in, t.expand(rows), spks_in, cond_in, time_biases=biases
+    def vector_field(self, n_timesteps: int, **options: Any) -> VectorField:
+        def field(step: int, x: Tensor, at: FieldInputs) -> Tensor:
+            # Batch 1 has no padding: every frame of every row is valid.
+            mask = torch.ones(x.shape[0], 1, x.shape[-1], dtype=at.mu.dtype, device=at.mu.device)
+            return self.estimator(
+                x, mask, at.mu, at.t, at.spks, at.cond, time_biases=at.time_biases
             )
-            if step_callback is not None:
-                step_callback(step, x, t, dphi)
-            v = (1.0 + cfg_rate) * dphi[:1] - cfg_rate * dphi[1:] if rows == 2 else dphi
-            x = x + dt * v
-        return x.float()
+
+        return field
 
 
 @dataclass
@@ -217,10 +179,7 @@ class FlowModel(nn.Module):
             raise ValueError(
                 f"prompt_feat must have shape (1, T, 80), got {tuple(prompt_feat.shape)}"
             )
-        weight = self.spk_embed_affine_layer.weight
-        spks = self.spk_embed_affine_layer(
-            F.normalize(embedding.reshape(1, -1).to(weight), dim=1)
-        )  # (1, 80)
+        spks = project_speaker(self.spk_embed_affine_layer, embedding)  # (1, 80)
 
         n1, n2 = prompt_tokens.shape[1], tokens.shape[1]
         ids = torch.cat([prompt_tokens, tokens], dim=1).long().clamp(min=0)  # (1, N1+N2)

@@ -7,36 +7,16 @@ one so a streaming consumer can take them as they come. No threads, no asyncio i
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from typing import NamedTuple
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from engine.core.hparams import LLMArgs
-from engine.core.sampling import Sampler, forced_sampler, ras_sampling
+from engine.core.lm_step import SpeechTokenLM, StepOut, TokenIds, token_ids
 from engine.core.transformer import KVCache, RelPosEncoder
-
-TokenIds = Sequence[int] | Tensor
-
-
-class StepOut(NamedTuple):
-    """Last hidden state (B, D) after ``after_norm`` and raw decoder logits (B, V+1)."""
-
-    hidden: Tensor
-    logits: Tensor
+from engine.cosyvoice1.hparams import LLMArgs
 
 
-def _ids(ids: TokenIds | None, device: torch.device) -> Tensor:
-    """Token ids as a (1, N) int64 tensor; accepts lists, (N,) and (1, N) tensors."""
-    if ids is None:
-        return torch.zeros(1, 0, dtype=torch.long, device=device)
-    t = torch.as_tensor(ids, dtype=torch.long, device=device)
-    return t.reshape(1, -1)
-
-
-class TransformerLM(nn.Module):
+class TransformerLM(SpeechTokenLM):
     """The CosyVoice v1 speech-token LM."""
 
     def __init__(self, args: LLMArgs) -> None:
@@ -45,6 +25,7 @@ class TransformerLM(nn.Module):
         d = args.llm_input_size
         self.speech_token_size = args.speech_token_size
         self.eos = args.speech_token_size  # the decoder's extra class; no embedding row
+        self.stop_tokens = frozenset((self.eos,))
         self.text_embedding = nn.Embedding(args.text_token_size, args.text_encoder_input_size)
         self.text_encoder = RelPosEncoder(args.text_encoder)
         self.text_encoder_affine_layer = nn.Linear(args.text_encoder.output_size, d)
@@ -86,13 +67,13 @@ class TransformerLM(nn.Module):
     ) -> Tensor:
         """(1, L0, D) = [SOS | spk? | encoded(prompt_text ++ text) | TASK | prompt speech]."""
         dev = self._device
-        text = torch.cat([_ids(prompt_text_ids, dev), _ids(text_ids, dev)], dim=1)
+        text = torch.cat([token_ids(prompt_text_ids, dev), token_ids(text_ids, dev)], dim=1)
         emb = self.llm_embedding.weight
         parts = [emb[0].view(1, 1, -1), self.speaker_input(embedding)]
         if text.shape[1] > 0:
             parts.append(self.encode_text(text))
         parts.append(emb[1].view(1, 1, -1))
-        parts.append(self.speech_embedding(_ids(prompt_speech_ids, dev)))
+        parts.append(self.speech_embedding(token_ids(prompt_speech_ids, dev)))
         return torch.cat(parts, dim=1)
 
     # --- decoding --------------------------------------------------------------------------
@@ -117,54 +98,3 @@ class TransformerLM(nn.Module):
     def length_limits(n_tts_text: int) -> tuple[int, int]:
         """(min_len, max_len) = (2, 20) × tts-text tokens (prompt text excluded)."""
         return int(2 * n_tts_text), int(20 * n_tts_text)
-
-    def generate(
-        self,
-        text_ids: TokenIds,
-        prompt_text_ids: TokenIds | None = None,
-        prompt_speech_ids: TokenIds | None = None,
-        embedding: Tensor | None = None,
-        *,
-        generator: torch.Generator | None = None,
-        max_tokens: int | None = None,
-        forced_tokens: Sequence[int] | None = None,
-        sampler: Sampler | None = None,
-    ) -> Iterator[int]:
-        """Yield speech tokens until EOS or the length cap (EOS itself is not yielded).
-
-        ``max_tokens`` fixes the token count (benchmarks, ``SynthesisOptions.force_tokens``):
-        it replaces both limits, so EOS stays masked and exactly that many tokens are sampled
-        (fewer only if forced tokens contain EOS). ``forced_tokens`` /
-        ``sampler`` replace the RAS draw (tests; they receive the EOS-masked log-probs and the
-        history); a forced EOS id ends the stream.
-        """
-        n_text = _ids(text_ids, torch.device("cpu")).shape[1]
-        min_len, max_len = self.length_limits(n_text)
-        if max_tokens is not None:
-            max_len = min_len = max(0, int(max_tokens))  # EOS masked throughout: exact count
-        if forced_tokens is not None:
-            sampler = forced_sampler(forced_tokens)
-        if max_len == 0:
-            return
-        # inference_mode blocks never span a yield: the mode is thread-local state of the caller.
-        with torch.inference_mode():
-            lm_input = self.build_input(text_ids, prompt_text_ids, prompt_speech_ids, embedding)
-            cache = self.new_cache(lm_input.shape[1] + max_len)
-            out = self.prefill(lm_input, cache)
-        history: list[int] = []
-        for step in range(max_len):
-            with torch.inference_mode():
-                logp = out.logits[0].float().log_softmax(dim=0)
-                if step < min_len:  # HEAD: EOS forbidden by masking, before any sampling
-                    logp[self.eos] = float("-inf")
-                if sampler is not None:
-                    token = sampler(logp, history)
-                else:
-                    token = ras_sampling(logp, history, self.args.sampling, generator)
-            if token == self.eos:
-                return
-            yield token
-            history.append(token)
-            if step + 1 < max_len:
-                with torch.inference_mode():
-                    out = self.decode_step(token, cache)

@@ -21,8 +21,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -38,6 +37,7 @@ from engine.core.constants import (
 )
 from engine.core.speed import MelStretcher
 from engine.core.stage_times import StageListener, report, report_flow, since
+from engine.core.streaming import FlowPrompt, NoiseSource, fade_in_out
 from engine.core.thread_budget import ThreadBudget, apply_thread_budget, vocoder_busy
 from engine.core.types import StreamSchedule
 
@@ -51,52 +51,6 @@ _SPEECH_WINDOW = torch.from_numpy(np.hamming(2 * SOURCE_CACHE))
 # Below this many tokens the flow interpolates a chunk in one piece, so the 20 overlap tokens
 # would not map onto exactly 34 frames; schedules must cut bigger chunks than this.
 MIN_CHUNK_TOKENS = 2 * TOKEN_OVERLAP + 1
-
-
-class NoiseSource(Protocol):
-    """Where the flow and HiFT get their random draws (a seeded generator, or injected)."""
-
-    def flow_noise(self, shape: tuple[int, ...]) -> torch.Tensor: ...
-
-    def hift_noise(self, n_samples: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(phase uniform in [0,1) of shape (1, 9, 1), sine noise of shape (1, 9, n_samples))."""
-        ...
-
-
-@dataclass
-class GeneratorNoise:
-    """Noise drawn from one ``torch.Generator`` (reproducible with a seed)."""
-
-    generator: torch.Generator
-    harmonics: int = 9
-
-    def flow_noise(self, shape: tuple[int, ...]) -> torch.Tensor:
-        return torch.randn(shape, generator=self.generator)
-
-    def hift_noise(self, n_samples: int) -> tuple[torch.Tensor, torch.Tensor]:
-        phase = torch.rand((1, self.harmonics, 1), generator=self.generator)
-        noise = torch.randn((1, self.harmonics, n_samples), generator=self.generator)
-        return phase, noise
-
-
-@dataclass(frozen=True)
-class FlowPrompt:
-    """What conditions the flow: speaker x-vector and (zero-shot) prompt tokens and mel."""
-
-    embedding: torch.Tensor  # (1, 192) un-normalised x-vector
-    tokens: torch.Tensor = field(default_factory=lambda: torch.zeros(1, 0, dtype=torch.int32))
-    feat: torch.Tensor = field(default_factory=lambda: torch.zeros(1, 0, N_MELS))  # (1, T, 80)
-
-
-def fade_in_out(
-    fade_in: torch.Tensor, fade_out: torch.Tensor, window: torch.Tensor
-) -> torch.Tensor:
-    """Cross-fade the start of ``fade_in`` with the end of ``fade_out`` (float64 maths)."""
-    n = window.numel() // 2
-    head = fade_in[..., :n].double() * window[:n] + fade_out[..., -n:].double() * window[n:]
-    out = fade_in.clone()
-    out[..., :n] = head.to(fade_in.dtype)
-    return out
 
 
 class ChunkVocoder:

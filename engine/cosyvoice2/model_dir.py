@@ -23,7 +23,7 @@ from engine.core.hparams import HiFTArgs, ModelConfigError, read_model_yaml
 from engine.core.prepared import ModelParts
 from engine.core.types import ModelLoadError
 from engine.core.weights import PARTS as PART_NAMES
-from engine.core.weights import _without_init, check_model_dir, read_state_dict
+from engine.core.weights import check_model_dir, read_state_dict, without_init
 from engine.cosyvoice2.flow import build_flow, load_flow
 from engine.cosyvoice2.flow import int8_layer_names as flow_int8_layer_names
 from engine.cosyvoice2.flow_args import CausalFlowArgs, flow_args_from_doc, hift_args_from_doc
@@ -117,7 +117,7 @@ def build_on_meta(args: CosyVoice2Args, part: str) -> nn.Module:
         "flow": lambda: build_flow(args.flow),
         "hift": lambda: build_hift(args.hift),
     }
-    with _without_init():  # every value is assigned from a file
+    with without_init():  # every value is assigned from a file
         return builders[part]()
 
 
@@ -126,7 +126,7 @@ def read_part(model_dir: Path, args: CosyVoice2Args, part: str) -> nn.Module:
     path = Path(model_dir) / f"{part}.pt"
     state = read_state_dict(path)
     source = str(path)
-    with _without_init():
+    with without_init():
         if part == "llm":
             return load_speech_lm(state, args.lm, source=source)
         if part == "flow":

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.family import PROMPT_CACHE_ENDING, family_named
+from engine.family_facts import PROMPT_CACHE_ENDING, family_named
 from engine.prompt.features import V1_PROMPT_MEL, MelSpec
 from engine.prompt.onnx_models import V1_SPEECH_TOKENIZER, SpeechTokenizer
 

@@ -416,7 +416,7 @@ def to_engine_voice(
       gets the instruction and no speaker; the flow gets only the CAM++ embedding, exactly as
       official instruct mode treats a built-in speaker.
     """
-    from engine.cosyvoice1.streaming import FlowPrompt
+    from engine.core.streaming import FlowPrompt
 
     if voice.family != COSYVOICE1.family:
         raise ValueError(f"voice {voice.name!r} was prepared for {voice.family}, not cosyvoice1")

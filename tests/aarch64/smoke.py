@@ -152,8 +152,8 @@ def check_profiles(cache: Path) -> None:
 def report_deviations(cache: Path) -> None:
     from engine.bench.deviation import lm_int8_kl, mel_relative_l2
     from engine.core.quantize import quantize_flow_int8
-    from engine.core.weights import load_model_dir
     from engine.cosyvoice1.engine import CosyVoiceEngine
+    from engine.cosyvoice1.model_dir import load_model_dir
 
     step("int8 deviations on this CPU's kernels (tiny model, random weights)")
     # The load applies the int8 kernels the engine picks.
