@@ -78,6 +78,7 @@ def _has_bias(module: torch.nn.Module) -> bool:
     return isinstance(module, torch.nn.Linear) and module.bias is not None
 
 
+@pytest.mark.long
 def test_benchmark_runs_on_the_tiny_cosyvoice2(tmp_path: Path) -> None:
     """A prompt voice of 5 s; the first chunk is one attention chunk plus the look-ahead; the
     default token count is 8 s at 25 tokens a second; the stream's flow cost per chunk is
