@@ -38,9 +38,7 @@ def stub(path: Path, name: str, exit_code: int = 0, fails_on: str | None = None)
     ends = f"exit {exit_code}\n"
     if fails_on is not None:
         ends = f'[[ "$*" == "{fails_on}" ]] && exit {exit_code}\nexit 0\n'
-    path.write_text(
-        f'#!/usr/bin/env bash\necho "{name} $*" >> "$CALLS"\n{ends}', encoding="utf-8"
-    )
+    path.write_text(f'#!/usr/bin/env bash\necho "{name} $*" >> "$CALLS"\n{ends}', encoding="utf-8")
     path.chmod(0o755)
 
 
@@ -89,18 +87,18 @@ def test_ci_runs_setup_lint_the_image_test_the_long_tests_then_exactly_the_readm
     ]
 
 
-def _pytest_options() -> dict[str, Any]:
+def pyproject() -> dict[str, Any]:
     if sys.version_info >= (3, 11):
         import tomllib
     else:
         import tomli as tomllib
-    return dict(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"])
+    return dict(tomllib.loads((ROOT / "pyproject.toml").read_text()))
 
 
 def test_between_them_ci_runs_every_test_but_the_slow_and_soak_ones() -> None:
     """The default run deselects the long tests and CI runs them in a run of their own: a test
     marked long keeps running in CI, it only leaves the default run."""
-    options = _pytest_options()
+    options = pyproject()["tool"]["pytest"]["ini_options"]
     default = re.search(r"-m '([^']*)'", options["addopts"])
     assert default and default.group(1) == "not slow and not soak and not long"
     assert any(marker.startswith("long: ") for marker in options["markers"])
@@ -178,11 +176,7 @@ def test_lint_without_the_test_tools_says_how_to_install_them(tmp_path: Path) ->
 
 
 def test_mypy_checks_both_packages() -> None:
-    if sys.version_info >= (3, 11):
-        import tomllib
-    else:
-        import tomli as tomllib
-    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["mypy"]
+    config = pyproject()["tool"]["mypy"]
     assert config["packages"] == ["engine", "wyoming_cosyvoice"]
 
 
@@ -202,11 +196,7 @@ def test_ci_scripts_are_shellcheck_clean() -> None:
 
 def _test_requirements() -> list[Requirement]:
     """The ``test`` extra's requirements, with the project's own extras it names expanded."""
-    if sys.version_info >= (3, 11):
-        import tomllib
-    else:
-        import tomli as tomllib
-    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    project = pyproject()["project"]
     extras = project["optional-dependencies"]
     found: list[Requirement] = []
     pending = [Requirement(text) for text in extras["test"]]
