@@ -358,7 +358,11 @@ def wy() -> SimpleNamespace:
     )
 
 
-@pytest.fixture(scope="session", params=("v1", "v2"))  # http_process.FAMILIES
+# The model families the server processes of tests/http_process.py run (v1: the SFT kind).
+FAMILIES = ("v1", "v2")
+
+
+@pytest.fixture(scope="session", params=FAMILIES)
 def family_server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
                   ) -> Iterator[Any]:  # fmt: skip
     """The real server of each family in a process of its own (``http_process.shared_server``),

@@ -25,12 +25,11 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from conftest import ROOT, free_port
+from conftest import FAMILIES, ROOT, free_port  # noqa: F401  (FAMILIES: for the test modules)
 
 DATA = ROOT / "tests" / "data"
 ONNX = DATA / "zero_shot" / "onnx"
 PROMPT_16K = DATA / "zero_shot" / "prompt16k_pcm16.wav"
-FAMILIES = ("v1", "v2")
 # family -> (the tiny model, the prompt models' stand-ins: file in ONNX -> name in the model)
 MODELS = {
     "v1": (DATA / "tiny_model", {"tiny_campplus.onnx": "campplus.onnx",
