@@ -20,12 +20,12 @@ its work needs there, at the engine's measured distance from the bound on the me
   least once (:func:`efficiencies`);
 * RTF: 50 (v1) or 25 (CosyVoice2) tokens, the flow and HiFT of one second, one after the other;
 * first audio: the first chunk's tokens at the board's LM time per token; the other parts of the
-  measured first audio (text, prefill, the first chunk's flow and HiFT, the rest) scaled by the
-  ratio of the matrix rates.
+  measured first audio (text, prefill, the first chunk's flow and HiFT, the rest), less what a
+  busy moment added to that run, scaled by the ratio of the matrix rates.
 
 The counts come from the benchmark of the full-size models (``--record`` keeps the figures the
 model needs in ``script/board-estimates.json``); a profile whose settings changed since must be
-measured again (tests/test_board_estimates.py checks them against the server's profiles).
+measured again (tests/test_bench_boards.py checks them against the server's profiles).
 """
 
 from __future__ import annotations
