@@ -104,11 +104,13 @@ class CosyVoiceEngine(EngineBase["FlowModel"]):
         hift_bf16: bool = False,
         cache_dir: Path | str | None = None,
         extra_formats: Iterable[str] = (),
+        lm_int4: bool = False,
     ) -> CosyVoiceEngine:
         """Load a model directory in the official layout (raises ModelLoadError).
 
         ``lm_int8`` swaps the LM decoder's weights for int8 (faster, slightly different
-        sampling distribution; see engine.quantize); ``flow_int8`` the flow's (an approximation
+        sampling distribution; see engine.quantize), ``lm_int4`` for 4-bit groups (engine.int4; int8
+        where no int4 kernel works); ``flow_int8`` the flow's (an approximation
         for the fast profiles: faster estimator passes, 300 MB less memory); ``hift_bf16`` runs
         HiFT's filter in bfloat16 where oneDNN supports it (another approximation: about twice
         as fast with AVX-512 BF16, half its weights' memory; ``hift_dtype`` on the engine says
@@ -128,7 +130,9 @@ class CosyVoiceEngine(EngineBase["FlowModel"]):
         """
         from engine.text.frontend import TextFrontend
 
-        setup = setup_cpu(threads, lm_int8=lm_int8, flow_int8=flow_int8, hift_bf16=hift_bf16)
+        setup = setup_cpu(
+            threads, lm_int8=lm_int8, flow_int8=flow_int8, hift_bf16=hift_bf16, lm_int4=lm_int4
+        )
         threads, choices, formats = setup.threads, setup.choices, setup.formats
         extras = extra_weight_formats(extra_formats, setup)
         start = time.perf_counter()

@@ -196,17 +196,20 @@ class CosyVoice2Engine(EngineBase["CausalFlow"]):
         cache_dir: Path | str | None = None,
         flow_cache_dtype: torch.dtype | None = torch.float16,
         extra_formats: Iterable[str] = (),
+        lm_int4: bool = False,
     ) -> CosyVoice2Engine:
         """Load a CosyVoice2 directory in the official layout (raises ModelLoadError).
 
-        The options are v1's (:meth:`engine.engine.CosyVoiceEngine.load`): int8 LM and flow
+        The options are v1's (:meth:`engine.engine.CosyVoiceEngine.load`): int8 (or int4) LM, int8 flow
         layers, a bfloat16 HiFT, the threads, where prepared files go when the model
         directory cannot be written, and extra formats of the flow and HiFT for requests to
         choose. ``flow_cache_dtype``: what the incremental flow keeps its keys and values in
         (the default ``torch.float16`` halves that memory for a tested small deviation; None:
         float32, exact).
         """
-        setup = setup_cpu(threads, lm_int8=lm_int8, flow_int8=flow_int8, hift_bf16=hift_bf16)
+        setup = setup_cpu(
+            threads, lm_int8=lm_int8, flow_int8=flow_int8, hift_bf16=hift_bf16, lm_int4=lm_int4
+        )
         extras = extra_weight_formats(extra_formats, setup)
         start = time.perf_counter()
         model_dir = Path(model_dir)
