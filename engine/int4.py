@@ -49,6 +49,7 @@ KLEIDIAI = "kleidiai"
 INT4PACK = "int4pack"
 KERNELS = (KLEIDIAI, INT4PACK)
 _INNER_K_TILES = 2  # int4pack's packing parameter (the CPU kernel takes 2, 4 or 8)
+_INT4PACK_ROWS = 16  # int4pack packs outputs in blocks of this many
 _ARM_DOTPROD = "asimddp"
 # Each group's scale is the one of these fractions of "peak over -8" with the least squared
 # error: clipping the peak a little rounds the rest finer (Gaussian weights, 32 a group: 4 %
@@ -100,6 +101,12 @@ def dequantize(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     q = unpack_codes(packed).float() - 8
     group = q.shape[1] // scales.shape[1]
     return q * scales.float().repeat_interleave(group, dim=1)
+
+
+def int4_layer_names(model: nn.Module, names: list[str], group: int = GROUP_SIZE) -> list[str]:
+    """Those of the int8 format's layers ``names`` whose inputs split into whole groups (every
+    layer of the full-size LMs; a smaller model's others stay float32)."""
+    return [name for name in names if layer_shape(model, name)[1] % group == 0]
 
 
 def int4_part_specs(
@@ -162,8 +169,12 @@ class Int4Linear(nn.Module):
                 self.out_features,
             )
         else:
+            # The kernel packs whole blocks of outputs: rows of code 8 (zero) fill the last.
+            rows = -self.out_features % _INT4PACK_ROWS
+            codes = nn.functional.pad(unpack_codes(codes), (0, 0, 0, rows), value=8)
+            scales = nn.functional.pad(scales, (0, 0, 0, rows))
             self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
-                unpack_codes(codes).to(torch.int32), _INNER_K_TILES
+                codes.to(torch.int32), _INNER_K_TILES
             )
             # (groups, out, 2): scale and zero point of each; the codes are q + 8 and the
             # kernel computes (code - 8) * scale + zero, so the zero points are 0.
@@ -184,7 +195,7 @@ class Int4Linear(nn.Module):
         else:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(
                 rows.to(torch.bfloat16), self.packed, self.group, self.scale_zeros
-            ).float()
+            )[:, : self.out_features].float()
             if self.bias is not None:
                 y = y + self.bias
         return y.reshape(*x.shape[:-1], self.out_features)

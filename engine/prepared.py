@@ -50,7 +50,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from engine.int4 import GROUP_SIZE, int4_part_specs, int4_parts, pack_int4
+from engine.int4 import GROUP_SIZE, int4_layer_names, int4_part_specs, int4_parts, pack_int4
 from engine.quantize import (
     Int8Packing,
     flow_int8_layer_names,
@@ -190,8 +190,11 @@ def source_key(model_dir: Path, part: str, weights: str) -> dict[str, str]:
 
 
 def _int8_names(module: nn.Module, part: str, weights: str, parts: ModelParts) -> list[str]:
-    """The quantised layers of ``module`` in ``weights`` (int4 quantises the int8 layers)."""
-    return parts.int8_names(module, part) if weights in QUANTISED else []
+    """The quantised layers of ``module`` in ``weights`` (int4: the int8 layers it fits)."""
+    if weights not in QUANTISED:
+        return []
+    names = parts.int8_names(module, part)
+    return int4_layer_names(module, names) if weights == "int4" else names
 
 
 def quantised_part_specs(module: nn.Module, names: list[str], weights: str) -> Spec:
