@@ -275,12 +275,15 @@ def pack_int4(parts: Mapping[str, torch.Tensor], name: str, kernel: str | None =
     )
 
 
-def quantize_int4(model: nn.Module, names: list[str], kernel: str | None = None) -> nn.Module:
+def quantize_int4(
+    model: nn.Module, names: list[str], kernel: str | None = None, group: int = GROUP_SIZE
+) -> nn.Module:
     """Swap the Linear layers ``names`` of ``model`` for int4 ones, in place (a fused name
     replaces the layers it stacks, as the int8 format's)."""
     from engine.quantize import install_int8_layers
 
     for name in names:  # one layer at a time: never two float copies of the whole model
-        install_int8_layers(model, {name: pack_int4(int4_parts(model, [name]), name, kernel)})
+        parts = int4_parts(model, [name], group)
+        install_int8_layers(model, {name: pack_int4(parts, name, kernel)})
     _LOGGER.info("%s quantised to int4 (%d Linear layers)", type(model).__name__, len(names))
     return model

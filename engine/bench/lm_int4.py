@@ -1,0 +1,156 @@
+"""How far the int4 LM's next-token distributions move from float32's, beside int8's.
+
+    python -m engine.bench.lm_int4 [--family v1|cosyvoice2|both] [--steps 64] [--groups 32,64,128]
+
+On the full-size random-weight LMs of ``engine.bench.synthetic`` (generated once, as the
+benchmark does): a random text (fixed seed) is read, then ``--steps`` speech tokens drawn with a
+fixed seed are teacher-forced through the float32 LM and through each quantised copy of it. Per
+format it prints the next-token KL(fp32 || format) (mean, max), top-1 agreement (the same most
+likely token) and top-5 agreement (the share of float32's five most likely tokens among the
+format's five), the int4 kernel, and decode milliseconds per token (informative only: on a
+shared machine they move with its load). docs/dev/int4.md has the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from engine.bench.synthetic import (
+    DEFAULT_CACHE_DIR,
+    ensure_synthetic_cosyvoice2,
+    ensure_synthetic_model,
+)
+from engine.int4 import choose_int4_kernel, int4_layer_names, quantize_int4
+from engine.prepared import V1_PARTS, ModelParts
+from engine.quantize import next_token_kl, quantize_int8
+
+SEED = 4
+TEXT_TOKENS = 30
+TOP_K = 5
+
+
+def _family(name: str, cache_dir: Path) -> tuple[Path, ModelParts]:
+    if name == "v1":
+        return ensure_synthetic_model(cache_dir), V1_PARTS
+    from engine.cosyvoice2.model_dir import PARTS
+
+    return ensure_synthetic_cosyvoice2(cache_dir), PARTS
+
+
+def _inputs(llm: Any, family: str, steps: int) -> tuple[Callable[[Any], torch.Tensor], list[int]]:
+    """How a model's input is built, and the forced tokens (all from SEED)."""
+    gen = torch.Generator().manual_seed(SEED)
+    if family == "v1":
+        vocab = llm.text_embedding.num_embeddings
+        text = torch.randint(0, vocab, (TEXT_TOKENS,), generator=gen).tolist()
+        embedding = torch.randn(1, llm.spk_embed_affine_layer.in_features, generator=gen)
+
+        def build(model: Any) -> torch.Tensor:
+            return model.build_input(text, [], [], embedding)
+
+    else:
+        vocab = llm.llm.model.model.embed_tokens.num_embeddings
+        text = torch.randint(0, vocab, (TEXT_TOKENS,), generator=gen).tolist()
+
+        def build(model: Any) -> torch.Tensor:
+            return model.build_input(text)
+
+    forced = torch.randint(0, llm.speech_token_size, (steps,), generator=gen).tolist()
+    return build, forced
+
+
+def teacher_forced(
+    model: Any, build: Callable[[Any], torch.Tensor], forced: list[int]
+) -> tuple[torch.Tensor, float]:
+    """(logits of every step, decode milliseconds per token) of ``forced`` fed to ``model``."""
+    with torch.inference_mode():
+        lm_input = build(model)
+        cache = model.new_cache(lm_input.shape[1] + len(forced))
+        outs = [model.prefill(lm_input, cache).logits]
+        start = time.perf_counter()
+        outs += [model.decode_step(token, cache).logits for token in forced[:-1]]
+        ms = (time.perf_counter() - start) * 1e3 / max(1, len(forced) - 1)
+    return torch.cat(outs).float(), ms
+
+
+def agreement(reference: torch.Tensor, candidate: torch.Tensor) -> dict[str, float]:
+    """KL mean and max, top-1 agreement and top-5 overlap of two (steps, V) logit tensors."""
+    kl = next_token_kl(reference, candidate)
+    top1 = (reference.argmax(-1) == candidate.argmax(-1)).float().mean()
+    ref5, cand5 = reference.topk(TOP_K).indices, candidate.topk(TOP_K).indices
+    overlap = (ref5.unsqueeze(-1) == cand5.unsqueeze(-2)).any(-1).float().mean()
+    return {
+        "kl_mean": float(kl.mean()),
+        "kl_max": float(kl.max()),
+        "top1": float(top1),
+        "top5": float(overlap),
+    }
+
+
+def measure(family: str, steps: int, groups: list[int], cache_dir: Path) -> list[dict[str, Any]]:
+    model_dir, parts = _family(family, cache_dir)
+    args = parts.read_args(model_dir)
+    llm = parts.read_part(model_dir, args, "llm").eval()
+    names = parts.int8_names(llm, "llm")
+    build, forced = _inputs(llm, family, steps)
+    reference, ms = teacher_forced(llm, build, forced)
+    rows: list[dict[str, Any]] = [{"format": "fp32", "ms_per_token": ms}]
+    variants: list[tuple[str, Callable[[nn.Module], nn.Module]]] = [
+        ("int8", lambda m: quantize_int8(m, names))
+    ]
+    for group in groups:
+        variants.append(
+            (
+                f"int4 g{group}",
+                lambda m, g=group: quantize_int4(m, int4_layer_names(m, names, g), group=g),
+            )
+        )
+    for label, quantize in variants:
+        model = quantize(copy.deepcopy(llm))
+        logits, ms = teacher_forced(model, build, forced)
+        rows.append({"format": label, "ms_per_token": ms, **agreement(reference, logits)})
+        del model
+        gc.collect()
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--family", choices=("v1", "cosyvoice2", "both"), default="both")
+    parser.add_argument("--steps", type=int, default=64, help="teacher-forced speech tokens")
+    parser.add_argument("--groups", default="32,64,128", help="int4 group sizes, comma-separated")
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE_DIR)
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    groups = [int(g) for g in args.groups.split(",") if g]
+    families = ("v1", "cosyvoice2") if args.family == "both" else (args.family,)
+    print(
+        f"int4 kernel: {choose_int4_kernel()}, CPU capability "
+        f"{torch.backends.cpu.get_cpu_capability()}, {torch.get_num_threads()} threads"
+    )
+    for family in families:
+        print(f"\n{family}: {args.steps} teacher-forced tokens, seed {SEED}")
+        print(f"{'format':<12}{'KL mean':>10}{'KL max':>10}{'top-1':>8}{'top-5':>8}{'ms/tok':>9}")
+        for row in measure(family, args.steps, groups, args.cache_dir):
+            stats = (
+                f"{row['kl_mean']:>10.4f}{row['kl_max']:>10.4f}{row['top1']:>8.3f}"
+                f"{row['top5']:>8.3f}"
+                if "kl_mean" in row
+                else f"{'':>36}"
+            )
+            print(f"{row['format']:<12}{stats}{row['ms_per_token']:>9.1f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
