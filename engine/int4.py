@@ -54,7 +54,15 @@ _ARM_DOTPROD = "asimddp"
 # Each group's scale is the one of these fractions of "peak over -8" with the least squared
 # error: clipping the peak a little rounds the rest finer (Gaussian weights, 32 a group: 4 %
 # less relative error than the peak's own scale).
-_SHRINKS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7)  # /proc/cpuinfo's name of the Arm dot-product instructions
+_SHRINKS = (
+    1.0,
+    0.95,
+    0.9,
+    0.85,
+    0.8,
+    0.75,
+    0.7,
+)  # /proc/cpuinfo's name of the Arm dot-product instructions
 
 
 # --- quantising --------------------------------------------------------------------------------

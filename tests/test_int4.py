@@ -112,7 +112,9 @@ def test_a_layer_whose_inputs_do_not_split_into_groups_is_refused() -> None:
 
 @pytest.mark.parametrize("kernel", KERNELS_HERE)
 @pytest.mark.parametrize(("out", "inputs", "bias"), [(96, 256, True), (4097, 64, False)])
-def test_a_kernel_computes_the_stored_weights(kernel: str, out: int, inputs: int, bias: bool) -> None:
+def test_a_kernel_computes_the_stored_weights(
+    kernel: str, out: int, inputs: int, bias: bool
+) -> None:
     gen = torch.Generator().manual_seed(1)
     weight = torch.randn(out, inputs, generator=gen)
     b = torch.randn(out, generator=gen) if bias else None
@@ -186,7 +188,9 @@ def _layer_inputs(model: nn.Module, names: list[str], run: object) -> dict[str, 
         layer = model.get_submodule(f"{parent}.{source}" if parent else source)
         hooks.append(
             layer.register_forward_hook(
-                lambda _m, args, _out, n=name: seen[n].append(args[0].reshape(-1, args[0].shape[-1]))
+                lambda _m, args, _out, n=name: seen[n].append(
+                    args[0].reshape(-1, args[0].shape[-1])
+                )
             )
         )
     try:

@@ -1,6 +1,7 @@
 """How far the int4 LM's next-token distributions move from float32's, beside int8's.
 
     python -m engine.bench.lm_int4 [--family v1|cosyvoice2|both] [--steps 64] [--groups 32,64,128]
+    python -m engine.bench.lm_int4 --matvec [--family ...] [--groups ...]
 
 On the full-size random-weight LMs of ``engine.bench.synthetic`` (generated once, as the
 benchmark does): a random text (fixed seed) is read, then ``--steps`` speech tokens drawn with a
@@ -8,7 +9,9 @@ fixed seed are teacher-forced through the float32 LM and through each quantised 
 format it prints the next-token KL(fp32 || format) (mean, max), top-1 agreement (the same most
 likely token) and top-5 agreement (the share of float32's five most likely tokens among the
 format's five), the int4 kernel, and decode milliseconds per token (informative only: on a
-shared machine they move with its load). docs/dev/int4.md has the figures.
+shared machine they move with its load). ``--matvec`` measures the kernels alone instead: one
+row through LM-shaped blocks, far beyond the caches, in float32, int8 and int4 (ms per block and
+GB/s of weights read). docs/dev/int4.md has the figures.
 """
 
 from __future__ import annotations
@@ -104,23 +107,79 @@ def measure(family: str, steps: int, groups: list[int], cache_dir: Path) -> list
     build, forced = _inputs(llm, family, steps)
     reference, ms = teacher_forced(llm, build, forced)
     rows: list[dict[str, Any]] = [{"format": "fp32", "ms_per_token": ms}]
-    variants: list[tuple[str, Callable[[nn.Module], nn.Module]]] = [
-        ("int8", lambda m: quantize_int8(m, names))
-    ]
-    for group in groups:
-        variants.append(
-            (
-                f"int4 g{group}",
-                lambda m, g=group: quantize_int4(m, int4_layer_names(m, names, g), group=g),
-            )
-        )
-    for label, quantize in variants:
-        model = quantize(copy.deepcopy(llm))
+    for label, group in [("int8", 0), *((f"int4 g{g}", g) for g in groups)]:
+        model: nn.Module = copy.deepcopy(llm)
+        if group:
+            quantize_int4(model, int4_layer_names(model, names, group), group=group)
+        else:
+            quantize_int8(model, names)
         logits, ms = teacher_forced(model, build, forced)
         rows.append({"format": label, "ms_per_token": ms, **agreement(reference, logits)})
         del model
         gc.collect()
     return rows
+
+
+# One decoder block's matrix products as (out, in), as the int8 and int4 LMs run them (q/k/v and
+# CosyVoice2's gate/up fused): v1 (d 1024, FFN 4096) and CosyVoice2 (Qwen2-0.5B: d 896, k/v
+# 128 each, FFN 4864).
+BLOCK_SHAPES = {
+    "v1": ((3072, 1024), (1024, 1024), (4096, 1024), (1024, 4096)),
+    "cosyvoice2": ((1152, 896), (896, 896), (9728, 896), (896, 4864)),
+}
+MATVEC_BYTES = 100 * 10**6  # int8 weights per pass: several times any L3 cache
+
+
+def _best_ms(run: Callable[[], object], repeats: int = 5) -> float:
+    run()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        best = min(best, time.perf_counter() - start)
+    return best * 1e3
+
+
+def measure_matvec(family: str, groups: list[int]) -> list[dict[str, Any]]:
+    """One row through enough LM-shaped blocks to leave the caches, per format: ms per block
+    and GB/s of weights read (float32, int8, int4 at each group size on this CPU's kernel)."""
+    from engine.int4 import Int4Linear, quantize_groups
+    from engine.quantize import int8_linear
+
+    shapes = BLOCK_SHAPES[family]
+    per_block = sum(out * n_in for out, n_in in shapes)
+    blocks = max(1, MATVEC_BYTES // per_block)
+    gen = torch.Generator().manual_seed(SEED)
+    weights = [torch.randn(out, n_in, generator=gen) * 0.02 for out, n_in in shapes]
+    rows = [torch.randn(1, n_in, generator=gen) for _, n_in in shapes]
+    kernel = choose_int4_kernel()
+    formats: list[tuple[str, Callable[[torch.Tensor], Any], float]] = [
+        ("fp32", lambda w: lambda x, w=w: nn.functional.linear(x, w), 4.0),
+        ("int8", int8_linear, 1.0),
+    ]
+    for group in groups if kernel else []:
+
+        def int4_layer(w: torch.Tensor, g: int = group) -> nn.Module:
+            assert kernel is not None
+            return Int4Linear(*quantize_groups(w, g), None, kernel)
+
+        formats.append((f"int4 g{group}", int4_layer, 0.5 + 2 / group))  # + bf16 scales
+    results = []
+    for label, make, bytes_per_weight in formats:
+        layers = [[make(w) for w in weights] for _ in range(blocks)]
+
+        def run(layers: list[list[Any]] = layers) -> None:
+            for block in layers:
+                for layer, x in zip(block, rows, strict=True):
+                    layer(x)
+
+        with torch.inference_mode():
+            ms = _best_ms(run) / blocks
+        gbps = per_block * bytes_per_weight / (ms / 1e3) / 1e9
+        results.append({"format": label, "ms_per_block": ms, "gbps": gbps})
+        del layers
+        gc.collect()
+    return results
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -130,6 +189,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--groups", default="32,64,128", help="int4 group sizes, comma-separated")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE_DIR)
+    parser.add_argument(
+        "--matvec",
+        action="store_true",
+        help="instead: ms and GB/s of one row through LM-shaped blocks in each format",
+    )
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -139,6 +203,13 @@ def main(argv: list[str] | None = None) -> None:
         f"int4 kernel: {choose_int4_kernel()}, CPU capability "
         f"{torch.backends.cpu.get_cpu_capability()}, {torch.get_num_threads()} threads"
     )
+    if args.matvec:
+        for family in families:
+            print(f"\n{family}: one row through {BLOCK_SHAPES[family]} (out, in) blocks")
+            print(f"{'format':<12}{'ms/block':>10}{'GB/s':>8}")
+            for row in measure_matvec(family, groups):
+                print(f"{row['format']:<12}{row['ms_per_block']:>10.3f}{row['gbps']:>8.2f}")
+        return
     for family in families:
         print(f"\n{family}: {args.steps} teacher-forced tokens, seed {SEED}")
         print(f"{'format':<12}{'KL mean':>10}{'KL max':>10}{'top-1':>8}{'top-5':>8}{'ms/tok':>9}")

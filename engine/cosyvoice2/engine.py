@@ -200,8 +200,8 @@ class CosyVoice2Engine(EngineBase["CausalFlow"]):
     ) -> CosyVoice2Engine:
         """Load a CosyVoice2 directory in the official layout (raises ModelLoadError).
 
-        The options are v1's (:meth:`engine.engine.CosyVoiceEngine.load`): int8 (or int4) LM, int8 flow
-        layers, a bfloat16 HiFT, the threads, where prepared files go when the model
+        The options are v1's (:meth:`engine.engine.CosyVoiceEngine.load`): int8 (or int4) LM
+        and int8 flow layers, a bfloat16 HiFT, the threads, where prepared files go when the model
         directory cannot be written, and extra formats of the flow and HiFT for requests to
         choose. ``flow_cache_dtype``: what the incremental flow keeps its keys and values in
         (the default ``torch.float16`` halves that memory for a tested small deviation; None:
