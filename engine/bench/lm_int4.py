@@ -215,7 +215,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{'format':<12}{'KL mean':>10}{'KL max':>10}{'top-1':>8}{'top-5':>8}{'ms/tok':>9}")
         for row in measure(family, args.steps, groups, args.cache_dir):
             stats = (
-                f"{row['kl_mean']:>10.4f}{row['kl_max']:>10.4f}{row['top1']:>8.3f}"
+                f"{row['kl_mean']:>10.2e}{row['kl_max']:>10.2e}{row['top1']:>8.3f}"
                 f"{row['top5']:>8.3f}"
                 if "kl_mean" in row
                 else f"{'':>36}"
