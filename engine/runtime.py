@@ -8,6 +8,7 @@ import ctypes
 import functools
 import logging
 import os
+import platform
 import sys
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -78,23 +79,24 @@ def setup_cpu(
 
 
 def int4_kernel_for_lm() -> bool:
-    """Whether an int4 kernel works here (logged; a WARNING where it is slower than int8 or
-    where there is none, and the LM then runs int8)."""
+    """Whether the LM runs int4 here: a kernel works and beats int8 (engine.int4). Otherwise a
+    WARNING says why and the LM runs int8: int4 only trades exactness for speed."""
     from engine.int4 import choose_int4_kernel, int4_fast_here
 
     kernel = choose_int4_kernel()
     if kernel is None:
         _LOGGER.warning("No int4 kernel of this torch build works on this CPU: the LM runs int8")
         return False
-    if int4_fast_here():
-        _LOGGER.info("int4 LM: torch's %s kernel", kernel)
-    else:
+    if not int4_fast_here():
         _LOGGER.warning(
-            "int4 LM: torch's %s kernel has no fast path on this CPU (%s) and reads the LM "
-            "slower than int8 does; lm_weights int8 is faster here (docs/dev/int4.md)",
+            "torch's int4 kernel (%s) has no fast path on this CPU (%s %s) and would run the "
+            "LM slower than int8: the LM runs int8 (docs/dev/int4.md)",
             kernel,
+            platform.machine(),
             torch.backends.cpu.get_cpu_capability(),
         )
+        return False
+    _LOGGER.info("int4 LM: torch's %s kernel", kernel)
     return True
 
 
