@@ -4,7 +4,7 @@ The official checkpoints hold what training saved: weight-normed HiFT convolutio
 layers that the fast profiles run in int8, a pickle to parse. ``python -m engine prepare`` (or
 the engine's first load of a model in a weight format) turns each model into the tensors the
 engine reads, in the formats it reads them: int8 layers as int8 weights with per-channel scales
-and their float biases, HiFT's weight norm folded and its convolution weights laid out
+and their float biases (the int4 LM's as 4-bit codes with group-wise scales: engine.int4), HiFT's weight norm folded and its convolution weights laid out
 channels-last (in bfloat16 for ``hift.bf16``), the LM's positional rows computed (its causal
 layers' ``pos_rows``: engine.transformer). Nothing the engine would replace or drop at load.
 
