@@ -8,7 +8,8 @@ benchmark does): a random text (fixed seed) is read, then ``--steps`` speech tok
 fixed seed are teacher-forced through the float32 LM and through each quantised copy of it. Per
 format it prints the next-token KL(fp32 || format) (mean, max), top-1 agreement (the same most
 likely token) and top-5 agreement (the share of float32's five most likely tokens among the
-format's five), the int4 kernel, and decode milliseconds per token (informative only: on a
+format's five), the int4 kernel, the float32 LM's mean next-token entropy (random weights
+give flat distributions) and decode milliseconds per token (informative only: on a
 shared machine they move with its load). ``--matvec`` measures the kernels alone instead: one
 row through LM-shaped blocks, far beyond the caches, in float32, int8 and int4 (ms per block and
 GB/s of weights read). docs/dev/int4.md has the figures.
@@ -106,7 +107,9 @@ def measure(family: str, steps: int, groups: list[int], cache_dir: Path) -> list
     names = parts.int8_names(llm, "llm")
     build, forced = _inputs(llm, family, steps)
     reference, ms = teacher_forced(llm, build, forced)
-    rows: list[dict[str, Any]] = [{"format": "fp32", "ms_per_token": ms}]
+    logp = reference.log_softmax(-1)
+    entropy = float(-(logp.exp() * logp).sum(-1).mean())
+    rows: list[dict[str, Any]] = [{"format": "fp32", "ms_per_token": ms, "entropy": entropy}]
     for label, group in [("int8", 0), *((f"int4 g{g}", g) for g in groups)]:
         model: nn.Module = copy.deepcopy(llm)
         if group:
@@ -221,6 +224,8 @@ def main(argv: list[str] | None = None) -> None:
                 else f"{'':>36}"
             )
             print(f"{row['format']:<12}{stats}{row['ms_per_token']:>9.1f}", flush=True)
+            if "entropy" in row:  # how flat the reference is: random weights, not trained ones
+                print(f"{'':<12}(next-token entropy {row['entropy']:.2f} nats)")
 
 
 if __name__ == "__main__":
