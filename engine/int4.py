@@ -34,13 +34,22 @@ from __future__ import annotations
 import functools
 import logging
 import platform
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 
 import torch
 from torch import nn
 
 from engine.cpu import ARM_MACHINES, arm_features, read_cpuinfo
-from engine.quantize import BIAS, SCALE, WEIGHT, float_layer, layer_shape
+from engine.quantize import (
+    BIAS,
+    SCALE,
+    WEIGHT,
+    float_layer,
+    int8_part_specs,
+    int8_parts,
+    layer_shape,
+    pack_int8,
+)
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -54,14 +63,17 @@ _ARM_DOTPROD = "asimddp"
 # Each group's scale is the one of these fractions of "peak over -8" with the least squared
 # error: clipping the peak a little rounds the rest finer (Gaussian weights, 32 a group: 4 %
 # less relative error than the peak's own scale).
-_SHRINKS = (
-    1.0,
-    0.95,
-    0.9,
-    0.85,
-    0.8,
-    0.75,
-    0.7,
+_SHRINKS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7)
+# The layers (attribute names) the int4 format keeps in int8: the output head and the attention
+# projections. On the full-size random-weight LMs they carry most of int4's deviation for a
+# small share of the bytes (docs/dev/int4.md: CosyVoice2's attention 5/6 of its next-token KL,
+# the head nearly all of v1's).
+KEPT_INT8 = (
+    "llm_decoder",
+    "linear_qkv",
+    "linear_out",
+    "qkv_proj",
+    "o_proj",
 )  # /proc/cpuinfo's name of the Arm dot-product instructions
 
 
@@ -111,10 +123,41 @@ def dequantize(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return q * scales.float().repeat_interleave(group, dim=1)
 
 
-def int4_layer_names(model: nn.Module, names: list[str], group: int = GROUP_SIZE) -> list[str]:
-    """Those of the int8 format's layers ``names`` whose inputs split into whole groups (every
-    layer of the full-size LMs; a smaller model's others stay float32)."""
-    return [name for name in names if layer_shape(model, name)[1] % group == 0]
+def int4_layer_names(
+    model: nn.Module, names: list[str], group: int = GROUP_SIZE, kept: Collection[str] = KEPT_INT8
+) -> list[str]:
+    """Those of the int8 format's layers ``names`` that the int4 format runs in 4 bits: not
+    ``kept`` (by attribute name), and with inputs that split into whole groups (every other
+    layer of the full-size LMs)."""
+    return [
+        name
+        for name in names
+        if name.rpartition(".")[2] not in kept and layer_shape(model, name)[1] % group == 0
+    ]
+
+
+def int4_format_specs(
+    model: nn.Module, names: list[str]
+) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """The plain parts of the int4 format's quantised layers ``names`` (the int8 format's):
+    4-bit where :func:`int4_layer_names` says, int8 elsewhere."""
+    four = int4_layer_names(model, names)
+    eight = [name for name in names if name not in four]
+    return int4_part_specs(model, four) | int8_part_specs(model, eight)
+
+
+def int4_format_parts(model: nn.Module, names: list[str]) -> dict[str, torch.Tensor]:
+    """The plain parts of :func:`int4_format_specs`, quantised now."""
+    four = int4_layer_names(model, names)
+    eight = [name for name in names if name not in four]
+    return int4_parts(model, four) | int8_parts(model, eight)
+
+
+def pack_int4_format(parts: Mapping[str, torch.Tensor], name: str) -> nn.Module:
+    """Layer ``name`` of an int4 file packed for this CPU: 4-bit codes (uint8) or int8."""
+    if parts[f"{name}.{WEIGHT}"].dtype == torch.uint8:
+        return pack_int4(parts, name)
+    return pack_int8(parts, name)
 
 
 def int4_part_specs(
@@ -281,6 +324,22 @@ def pack_int4(parts: Mapping[str, torch.Tensor], name: str, kernel: str | None =
     return Int4Linear(
         parts[f"{name}.{WEIGHT}"], parts[f"{name}.{SCALE}"], parts.get(f"{name}.{BIAS}"), kernel
     )
+
+
+def quantize_lm_int4(
+    model: nn.Module,
+    names: list[str],
+    kernel: str | None = None,
+    group: int = GROUP_SIZE,
+    kept: Collection[str] = KEPT_INT8,
+) -> nn.Module:
+    """The int4 format on a float model, in place: of the int8 format's layers ``names``, those
+    of :func:`int4_layer_names` in 4 bits, the others int8."""
+    from engine.quantize import quantize_int8
+
+    four = int4_layer_names(model, names, group, kept)
+    quantize_int8(model, [name for name in names if name not in four])
+    return quantize_int4(model, four, kernel, group)
 
 
 def quantize_int4(

@@ -4,9 +4,10 @@ The official checkpoints hold what training saved: weight-normed HiFT convolutio
 layers that the fast profiles run in int8, a pickle to parse. ``python -m engine prepare`` (or
 the engine's first load of a model in a weight format) turns each model into the tensors the
 engine reads, in the formats it reads them: int8 layers as int8 weights with per-channel scales
-and their float biases (the int4 LM's as 4-bit codes with group-wise scales: engine.int4), HiFT's weight norm folded and its convolution weights laid out
-channels-last (in bfloat16 for ``hift.bf16``), the LM's positional rows computed (its causal
-layers' ``pos_rows``: engine.transformer). Nothing the engine would replace or drop at load.
+and their float biases (the int4 LM's 4-bit layers as codes with group-wise scales:
+engine.int4), HiFT's weight norm folded and its convolution weights laid out channels-last (in
+bfloat16 for ``hift.bf16``), the LM's positional rows computed (its causal layers'
+``pos_rows``: engine.transformer). Nothing the engine would replace or drop at load.
 
 The files go to a ``prepared/`` folder beside the model files (``llm.int8.safetensors``,
 ``flow.fp32.safetensors``, ``hift.fp32.safetensors``, ...), or, when the model directory cannot be
@@ -50,7 +51,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from engine.int4 import GROUP_SIZE, int4_layer_names, int4_part_specs, int4_parts, pack_int4
+from engine.int4 import GROUP_SIZE, int4_format_parts, int4_format_specs, pack_int4_format
 from engine.quantize import (
     Int8Packing,
     flow_int8_layer_names,
@@ -190,21 +191,18 @@ def source_key(model_dir: Path, part: str, weights: str) -> dict[str, str]:
 
 
 def _int8_names(module: nn.Module, part: str, weights: str, parts: ModelParts) -> list[str]:
-    """The quantised layers of ``module`` in ``weights`` (int4: the int8 layers it fits)."""
-    if weights not in QUANTISED:
-        return []
-    names = parts.int8_names(module, part)
-    return int4_layer_names(module, names) if weights == "int4" else names
+    """The quantised layers of ``module`` in ``weights`` (int4's are int8's, some in 4 bits)."""
+    return parts.int8_names(module, part) if weights in QUANTISED else []
 
 
 def quantised_part_specs(module: nn.Module, names: list[str], weights: str) -> Spec:
     """Shape and dtype of the plain parts of the quantised layers ``names`` in ``weights``."""
-    return (int4_part_specs if weights == "int4" else int8_part_specs)(module, names)
+    return (int4_format_specs if weights == "int4" else int8_part_specs)(module, names)
 
 
 def quantised_parts(module: nn.Module, names: list[str], weights: str) -> dict[str, torch.Tensor]:
     """The plain parts of the quantised layers ``names`` in ``weights``, quantised now."""
-    return (int4_parts if weights == "int4" else int8_parts)(module, names)
+    return (int4_format_parts if weights == "int4" else int8_parts)(module, names)
 
 
 def _in_run_dtype(module: nn.Module, part: str, weights: str) -> nn.Module:
@@ -510,7 +508,7 @@ class _PartLoad:
             keys = [key for name in names for key in parts_of[name]]
             return _read(path, keys, layouts, copies=False)  # a mapping of their own
 
-        pack = pack_int4 if self.weights == "int4" else None
+        pack = pack_int4_format if self.weights == "int4" else None
         self.packing = Int8Packing(self.int8_names, read, pack)
 
     def assign(self) -> None:

@@ -5,7 +5,8 @@
 
 On the full-size random-weight LMs of ``engine.bench.synthetic`` (generated once, as the
 benchmark does): a random text (fixed seed) is read, then ``--steps`` speech tokens drawn with a
-fixed seed are teacher-forced through the float32 LM and through each quantised copy of it. Per
+fixed seed are teacher-forced through the float32 LM and through each quantised copy of it (the
+int4 format at each group size, and "all int4": its int8 layers in 4 bits too). Per
 format it prints the next-token KL(fp32 || format) (mean, max), top-1 agreement (the same most
 likely token) and top-5 agreement (the share of float32's five most likely tokens among the
 format's five), the int4 kernel, the float32 LM's mean next-token entropy (random weights
@@ -33,7 +34,7 @@ from engine.bench.synthetic import (
     ensure_synthetic_cosyvoice2,
     ensure_synthetic_model,
 )
-from engine.int4 import choose_int4_kernel, int4_layer_names, quantize_int4
+from engine.int4 import KEPT_INT8, choose_int4_kernel, quantize_lm_int4
 from engine.prepared import V1_PARTS, ModelParts
 from engine.quantize import next_token_kl, quantize_int8
 
@@ -110,10 +111,12 @@ def measure(family: str, steps: int, groups: list[int], cache_dir: Path) -> list
     logp = reference.log_softmax(-1)
     entropy = float(-(logp.exp() * logp).sum(-1).mean())
     rows: list[dict[str, Any]] = [{"format": "fp32", "ms_per_token": ms, "entropy": entropy}]
-    for label, group in [("int8", 0), *((f"int4 g{g}", g) for g in groups)]:
+    variants = [("int8", 0, KEPT_INT8), *((f"int4 g{g}", g, KEPT_INT8) for g in groups)]
+    variants += [(f"all int4 g{g}", g, ()) for g in groups[:1]]
+    for label, group, kept in variants:
         model: nn.Module = copy.deepcopy(llm)
         if group:
-            quantize_int4(model, int4_layer_names(model, names, group), group=group)
+            quantize_lm_int4(model, names, group=group, kept=kept)
         else:
             quantize_int8(model, names)
         logits, ms = teacher_forced(model, build, forced)
