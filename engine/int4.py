@@ -1,14 +1,17 @@
 """A 4-bit LM: group-wise int4 weights run by PyTorch's own CPU int4 matmul kernels.
 
 The LM decode step reads every decoder weight once per token; int4 halves what int8 reads.
-The int4 layers are the int8 format's layers (engine.quantize: q/k/v and gate/up fused, the
-output head, the text encoder's blocks), each weight quantised in groups of ``GROUP_SIZE``
-inputs with one scale per group and output: ``w ≈ scale * q``, ``q`` in [-8, 7]. The scale of
+The int4 format takes the int8 format's layers (engine.quantize: q/k/v and gate/up fused, the
+output head, the text encoder's blocks) and runs those of :func:`int4_layer_names` (the
+feed-forward ones) in 4 bits, the others (``KEPT_INT8``: the head and the attention) in int8.
+A 4-bit weight is quantised in groups of ``GROUP_SIZE`` inputs with one scale per group and
+output: ``w ≈ scale * q``, ``q`` in [-8, 7]. The scale of
 a group is its largest-magnitude weight over -8 (the 16 codes all used), or a little less where
 that rounds the group closer, rounded to bfloat16 first so that every kernel computes with the
 scale the file holds.
 
-What a prepared file holds per layer (engine.prepared; the plain parts, packed at load):
+What a prepared file holds per 4-bit layer (engine.prepared; the plain parts, packed at load;
+an int8 layer's are engine.quantize's):
 
 * ``NAME.weight``: uint8 (out, in / 2), two codes ``q + 8`` a byte, the even input's in the
   low nibble (the layout both kernels take);
