@@ -111,7 +111,8 @@ def measure(family: str, steps: int, groups: list[int], cache_dir: Path) -> list
     logp = reference.log_softmax(-1)
     entropy = float(-(logp.exp() * logp).sum(-1).mean())
     rows: list[dict[str, Any]] = [{"format": "fp32", "ms_per_token": ms, "entropy": entropy}]
-    variants = [("int8", 0, KEPT_INT8), *((f"int4 g{g}", g, KEPT_INT8) for g in groups)]
+    variants: list[tuple[str, int, tuple[str, ...]]] = [("int8", 0, KEPT_INT8)]
+    variants += [(f"int4 g{g}", g, KEPT_INT8) for g in groups]
     variants += [(f"all int4 g{g}", g, ()) for g in groups[:1]]
     for label, group, kept in variants:
         model: nn.Module = copy.deepcopy(llm)
@@ -136,19 +137,11 @@ BLOCK_SHAPES = {
 MATVEC_BYTES = 100 * 10**6  # int8 weights per pass: several times any L3 cache
 
 
-def _best_ms(run: Callable[[], object], repeats: int = 5) -> float:
-    run()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        run()
-        best = min(best, time.perf_counter() - start)
-    return best * 1e3
-
-
-def measure_matvec(family: str, groups: list[int]) -> list[dict[str, Any]]:
+def measure_matvec(family: str, groups: list[int], rounds: int = 7) -> list[dict[str, Any]]:
     """One row through enough LM-shaped blocks to leave the caches, per format: ms per block
-    and GB/s of weights read (float32, int8, int4 at each group size on this CPU's kernel)."""
+    and GB/s of weights read (float32, int8, int4 at each group size on this CPU's kernel).
+    The formats take turns, ``rounds`` times, and each keeps its fastest: on a shared machine
+    a busy moment then slows every format alike."""
     from engine.int4 import Int4Linear, quantize_groups
     from engine.quantize import int8_linear
 
@@ -159,7 +152,7 @@ def measure_matvec(family: str, groups: list[int]) -> list[dict[str, Any]]:
     weights = [torch.randn(out, n_in, generator=gen) * 0.02 for out, n_in in shapes]
     rows = [torch.randn(1, n_in, generator=gen) for _, n_in in shapes]
     kernel = choose_int4_kernel()
-    formats: list[tuple[str, Callable[[torch.Tensor], Any], float]] = [
+    makers: list[tuple[str, Callable[[torch.Tensor], Any], float]] = [
         ("fp32", lambda w: lambda x, w=w: nn.functional.linear(x, w), 4.0),
         ("int8", int8_linear, 1.0),
     ]
@@ -169,22 +162,25 @@ def measure_matvec(family: str, groups: list[int]) -> list[dict[str, Any]]:
             assert kernel is not None
             return Int4Linear(*quantize_groups(w, g), None, kernel)
 
-        formats.append((f"int4 g{group}", int4_layer, 0.5 + 2 / group))  # + bf16 scales
+        makers.append((f"int4 g{group}", int4_layer, 0.5 + 2 / group))  # + bf16 scales
+    # Each block its own weights (copies of one block's values: speed does not depend on them).
+    stacks = {
+        label: [[make(w) for w in weights] for _ in range(blocks)] for label, make, _ in makers
+    }
+    best = dict.fromkeys(stacks, float("inf"))
+    with torch.inference_mode():
+        for _ in range(rounds):
+            for label, stack in stacks.items():
+                start = time.perf_counter()
+                for block in stack:
+                    for layer, x in zip(block, rows, strict=True):
+                        layer(x)
+                best[label] = min(best[label], time.perf_counter() - start)
     results = []
-    for label, make, bytes_per_weight in formats:
-        layers = [[make(w) for w in weights] for _ in range(blocks)]
-
-        def run(layers: list[list[Any]] = layers) -> None:
-            for block in layers:
-                for layer, x in zip(block, rows, strict=True):
-                    layer(x)
-
-        with torch.inference_mode():
-            ms = _best_ms(run) / blocks
+    for label, _, bytes_per_weight in makers:
+        ms = best[label] * 1e3 / blocks
         gbps = per_block * bytes_per_weight / (ms / 1e3) / 1e9
         results.append({"format": label, "ms_per_block": ms, "gbps": gbps})
-        del layers
-        gc.collect()
     return results
 
 
