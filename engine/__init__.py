@@ -20,19 +20,19 @@ from importlib import import_module
 from typing import Any
 
 _EXPORTS = {
-    "CosyVoiceEngine": "engine.engine",
+    "CosyVoiceEngine": "engine.cosyvoice1.engine",
     "CosyVoice2Engine": "engine.cosyvoice2.engine",
     "load_engine": "engine.family",
     "model_family": "engine.family",
-    "AudioChunk": "engine.types",
-    "SynthesisOptions": "engine.types",
-    "StreamSchedule": "engine.types",
-    "LOW_LATENCY_SCHEDULE": "engine.types",
-    "OFFICIAL_SCHEDULE": "engine.types",
-    "EngineError": "engine.types",
-    "ModelLoadError": "engine.types",
-    "UnknownSpeakerError": "engine.types",
-    "SynthesisCancelled": "engine.types",
+    "AudioChunk": "engine.core.types",
+    "SynthesisOptions": "engine.core.types",
+    "StreamSchedule": "engine.core.types",
+    "LOW_LATENCY_SCHEDULE": "engine.core.types",
+    "OFFICIAL_SCHEDULE": "engine.core.types",
+    "EngineError": "engine.core.types",
+    "ModelLoadError": "engine.core.types",
+    "UnknownSpeakerError": "engine.core.types",
+    "SynthesisCancelled": "engine.core.types",
 }
 __all__ = sorted(_EXPORTS)
 

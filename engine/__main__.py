@@ -11,13 +11,13 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.text import cli as frontend_cli
-from engine.types import (
+from engine.core.types import (
     LOW_LATENCY_SCHEDULE,
     OFFICIAL_SCHEDULE,
     EngineError,
     SynthesisOptions,
 )
+from engine.text import cli as frontend_cli
 
 _LOGGER = logging.getLogger("engine")
 
@@ -84,18 +84,20 @@ def _synthesize(args: argparse.Namespace) -> int:
 
 
 def _prepare(args: argparse.Namespace) -> int:
+    from engine.core.prepared import prepare_model
     from engine.family import model_family
-    from engine.prepared import prepare_model
 
     formats = {"llm": args.lm, "flow": args.flow, "hift": args.hift}
     parts = model_family(args.model_dir).model_parts()
-    for label, path, prepared_now in prepare_model(args.model_dir, formats, args.cache_dir, parts):
+    for label, path, prepared_now in prepare_model(
+        args.model_dir, formats, args.cache_dir, parts=parts
+    ):
         _LOGGER.info("%s: %s (%s)", label, path, "prepared" if prepared_now else "up to date")
     return 0
 
 
 def _prepare_arguments(prep: argparse.ArgumentParser) -> None:
-    from engine.prepared import WEIGHT_FORMATS
+    from engine.core.prepared import WEIGHT_FORMATS
 
     prep.add_argument(
         "--model-dir", type=Path, required=True, help="model directory in the official layout"
@@ -158,7 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--lm-weights",
         choices=("int8", "int4", "fp32"),
         default="int8",
-        help="LM decoder weights: int8 (default, as the server's), int4 (engine.int4) or fp32 "
+        help="LM decoder weights: int8 (default, as the server's), int4 (engine.core.int4) or fp32 "
         "(the official maths)",
     )
 

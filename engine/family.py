@@ -3,11 +3,11 @@
 =================  ===============================================  =========================
 config file        models                                           engine
 =================  ===============================================  =========================
-cosyvoice.yaml     CosyVoice-300M, -300M-SFT, -300M-Instruct (v1)   engine.engine
+cosyvoice.yaml     CosyVoice-300M, -300M-SFT, -300M-Instruct (v1)   engine.cosyvoice1.engine
 cosyvoice2.yaml    CosyVoice2-0.5B                                   engine.cosyvoice2.engine
 =================  ===============================================  =========================
 
-A family names its engine class and the :class:`~engine.prepared.ModelParts` that prepare and
+A family names its engine class and the :class:`~engine.core.prepared.ModelParts` that prepare and
 load its weights; both are imported only when used. Another family (e.g. Fun-CosyVoice3's
 ``cosyvoice3.yaml``) is one more entry.
 """
@@ -19,10 +19,10 @@ from importlib import import_module
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from engine.types import ModelLoadError
+from engine.core.types import ModelLoadError
 
 if TYPE_CHECKING:
-    from engine.prepared import ModelParts
+    from engine.core.prepared import ModelParts
 
 # Config files of families the engine knows but cannot run (a clearer error than "no config").
 _UNSUPPORTED = {"cosyvoice3.yaml": "Fun-CosyVoice3"}
@@ -51,8 +51,8 @@ FAMILIES = (
         "cosyvoice",
         "CosyVoice v1",
         "cosyvoice.yaml",
-        "engine.engine:CosyVoiceEngine",
-        "engine.prepared:V1_PARTS",
+        "engine.cosyvoice1.engine:CosyVoiceEngine",
+        "engine.cosyvoice1.model_dir:PARTS",
     ),
     Family(
         "cosyvoice2",

@@ -1,8 +1,8 @@
 """Shared fixtures for the server tests: free ports, a fake engine, an in-process server, a client.
 
-The fake engine has the real engine's contract (``engine.engine.CosyVoiceEngine``): speakers,
-``synthesize(text, options, cancel)`` as a plain blocking generator of ``AudioChunk``s that
-raises ``SynthesisCancelled`` soon after ``cancel`` is set. Its audio is deterministic (a sine
+The fake engine has the real engine's contract (``engine.cosyvoice1.engine.CosyVoiceEngine``):
+speakers, ``synthesize(text, options, cancel)`` as a plain blocking generator of ``AudioChunk``s
+that raises ``SynthesisCancelled`` soon after ``cancel`` is set. Its audio is deterministic (a sine
 per speaker, ``SAMPLES_PER_CHAR`` samples per character) so tests can check exact lengths.
 """
 
@@ -85,7 +85,12 @@ class FakeEngine:
     def synthesize(
         self, text: str, options: Any, cancel: threading.Event | None = None
     ) -> Iterator[Any]:
-        from engine.types import AudioChunk, EngineError, SynthesisCancelled, UnknownSpeakerError
+        from engine.core.types import (
+            AudioChunk,
+            EngineError,
+            SynthesisCancelled,
+            UnknownSpeakerError,
+        )
 
         if options.speaker not in self.speakers:
             raise UnknownSpeakerError(f"unknown speaker {options.speaker!r}")
@@ -120,7 +125,7 @@ class FakeEngine:
 
     def _wait_for_hold(self, cancel: threading.Event | None) -> None:
         """Until ``hold`` is set or the call is cancelled (bounded against a hang)."""
-        from engine.types import EngineError
+        from engine.core.types import EngineError
 
         assert self.hold is not None
         deadline = time.monotonic() + self.HOLD_LIMIT_S
@@ -410,7 +415,7 @@ ONEDNN_OPS_NEEDED = (
 )
 INT8_KERNELS_NEEDED = (
     "needs a torch quantized engine that packs and computes int8 Linear layers here (x86, "
-    "fbgemm or qnnpack: engine.cpu.choose_int8_engine); this CPU and torch build have none of "
+    "fbgemm or qnnpack: engine.core.cpu.choose_int8_engine); this CPU and torch build have none of "
     "them working"
 )
 
@@ -509,8 +514,8 @@ def _user_cache_in_tmp(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Non
 @pytest.fixture(scope="session", autouse=True)
 def _torch_within_the_thread_ceiling() -> None:
     """Tests that run torch without the engine's load stay within the CPU's thread ceiling, as
-    the load does (engine.cpu: one thread where the torch build dies on more)."""
-    from engine.cpu import capped_threads, thread_ceiling
+    the load does (engine.core.cpu: one thread where the torch build dies on more)."""
+    from engine.core.cpu import capped_threads, thread_ceiling
 
     threads = capped_threads(None, thread_ceiling())
     if threads:
@@ -521,7 +526,7 @@ def _torch_within_the_thread_ceiling() -> None:
 def _threads_ignore_the_machines_load(monkeypatch: pytest.MonkeyPatch) -> None:
     """Thread counts in tests must not depend on what else the machine runs: the engine's
     shrinking to the cores other processes leave free is tested with a scripted monitor."""
-    from engine import thread_budget
+    from engine.core import thread_budget
 
     monkeypatch.setattr(thread_budget, "_follow_free_cores", False)
     monkeypatch.setattr(thread_budget, "_configured", None)

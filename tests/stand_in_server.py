@@ -37,7 +37,7 @@ class StuckEngine:
     def synthesize(
         self, text: str, options: Any, cancel: threading.Event | None = None
     ) -> Iterator[Any]:
-        from engine.types import AudioChunk
+        from engine.core.types import AudioChunk
 
         yield AudioChunk(np.zeros(2205, dtype=np.float32))
         if marker := os.environ.get(COMPUTING_FILE_ENV):

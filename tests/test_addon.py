@@ -33,7 +33,10 @@ from conftest import wait_for_port
 from lint_tools import tool
 from stand_in_supervisor import StandInSupervisor
 
+from engine.core.types import MAX_SPEED, MIN_SPEED
 from wyoming_cosyvoice import addon, addon_start
+from wyoming_cosyvoice.config import AUTO_PROFILE, packaged_settings
+from wyoming_cosyvoice.loudness import VOLUME_RANGE
 
 try:
     import tomllib
@@ -135,8 +138,8 @@ def test_the_web_page_opens_in_the_sidebar_on_the_servers_http_port(config: dict
 
 def test_stt_uri_names_a_wyoming_server() -> None:
     args = addon.options_to_args({"stt_uri": " tcp://core-whisper:10300 "})
-    assert args[args.index("--stt-uri") + 1] == "tcp://core-whisper:10300"
-    assert "--stt-uri" not in addon.options_to_args({"stt_uri": ""})
+    assert server_config_of(args).stt_uri == "tcp://core-whisper:10300"
+    assert server_config_of(addon.options_to_args({"stt_uri": ""})).stt_uri is None
     with pytest.raises(ValueError, match="'stt_uri'"):
         addon.options_to_args({"stt_uri": "http://core-whisper:10300"})
 
@@ -185,14 +188,73 @@ def test_every_option_has_a_valid_schema_entry(config: dict[str, Any]) -> None:
             assert spec.endswith("?"), f"{key} has no default, so it must be optional"
 
 
-def test_addon_module_agrees_with_the_manifest(config: dict[str, Any]) -> None:
-    assert addon.DEFAULT_OPTIONS == config["options"]
-    optional = {k for k in config["schema"] if k not in config["options"]}
-    assert optional == set(addon.OPTIONAL_OPTIONS)
-    lists = {k: _SUPERVISOR_TYPE.match(v)["list"] for k, v in config["schema"].items()
-             if isinstance(v, str)}  # fmt: skip
-    assert tuple(lists["model"].split("|")) == addon.MODELS
-    assert tuple(lists["profile"].split("|")) == addon.PROFILES
+def schema_choices(config: dict[str, Any], option: str) -> list[str]:
+    """The choices of a `list(a|b|c)` option (or of each entry of a list of them)."""
+    spec = config["schema"][option]
+    match = _SUPERVISOR_TYPE.match(spec[0] if isinstance(spec, list) else spec)
+    assert match and match["list"], (option, spec)
+    return match["list"].split("|")
+
+
+def test_every_option_sets_the_server_setting_whose_default_it_shows(
+    config: dict[str, Any],
+) -> None:
+    """The add-on's options are the server's settings, not a second list of them: each sets one
+    (of its own name, or as addon.RENAMED_OPTIONS says), and its default in `options:` is
+    settings.yaml's (an optional one, `?`, has none: the setting's is null)."""
+    settings = packaged_settings()
+    for option in config["schema"]:
+        if option == addon.STREAMING_OPTION:  # leaves every profile's own streaming on
+            assert config["options"][option] is settings["auto"]["streaming"] is True
+            continue
+        key = addon.option_setting(option)
+        assert key is not None, f"option {option!r} sets no server setting"
+        default = addon.setting_default(key)
+        if option in config["options"]:
+            assert addon.setting_value(config["options"][option]) == default, option
+        else:
+            assert default is None, option
+    assert not set(addon.RENAMED_OPTIONS) - set(config["schema"])  # no stale renames
+
+
+def test_the_schema_admits_what_the_server_accepts(config: dict[str, Any]) -> None:
+    """Every choice of a list, both ends of a range and both booleans reach the server's
+    settings intact; a number range with the server's own bounds is the server's exactly."""
+    from wyoming_cosyvoice.__main__ import build_parser, config_from_args
+
+    def accepted(option: str, value: Any) -> bool:
+        try:
+            args = addon.options_to_args({option: value})
+        except ValueError:
+            return False
+        config_from_args(build_parser().parse_args(args))
+        return True
+
+    for option, spec in config["schema"].items():
+        item = spec[0] if isinstance(spec, list) else spec
+        match = _SUPERVISOR_TYPE.match(item)
+        assert match, (option, spec)
+        if match["list"]:
+            for choice in match["list"].split("|"):
+                assert accepted(option, [choice] if isinstance(spec, list) else choice), choice
+        elif item.rstrip("?") == "bool":
+            assert accepted(option, True) and accepted(option, False), option
+        elif match["kind"] in ("int", "float"):
+            kind = int if match["kind"] == "int" else float
+            low, high = kind(match["min"]), kind(match["max"])
+            assert accepted(option, low) and accepted(option, high), option
+    assert not accepted("volume", VOLUME_RANGE[0] - 0.01)
+    assert not accepted("volume", VOLUME_RANGE[1] + 0.01)
+    assert not accepted("speed", MIN_SPEED - 0.01) and not accepted("speed", MAX_SPEED + 0.01)
+    assert config["schema"]["volume"] == f"float({VOLUME_RANGE[0]:g},{VOLUME_RANGE[1]:g})"
+    assert config["schema"]["speed"] == f"float({MIN_SPEED:g},{MAX_SPEED:g})"
+
+
+def test_the_model_and_profile_lists_are_the_servers(config: dict[str, Any]) -> None:
+    from wyoming_cosyvoice.download import MODELS
+
+    assert sorted(schema_choices(config, "model")) == sorted(MODELS)
+    assert schema_choices(config, "profile") == [AUTO_PROFILE, *packaged_settings()["profiles"]]
 
 
 @pytest.mark.parametrize("language", LANGUAGES)
@@ -232,12 +294,10 @@ def test_default_options_give_the_documented_command_line(config: dict[str, Any]
     args = addon.options_to_args(config["options"])
     assert args == [
         "--uri", "tcp://0.0.0.0:10200",
-        "--model", "CosyVoice-300M-SFT",
         "--data-dir", "/data/models",
         "--data-dir", "/share/cosyvoice/models",
         "--download-dir", "/data/models",
         "--voices-dir", "/share/cosyvoice/voices",
-        "--profile", "auto",
         "--http-port", "8099",
         "--web-voice-maker",
     ]  # fmt: skip
@@ -249,85 +309,127 @@ def test_default_options_give_the_documented_command_line(config: dict[str, Any]
             assert not args[i + 1].startswith("--"), arg
 
 
-def test_default_options_parse_with_the_server_parser(config: dict[str, Any]) -> None:
+def server_config_of(args: list[str]) -> Any:
     from wyoming_cosyvoice.__main__ import build_parser, config_from_args
 
-    parser = build_parser()
-    every = {**config["options"], "voice": "x", "threads": 2, "streaming": False, "seed": 1,
-             "hub_endpoint": "https://hf-mirror.com", "debug_logging": True, "early_speech": False,
-             "parallel_sentences": 2, "stt_uri": "tcp://core-whisper:10300"}  # fmt: skip
-    for model in addon.MODELS:
-        for profile in addon.PROFILES:
-            for options in (config["options"], every):
+    return config_from_args(build_parser().parse_args(args))
+
+
+# The command line an earlier add-on gave for `every` below (one flag per option, written out
+# per option): the options an existing install has saved must give the same server settings.
+EARLIER_FIXED_ARGS = [
+    "--uri", "tcp://0.0.0.0:10200", "--data-dir", "/data/models",
+    "--data-dir", "/share/cosyvoice/models", "--download-dir", "/data/models",
+    "--voices-dir", "/share/cosyvoice/voices", "--http-port", "8099", "--web-voice-maker",
+]  # fmt: skip
+EARLIER_EVERY_ARGS = [
+    "--voice", "x", "--threads", "2", "--parallel-sentences", "2", "--no-streaming",
+    "--set", "server.early_speech=false", "--seed", "1", "--hub-endpoint",
+    "https://hf-mirror.com", "--stt-uri", "tcp://core-whisper:10300",
+    "--set", "server.volume=0.5", "--set", "server.speed=1.25",
+    "--set", 'server.preset_voices=["slow", "calm-fast"]', "--set", "cache.max_mb=0",
+    "--set", 'cache.prepare_phrases=["Good night."]', "--debug",
+]  # fmt: skip
+
+
+def test_saved_options_give_the_settings_an_earlier_add_on_gave(config: dict[str, Any]) -> None:
+    every = {**config["options"], "voice": " x ", "threads": 2, "parallel_sentences": 2,
+             "streaming": False, "early_speech": False, "seed": 1,
+             "hub_endpoint": "https://hf-mirror.com/", "stt_uri": "tcp://core-whisper:10300",
+             "volume": 0.5, "speed": 1.25, "preset_voices": ["slow", "calm-fast"],
+             "repeat_cache_mb": 0, "prepared_phrases": [" Good night. ", ""],
+             "debug_logging": True}  # fmt: skip
+    assert set(every) == set(config["schema"])  # every option, changed from its default
+    assert [k for k in every if every[k] == config["options"].get(k)] == ["model", "profile"]
+    for model in schema_choices(config, "model"):
+        for profile in schema_choices(config, "profile"):
+            chosen = ["--model", model, "--profile", profile]
+            for options, earlier in ((config["options"], []), (every, EARLIER_EVERY_ARGS)):
                 options = {**options, "model": model, "profile": profile}
-                parsed = parser.parse_args(addon.options_to_args(options))
-                assert (parsed.model, parsed.profile) == (model, profile)
-                assert parsed.data_dir == ["/data/models", "/share/cosyvoice/models"]
-                assert parsed.voices_dir == "/share/cosyvoice/voices"
-                assert parsed.no_streaming is not options["streaming"]
-                # The server's own validation of every value (profiles exist, ints, paths...).
-                server_config = config_from_args(parsed)
-                assert server_config.profile.name == profile
-                assert server_config.stt_uri == options.get("stt_uri")
-                assert parsed.http_port == addon.INGRESS_PORT
+                server_config = server_config_of(addon.options_to_args(options))
+                assert server_config == server_config_of([*EARLIER_FIXED_ARGS, *chosen, *earlier])
+                assert (server_config.model, server_config.profile.name) == (model, profile)
                 assert server_config.web_voice_maker is True
-                assert server_config.parallel_sentences == options["parallel_sentences"]
-                assert server_config.early_speech is options["early_speech"]
-                assert server_config.profile.streaming is (
-                    options["streaming"] and profile != "batch"
-                )
 
 
-def test_each_option_maps_to_its_flag() -> None:
+def test_each_option_maps_to_its_setting() -> None:
     options = {
         "model": "CosyVoice-300M-Instruct", "voice": " zh_female ", "profile": "batch",
         "threads": 2, "streaming": False, "seed": 42, "debug_logging": True,
+        "prepared_phrases": ["yes", " "],
     }  # fmt: skip
     args = addon.options_to_args(options, data_dir="/d", share_dir="/s", uri="tcp://h:1")
     assert args == [
         "--uri", "tcp://h:1",
-        "--model", "CosyVoice-300M-Instruct",
         "--data-dir", "/d/models",
         "--data-dir", "/s/models",
         "--download-dir", "/d/models",
         "--voices-dir", "/s/voices",
-        "--profile", "batch",
         "--http-port", "8099",
         "--web-voice-maker",
-        "--voice", "zh_female",
-        "--threads", "2",
+        "--set", "server.model=CosyVoice-300M-Instruct",
+        "--set", "server.voice=zh_female",
+        "--set", "server.profile=batch",
+        "--set", "server.threads=2",
+        "--set", "server.seed=42",
+        "--set", "server.debug=true",
+        "--set", 'cache.prepare_phrases=["yes"]',  # a text, not YAML's true
         "--no-streaming",
-        "--seed", "42",
-        "--debug",
     ]  # fmt: skip
+    assert server_config_of(args).cache.prepare_phrases == ("yes",)
 
 
-def test_parallel_sentences_maps_to_its_flag_only_when_not_one() -> None:
-    assert "--parallel-sentences" not in addon.options_to_args({"parallel_sentences": 1})
-    assert addon.options_to_args({"parallel_sentences": 2})[-2:] == ["--parallel-sentences", "2"]
+def test_texts_that_read_as_other_yaml_values_stay_texts() -> None:
+    for voice in ("yes", "7", "null", "a: b", "# x", "[x]", "dîner 晚安 🙂", 'say "hi"'):
+        assert server_config_of(addon.options_to_args({"voice": voice})).voice == voice
+
+
+def test_threads_0_is_every_core_as_the_servers_setting() -> None:
+    assert packaged_settings()["server"]["threads"] == 0
+    args = addon.options_to_args({"threads": 0})
+    assert "--set" not in args and server_config_of(args).threads is None
+    assert server_config_of(addon.options_to_args({"threads": 3})).threads == 3
 
 
 def test_hub_endpoint_selects_a_mirror() -> None:
     args = addon.options_to_args({"hub_endpoint": "https://hf-mirror.com/"})
-    assert args[-2:] == ["--hub-endpoint", "https://hf-mirror.com"]
-    assert "--hub-endpoint" not in addon.options_to_args({"hub_endpoint": ""})
+    assert server_config_of(args).hub_endpoint == "https://hf-mirror.com"
+    assert "--set" not in addon.options_to_args({"hub_endpoint": ""})
     with pytest.raises(ValueError, match="'hub_endpoint'"):
         addon.options_to_args({"hub_endpoint": "hf-mirror.com"})
 
 
-def test_missing_and_unknown_options_fall_back_to_defaults() -> None:
-    assert addon.options_to_args({}) == addon.options_to_args(addon.DEFAULT_OPTIONS)
+def test_missing_and_unknown_options_fall_back_to_defaults(config: dict[str, Any]) -> None:
+    assert addon.options_to_args({}) == addon.options_to_args(config["options"])
     assert addon.options_to_args({"old_option": 1}) == addon.options_to_args({})
-    assert "--seed" in addon.options_to_args({"seed": 0})  # 0 is a seed, not "unset"
+    # settings the add-on fixes are not options
+    assert addon.options_to_args({"uri": "tcp://0.0.0.0:1"}) == addon.options_to_args({})
+    assert "server.seed=0" in addon.options_to_args({"seed": 0})  # 0 is a seed, not "unset"
+
+
+def test_options_json_warns_of_options_this_add_on_does_not_have(
+    tmp_path: Path, config: dict[str, Any], caplog: pytest.LogCaptureFixture
+) -> None:
+    path = tmp_path / "options.json"
+    path.write_text(json.dumps({**config["options"], "seed": 1, "old_option": 1, "uri": "x"}))
+    with caplog.at_level("WARNING", logger=addon.__name__):
+        assert addon.read_options(path)["seed"] == 1
+    assert [r.getMessage() for r in caplog.records] == ["ignoring unknown options: old_option, uri"]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger=addon.__name__):
+        assert addon.read_options(tmp_path / "absent.json") == {}  # the server's defaults
+    assert "using the default options" in caplog.text
 
 
 @pytest.mark.parametrize(
     ("key", "value"),
-    [("model", "Fun-CosyVoice3-0.5B"), ("profile", "turbo"), ("threads", -1), ("threads", True),
-     ("seed", "7"), ("streaming", "yes"), ("debug_logging", 1), ("parallel_sentences", 0)],
+    [("profile", "turbo"), ("threads", -1), ("threads", True), ("seed", "7"),
+     ("streaming", "yes"), ("streaming", 1), ("debug_logging", 1), ("parallel_sentences", 0),
+     ("parallel_sentences", True), ("volume", 3), ("preset_voices", ["slow", "loud"]),
+     ("prepared_phrases", [1]), ("repeat_cache_mb", -1)],
 )  # fmt: skip
 def test_bad_values_name_the_option(key: str, value: Any) -> None:
-    with pytest.raises(ValueError, match=repr(key)):
+    with pytest.raises(ValueError, match=f"^option {key!r}: "):
         addon.options_to_args({key: value})
 
 
@@ -377,7 +479,7 @@ def test_missing_model_message_in_the_addon_names_the_share_folder_and_an_option
     monkeypatch.setattr(addon, "OPTIONS_FILE", tmp_path / "options.json")
     assert addon.in_addon()
     message = _missing_model_message(tmp_path)
-    model = addon.DEFAULT_OPTIONS["model"]
+    model = config["options"]["model"]
     assert f"/share/cosyvoice/models/{model}/" in message  # searched, and reachable by Samba
     assert "'hub_endpoint'" in message and "hub_endpoint" in config["schema"]
     assert "--model-dir" not in message and "/data/" not in message, message
@@ -653,7 +755,7 @@ def test_addon_start_logic_serves_audio_when_discovery_fails_and_stops_on_sigter
     data, share = tmp_path / "data", tmp_path / "share/cosyvoice"
     # The layout the mapping expects: downloads and cached models in /data/models/<Model>/.
     shutil.copytree(DATA / "tiny_model", data / "models/CosyVoice-300M-SFT")
-    options = {**addon.DEFAULT_OPTIONS, "threads": 1, "seed": 0}
+    options = {**load_yaml(ADDON / "config.yaml")["options"], "threads": 1, "seed": 0}
     (data / "options.json").write_text(json.dumps(options))
     port, http_port = free_port(), free_port()
     env = {**os.environ, "HF_HUB_OFFLINE": "1",  # the model is there: nothing to download

@@ -23,9 +23,9 @@ import pytest
 import torch
 from conftest import FakeEngine
 
-from engine.cpu import detect
-from engine.stage_times import StageTime, flow_passes, flow_units
-from engine.types import SynthesisOptions
+from engine.core.cpu import detect
+from engine.core.stage_times import StageTime, flow_passes, flow_units
+from engine.core.types import SynthesisOptions
 from wyoming_cosyvoice.auto_profile import (
     CALIBRATION_TEXT,
     GROWING_SPEECH_S,
@@ -122,7 +122,7 @@ def test_a_format_the_cpu_lacks_costs_what_the_engine_runs_instead() -> None:
 
 @pytest.fixture(scope="module")
 def v1_engine(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    from engine.engine import CosyVoiceEngine
+    from engine.cosyvoice1.engine import CosyVoiceEngine
 
     torch.set_num_threads(1)
     target = tmp_path_factory.mktemp("v1") / "CosyVoice-300M-SFT"

@@ -17,7 +17,7 @@ from torch import nn
 
 from engine.bench.__main__ import main as bench_main
 from engine.bench.__main__ import model_files, warm_page_cache
-from engine.bench.limits import lm_weight_bytes_per_token, measure_gemv_gbps
+from engine.bench.limits import measure_gemv_gbps
 from engine.bench.measure import RunConfig, playback_stall_s
 from engine.bench.profiles import BUILTIN_PROFILES, BenchProfile
 from engine.bench.report import summarize
@@ -30,6 +30,7 @@ from engine.bench.synthetic import (
     state_dict_specs,
 )
 from engine.bench.timers import FIRST_AUDIO_PARTS, StageEvent, StageTimer
+from engine.bench.work import lm_weight_bytes_per_token
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT / "tests" / "data"
@@ -95,7 +96,7 @@ def test_the_limits_are_the_best_of_a_probe_before_the_runs_and_after_each(
             {"mem_bw_gbps": 35.0, "gemv_gbps": 22.0, "gemm_gflops": 100.0},
         ]
     )
-    monkeypatch.setattr(bench, "measure_limits", lambda threads, lm_int8: next(probes))
+    monkeypatch.setattr(bench, "measure_limits", lambda threads, lm_weights: next(probes))
     monkeypatch.setattr(bench, "warm_page_cache", lambda files: 0)
     monkeypatch.setattr(
         bench, "run_worker", lambda config: {"first_audio_ms": 1.0, "total_ms": 2.0, "rtf": 1.0}
@@ -115,12 +116,15 @@ def test_the_page_cache_is_warmed_with_every_file_a_load_reads(
     (model / "flow.pt").write_bytes(b"y" * 5)
     (model / "sub").mkdir()  # not a file: not read
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    files = model_files(model, lm_int8=True)
+    realtime = BUILTIN_PROFILES["realtime"]
+    files = model_files(model, realtime)
     assert files[:2] == [model / "flow.pt", model / "llm.pt"]
-    # The prepared files: absent until a load.
+    # The prepared files of the profile's formats: absent until a load.
     assert model / "prepared" / "llm.int8.safetensors" in files
+    assert model / "prepared" / "flow.fp32.safetensors" in files
     assert warm_page_cache(files, block=1024) == 3005
-    assert model / "prepared" / "llm.fp32.safetensors" in model_files(model, lm_int8=False)
+    fp32_lm = model_files(model, realtime.with_weights(lm="fp32"))
+    assert model / "prepared" / "llm.fp32.safetensors" in fp32_lm
 
 
 def test_lm_weight_bytes_skip_positional_projection() -> None:
@@ -155,7 +159,7 @@ def test_synthetic_300m_matches_the_official_checkpoint_layout() -> None:
 
 
 def test_synthetic_model_loads_with_the_engine(tmp_path: Path) -> None:
-    from engine.weights import load_model_dir
+    from engine.cosyvoice1.model_dir import load_model_dir
 
     model_dir = ensure_synthetic_model(tmp_path, config=TINY_MODEL / "cosyvoice.yaml")
     hift = torch.load(model_dir / "hift.pt", weights_only=True)
@@ -170,8 +174,8 @@ def test_synthetic_model_loads_with_the_engine(tmp_path: Path) -> None:
 
 def test_synthetic_lm_runs_to_the_forced_token_count(tmp_path: Path) -> None:
     """Random weights must not stop at a random EOS: the benchmark needs exactly N tokens."""
-    from engine.hparams import load_model_args
-    from engine.llm import TransformerLM
+    from engine.cosyvoice1.hparams import load_model_args
+    from engine.cosyvoice1.llm import TransformerLM
 
     model_dir = ensure_synthetic_model(tmp_path, config=TINY_MODEL / "cosyvoice.yaml")
     state = torch.load(model_dir / "llm.pt", weights_only=True)
@@ -201,6 +205,7 @@ def test_summary_medians_bounds_and_ratios() -> None:
             "tokens": 400,
             "audio_s": 8.0,
             "lm_weight_bytes_per_token": 720e6,
+            "lm_cache_bytes_per_token": 80e6,
             "flow_gflop_per_audio_s": 150.0,
             "hift_gflop_per_audio_s": 50.0,
         }
@@ -210,27 +215,33 @@ def test_summary_medians_bounds_and_ratios() -> None:
         runs,
         {"mem_bw_gbps": 20.0, "gemv_gbps": 8.0, "gemm_gflops": 60.0},
         text="t",
-        profile={"name": "realtime"},
+        profile={"name": "realtime", "n_timesteps": 10},
         model_dir="m",
     )
     assert result["load_s"] == 2.0
     assert result["spread"]["load_s"] == {"median": 2.0, "min": 1.0, "max": 3.0}
-    assert result["lm_bound_ms_per_token"] == pytest.approx(36.0)
-    assert result["lm_vs_bound"] == pytest.approx(80.0 / 36.0)
-    assert result["lm_kernel_bound_ms_per_token"] == pytest.approx(90.0)  # 720 MB at 8 GB/s
-    assert result["lm_vs_kernel_bound"] == pytest.approx(80.0 / 90.0)
+    assert result["lm_bound_ms_per_token"] == pytest.approx(40.0)  # 800 MB at 20 GB/s
+    assert result["lm_vs_bound"] == pytest.approx(80.0 / 40.0)
+    # The weights at the GEMV kernel's 8 GB/s, the cache at the read bandwidth.
+    assert result["lm_kernel_bound_ms_per_token"] == pytest.approx(90.0 + 4.0)
+    assert result["lm_vs_kernel_bound"] == pytest.approx(80.0 / 94.0)
     assert result["flow_bound_ms_per_audio_s"] == pytest.approx(2500.0)
     assert result["hift_vs_bound"] == pytest.approx(1000.0 / (50 / 60 * 1000))
-    assert result["rtf_bound"] == pytest.approx((36.0 * 50 + 2500.0 + 50 / 60 * 1000) / 1000)
+    assert result["rtf_bound"] == pytest.approx((40.0 * 50 + 2500.0 + 50 / 60 * 1000) / 1000)
+    work = result["work_per_audio_s"]  # per second of speech: 50 tokens
+    assert work["lm"]["gb"] == pytest.approx(40.0)
+    assert (work["lm"]["bound_ms"], work["lm"]["measured_ms"]) == pytest.approx((2000, 4000))
+    assert (work["flow"]["gflop"], work["flow"]["bound_ms"]) == pytest.approx((150, 2500))
+    assert work["hift"]["measured_ms"] == 1000.0
 
 
 @pytest.mark.parametrize("int8", [True, False])
 def test_gemv_probe_runs_the_lm_kernel(int8: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     import engine.bench.limits
-    import engine.quantize
+    import engine.core.quantize
 
     built: list[nn.Module] = []
-    real = engine.quantize.int8_linear
+    real = engine.core.quantize.int8_linear
 
     def recording(weight: torch.Tensor, bias: torch.Tensor | None = None) -> nn.Module:
         built.append(real(weight, bias))
@@ -240,7 +251,7 @@ def test_gemv_probe_runs_the_lm_kernel(int8: bool, monkeypatch: pytest.MonkeyPat
         fn()
         return 1.0
 
-    monkeypatch.setattr(engine.quantize, "int8_linear", recording)
+    monkeypatch.setattr(engine.core.quantize, "int8_linear", recording)
     monkeypatch.setattr(engine.bench.limits, "_best_time", one_second)
     # One decoder block's 12.6 M weights in one (pretended) second: 1 byte each in int8, 4 in fp32.
     block_bytes = (3 * 1024 * 1024 + 1024 * 1024 + 2 * 4096 * 1024) * (1 if int8 else 4)
@@ -310,12 +321,13 @@ def test_neighbours_run_for_the_block_and_are_gone_after_it() -> None:
 
 def test_flop_count_is_the_same_for_the_int8_flow() -> None:
     # The int8 flow does the same products: its bound must not shrink to its convolutions.
-    from engine.bench.limits import count_stage_flops
     from engine.bench.timers import StageTimer
-    from engine.constants import SPEECH_VOCAB
-    from engine.quantize import quantize_flow_int8
-    from engine.streaming import ChunkVocoder, FlowPrompt, GeneratorNoise
-    from engine.weights import load_model_dir
+    from engine.bench.work import count_stage_flops
+    from engine.core.constants import SPEECH_VOCAB
+    from engine.core.quantize import quantize_flow_int8
+    from engine.core.streaming import FlowPrompt, GeneratorNoise
+    from engine.cosyvoice1.model_dir import load_model_dir
+    from engine.cosyvoice1.streaming import ChunkVocoder
 
     def flops(int8: bool) -> float:
         models = load_model_dir(TINY_MODEL)
@@ -338,7 +350,7 @@ def test_flop_count_is_the_same_for_the_int8_flow() -> None:
             with torch.inference_mode():
                 vocoder.chunk(tokens, finalize=True)
 
-        return count_stage_flops(run_chunk, timer, 10).flow_gflop_per_audio_s
+        return count_stage_flops(run_chunk, timer, 10, 0.7).flow_gflop_per_audio_s
 
     fp32 = flops(False)
     assert fp32 > 0 and flops(True) == pytest.approx(fp32, rel=1e-6)

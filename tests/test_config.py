@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -12,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from engine.types import LOW_LATENCY_SCHEDULE, OFFICIAL_SCHEDULE
+from engine.core.types import LOW_LATENCY_SCHEDULE, OFFICIAL_SCHEDULE
 from wyoming_cosyvoice.__main__ import build_parser, config_from_args
 from wyoming_cosyvoice.config import (
     ConfigError,
@@ -158,6 +159,8 @@ def test_a_new_profile_names_every_setting(tmp_path: Path) -> None:
         ("limits.max_headers", 5, "limits.max_headers"),
         ("server.samples_per_chunk", 0, "server.samples_per_chunk"),
         ("server.threads", True, "server.threads"),
+        ("server.threads", -1, "server.threads"),
+        ("server.hub_endpoint", "hf-mirror.com", "server.hub_endpoint"),
         ("server.profile", "ludicrous", "server.profile"),
         ("server.uri", "http://x:1", "server.uri"),
         ("server.voices", "x", "server.voices"),
@@ -182,6 +185,35 @@ def test_bad_values_name_the_key(key: str, value: object, named: str) -> None:
         load_config(None, [(key, value)])
     assert err.value.key == named
     assert f"'{named}'" in str(err.value)
+
+
+def test_threads_0_is_every_core_and_an_earlier_null_still_is(tmp_path: Path) -> None:
+    assert packaged_settings()["server"]["threads"] == 0
+    assert load_config().threads is None  # the engine's "no cap"
+    assert cli("--threads", "0").threads is None and cli("--threads", "3").threads == 3
+    saved = tmp_path / "server.yaml"  # as settings.yaml said it before 0
+    saved.write_text("server:\n  threads: null\n")
+    assert load_config(saved).threads is None
+
+
+def test_settings_yaml_is_the_only_home_of_a_default() -> None:
+    """No dataclass field repeats (or contradicts) a settings.yaml default; the server section's
+    keys are ServerConfig's setting fields."""
+    from wyoming_cosyvoice import config as module
+
+    classes = (module.ServerConfig, module.CacheConfig, module.Limits, module.AutoSettings,
+               module.ProfileConfig, module.LoadSettings)  # fmt: skip
+    with_defaults = [f"{c.__name__}.{f.name}" for c in classes for f in dataclasses.fields(c)
+                     if f.default is not dataclasses.MISSING]  # fmt: skip
+    assert with_defaults == ["ServerConfig.force_tokens"]  # set by benchmarks, not a setting
+    settings = {f.name for f in dataclasses.fields(module.ServerConfig)} - {
+        "limits", "profiles", "cache", "auto", "force_tokens"
+    }  # fmt: skip
+    assert settings == set(packaged_settings()["server"])
+
+
+def test_a_hub_endpoint_is_an_http_url_without_its_last_slash() -> None:
+    assert cli("--hub-endpoint", "https://hf-mirror.com/").hub_endpoint == "https://hf-mirror.com"
 
 
 def test_bad_files(tmp_path: Path) -> None:

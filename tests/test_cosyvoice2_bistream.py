@@ -12,15 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 
-import engine.cosyvoice2.lm as lm_module
-from engine.cosyvoice2.lm import (
-    BistreamSession,
-    CosyVoice2LM,
-    StepOut,
-    load_speech_lm,
-    load_speech_lm_args,
-)
-from engine.types import SynthesisCancelled
+import engine.cosyvoice2.bistream as bistream_module
+from engine.core.lm_step import StepOut
+from engine.core.types import SynthesisCancelled
+from engine.cosyvoice2.bistream import BistreamSession
+from engine.cosyvoice2.lm import CosyVoice2LM, load_speech_lm, load_speech_lm_args
 
 DATA = Path(__file__).parent / "data" / "cosyvoice2"
 TINY = DATA / "tiny"
@@ -84,7 +80,8 @@ def _replaying(record: Record, decisions: Sequence[int]):
 def _session(model: CosyVoice2LM, fx: dict, case: str, record: Record, **kw) -> BistreamSession:
     forced = fx[f"{case}/step_forced"]
     decisions = fx[f"{case}/step_tokens"][~forced].tolist()
-    return model.bistream(
+    return BistreamSession(
+        model,
         fx[f"{case}/in_prompt_text"],
         fx[f"{case}/in_prompt_speech_token"],
         sampler=_replaying(record, decisions),
@@ -223,7 +220,7 @@ def test_cache_grows_without_recomputing(
     model: CosyVoice2LM, fx: dict, meta: dict, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A cache too small for the answer is doubled in place of a re-prefill: same K/V."""
-    monkeypatch.setattr(lm_module, "_CACHE_HEADROOM", 0)
+    monkeypatch.setattr(bistream_module, "_CACHE_HEADROOM", 0)
     case = "zero_shot"
     record = Record()
     session = _session(model, fx, case, record)
@@ -244,7 +241,7 @@ def test_cache_grows_without_recomputing(
 
 
 def test_cancel_between_tokens(model: CosyVoice2LM, fx: dict) -> None:
-    session = model.bistream(forced_tokens=[5] * 40)
+    session = BistreamSession(model, forced_tokens=[5] * 40)
     session.feed_text(fx["short_text/in_text"].tolist() * 4)
     tokens = session.ready_tokens()
     next(tokens)
@@ -255,7 +252,7 @@ def test_cancel_between_tokens(model: CosyVoice2LM, fx: dict) -> None:
 
 def test_cancel_wakes_a_consumer_waiting_for_text(model: CosyVoice2LM, fx: dict) -> None:
     cancel = threading.Event()
-    session = model.bistream(forced_tokens=[5] * 40, cancel=cancel)
+    session = BistreamSession(model, forced_tokens=[5] * 40, cancel=cancel)
     session.feed_text(fx["short_text/in_text"].tolist() * 2)  # 6 tokens: one group, then wait
     outcome: list[object] = []
 
@@ -274,7 +271,7 @@ def test_cancel_wakes_a_consumer_waiting_for_text(model: CosyVoice2LM, fx: dict)
 
 
 def test_waiting_for_text_can_time_out(model: CosyVoice2LM) -> None:
-    session = model.bistream(forced_tokens=[5] * 40, text_timeout=0.1)
+    session = BistreamSession(model, forced_tokens=[5] * 40, text_timeout=0.1)
     session.feed_text([1, 2])
     with pytest.raises(TimeoutError, match="no text"):
         list(session.tokens())
@@ -282,12 +279,12 @@ def test_waiting_for_text_can_time_out(model: CosyVoice2LM) -> None:
 
 def test_bad_input_is_a_clear_error(model: CosyVoice2LM) -> None:
     with pytest.raises(ValueError, match="text token id 1024"):
-        model.bistream().feed_text([3, 1024])
+        BistreamSession(model).feed_text([3, 1024])
     with pytest.raises(ValueError, match="prompt speech token id -1"):
-        model.bistream([1, 2], [7, -1])
+        BistreamSession(model, [1, 2], [7, -1])
     with pytest.raises(ValueError, match="prompt text token id 5000"):
-        model.bistream([5000])
-    session = model.bistream()
+        BistreamSession(model, [5000])
+    session = BistreamSession(model)
     session.finish()
     with pytest.raises(RuntimeError, match="after finish"):
         session.feed_text([1])
@@ -295,7 +292,9 @@ def test_bad_input_is_a_clear_error(model: CosyVoice2LM) -> None:
 
 def test_no_text_no_speech(model: CosyVoice2LM) -> None:
     calls: list[int] = []
-    session = model.bistream([1, 2, 3], [4] * 20, observer=lambda rows, out: calls.append(1))
+    session = BistreamSession(
+        model, [1, 2, 3], [4] * 20, observer=lambda rows, out: calls.append(1)
+    )
     session.finish()
     assert list(session.tokens()) == [] and calls == []
 
@@ -304,7 +303,7 @@ def test_stop_tokens_after_the_text_end_the_answer(model: CosyVoice2LM) -> None:
     """After the end any stop token ends the answer; before it a drawn fill is a fill."""
     text = list(range(10, 22))  # 12 tokens: two groups, then the end
     for stop in (EOS, MIDDLE_STOP, FILL):
-        session = model.bistream(forced_tokens=[5, FILL, 6, 7, *[8] * 14, 9, stop, 11])
+        session = BistreamSession(model, forced_tokens=[5, FILL, 6, 7, *[8] * 14, 9, stop, 11])
         session.feed_text(text)
         session.finish()
         # group 1: 5, drawn fill; group 2: 6, 7, 8 × 13 (a fill is forced 15 tokens after
@@ -314,7 +313,7 @@ def test_stop_tokens_after_the_text_end_the_answer(model: CosyVoice2LM) -> None:
 
 def test_length_cap_after_the_text(model: CosyVoice2LM) -> None:
     """The end of an answer that never draws a stop token is capped at 20 × the text."""
-    session = model.bistream(sampler=lambda logp, history: 5)
+    session = BistreamSession(model, sampler=lambda logp, history: 5)
     session.feed_text([10, 11])
     session.finish()
     assert len(list(session.tokens())) == 40
@@ -324,8 +323,8 @@ def test_sampling_is_seeded_and_in_range(model: CosyVoice2LM, fx: dict) -> None:
     case = "instruct2"
 
     def run() -> list[int]:
-        session = model.bistream(
-            fx[f"{case}/in_prompt_text"], generator=torch.Generator().manual_seed(4)
+        session = BistreamSession(
+            model, fx[f"{case}/in_prompt_text"], generator=torch.Generator().manual_seed(4)
         )
         session.feed_text(fx[f"{case}/in_text"])
         session.finish()

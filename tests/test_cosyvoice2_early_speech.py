@@ -1,5 +1,5 @@
 """CosyVoice2 speaks a sentence while its text is still arriving (``synthesize_growing``): the
-tiny model, a sentence fed through a :class:`~engine.text_feed.TextFeed`."""
+tiny model, a sentence fed through a :class:`~engine.core.text_feed.TextFeed`."""
 
 from __future__ import annotations
 
@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 from test_cosyvoice2_engine import load_tiny
 
+import engine.cosyvoice2.growing_speech as growing_speech
+from engine.core.text_feed import TextFeed
+from engine.core.types import AudioChunk, SynthesisCancelled, SynthesisOptions
 from engine.cosyvoice2.engine import CosyVoice2Engine
-from engine.text_feed import TextFeed
-from engine.types import AudioChunk, SynthesisCancelled, SynthesisOptions
 
 # No sentence end: what an LLM has streamed of its first sentence so far.
 BEGUN = (
@@ -51,13 +52,13 @@ class Sessions:
 
     def __init__(self, engine: CosyVoice2Engine, monkeypatch: pytest.MonkeyPatch) -> None:
         self.opened = 0
-        inner = engine.models.llm.bistream
+        inner = growing_speech.BistreamSession
 
-        def bistream(*args: object, **kwargs: object) -> object:
+        def session(*args: object, **kwargs: object) -> object:
             self.opened += 1
             return inner(*args, **kwargs)  # type: ignore[arg-type]
 
-        monkeypatch.setattr(engine.models.llm, "bistream", bistream)
+        monkeypatch.setattr(growing_speech, "BistreamSession", session)
 
 
 def _first_then_finish(engine: CosyVoice2Engine, feed: TextFeed, **kw: object) -> np.ndarray:

@@ -19,14 +19,9 @@ from parity import waveform_atol
 from torch import nn
 
 from engine.__main__ import main
-from engine.cosyvoice2.engine import CosyVoice2Engine, chunk_hops, prompt_tail
-from engine.cosyvoice2.model_dir import PARTS, CosyVoice2Models, load_model_dir
-from engine.family import load_engine, model_family
-from engine.prepared import PREPARED_DIR, PreparedLoad, WeightFormats, prepare_model
-from engine.prompt.extract import PromptFeatures
-from engine.prompt.voices import CustomVoice
-from engine.quantize import Int8Linear
-from engine.types import (
+from engine.core.prepared import PREPARED_DIR, PreparedLoad, WeightFormats, prepare_model
+from engine.core.quantize import Int8Linear
+from engine.core.types import (
     LOW_LATENCY_SCHEDULE,
     OFFICIAL_SCHEDULE,
     ModelLoadError,
@@ -35,6 +30,12 @@ from engine.types import (
     SynthesisOptions,
     UnknownSpeakerError,
 )
+from engine.cosyvoice2.engine import CosyVoice2Engine
+from engine.cosyvoice2.model_dir import PARTS, CosyVoice2Models, load_model_dir
+from engine.cosyvoice2.schedule import chunk_hops, prompt_tail
+from engine.family import load_engine, model_family
+from engine.prompt.extract import PromptFeatures
+from engine.prompt.voices import CustomVoice
 
 DATA = Path(__file__).parent / "data" / "cosyvoice2"
 TINY = DATA / "tiny"
@@ -318,7 +319,7 @@ def test_a_seed_gives_the_same_audio_and_streams_share_the_primed_prompt(
         return np.concatenate([c.samples for c in fresh.synthesize("Hello.", options)])
 
     first = audio()
-    assert list(fresh._primed) == [("tester", 10, 0.7, 39, "fp32")]
+    assert fresh.primed.keys() == [("tester", 10, 0.7, 39, "fp32")]
     np.testing.assert_array_equal(audio(), first)
     assert len(first) == 80 * SAMPLES_PER_TOKEN
 
@@ -334,14 +335,14 @@ def test_the_last_voice_stays_primed_for_every_setting_it_was_asked_in(
     )
     fresh.prime_voice(realtime)
     fresh.prime_voice(fastest)
-    streams = {key: primed.stream for key, primed in fresh._primed.items()}
+    streams = {key: fresh.primed.stream(key) for key in fresh.primed.keys()}
     assert [key[:3] for key in streams] == [("tester", 10, 0.7), ("tester", 4, 0.0)]
     fresh.prime_voice(realtime)  # found, not computed again
-    assert {key: primed.stream for key, primed in fresh._primed.items()} == streams
+    assert {key: fresh.primed.stream(key) for key in fresh.primed.keys()} == streams
 
     fresh.add_voice(_voice("other", 60))
     fresh.prime_voice(SynthesisOptions(speaker="other"))
-    assert [key[:3] for key in fresh._primed] == [("other", 10, 0.7)]
+    assert [key[:3] for key in fresh.primed.keys()] == [("other", 10, 0.7)]
 
 
 def test_a_setting_no_request_will_use_lets_go_of_its_primed_prompt(
@@ -352,16 +353,16 @@ def test_a_setting_no_request_will_use_lets_go_of_its_primed_prompt(
     fresh.prime_voice(realtime)
     fresh.prime_voice(fastest)
     fresh.unprime_voice(realtime)
-    assert [key[:3] for key in fresh._primed] == [("tester", 4, 0.0)]
+    assert [key[:3] for key in fresh.primed.keys()] == [("tester", 4, 0.0)]
     fresh.unprime_voice(realtime)  # nothing primed for it: nothing to do
-    assert [key[:3] for key in fresh._primed] == [("tester", 4, 0.0)]
+    assert [key[:3] for key in fresh.primed.keys()] == [("tester", 4, 0.0)]
 
 
 def test_the_warm_up_leaves_no_voice_primed(fresh: CosyVoice2Engine) -> None:
     """What the server primes (its profiles' settings) is all the primed memory it holds."""
     fresh.prime_voice(SynthesisOptions(speaker="tester"))
     fresh.warmup()
-    assert not fresh._primed
+    assert not fresh.primed.keys()
 
 
 def test_the_default_stream_keeps_its_keys_and_values_in_half_precision(
@@ -371,7 +372,8 @@ def test_the_default_stream_keeps_its_keys_and_values_in_half_precision(
     tests/test_cosyvoice2_flow.py."""
     assert fresh.flow_cache_dtype == torch.float16
     fresh.prime_voice(SynthesisOptions(speaker="tester"))
-    primed = fresh._primed[("tester", 10, 0.7, 39, "fp32")].stream
+    primed = fresh.primed.stream(("tester", 10, 0.7, 39, "fp32"))
+    assert primed is not None
     pages = [page for state in primed.step_states for kv in state.kv for page in kv.pages]
     assert pages and all(k.dtype == v.dtype == torch.float16 for k, v in pages)
 
@@ -429,7 +431,7 @@ def test_a_voice_must_be_known(fresh: CosyVoice2Engine, tmp_path: Path) -> None:
 
 
 def test_the_engine_is_picked_by_the_model_directory() -> None:
-    from engine.engine import CosyVoiceEngine
+    from engine.cosyvoice1.engine import CosyVoiceEngine
 
     assert model_family(TINY).engine_class() is CosyVoice2Engine
     assert model_family(V1_TINY).engine_class() is CosyVoiceEngine
@@ -518,8 +520,8 @@ def test_the_float_estimator_runs_its_transformer_layers_on_onednn(
 ) -> None:
     """As v1's: every Linear of its transformer blocks, where torch has oneDNN's matmul (the
     official-stream test above holds with them)."""
-    from engine.flow_estimator import TransformerBlock
-    from engine.onednn_layers import OneDnnLinear, onednn_linear_available
+    from engine.core.estimator_blocks import TransformerBlock
+    from engine.core.onednn_layers import OneDnnLinear, onednn_linear_available
 
     blocks = [
         m for m in engine.models.flow.decoder.estimator.modules() if isinstance(m, TransformerBlock)

@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from engine.core.hparams import ModelConfigError, read_model_yaml
+from engine.core.types import ModelLoadError
 from engine.cosyvoice2.flow import (
     CausalFlow,
     FlowStream,
@@ -25,8 +27,6 @@ from engine.cosyvoice2.flow_args import (
     load_flow_args,
 )
 from engine.cosyvoice2.flow_cache import KVBuffer
-from engine.hparams import ModelConfigError, read_model_yaml
-from engine.types import ModelLoadError
 
 DATA = Path(__file__).parent / "data" / "cosyvoice2"
 TINY = DATA / "tiny"

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from engine.core.types import ModelLoadError
 from engine.cosyvoice2.frontend import (
     END_OF_PROMPT,
     SPECIAL_TOKENS,
@@ -20,7 +21,6 @@ from engine.text.errors import TextInputError
 from engine.text.normalize import normalize
 from engine.text.segment import split_paragraph
 from engine.text.tokenizer import get_tokenizer as whisper_tokenizer
-from engine.types import ModelLoadError
 
 DATA = Path(__file__).parent / "data" / "cosyvoice2"
 BLANK_EN = DATA / "tiny" / "CosyVoice-BlankEN"

@@ -12,11 +12,11 @@ import torch
 from parity import F0_RTOL, HIFT_AUDIO_ATOL, SOURCE_ATOL
 from torch import Tensor
 
+from engine.core.hift import HiFTGenerator, HiftNoise
+from engine.core.hparams import HiFTArgs
+from engine.core.types import ModelLoadError
 from engine.cosyvoice2.flow_args import load_hift_args
 from engine.cosyvoice2.hift import build_hift, load_hift
-from engine.hift import HiFTGenerator, HiftNoise
-from engine.hparams import HiFTArgs
-from engine.types import ModelLoadError
 
 DATA = Path(__file__).parent / "data" / "cosyvoice2"
 TINY = DATA / "tiny"

@@ -10,6 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from engine.core.hparams import ModelConfigError, TaggedNode, read_model_yaml
+from engine.core.quantize import Int8Linear, int8_linear, next_token_kl
+from engine.core.sampling import argmax_draw, nucleus_candidates, ras_sampling
+from engine.core.types import ModelLoadError, SynthesisCancelled
 from engine.cosyvoice2.lm import (
     CosyVoice2LM,
     build_speech_lm,
@@ -18,10 +22,6 @@ from engine.cosyvoice2.lm import (
     speech_lm_args,
 )
 from engine.cosyvoice2.qwen2 import Qwen2Config
-from engine.hparams import ModelConfigError, TaggedNode, read_model_yaml
-from engine.quantize import Int8Linear, int8_linear, next_token_kl
-from engine.sampling import argmax_draw, nucleus_candidates, ras_sampling
-from engine.types import ModelLoadError, SynthesisCancelled
 
 DATA = Path(__file__).parent / "data" / "cosyvoice2"
 TINY = DATA / "tiny"
@@ -165,7 +165,7 @@ def test_generate_teacher_forced(model: CosyVoice2LM, fx: dict, meta: dict, case
 def test_sampling_candidates_match_official(
     model: CosyVoice2LM, fx: dict, meta: dict, case: str
 ) -> None:
-    """The nucleus and the repetition fallback of engine.sampling on the official scores."""
+    """The nucleus and the repetition fallback of engine.core.sampling on the official scores."""
     logp = fx[f"{case}/logits"].log_softmax(dim=-1)
     logp[fx[f"{case}/eos_masked"], model.eos] = float("-inf")
     forced = fx[f"{case}/forced_tokens"].tolist()

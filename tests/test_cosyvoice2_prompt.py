@@ -18,7 +18,8 @@ import pytest
 import torch
 from parity import EMBEDDING_ATOL, PROMPT_MEL_ATOL, WHISPER_LOG_MEL_ATOL
 
-from engine.constants import HOP, tokens_to_frames
+from engine.core.constants import HOP, tokens_to_frames
+from engine.core.types import AudioChunk, SynthesisOptions
 from engine.cosyvoice2.builtin_voices import (
     SENTENCES,
     SPEAKER_LANGUAGES,
@@ -50,7 +51,6 @@ from engine.prompt.features import V2_PROMPT_MEL, campplus_input, prompt_mel, wh
 from engine.prompt.onnx_models import PromptModels, SpeechTokenizer
 from engine.prompt.recipe import COSYVOICE1
 from engine.prompt.voices import CACHE_SUFFIX, load_voice, to_engine_voice, voice_names
-from engine.types import AudioChunk, SynthesisOptions
 
 DATA = Path(__file__).resolve().parent / "data"
 V2 = DATA / "cosyvoice2"
@@ -371,13 +371,8 @@ def v2_model():
 def test_an_extracted_prompt_drives_the_tiny_v2_model(
     voices_dir: Path, models, frontend, v2_model, instruct
 ) -> None:
-    from engine.cosyvoice2.streaming import (
-        GeneratorNoise,
-        SpeechStream,
-        official_hops,
-        stream_audio,
-        whole_audio,
-    )
+    from engine.core.streaming import GeneratorNoise
+    from engine.cosyvoice2.streaming import SpeechStream, official_hops, stream_audio, whole_audio
 
     lm, flow, hift = v2_model
     voice = load_voice(voices_dir, "anna", models, COSYVOICE2)
@@ -418,7 +413,7 @@ def test_flow_prompt_is_int64_tokens_and_float_mel(voices_dir: Path, models) -> 
 
 @pytest.fixture(scope="module")
 def v1_engine():
-    from engine.engine import CosyVoiceEngine
+    from engine.cosyvoice1.engine import CosyVoiceEngine
 
     return CosyVoiceEngine.load(DATA / "tiny_model", threads=1)
 

@@ -12,19 +12,18 @@ import pytest
 import torch
 from parity import waveform_atol
 
+from engine.core.hift import HiFTGenerator
+from engine.core.streaming import FlowPrompt, GeneratorNoise
 from engine.cosyvoice2.flow import CausalFlow, load_flow
 from engine.cosyvoice2.flow_args import load_flow_args, load_hift_args
 from engine.cosyvoice2.hift import load_hift
 from engine.cosyvoice2.streaming import (
-    FlowPrompt,
-    GeneratorNoise,
     SpeechStream,
     chunk_aligned,
     official_hops,
     stream_audio,
     whole_audio,
 )
-from engine.hift import HiFTGenerator
 
 DATA = Path(__file__).parent / "data" / "cosyvoice2"
 TINY = DATA / "tiny"

@@ -14,9 +14,9 @@ import pytest
 import torch
 from conftest import TINY_MODEL, FakeEngine, synthesize_all
 
-from engine import cpu
-from engine.engine import CosyVoiceEngine
-from engine.types import SynthesisOptions
+from engine.core import cpu
+from engine.core.types import SynthesisOptions
+from engine.cosyvoice1.engine import CosyVoiceEngine
 
 PI5_CPUINFO = """\
 processor\t: 0
@@ -119,7 +119,7 @@ def test_the_engine_loads_int8_with_the_kernels_it_picked(
 def test_quantising_outside_a_load_also_uses_kernels_that_work_here(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from engine.quantize import int8_linear
+    from engine.core.quantize import int8_linear
 
     monkeypatch.setattr(cpu, "int8_engine_works", lambda name: name == "qnnpack")
     torch.backends.quantized.engine = "x86"

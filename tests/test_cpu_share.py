@@ -1,4 +1,5 @@
-"""engine.cpu_share: the cores other processes leave free, from /proc/stat and /proc/self/stat."""
+"""engine.core.cpu_share: the cores other processes leave free, from /proc/stat and
+/proc/self/stat."""
 
 from __future__ import annotations
 
@@ -6,7 +7,13 @@ import time
 
 import pytest
 
-from engine.cpu_share import CpuShareMonitor, CpuTimes, free_cores, others_cores, read_cpu_times
+from engine.core.cpu_share import (
+    CpuShareMonitor,
+    CpuTimes,
+    free_cores,
+    others_cores,
+    read_cpu_times,
+)
 
 # user nice system idle iowait irq softirq steal (guest fields after them are inside user)
 STAT = """cpu  900 0 100 1000 0 0 0 0 0 0
@@ -76,7 +83,7 @@ def test_the_monitor_keeps_the_busier_of_the_last_two_periods() -> None:
 
 def test_a_change_of_free_cores_is_logged(caplog: pytest.LogCaptureFixture) -> None:
     monitor = CpuShareMonitor(n_cpus=2, read=lambda: CpuTimes(0, 0, 0))
-    with caplog.at_level("DEBUG", logger="engine.cpu_share"):
+    with caplog.at_level("DEBUG", logger="engine.core.cpu_share"):
         monitor.record(1.0)
         monitor.record(1.0)  # no change: no second line
     assert [r.getMessage() for r in caplog.records] == [
@@ -106,7 +113,7 @@ def test_without_proc_the_monitor_does_not_start() -> None:
 
 
 def test_the_thread_report_says_what_the_monitor_sees(monkeypatch: pytest.MonkeyPatch) -> None:
-    from engine import thread_budget
+    from engine.core import thread_budget
 
     monitor = CpuShareMonitor(n_cpus=2, read=lambda: CpuTimes(0, 0, 0))
     monitor.record(1.234)

@@ -1,4 +1,4 @@
-"""What both engine classes inherit (engine.engine_base): the weights by format, a segment's
+"""What both engine classes inherit (engine.core.engine_base): the weights by format, a segment's
 audio, the warm-up's runs."""
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ from typing import cast
 import torch
 from torch import nn
 
-from engine.engine_base import EngineBase, by_format
-from engine.hift import HiFTGenerator
-from engine.lm_thread import LmTokens
-from engine.types import AudioChunk, SynthesisOptions
+from engine.core.engine_base import EngineBase, by_format
+from engine.core.hift import HiFTGenerator
+from engine.core.lm_thread import LmTokens
+from engine.core.types import AudioChunk, SynthesisOptions
 
 
 class _Hift(nn.Module):
@@ -34,6 +34,8 @@ class _Tokens:
 
 
 class _Engine(EngineBase[nn.Linear]):
+    """Only what every engine inherits; it is never loaded (no load hooks)."""
+
     sample_rate = 16000
 
     def __init__(self) -> None:

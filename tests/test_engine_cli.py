@@ -14,7 +14,7 @@ import pytest
 
 from engine import __main__ as cli
 from engine.__main__ import build_parser, main
-from engine.types import SynthesisOptions
+from engine.core.types import SynthesisOptions
 from wyoming_cosyvoice.config import load_config
 
 DATA = Path(__file__).parent / "data"

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from engine.bench.deviation import lm_int8_kl, mel_relative_l2
-from engine.weights import load_model_dir
+from engine.cosyvoice1.model_dir import load_model_dir
 
 DATA = Path(__file__).parent / "data"
 
@@ -72,9 +72,9 @@ def test_the_engine_runs_hift_in_bfloat16_only_where_the_cpu_supports_it(
 ) -> None:
     import logging
 
-    from engine import cpu
     from engine.bench.deviation import hift_relative_l2, random_tokens_mel
-    from engine.engine import CosyVoiceEngine
+    from engine.core import cpu
+    from engine.cosyvoice1.engine import CosyVoiceEngine
 
     model, cache = DATA / "tiny_model", tmp_path / "cache"
     exact = CosyVoiceEngine.load(model, cache_dir=cache)

@@ -15,15 +15,15 @@ import pytest
 import torch
 from conftest import ONEDNN_OPS_NEEDED
 
-from engine.flow import FlowModel, empty_flow_cache
-from engine.flow_estimator import TransformerBlock
-from engine.hparams import load_model_args
-from engine.onednn_layers import (
+from engine.core.estimator_blocks import TransformerBlock
+from engine.core.onednn_layers import (
     onednn_conv_available,
     onednn_linear_available,
     use_onednn_convs,
     use_onednn_linears,
 )
+from engine.cosyvoice1.flow import FlowModel, empty_flow_cache
+from engine.cosyvoice1.hparams import load_model_args
 
 DATA = Path(__file__).parent / "data"
 CASES = ("tok40_noprompt", "tok60_noprompt", "tok60_prompt15")

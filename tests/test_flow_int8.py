@@ -15,11 +15,11 @@ import pytest
 import torch
 from torch import nn
 
-from engine.constants import N_MELS, tokens_to_frames
-from engine.engine import CosyVoiceEngine
-from engine.prepared import PREPARED_DIR
-from engine.quantize import Int8Linear, flow_int8_layer_names, quantize_flow_int8
-from engine.weights import load_model_dir
+from engine.core.constants import N_MELS, tokens_to_frames
+from engine.core.prepared import PREPARED_DIR
+from engine.core.quantize import Int8Linear, flow_int8_layer_names, quantize_flow_int8
+from engine.cosyvoice1.engine import CosyVoiceEngine
+from engine.cosyvoice1.model_dir import load_model_dir
 
 TINY = Path(__file__).parent / "data" / "tiny_model"
 

@@ -62,8 +62,8 @@ def model_copy(tmp_path: Path, wy: SimpleNamespace) -> Path:
 
 
 def test_malicious_speaker_file_is_refused_everywhere(model_copy: Path, tmp_path: Path) -> None:
-    from engine.types import ModelLoadError
-    from engine.weights import load_model_dir, load_speakers
+    from engine.core.types import ModelLoadError
+    from engine.cosyvoice1.model_dir import load_model_dir, load_speakers
     from wyoming_cosyvoice.model import peek_speakers
 
     marker = tmp_path / "pwned"
@@ -243,7 +243,7 @@ def test_real_server_binds_only_the_uri_and_writes_only_its_prepared_weights_and
     assert info_types == ["info"]
     after = snapshot(tmp_path)
     # The deliberate writes: the weights the engine runs from, prepared beside the model files
-    # on first use (engine.prepared), one file per model and weight format the server loads
+    # on first use (engine.core.prepared), one file per model and weight format the server loads
     # (the default auto profile: the flow and HiFT in two each). Nothing else, not even in the
     # model directory (whose mtime changes with the new folder).
     prepared = Path("data", "CosyVoice-300M-SFT", "prepared")

@@ -14,9 +14,9 @@ import torch
 from parity import F0_RTOL, HIFT_AUDIO_ATOL, SOURCE_ATOL
 from torch import Tensor
 
-from engine.hift import _PHASE_TILE, HiFTGenerator, HiftNoise, _cumulative_phase
-from engine.hparams import load_model_args
-from engine.weight_norm import normalize_hift_state_dict
+from engine.core.hift import _PHASE_TILE, HiFTGenerator, HiftNoise, _cumulative_phase
+from engine.core.weight_norm import normalize_hift_state_dict
+from engine.cosyvoice1.hparams import load_model_args
 
 DATA = Path(__file__).parent / "data"
 CASES = ("mel100", "cached_mel70")
@@ -304,7 +304,7 @@ def _channels_last_convs(model: HiFTGenerator) -> list[torch.nn.Module]:
 def test_conv_kernels_read_the_weights_in_place(legacy_sd: dict[str, Tensor], how: str) -> None:
     # The 4-D channels-last weight the kernels take is a view of the parameter, not a second
     # copy of every weight, whether the state dict was copied in or assigned (the fast loader).
-    from engine.weights import assign_state_dict
+    from engine.core.weights import assign_state_dict
 
     if how == "copy":
         model = build(legacy_sd)

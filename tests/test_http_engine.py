@@ -71,7 +71,7 @@ class InstrumentedEngine:
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[SimpleNamespace]:
-    from engine.engine import CosyVoiceEngine
+    from engine.cosyvoice1.engine import CosyVoiceEngine
 
     recorder = Recorder()
 

@@ -1,4 +1,4 @@
-"""The int4 LM (engine.int4): group-wise quantisation, torch's int4 kernels, the prepared file,
+"""The int4 LM (engine.core.int4): group-wise quantisation, torch's int4 kernels, the prepared file,
 the fallback where no kernel works, and the setting that chooses it.
 
 The bound a layer is held to (docs/dev/int4.md): rounding leaves each weight an error e; for an
@@ -24,10 +24,8 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from engine import int4
-from engine.engine import CosyVoiceEngine
-from engine.hparams import load_model_args
-from engine.int4 import (
+from engine.core import int4
+from engine.core.int4 import (
     GROUP_SIZE,
     INT4PACK,
     KLEIDIAI,
@@ -39,10 +37,12 @@ from engine.int4 import (
     quantize_int4,
     quantize_lm_int4,
 )
-from engine.llm import TransformerLM
-from engine.prepared import PREPARED_DIR
-from engine.quantize import float_layer, int8_layer_names, next_token_kl
-from engine.runtime import setup_cpu
+from engine.core.prepared import PREPARED_DIR
+from engine.core.quantize import float_layer, int8_layer_names, next_token_kl
+from engine.core.runtime import setup_cpu
+from engine.cosyvoice1.engine import CosyVoiceEngine
+from engine.cosyvoice1.hparams import load_model_args
+from engine.cosyvoice1.llm import TransformerLM
 
 DATA = Path(__file__).parent / "data"
 TINY_MODEL = DATA / "tiny_model"
@@ -179,7 +179,7 @@ def _teacher_forced(model: TransformerLM, fx: dict, case: str) -> torch.Tensor:
 
 def _layer_inputs(model: nn.Module, names: list[str], run: object) -> dict[str, torch.Tensor]:
     """The rows each layer ``names`` (float sources: the first of a fused one) reads in a run."""
-    from engine.quantize import FUSED_SOURCES
+    from engine.core.quantize import FUSED_SOURCES
 
     seen: dict[str, list[torch.Tensor]] = {name: [] for name in names}
     hooks = []
@@ -297,7 +297,7 @@ def test_without_an_int4_kernel_the_lm_runs_int8_with_a_warning(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     monkeypatch.setattr(int4, "choose_int4_kernel", lambda: None)
-    with caplog.at_level(logging.WARNING, logger="engine.runtime"):
+    with caplog.at_level(logging.WARNING, logger="engine.core.runtime"):
         setup = setup_cpu(1, lm_int8=False, flow_int8=False, hift_bf16=False, lm_int4=True)
     assert setup.formats.llm == "int8"
     assert "No int4 kernel" in caplog.text
@@ -307,7 +307,7 @@ def test_where_int4_is_slower_than_int8_the_lm_runs_int8_with_a_warning(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     monkeypatch.setattr(int4, "int4_fast_here", lambda: False)
-    with caplog.at_level(logging.WARNING, logger="engine.runtime"):
+    with caplog.at_level(logging.WARNING, logger="engine.core.runtime"):
         setup = setup_cpu(1, lm_int8=False, flow_int8=False, hift_bf16=False, lm_int4=True)
     assert setup.formats.llm == "int8"
     assert "slower than int8" in caplog.text

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.hparams import load_model_args
-from engine.llm import TransformerLM
+from engine.cosyvoice1.hparams import load_model_args
+from engine.cosyvoice1.llm import TransformerLM
 
 DATA = Path(__file__).parent / "data"
 CASES = ("sft", "zero_shot", "instruct")

@@ -1,4 +1,4 @@
-"""engine.lm_thread.LmTokens: the first tokens inline, the rest from a background LM thread."""
+"""engine.core.lm_thread.LmTokens: the first tokens inline, the rest from a background LM thread."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from collections.abc import Callable, Iterator
 import pytest
 import torch
 
-from engine import thread_budget
-from engine.lm_thread import LmTokens
+from engine.core import thread_budget
+from engine.core.lm_thread import LmTokens
 
 
 def _consume(run: Callable[[], object]) -> None:

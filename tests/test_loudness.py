@@ -213,7 +213,7 @@ class RecordingEngine(FakeEngine):
         return np.resize(self.recordings[voice], self.expected_samples(sentence))
 
     def synthesize(self, text: str, options: Any, cancel: Any = None) -> Iterator[Any]:
-        from engine.types import AudioChunk
+        from engine.core.types import AudioChunk
 
         if options.speaker not in self.recordings:
             yield from super().synthesize(text, options, cancel)

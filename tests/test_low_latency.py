@@ -15,17 +15,17 @@ import numpy as np
 import pytest
 import torch
 
-from engine.constants import HOP, MEL_CACHE, MEL_OVERLAP, SOURCE_CACHE, tokens_to_frames
-from engine.streaming import (
+from engine.core.constants import HOP, MEL_CACHE, MEL_OVERLAP, SOURCE_CACHE, tokens_to_frames
+from engine.core.streaming import FlowPrompt
+from engine.core.types import LOW_LATENCY_SCHEDULE, OFFICIAL_SCHEDULE, StreamSchedule
+from engine.cosyvoice1.model_dir import load_model_dir
+from engine.cosyvoice1.streaming import (
     ChunkVocoder,
-    FlowPrompt,
     check_schedule,
     hop_sizes,
     stream_audio,
     whole_audio,
 )
-from engine.types import LOW_LATENCY_SCHEDULE, OFFICIAL_SCHEDULE, StreamSchedule
-from engine.weights import load_model_dir
 
 DATA = Path(__file__).parent / "data"
 N_TOKENS = 260

@@ -21,7 +21,7 @@ from conftest import ROOT, FakeEngine, connect, read_until, synthesize
 from prometheus_client.parser import text_string_to_metric_families
 from test_http import RATE, BackgroundServer
 
-from engine.types import SynthesisCancelled
+from engine.core.types import SynthesisCancelled
 from wyoming_cosyvoice.metrics import ServerMetrics, SpeechReport, speech_outcome
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]

@@ -1,4 +1,4 @@
-"""The estimator's float32 Linear and Conv1d layers on oneDNN (engine.onednn_layers): same
+"""The estimator's float32 Linear and Conv1d layers on oneDNN (engine.core.onednn_layers): same
 outputs as ``nn.Linear`` / ``nn.Conv1d`` up to summation order, swapped in by the engine's load
 (the Linears only while the estimator is float32)."""
 
@@ -11,9 +11,8 @@ import torch
 from conftest import ONEDNN_OPS_NEEDED
 from torch import nn
 
-from engine.engine import CosyVoiceEngine
-from engine.flow_estimator import TransformerBlock
-from engine.onednn_layers import (
+from engine.core.estimator_blocks import TransformerBlock
+from engine.core.onednn_layers import (
     OneDnnConv1d,
     OneDnnLinear,
     onednn_conv_available,
@@ -21,6 +20,7 @@ from engine.onednn_layers import (
     use_onednn_convs,
     use_onednn_linears,
 )
+from engine.cosyvoice1.engine import CosyVoiceEngine
 
 TINY = Path(__file__).parent / "data" / "tiny_model"
 

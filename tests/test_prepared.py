@@ -1,4 +1,4 @@
-"""engine.prepared: the files the engine runs from are written once, used as they are, prepared
+"""engine.core.prepared: the files the engine runs from are written once, used as they are, prepared
 again when their checkpoint or torch changes, rebuilt with a warning when damaged, and compute
 exactly what the official checkpoints compute.
 
@@ -20,22 +20,22 @@ from conftest import TINY_MODEL, synthesize_all
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from engine import prepared
 from engine.__main__ import main
-from engine.engine import CosyVoiceEngine
-from engine.flow_estimator import TransformerBlock
-from engine.onednn_layers import use_onednn_convs, use_onednn_linears
-from engine.prepared import (
+from engine.core import prepared
+from engine.core.estimator_blocks import TransformerBlock
+from engine.core.onednn_layers import use_onednn_convs, use_onednn_linears
+from engine.core.prepared import (
     PREPARED_DIR,
     PreparedLoad,
     WeightFormats,
     prepare_model,
     prepared_dirs,
 )
-from engine.quantize import quantize_flow_int8, quantize_lm_int8
-from engine.transformer import ROW_BLOCK, STORED_POSITIONS, RelPosAttention
-from engine.types import SynthesisOptions
-from engine.weights import load_model_dir
+from engine.core.quantize import quantize_flow_int8, quantize_lm_int8
+from engine.core.transformer import ROW_BLOCK, STORED_POSITIONS, RelPosAttention
+from engine.core.types import SynthesisOptions
+from engine.cosyvoice1.engine import CosyVoiceEngine
+from engine.cosyvoice1.model_dir import PARTS, load_model_dir, loaded_models
 
 
 @pytest.fixture(autouse=True)
@@ -80,7 +80,7 @@ def test_prepare_writes_one_file_per_model_and_format(model: Path) -> None:
 
 
 def test_the_files_hold_the_tensors_in_their_run_formats(model: Path) -> None:
-    prepare_model(model, {"llm": ["int8"], "hift": ["fp32", "bf16"]})
+    prepare_model(model, {"llm": ["int8"], "hift": ["fp32", "bf16"]}, parts=PARTS)
     llm, _ = stored(model / PREPARED_DIR / "llm.int8.safetensors")
     # int8 layers: int8 weight and per-channel scales; q, k and v as the one layer they run as.
     assert llm["llm_decoder.weight"].dtype == torch.int8
@@ -110,7 +110,7 @@ def test_the_lm_file_holds_the_positional_rows_computed_at_run_time(
 ) -> None:
     """Each causal layer's rows of its first relative positions, bit for bit the rows the LM
     loaded from its checkpoint computes when it needs them; the flow's layers have none."""
-    prepare_model(model, {"llm": [weights], "flow": ["fp32"]})
+    prepare_model(model, {"llm": [weights], "flow": ["fp32"]}, parts=PARTS)
     llm, _ = stored(model / PREPARED_DIR / f"llm.{weights}.safetensors")
     flow, _ = stored(model / PREPARED_DIR / "flow.fp32.safetensors")
     assert not any(name.endswith("pos_rows") for name in flow)
@@ -136,7 +136,7 @@ def test_a_file_of_the_previous_format_is_prepared_again(
     tensors, key = stored(path)
     older = {name: t for name, t in tensors.items() if not name.endswith("pos_rows")}
     save_file(older, path, metadata={**key, "file_format": "1"})
-    with caplog.at_level(logging.INFO, logger="engine.prepared"):
+    with caplog.at_level(logging.INFO, logger="engine.core.prepared"):
         engine = load(model)
     assert engine.prepared_at_load == ("llm.fp32",)
     assert "file_format" in caplog.text
@@ -192,7 +192,7 @@ def test_a_changed_checkpoint_is_prepared_again(
     checkpoint = model / "flow.pt"
     st = checkpoint.stat()
     os.utime(checkpoint, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
-    with caplog.at_level(logging.INFO, logger="engine.prepared"):
+    with caplog.at_level(logging.INFO, logger="engine.core.prepared"):
         engine = load(model)
     assert engine.prepared_at_load == ("flow.fp32",)
     assert "Preparing flow.fp32" in caplog.text and "source_mtime_ns" in caplog.text
@@ -306,8 +306,8 @@ def _mappings(path: Path) -> int:
 def test_a_mapping_that_served_replaced_weights_is_dropped(model: Path) -> None:
     """oneDNN re-lays the estimator's weights out as copies: the mapping the load read them
     through goes (with its pages), and what the flow still reads is mapped afresh."""
-    loading = PreparedLoad(model, WeightFormats(), model.parent / "cache")
-    models = loading.models()
+    loading = PreparedLoad(model, WeightFormats(), model.parent / "cache", PARTS)
+    models = loaded_models(loading)
     flow_at_load = models.flow.input_embedding.weight.data_ptr()
     llm_at_load = models.llm.text_embedding.weight.data_ptr()
     assert use_onednn_convs(models.flow.decoder.estimator) > 0  # replaced at load, as the engine

@@ -190,7 +190,7 @@ def test_library_rescan_and_model_release(voices_dir: Path, models) -> None:
 
 @pytest.fixture(scope="module")
 def engine():
-    from engine.engine import CosyVoiceEngine
+    from engine.cosyvoice1.engine import CosyVoiceEngine
 
     return CosyVoiceEngine.load(DATA / "tiny_model", threads=1)
 
@@ -236,8 +236,8 @@ def test_a_language_given_by_the_caller_chooses_the_mode(engine, voices_dir: Pat
 
 
 def test_custom_voice_synthesizes_through_the_engine(engine, voices_dir: Path, models) -> None:
-    from engine.constants import HOP, tokens_to_frames
-    from engine.types import SynthesisOptions
+    from engine.core.constants import HOP, tokens_to_frames
+    from engine.core.types import SynthesisOptions
 
     voice = load_voice(voices_dir, "anna", models)
     text = "Good morning."
@@ -270,7 +270,7 @@ def test_engine_synthesize_resolves_a_custom_voice_per_segment(
 ) -> None:
     """The engine's own synthesize(): a custom voice speaks zero-shot and cross-lingual, and
     built-in speakers are untouched (the library gets the tiny ONNX prompt models)."""
-    from engine.types import SynthesisOptions
+    from engine.core.types import SynthesisOptions
 
     engine.custom_voices = VoiceLibrary(voices_dir, models, reserved=engine.speakers)
     try:

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.hparams import load_model_args
-from engine.llm import TransformerLM
-from engine.quantize import next_token_kl, quantize_lm_int8
+from engine.core.quantize import next_token_kl, quantize_lm_int8
+from engine.cosyvoice1.hparams import load_model_args
+from engine.cosyvoice1.llm import TransformerLM
 
 DATA = Path(__file__).parent / "data"
 # Mean KL(fp32 || int8) of the next-token distribution over teacher-forced steps. The tiny
@@ -73,7 +73,7 @@ def test_prepared_int8_weights_are_packed_from_a_view_not_a_copy() -> None:
     packed layer computes exactly what a layer packed from torch's (copying) constructor does."""
     import warnings
 
-    from engine.quantize import _per_channel_view
+    from engine.core.quantize import _per_channel_view
 
     torch.manual_seed(0)
     weight = torch.randint(-127, 128, (48, 32), dtype=torch.int8)
@@ -96,7 +96,7 @@ def test_prepared_int8_weights_are_packed_from_a_view_not_a_copy() -> None:
 @pytest.mark.parametrize("rows", [1, 7])
 def test_the_fused_relu_layer_equals_relu_after_the_layer(rows: int) -> None:
     """forward_relu (the ReLU in the kernel's epilogue) is bit-identical to relu(forward)."""
-    from engine.quantize import int8_linear
+    from engine.core.quantize import int8_linear
 
     torch.manual_seed(5)
     layer = int8_linear(torch.randn(64, 32), torch.randn(64))
@@ -113,7 +113,7 @@ def test_a_qnnpack_layer_is_packed_at_once_and_computes_as_one_packed_at_its_fir
     by torch at its first call does, and still unpacks to its weight."""
     import warnings
 
-    from engine.quantize import SCALE, WEIGHT, _per_channel_view, pack_int8
+    from engine.core.quantize import SCALE, WEIGHT, _per_channel_view, pack_int8
 
     if "qnnpack" not in torch.backends.quantized.supported_engines:
         pytest.skip("this torch build has no QNNPACK kernels")

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.hparams import SamplingArgs
-from engine.sampling import (
+from engine.core.hparams import SamplingArgs
+from engine.core.sampling import (
     argmax_draw,
     forced_sampler,
     nucleus_candidates,

@@ -6,18 +6,21 @@ from __future__ import annotations
 
 import os
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import yaml
 from test_bench import TINY_MODEL, run_bench_json
 
-from engine.constants import SAMPLE_RATE
-from engine.cpu import bf16_native, detect
+from engine.bench.profiles import BUILTIN_PROFILES
+from engine.core.constants import SAMPLE_RATE
+from engine.core.cpu import bf16_native, detect
 from wyoming_cosyvoice.bench import server as launcher
 from wyoming_cosyvoice.bench.__main__ import main as bench_main
 from wyoming_cosyvoice.bench.concurrency import server_command
 from wyoming_cosyvoice.bench.profiles import server_profiles
+from wyoming_cosyvoice.config import load_config
 
 ROOT = Path(__file__).resolve().parent.parent
 TOKENS_PER_S = 50  # speech tokens per second of audio
@@ -45,6 +48,27 @@ def test_the_profiles_are_the_server_configs(tmp_path: Path) -> None:
     assert exact_int8.source.endswith("config.yaml")
     fastest = server_profiles()["fastest"]  # the repository's own
     assert (fastest.n_timesteps, fastest.cfg_rate, fastest.flow_weights) == (4, 0.0, "int8")
+
+
+def test_the_engines_own_profiles_are_the_servers_of_those_names() -> None:
+    # python -m engine.bench cannot read the server's settings: its realtime and quality must
+    # measure what a server with its default settings runs under those names.
+    server = server_profiles()
+    for name, profile in BUILTIN_PROFILES.items():
+        assert replace(profile, source="config.yaml") == server[name], name
+
+
+def test_each_profile_is_measured_in_the_formats_its_server_loads(tmp_path: Path) -> None:
+    config = config_with_exact_int8(tmp_path)
+    fp32_lm = tmp_path / "fp32_lm.yaml"
+    fp32_lm.write_text(config.read_text().replace("lm_weights: int8", "lm_weights: fp32"))
+    for source in (None, config, fp32_lm):
+        for name, profile in server_profiles(source).items():
+            loaded = load_config(source, [("server.profile", name)]).load.weights
+            formats = {"lm": loaded.lm, "flow": loaded.flow, "hift": loaded.hift}
+            assert profile.weight_formats() == formats, name
+    assert {p.lm_weights for p in server_profiles().values()} == {"int8"}  # the default
+    assert {p.lm_weights for p in server_profiles(fp32_lm).values()} == {"fp32"}
 
 
 def test_an_unknown_profile_lists_the_servers(capsys: pytest.CaptureFixture[str]) -> None:
@@ -152,7 +176,6 @@ def test_benchmark_loads_the_profiles_int8_flow_and_reports_its_deviation(
         "exact_int8",
         "--config",
         str(config_with_exact_int8(tmp_path)),
-        "--lm-int8",
         "--tokens",
         "30",
         "--repeats",
@@ -171,6 +194,6 @@ def test_benchmark_loads_the_profiles_int8_flow_and_reports_its_deviation(
         assert 0 < result["wave_rel_l2_vs_exact_hift"] < 0.05
     else:
         assert (result["hift_weights"], result["wave_rel_l2_vs_exact_hift"]) == ("float32", 0)
-    # The first run prepared the int8 weights, the second read them (engine.prepared).
+    # The first run prepared the int8 weights, the second read them (engine.core.prepared).
     prepared = sorted(p.name for p in (model / "prepared").iterdir())
     assert prepared == ["flow.int8.safetensors", f"hift.{hift}.safetensors", "llm.int8.safetensors"]

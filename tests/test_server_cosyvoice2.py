@@ -27,7 +27,7 @@ from conftest import wait_until
 from http_process import record_voice
 from test_http import BackgroundServer, parse_wav
 
-from engine.types import SynthesisOptions
+from engine.core.types import SynthesisOptions
 
 DATA = Path(__file__).parent / "data"
 TINY_V1 = DATA / "tiny_model"
@@ -377,7 +377,7 @@ def test_the_synthesize_command_writes_24_khz(server: SimpleNamespace, tmp_path:
 
 
 def test_a_fast_profile_loads_cosyvoice2_in_its_weight_formats(tmp_path: Path) -> None:
-    from engine.cpu import detect
+    from engine.core.cpu import detect
     from wyoming_cosyvoice.config import load_config
     from wyoming_cosyvoice.model import engine_loader
 
@@ -386,7 +386,8 @@ def test_a_fast_profile_loads_cosyvoice2_in_its_weight_formats(tmp_path: Path) -
                 ("server.data_dirs", [str(data)])]  # fmt: skip
     engine = engine_loader(load_config(None, settings))(data / V2, 1)
     assert engine.kind == "cosyvoice2"
-    # The fast formats this CPU runs (engine.runtime.setup_cpu falls back to float32 otherwise).
+    # The fast formats this CPU runs (engine.core.runtime.setup_cpu falls back to float32
+    # otherwise).
     cpu = detect()
     int8 = ("llm.int8", "flow.int8") if cpu.int8_kernels is not None else ("llm.fp32", "flow.fp32")
     bf16 = ("hift.bf16",) if cpu.bfloat16 else ("hift.fp32",)

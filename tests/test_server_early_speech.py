@@ -15,8 +15,8 @@ from typing import Any
 import numpy as np
 from wyoming.event import Event
 
-from engine.text_feed import TextFeed
-from engine.types import AudioChunk, SynthesisCancelled
+from engine.core.text_feed import TextFeed
+from engine.core.types import AudioChunk, SynthesisCancelled
 
 FIRST = "Turn on the kitchen lights please."
 SECOND = "And the hall."

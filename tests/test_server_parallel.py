@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from engine import thread_budget
+from engine.core import thread_budget
 from wyoming_cosyvoice.scheduler import _Slots
 
 
@@ -167,7 +167,7 @@ def test_an_explicit_thread_count_is_kept_with_parallel_sentences(wy: SimpleName
 
 
 def test_an_exclusive_job_waits_for_every_running_sentence(wy: SimpleNamespace) -> None:
-    from engine.types import SynthesisOptions
+    from engine.core.types import SynthesisOptions
     from wyoming_cosyvoice.scheduler import Scheduler
 
     async def main() -> list[bool]:

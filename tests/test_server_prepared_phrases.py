@@ -143,7 +143,7 @@ def test_the_add_on_options_reach_the_cache_settings() -> None:
     from wyoming_cosyvoice.__main__ import build_parser, config_from_args
 
     def config_of(options: dict[str, Any]) -> Any:
-        args = addon.options_to_args({**addon.DEFAULT_OPTIONS, **options})
+        args = addon.options_to_args(options)  # a missing option is the server's default
         return config_from_args(build_parser().parse_args(args)).cache
 
     default = config_of({})
@@ -153,4 +153,4 @@ def test_the_add_on_options_reach_the_cache_settings() -> None:
     assert chosen.max_mb == 0
     assert chosen.prepare_phrases == ("Good night.", 'Say "hi": now\\n', "晚安。")
     with pytest.raises(ValueError, match="prepared_phrases"):
-        addon.options_to_args({"prepared_phrases": "Good night."})
+        addon.options_to_args({"prepared_phrases": ["Good night.", 1]})

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 from conftest import FakeEngine
 
-from engine.types import AudioChunk, SynthesisOptions
+from engine.core.types import AudioChunk, SynthesisOptions
 from wyoming_cosyvoice.repeat_cache import RepeatCache
 from wyoming_cosyvoice.voice_catalog import Voice, VoiceCatalog
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from engine.types import SynthesisCancelled
+from engine.core.types import SynthesisCancelled
 
 LONG = "A sentence long enough to take a while. " * 10
 

@@ -20,7 +20,7 @@ from conftest import FakeEngine
 from wyoming.event import Event
 from wyoming.info import Describe, Info
 
-from engine.types import AudioChunk
+from engine.core.types import AudioChunk
 from wyoming_cosyvoice.speaker_presets import SPEEDS, STYLES
 
 STYLE_NAMES = list(STYLES)

@@ -46,7 +46,7 @@ class RecordingEngine:
 
 
 def test_streamed_fragments_are_cut_by_the_frontends_splitter(wy: SimpleNamespace) -> None:
-    from engine.engine import CosyVoiceEngine
+    from engine.cosyvoice1.engine import CosyVoiceEngine
     from wyoming_cosyvoice.config import load_config
     from wyoming_cosyvoice.server import create_server
 

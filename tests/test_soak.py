@@ -150,7 +150,7 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def test_soak(wy: SimpleNamespace, tmp_path: Path) -> None:
-    from engine.constants import HOP, tokens_to_frames
+    from engine.core.constants import HOP, tokens_to_frames
 
     port = wy.free_port()
     log_path = tmp_path / "server.log"

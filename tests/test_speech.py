@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 from conftest import TINY_MODEL, FakeEngine, until
 
+from engine.core.types import AudioChunk, EngineError, SynthesisCancelled
 from engine.text.normalize import detect_language
-from engine.types import AudioChunk, EngineError, SynthesisCancelled
 from wyoming_cosyvoice.config import load_config
 from wyoming_cosyvoice.scheduler import Scheduler
 from wyoming_cosyvoice.sentences import SentenceStream, make_splitter, split_text, text_language

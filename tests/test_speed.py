@@ -15,23 +15,24 @@ import torch
 import torch.nn.functional as F
 from conftest import synthesize_all
 
-from engine.constants import HOP
-from engine.cosyvoice2.engine import CosyVoice2Engine
-from engine.cosyvoice2.streaming import SpeechStream, official_hops
-from engine.cosyvoice2.streaming import stream_audio as stream_v2
-from engine.family import load_engine
-from engine.prepared import PREPARED_DIR
-from engine.prompt.extract import PromptFeatures
-from engine.prompt.voices import CustomVoice
-from engine.speed import MelStretcher, stretch_mel
-from engine.streaming import ChunkVocoder, FlowPrompt, stream_audio
-from engine.types import (
+from engine.core.constants import HOP
+from engine.core.prepared import PREPARED_DIR
+from engine.core.speed import MelStretcher, stretch_mel
+from engine.core.streaming import FlowPrompt
+from engine.core.types import (
     LOW_LATENCY_SCHEDULE,
     MAX_SPEED,
     MIN_SPEED,
     InvalidOptionError,
     SynthesisOptions,
 )
+from engine.cosyvoice1.streaming import ChunkVocoder, stream_audio
+from engine.cosyvoice2.engine import CosyVoice2Engine
+from engine.cosyvoice2.streaming import SpeechStream, official_hops
+from engine.cosyvoice2.streaming import stream_audio as stream_v2
+from engine.family import load_engine
+from engine.prompt.extract import PromptFeatures
+from engine.prompt.voices import CustomVoice
 
 DATA = Path(__file__).parent / "data"
 SPEEDS = [0.5, 0.8, 1.25, 2.0]

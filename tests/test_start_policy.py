@@ -6,8 +6,8 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from engine.start_policy import estimate_speech_seconds, hold_until_gapless
-from engine.types import AudioChunk
+from engine.core.start_policy import estimate_speech_seconds, hold_until_gapless
+from engine.core.types import AudioChunk
 
 SR = 22050
 

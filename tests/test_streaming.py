@@ -13,10 +13,11 @@ import pytest
 import torch
 from parity import waveform_atol
 
-from engine import thread_budget
-from engine.streaming import ChunkVocoder, FlowPrompt, stream_audio, whole_audio
-from engine.types import OFFICIAL_SCHEDULE
-from engine.weights import load_model_dir
+from engine.core import thread_budget
+from engine.core.streaming import FlowPrompt
+from engine.core.types import OFFICIAL_SCHEDULE
+from engine.cosyvoice1.model_dir import load_model_dir
+from engine.cosyvoice1.streaming import ChunkVocoder, stream_audio, whole_audio
 
 DATA = Path(__file__).parent / "data"
 FIXTURES = torch.load(DATA / "stream_fixtures.pt", weights_only=True)
@@ -111,7 +112,7 @@ def test_official_nonstream(models, scenario: str) -> None:
 
 def test_a_thread_budget_is_asked_before_each_flow_step_and_hift(models) -> None:
     """A server running sentences side by side changes a sentence's threads between flow
-    steps (engine.thread_budget); the audio must not change with it."""
+    steps (engine.core.thread_budget); the audio must not change with it."""
     tokens, prompt = _case("vc250")
     asked: list[int] = []
     cores = torch.get_num_threads()

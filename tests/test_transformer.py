@@ -9,15 +9,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine import transformer
-from engine.hparams import load_model_args
-from engine.transformer import (
+from engine.core import transformer
+from engine.core.transformer import (
     ROW_BLOCK,
     STORED_POSITIONS,
     RelPosEncoder,
     rel_pos_table,
     store_position_rows,
 )
+from engine.cosyvoice1.hparams import load_model_args
 
 DATA = Path(__file__).parent / "data"
 CASES = ("sft", "zero_shot", "instruct")
@@ -302,7 +302,7 @@ def test_held_rows_equal_the_rows_computed_at_run_time(args, llm_sd):
         with torch.inference_mode():
             at_run_time = torch.stack(other.self_attn._row_blocks(blocks))
         assert torch.equal(rows, at_run_time)
-        pos, _ = transformer._rel_pos_tables(attention.linear_pos.in_features, STORED_POSITIONS)
+        pos, _ = transformer.rel_pos_tables(attention.linear_pos.in_features, STORED_POSITIONS)
         w = attention.linear_pos.weight
         with torch.no_grad():  # relative positions STORED_POSITIONS-1 … 0
             whole = F.linear(pos[:STORED_POSITIONS].flip(0), w) * (1.0 / math.sqrt(attention.d_k))

@@ -1,5 +1,5 @@
 """An engine loaded with extra weight formats serves each request in the format it asks for,
-and tells a listener what each stage cost (engine.stage_times).
+and tells a listener what each stage cost (engine.core.stage_times).
 
 The `auto` profile rests on both: one process holds the float32 and int8 flows (and HiFT in
 float32 and bfloat16), and the costs it chooses by are the ones the engine measured.
@@ -17,16 +17,16 @@ import pytest
 import torch
 from conftest import INT8_KERNELS_NEEDED
 
-from engine.cpu import detect
-from engine.engine import CosyVoiceEngine
+from engine.core.cpu import detect
+from engine.core.lm_thread import LmTokens
+from engine.core.prepared import PREPARED_DIR
+from engine.core.runtime import weight_pairs
+from engine.core.stage_times import StageTime
+from engine.core.types import SynthesisOptions
+from engine.cosyvoice1.engine import CosyVoiceEngine
 from engine.family import load_engine
-from engine.lm_thread import LmTokens
-from engine.prepared import PREPARED_DIR
 from engine.prompt.extract import PromptFeatures
 from engine.prompt.voices import CustomVoice
-from engine.runtime import weight_pairs
-from engine.stage_times import StageTime
-from engine.types import SynthesisOptions
 
 DATA = Path(__file__).parent / "data"
 TINY = DATA / "tiny_model"
@@ -164,7 +164,7 @@ def test_the_lm_time_is_its_own_not_the_consumers() -> None:
             clock[0] += 0.1
             yield token
 
-    import engine.lm_thread as lm_thread
+    import engine.core.lm_thread as lm_thread
 
     real = lm_thread.time.perf_counter
     lm_thread.time.perf_counter = lambda: clock[0]  # type: ignore[assignment]

@@ -11,9 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.hparams import ModelConfigError, load_model_args, read_model_yaml
-from engine.types import ModelLoadError
-from engine.weights import load_model_dir, load_speakers, read_state_dict
+from engine.core.hparams import ModelConfigError, read_model_yaml
+from engine.core.types import ModelLoadError
+from engine.core.weights import read_state_dict
+from engine.cosyvoice1.hparams import load_model_args
+from engine.cosyvoice1.model_dir import load_model_dir, load_speakers
 
 DATA = Path(__file__).parent / "data"
 TINY = DATA / "tiny_model"
@@ -66,9 +68,9 @@ def _folded_manifest_keys(entries: list[dict]) -> dict[str, tuple[int, ...]]:
 
 
 def test_full_size_modules_match_manifest() -> None:
-    from engine.flow import FlowModel
-    from engine.hift import HiFTGenerator
-    from engine.llm import TransformerLM
+    from engine.core.hift import HiFTGenerator
+    from engine.cosyvoice1.flow import FlowModel
+    from engine.cosyvoice1.llm import TransformerLM
 
     manifest = json.loads((DATA / "manifest_300m.json").read_text())
     args = load_model_args(DATA / "cosyvoice_300m.yaml")

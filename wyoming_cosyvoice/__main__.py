@@ -78,7 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="LM decoder weights: int8 (default, 3x faster), int4 (half int8's bytes where the "
         "CPU has a fast int4 kernel; docs/dev/int4.md) or fp32 (exact official maths)",
     )
-    add("--threads", type=int, help="CPU threads for the engine")
+    add("--threads", type=int, help="CPU threads for the engine at most (0: all cores)")
     add(
         "--parallel-sentences",
         type=int,
@@ -160,7 +160,7 @@ def import_engine() -> str | None:
     thread, mostly runs outside the GIL.
     """
     try:
-        import engine.engine  # noqa: F401
+        import engine.cosyvoice1.engine  # noqa: F401
     except ImportError as err:
         return f"cannot import the engine: {err}"
     return None

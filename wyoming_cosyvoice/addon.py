@@ -20,9 +20,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from engine.types import MAX_SPEED, MIN_SPEED
-from wyoming_cosyvoice.config import AUTO_PROFILE, packaged_settings
-from wyoming_cosyvoice.loudness import VOLUME_RANGE
+import yaml
+
+from wyoming_cosyvoice.config import ConfigError, load_config, packaged_settings, parse_override
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -34,78 +34,87 @@ OPTIONS_FILE = Path("/data/options.json")
 DATA_DIR = Path("/data")
 SHARE_DIR = Path("/share/cosyvoice")
 
-MODELS = ("CosyVoice-300M-SFT", "CosyVoice2-0.5B", "CosyVoice-300M", "CosyVoice-300M-Instruct")
-# The server's profiles: auto, then settings.yaml's in its order (the manifest's list must
-# match, a test checks).
-PROFILES = (AUTO_PROFILE, *packaged_settings()["profiles"])
-
-# Must equal `options:` in addon/config.yaml (a test checks it). Used when a key is missing from
-# options.json, e.g. an add-on updated from an older version that did not have the option yet.
-DEFAULT_OPTIONS: dict[str, Any] = {
-    "model": "CosyVoice-300M-SFT",
-    "voice": "",
-    "profile": AUTO_PROFILE,
-    "threads": 0,
-    "parallel_sentences": 1,
-    "streaming": True,
-    "early_speech": True,
-    "volume": 1.0,
-    "speed": 1.0,
-    "preset_voices": [],
-    "repeat_cache_mb": 64,
-    "prepared_phrases": [],
-    "debug_logging": False,
+# The options, their defaults and their types are addon/config.yaml's; every default is the
+# server's, from settings.yaml (a test checks each option against the setting it sets). An option
+# sets the server setting of its own name (`voice` sets server.voice), except these, whose names
+# existing installs have saved:
+RENAMED_OPTIONS = {
+    "repeat_cache_mb": "cache.max_mb",
+    "prepared_phrases": "cache.prepare_phrases",
+    "debug_logging": "server.debug",
 }
-# Optional options (schema `?`) that have no default and are simply absent when unset.
-OPTIONAL_OPTIONS = ("seed", "hub_endpoint", "stt_uri")
+# `streaming` turns streaming input off for whichever profile runs: the server's --no-streaming.
+STREAMING_OPTION = "streaming"
+# Server settings the add-on sets itself (its folders, its port, its page): no option changes them.
+FIXED_SETTINGS = ("uri", "model_dir", "data_dirs", "download_dir", "voices_dir", "web_voice_maker")
+_SETTINGS = packaged_settings()
 
 
-def _choice(options: Mapping[str, Any], key: str, allowed: Sequence[str]) -> str:
-    value = options.get(key, DEFAULT_OPTIONS[key])
-    if value not in allowed:
-        raise ValueError(f"option {key!r}: {value!r} is not one of {', '.join(allowed)}")
-    return str(value)
+def option_setting(option: str) -> str | None:
+    """The settings.yaml key (``section.name``) an add-on option sets; None for an option the
+    add-on does not know (and for ``streaming``, a flag)."""
+    if option in RENAMED_OPTIONS:
+        return RENAMED_OPTIONS[option]
+    if option in _SETTINGS["server"] and option not in FIXED_SETTINGS:
+        return f"server.{option}"
+    return None
 
 
-def _int(options: Mapping[str, Any], key: str, default: int | None) -> int | None:
-    value = options.get(key, default)
-    if value is None or value == "":
-        return None
-    # bool is an int subclass; a `true` here is a mistake, not 1.
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"option {key!r}: {value!r} is not a whole number >= 0")
+def setting_default(key: str) -> Any:
+    """settings.yaml's value of a ``section.name`` key."""
+    section, name = key.split(".")
+    return _SETTINGS[section][name]
+
+
+def setting_value(value: Any) -> Any:
+    """An option's value as the server reads it: a text without the spaces around it, a blank
+    text (a field left empty in the UI) as null, and a list without its blank entries."""
+    if isinstance(value, str):
+        return value.strip() or None
+    if isinstance(value, list):
+        return [item for item in map(setting_value, value) if item is not None]
     return value
 
 
-def _bool(options: Mapping[str, Any], key: str) -> bool:
-    value = options.get(key, DEFAULT_OPTIONS[key])
-    if not isinstance(value, bool):
-        raise ValueError(f"option {key!r}: {value!r} is not true or false")
-    return value
+def _yaml_text(value: Any) -> str:
+    """``value`` as ``--set`` reads it back (a YAML value): plain where that reads back the same
+    text, else JSON (which is YAML)."""
+    if isinstance(value, str):
+        try:
+            if yaml.safe_load(value) == value:
+                return value
+        except yaml.YAMLError:
+            pass
+    return json.dumps(value, ensure_ascii=False)
 
 
-def _volume(options: Mapping[str, Any]) -> float:
-    value = options.get("volume", DEFAULT_OPTIONS["volume"])
-    low, high = VOLUME_RANGE
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
-        raise ValueError(f"option 'volume': {value!r} is not a number from {low:g} to {high:g}")
-    return float(value)
+def _settings_args(options: Mapping[str, Any]) -> list[str]:
+    """``--set KEY=VALUE`` for each option whose value is not the server's default, checked by
+    the server's own settings; a bad value raises ValueError naming the option."""
+    changed: dict[str, str] = {}  # option -> "key=value"
+    for option, value in options.items():
+        key, wanted = option_setting(option), setting_value(value)
+        if key is not None and wanted is not None and not _is_default(wanted, key):
+            changed[option] = f"{key}={_yaml_text(wanted)}"
+    try:
+        load_config(None, [parse_override(item) for item in changed.values()])
+    except ConfigError as err:
+        named = next(
+            (o for o, item in changed.items() if _names(err.key, item.partition("=")[0])), None
+        )
+        raise ValueError(f"option {named!r}: {err.problem}" if named else str(err)) from err
+    return [arg for item in changed.values() for arg in ("--set", item)]
 
 
-def _phrases(options: Mapping[str, Any]) -> list[str]:
-    value = options.get("prepared_phrases") or []
-    if not isinstance(value, list) or not all(isinstance(p, str) for p in value):
-        raise ValueError(f"option 'prepared_phrases': {value!r} is not a list of texts")
-    return [p.strip() for p in value if p.strip()]
+def _is_default(value: Any, key: str) -> bool:
+    """Whether ``value`` is settings.yaml's for ``key`` (``true`` is not a count of 1)."""
+    default = setting_default(key)
+    return bool(value == default and type(value) is type(default))
 
 
-def _speed(options: Mapping[str, Any]) -> float:
-    value = options.get("speed", DEFAULT_OPTIONS["speed"])
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"option 'speed': {value!r} is not a number")
-    if not MIN_SPEED <= value <= MAX_SPEED:
-        raise ValueError(f"option 'speed': {value!r} is not from {MIN_SPEED:g} to {MAX_SPEED:g}")
-    return float(value)
+def _names(error_key: str, key: str) -> bool:
+    """Whether a settings error about ``error_key`` is about ``key`` (or an entry of it)."""
+    return error_key == key or error_key.startswith((f"{key}[", f"{key}."))
 
 
 def options_to_args(
@@ -118,69 +127,29 @@ def options_to_args(
 ) -> list[str]:
     """Map the add-on options (``/data/options.json``) to ``wyoming-cosyvoice`` arguments.
 
-    Pure: reads nothing, writes nothing. Raises ValueError naming the option on a bad value.
-    Unknown keys are ignored (the Supervisor may keep options of an older add-on version).
+    Reads only the package's settings, writes nothing. Raises ValueError naming the option on
+    a bad value.
+    A missing option is the server's default; unknown keys are ignored (the Supervisor may keep
+    options of an older add-on version).
     """
     data, share = Path(data_dir), Path(share_dir)
     args = [
         "--uri", uri,
-        "--model", _choice(options, "model", MODELS),
         # Downloads land in /data (persistent); models placed by hand in /share are found too.
         "--data-dir", str(data / "models"),
         "--data-dir", str(share / "models"),
         "--download-dir", str(data / "models"),
         "--voices-dir", str(share / "voices"),
-        "--profile", _choice(options, "profile", PROFILES),
         "--http-port", str(http_port),
         # the page that saves voices is behind Home Assistant's login (ingress)
         "--web-voice-maker",
     ]  # fmt: skip
-    voice = str(options.get("voice") or "").strip()
-    if voice:
-        args += ["--voice", voice]
-    threads = _int(options, "threads", DEFAULT_OPTIONS["threads"])
-    if threads:  # 0 = let the server pick (all cores)
-        args += ["--threads", str(threads)]
-    parallel = _int(options, "parallel_sentences", DEFAULT_OPTIONS["parallel_sentences"])
-    if parallel is not None and parallel != 1:
-        if parallel < 1:
-            raise ValueError(f"option 'parallel_sentences': {parallel!r} is not 1 or more")
-        args += ["--parallel-sentences", str(parallel)]
-    if not _bool(options, "streaming"):
+    args += _settings_args(options)
+    streaming = options.get(STREAMING_OPTION)
+    if streaming is False:
         args.append("--no-streaming")
-    if not _bool(options, "early_speech"):  # CosyVoice2: wait for each sentence's end
-        args += ["--set", "server.early_speech=false"]
-    seed = _int(options, "seed", None)
-    if seed is not None:
-        args += ["--seed", str(seed)]
-    endpoint = str(options.get("hub_endpoint") or "").strip()
-    if endpoint:
-        # A Hugging Face mirror, for networks where huggingface.co is unreachable (e.g. China).
-        if not endpoint.startswith(("http://", "https://")):
-            raise ValueError(f"option 'hub_endpoint': {endpoint!r} is not an http(s) URL")
-        args += ["--hub-endpoint", endpoint.rstrip("/")]
-    stt_uri = str(options.get("stt_uri") or "").strip()
-    if stt_uri:
-        # A Wyoming speech-to-text server for the web page's new voices, e.g. the Whisper add-on.
-        if not stt_uri.startswith(("tcp://", "unix://")):
-            raise ValueError(f"option 'stt_uri': {stt_uri!r} is not a Wyoming address such as "
-                             "tcp://core-whisper:10300")  # fmt: skip
-        args += ["--stt-uri", stt_uri]
-    volume = _volume(options)
-    if volume != 1.0:  # a factor on the loudness every voice is brought to
-        args += ["--set", f"server.volume={volume:g}"]
-    speed = _speed(options)
-    if speed != 1.0:  # the speed of Assist pipelines and of calls that name none
-        args += ["--set", f"server.speed={speed:g}"]
-    if presets := options.get("preset_voices"):  # checked by the server's settings
-        args += ["--set", f"server.preset_voices={json.dumps(presets)}"]
-    cache_mb = _int(options, "repeat_cache_mb", DEFAULT_OPTIONS["repeat_cache_mb"])
-    if cache_mb is not None and cache_mb != DEFAULT_OPTIONS["repeat_cache_mb"]:
-        args += ["--set", f"cache.max_mb={cache_mb}"]  # 0 = off
-    if phrases := _phrases(options):  # JSON is a YAML value --set reads
-        args += ["--set", f"cache.prepare_phrases={json.dumps(phrases)}"]
-    if _bool(options, "debug_logging"):
-        args.append("--debug")
+    elif streaming is not None and streaming is not True:
+        raise ValueError(f"option {STREAMING_OPTION!r}: {streaming!r} is not true or false")
     return args
 
 
@@ -211,14 +180,16 @@ def read_options(path: Path) -> dict[str, Any]:
     """Read options.json; a missing file means defaults (e.g. running the image by hand)."""
     if not path.exists():
         _LOGGER.warning("%s not found, using the default options", path)
-        return dict(DEFAULT_OPTIONS)
+        return {}
     try:
         options = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as err:
         raise ValueError(f"cannot read {path}: {err}") from err
     if not isinstance(options, dict):
         raise ValueError(f"{path} does not hold a JSON object")
-    unknown = sorted(set(options) - set(DEFAULT_OPTIONS) - set(OPTIONAL_OPTIONS))
+    unknown = sorted(
+        key for key in options if key != STREAMING_OPTION and option_setting(key) is None
+    )
     if unknown:
         _LOGGER.warning("ignoring unknown options: %s", ", ".join(unknown))
     return options

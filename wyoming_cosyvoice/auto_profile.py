@@ -20,7 +20,7 @@ The prediction follows one request through its chunks (:func:`plan_chunks`, the 
 hop sizes), with the stages one after the other: the LM's tokens up to a chunk, then its flow and
 HiFT. The LM thread beside the vocoder shares the same cores, so that is close on a small box
 and errs slow on a big one. The text's spoken length is the engine's rough estimate from its
-words and characters (engine.start_policy).
+words and characters (engine.core.start_policy).
 """
 
 from __future__ import annotations
@@ -33,9 +33,9 @@ from dataclasses import dataclass, field, replace
 from itertools import islice
 from typing import Any
 
-from engine.stage_times import flow_passes
-from engine.start_policy import estimate_speech_seconds
-from engine.types import StreamSchedule
+from engine.core.stage_times import flow_passes
+from engine.core.start_policy import estimate_speech_seconds
+from engine.core.types import StreamSchedule
 from wyoming_cosyvoice.config import AutoSettings, ProfileConfig
 from wyoming_cosyvoice.stage_costs import CostMeter, StageCosts
 
@@ -76,10 +76,10 @@ class Geometry:
     def hops(self, schedule: StreamSchedule) -> Iterator[int]:
         """New tokens per streamed chunk, as the engine cuts them."""
         if self.family != "cosyvoice2":
-            from engine.streaming import hop_sizes
+            from engine.cosyvoice1.streaming import hop_sizes
 
             return hop_sizes(schedule)
-        from engine.cosyvoice2.engine import chunk_hops
+        from engine.cosyvoice2.schedule import chunk_hops
         from engine.cosyvoice2.streaming import official_hops
 
         if schedule.name == "official":
@@ -92,7 +92,7 @@ class Geometry:
         prompt's unfinished attention chunk; v1: none)."""
         if self.family != "cosyvoice2" or schedule.name == "official":
             return 0
-        from engine.cosyvoice2.engine import prompt_tail
+        from engine.cosyvoice2.schedule import prompt_tail
 
         rate = int(self.token_rate)
         return prompt_tail(schedule, self.chunk_tokens, self.lookahead_tokens, rate)

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from engine.types import SynthesisOptions
+from engine.core.types import SynthesisOptions
 from wyoming_cosyvoice.config import ServerConfig
 from wyoming_cosyvoice.download import (
     FAMILY_MODELS,
@@ -85,10 +85,10 @@ def make_missing_voices(
 def _make_voices(
     model_dir: Path, config: ServerConfig, folder: Path, cache_dir: Path | None
 ) -> None:
+    from engine.core.runtime import give_back_free_heap
+    from engine.cosyvoice1.engine import CosyVoiceEngine
     from engine.cosyvoice2.builtin_voices import make_builtin_voices
     from engine.cosyvoice2.prompt import prompt_models
-    from engine.engine import CosyVoiceEngine
-    from engine.runtime import give_back_free_heap
 
     offline, endpoint = config.offline, config.hub_endpoint
     source_dir = ensure_model(

@@ -25,8 +25,8 @@ from typing import Any
 
 import yaml
 
-from engine.start_policy import START_POLICIES
-from engine.types import (
+from engine.core.start_policy import START_POLICIES
+from engine.core.types import (
     LOW_LATENCY_SCHEDULE,
     MAX_SPEED,
     MIN_SPEED,
@@ -59,6 +59,7 @@ class ConfigError(ValueError):
     def __init__(self, key: str, problem: str) -> None:
         super().__init__(f"config key '{key}': {problem}")
         self.key = key
+        self.problem = problem
 
 
 @dataclass(frozen=True)
@@ -185,7 +186,7 @@ class CacheConfig:
     """The repeat cache of recently spoken sentences; see settings.yaml."""
 
     max_mb: float  # 0 = off
-    prepare_phrases: tuple[str, ...] = ()
+    prepare_phrases: tuple[str, ...]
 
     @property
     def max_bytes(self) -> int:
@@ -194,6 +195,12 @@ class CacheConfig:
 
 @dataclass(frozen=True)
 class ServerConfig:
+    """Every setting, checked. The fields named like a key of settings.yaml's ``server:`` hold
+    that key; their default is in settings.yaml only. A plain ``bool``/``str``/``int``/``float``
+    field (numbers: positive) or one of ``str | None``/``int | None``/``Path | None`` is checked
+    by its type alone (``_server_kinds``), so a new setting of such a type needs no other line
+    here."""
+
     uri: str
     model: str
     model_dir: Path | None
@@ -201,12 +208,19 @@ class ServerConfig:
     download_dir: Path | None
     voices_dir: Path | None
     voices_rescan_s: float
+    stt_uri: str | None  # Wyoming speech-to-text for new voices' transcripts
+    web_voice_maker: bool  # the web page may save new voices into voices_dir
     voice: str | None
     profile: ProfileConfig
     lm_weights: str
-    threads: int | None
+    threads: int | None  # None: every core (settings.yaml's 0)
     parallel_sentences: int
     samples_per_chunk: int
+    loudness: float | None  # LUFS every voice is brought to; None = as the model makes it
+    volume: float  # a factor on that level
+    speed: float  # speaking speed of a request that asks for none
+    preset_voices: tuple[str, ...]  # presets every voice is also listed at (describe)
+    early_speech: bool  # speak a streamed sentence while it arrives (engines that can)
     zeroconf: str | None
     seed: int | None
     warmup: bool
@@ -214,21 +228,15 @@ class ServerConfig:
     offline: bool
     debug: bool
     log_format: str
+    # The other sections of settings.yaml.
     limits: Limits
     profiles: dict[str, ProfileConfig]
-    cache: CacheConfig = CacheConfig(max_mb=0)
-    auto: AutoSettings | None = None  # the auto: section (the auto profile's choice)
+    cache: CacheConfig
+    auto: AutoSettings  # the auto: section (the auto profile's choice)
     # Benchmarks and tests only, set in code by their launchers (wyoming_cosyvoice.bench.server),
     # never by a user: speech tokens per sentence, so that a random-weight model, which never
     # ends an utterance by itself, gives fixed-length audio.
     force_tokens: int | None = None
-    stt_uri: str | None = None  # Wyoming speech-to-text for new voices' transcripts
-    web_voice_maker: bool = False  # the web page may save new voices into voices_dir
-    loudness: float | None = None  # LUFS every voice is brought to; None = as the model makes it
-    volume: float = 1.0  # a factor on that level
-    speed: float = 1.0  # speaking speed of a request that asks for none
-    early_speech: bool = True  # speak a streamed sentence while it arrives (engines that can)
-    preset_voices: tuple[str, ...] = ()  # presets every voice is also listed at (describe)
 
     @property
     def effective_download_dir(self) -> Path:
@@ -261,7 +269,7 @@ class ServerConfig:
     def auto_candidates(self) -> list[ProfileConfig]:
         """What the server's ``auto`` profile chooses from, the most exact first (none when the
         server runs a fixed profile)."""
-        if self.profile.name != AUTO_PROFILE or self.auto is None:
+        if self.profile.name != AUTO_PROFILE:
             return []
         return [self.profiles[name] for name in self.auto.profiles]
 
@@ -413,33 +421,32 @@ def _section(raw: dict[str, Any], name: str, allowed: Iterable[str]) -> dict[str
     return section
 
 
-_SERVER_KINDS = {
-    "uri": "str",
-    "model": "str",
-    "model_dir": "path?",
-    "download_dir": "path?",
-    "voices_dir": "path?",
-    "voices_rescan_s": "float+",
-    "stt_uri": "str?",
-    "web_voice_maker": "bool",
-    "voice": "str?",
-    "profile": "str",
-    "lm_weights": "str",
-    "threads": "int+?",
-    "parallel_sentences": "int+",
-    "samples_per_chunk": "int+",
-    "zeroconf": "str?",
-    "seed": "int?",
-    "warmup": "bool",
-    "hub_endpoint": "str?",
-    "offline": "bool",
-    "debug": "bool",
-    "log_format": "str",
-    "speed": "float+",
-    "early_speech": "bool",
+# How a plain server setting is checked, by the type of its ServerConfig field.
+_KIND_OF_TYPE = {
+    "bool": "bool",
+    "int": "int+",
+    "float": "float+",
+    "str": "str",
+    "str | None": "str?",
+    "int | None": "int?",
+    "Path | None": "path?",
 }
-# server keys checked apart from the scalars above
-_SERVER_LISTS_AND_RANGES = ("data_dirs", "loudness", "volume", "preset_voices")
+# ServerConfig fields that are not server settings: the other sections and force_tokens.
+_NOT_SERVER_SETTINGS = ("limits", "profiles", "cache", "auto", "force_tokens")
+# Server settings with a check of their own in build_config.
+_CHECKED_APART = ("profile", "data_dirs", "threads", "loudness", "volume", "preset_voices")
+
+
+def _server_kinds() -> dict[str, str]:
+    """The plain server settings and their kinds (``_check``), from ServerConfig's fields."""
+    skipped = (*_NOT_SERVER_SETTINGS, *_CHECKED_APART)
+    kinds = {f.name: _KIND_OF_TYPE.get(str(f.type)) for f in fields(ServerConfig)}
+    if untyped := [name for name, kind in kinds.items() if kind is None and name not in skipped]:
+        raise AssertionError(f"ServerConfig fields with no check: {untyped}")
+    return {name: kind for name, kind in kinds.items() if kind and name not in skipped}
+
+
+_SERVER_KINDS = _server_kinds()
 _SECTIONS = ("server", "profiles", "limits", "cache", AUTO_PROFILE)
 _SCHEDULE_KINDS = {"first_hop": "int+", "growth": "float+", "max_hop": "int+", "overlap": "int"}
 
@@ -579,7 +586,7 @@ def build_config(raw: dict[str, Any]) -> ServerConfig:
     for key in raw:
         if key not in _SECTIONS:
             raise ConfigError(key, f"unknown section (known: {', '.join(_SECTIONS)})")
-    server = _section(raw, "server", [*_SERVER_KINDS, *_SERVER_LISTS_AND_RANGES])
+    server = _section(raw, "server", [*_SERVER_KINDS, *_CHECKED_APART])
     values = {
         key: _check(f"server.{key}", server.get(key), kind) for key, kind in _SERVER_KINDS.items()
     }
@@ -602,16 +609,22 @@ def build_config(raw: dict[str, Any]) -> ServerConfig:
     profiles = {str(name): _profile(str(name), prof) for name, prof in profiles_raw.items()}
     _one_of("server.lm_weights", values["lm_weights"], LM_WEIGHTS)
     auto = _auto(raw, profiles)
-    profile = _server_profile(values.pop("profile"), profiles, auto)
+    profile_name = _check("server.profile", server.get("profile"), "str")
+    profile = _server_profile(profile_name, profiles, auto)
 
     for key in ("uri", "stt_uri"):
         uri = values[key]
         if uri is not None and not uri.startswith(("tcp://", "unix://")):
             raise ConfigError(f"server.{key}", f"must start with tcp:// or unix://, not {uri!r}")
+    if (endpoint := values["hub_endpoint"]) is not None:
+        if not endpoint.startswith(("http://", "https://")):
+            raise ConfigError("server.hub_endpoint", f"must be an http(s) URL, not {endpoint!r}")
+        values["hub_endpoint"] = endpoint.rstrip("/")  # the hub client appends "/<repo>/..."
     return ServerConfig(
         **values,
         data_dirs=dirs,
         profile=profile,
+        threads=_threads(server.get("threads")),
         auto=auto,
         limits=_limits(raw),
         profiles=profiles,
@@ -620,6 +633,15 @@ def build_config(raw: dict[str, Any]) -> ServerConfig:
         volume=_number_in("server.volume", server.get("volume"), VOLUME_RANGE),
         preset_voices=_preset_voices(server.get("preset_voices")),
     )
+
+
+def _threads(value: Any) -> int | None:
+    """``server.threads``: at most this many threads; 0 = every core (None). ``null``, the
+    spelling of "every core" in settings files written before 0 was, still reads as 0."""
+    count = _check("server.threads", 0 if value is None else value, "int")
+    if count < 0:
+        raise ConfigError("server.threads", f"must be 0 (every core) or more, not {count!r}")
+    return count or None
 
 
 def _preset_voices(value: Any) -> tuple[str, ...]:

@@ -33,10 +33,10 @@ from wyoming.event import Event, async_write_event
 from wyoming.info import Attribution, Describe, Info, TtsProgram, TtsVoice, TtsVoiceSpeaker
 from wyoming.tts import SynthesizeStopped
 
+from engine.core.text_feed import TextFeed
+from engine.core.types import EngineError, SynthesisCancelled
+from engine.core.types import UnknownSpeakerError as EngineUnknownSpeaker
 from engine.text.errors import TextInputError
-from engine.text_feed import TextFeed
-from engine.types import EngineError, SynthesisCancelled
-from engine.types import UnknownSpeakerError as EngineUnknownSpeaker
 from wyoming_cosyvoice import __version__
 from wyoming_cosyvoice.config import ServerConfig
 from wyoming_cosyvoice.protocol import (

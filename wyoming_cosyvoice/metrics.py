@@ -25,7 +25,7 @@ from typing import Protocol
 
 import numpy as np
 
-from engine.types import SynthesisCancelled
+from engine.core.types import SynthesisCancelled
 
 _LOGGER = logging.getLogger(__name__)
 RECENT_REQUESTS = 50  # the sliding window of the recent quantiles and the web page's chart

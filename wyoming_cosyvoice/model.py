@@ -25,8 +25,8 @@ _LOGGER = logging.getLogger(__name__)
 
 def resolve_model_dir(config: ServerConfig) -> Path:
     """--model-dir as given (checked), else found in the data dirs or downloaded."""
+    from engine.core.types import ModelLoadError
     from engine.family import model_family
-    from engine.types import ModelLoadError
     from wyoming_cosyvoice.download import (
         ModelNotFoundError,
         ensure_model,
@@ -88,8 +88,8 @@ def model_family_name(model_dir: Path) -> str:
 
     A directory of no known family counts as v1's here: its load reports what is wrong.
     """
+    from engine.core.types import ModelLoadError
     from engine.family import model_family
-    from engine.types import ModelLoadError
 
     try:
         return model_family(model_dir).name

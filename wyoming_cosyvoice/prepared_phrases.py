@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from engine.types import EngineError, SynthesisCancelled
+from engine.core.types import EngineError, SynthesisCancelled
 from wyoming_cosyvoice.config import ServerConfig
 from wyoming_cosyvoice.protocol import ClientError
 from wyoming_cosyvoice.scheduler import Scheduler

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engine.types import AudioChunk, SynthesisOptions
+from engine.core.types import AudioChunk, SynthesisOptions
 from wyoming_cosyvoice.voice_catalog import Voice
 
 REPLAY_PIECE_S = 0.5  # a stored sentence is handed out in pieces of this length

@@ -22,9 +22,9 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from engine.constants import SAMPLE_RATE
-from engine.text_feed import TextFeed
-from engine.types import AudioChunk, SynthesisCancelled, SynthesisOptions
+from engine.core.constants import SAMPLE_RATE
+from engine.core.text_feed import TextFeed
+from engine.core.types import AudioChunk, SynthesisCancelled, SynthesisOptions
 from wyoming_cosyvoice.loudness import VoiceLevels
 from wyoming_cosyvoice.metrics import ServerMetrics
 from wyoming_cosyvoice.protocol import ServerBusyError
@@ -39,7 +39,7 @@ _LOGGER = logging.getLogger(__name__)
 
 
 class Engine(Protocol):
-    """The part of ``engine.engine.CosyVoiceEngine`` the server uses."""
+    """The part of ``engine.cosyvoice1.engine.CosyVoiceEngine`` the server uses."""
 
     speakers: list[str]
     kind: str
@@ -416,7 +416,7 @@ def _with_threads(budget: Callable[[], int] | None, fn: Callable[[], Any]) -> An
     """``fn()`` after setting this thread's torch thread count to ``budget()`` (None: as it
     is). Also for engines that do not ask the budget themselves."""
     if budget is not None:
-        from engine.thread_budget import apply_thread_budget  # torch: loaded by the engine
+        from engine.core.thread_budget import apply_thread_budget  # torch: loaded by the engine
 
         apply_thread_budget(budget)
     return fn()

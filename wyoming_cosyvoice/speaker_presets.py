@@ -6,7 +6,7 @@ options ``voice`` + ``speaker``), and ``describe`` lists each voice's ``speakers
 is how a call asks for a speed or a style:
 
 * speeds, for every model: ``slow`` (0.8), ``normal`` (1.0), ``fast`` (1.25); 1.25 and its
-  inverse 0.8 are as far as speech stays natural with the mel resampled in time (engine.speed);
+  inverse 0.8 are as far as speech stays natural with the mel resampled in time (engine.core.speed);
 * styles, for the models that take an instruction (CosyVoice-300M-Instruct, CosyVoice2-0.5B):
   ``calm``, ``cheerful``, ``sad``, ``serious``, each an instruction in the form that model was
   trained on (v1: an English description of the speaker; CosyVoice2: a short Chinese request,

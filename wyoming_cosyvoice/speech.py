@@ -36,9 +36,9 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
+from engine.core.text_feed import TextFeed
+from engine.core.types import AudioChunk, EngineError, SynthesisCancelled, SynthesisOptions
 from engine.text.normalize import detect_language
-from engine.text_feed import TextFeed
-from engine.types import AudioChunk, EngineError, SynthesisCancelled, SynthesisOptions
 from wyoming_cosyvoice.config import AUTO_PROFILE, Limits, ProfileConfig
 from wyoming_cosyvoice.loudness import SentenceLevel
 from wyoming_cosyvoice.metrics import SpeechReport, speech_outcome

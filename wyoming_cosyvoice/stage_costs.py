@@ -1,6 +1,6 @@
 """This machine's cost per stage of synthesis, measured by the engine and kept up to date.
 
-The engine times each piece of work it does (engine.stage_times): the LM's way to its first
+The engine times each piece of work it does (engine.core.stage_times): the LM's way to its first
 token and each token after it, each flow call (its units: mel frames·ODE steps·batch rows) in
 each weight format, each HiFT call (seconds of audio) in each format. :class:`CostMeter` keeps
 a running fit of each (an exponentially weighted one: recent calls count most, one odd call
@@ -29,7 +29,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from engine.stage_times import StageTime
+from engine.core.stage_times import StageTime
 
 # The weight of a new measurement in its running fit. The LM reports once per sentence, the
 # flow and HiFT once per chunk, so their calls weigh less: a request moves their fit about as
@@ -143,8 +143,8 @@ class StageCosts:
 
 def free_cores_now(threads: int | None) -> int:
     """The threads a sentence gets now: the configured count (None: every core torch uses),
-    no more than the cores other processes leave free (engine.thread_budget)."""
-    from engine.thread_budget import threads_now  # torch: loaded by the engine by then
+    no more than the cores other processes leave free (engine.core.thread_budget)."""
+    from engine.core.thread_budget import threads_now  # torch: loaded by the engine by then
 
     return threads_now(None) if threads is None else min(threads, threads_now(None))
 

@@ -173,7 +173,7 @@ async def speak(config: ServerConfig, model_dir: Path, segments: list[Sentence],
                 voices: VoiceChoice, args: argparse.Namespace,
                 output: FileOutput) -> int:  # fmt: skip
     """Load the model, then speak ``segments`` into ``output`` through the speech pipeline."""
-    from engine.types import EngineError
+    from engine.core.types import EngineError
     from wyoming_cosyvoice.model import scheduler_for_config
     from wyoming_cosyvoice.protocol import ClientError
 

@@ -23,8 +23,14 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, TextIO
 
-from engine.bench.profiles import BUILTIN_PROFILES, DEFAULT_PROFILE, BenchProfile, get_profile
-from engine.types import EngineError
+from engine.bench.profiles import (
+    BUILTIN_PROFILES,
+    DEFAULT_PROFILE,
+    LOAD_KEYWORDS,
+    BenchProfile,
+    get_profile,
+)
+from engine.core.types import EngineError
 
 _LOGGER = logging.getLogger("engine.bench")
 
@@ -79,11 +85,13 @@ def build_parser(
         default=3,
         help="runs, each in a fresh process; medians reported (default: 3)",
     )
-    parser.add_argument(
-        "--lm-int8",
-        action="store_true",
-        help="load the LM decoder with the engine's int8 weights (fast path)",
-    )
+    for part, what in (("lm", "the LM decoder"), ("flow", "the flow"), ("hift", "HiFT's filter")):
+        parser.add_argument(
+            f"--{part}-weights",
+            choices=tuple(LOAD_KEYWORDS[part]),
+            help=f"load {what} in this format instead of the one the profile's server loads "
+            "(an experiment; default: the profile's)",
+        )
     parser.add_argument(
         "--no-warmup", action="store_true", help="measure without the engine's warm-up pass"
     )
@@ -106,7 +114,7 @@ def build_parser(
     return parser
 
 
-def measure_limits(threads: int | None, lm_int8: bool) -> dict[str, float]:
+def measure_limits(threads: int | None, lm_weights: str) -> dict[str, float]:
     """This machine's read bandwidth, the LM kernel's GEMV rate and the GEMM throughput."""
     import torch
 
@@ -117,20 +125,20 @@ def measure_limits(threads: int | None, lm_int8: bool) -> dict[str, float]:
     _LOGGER.info("Measuring memory bandwidth, GEMV and GEMM throughput")
     return {
         "mem_bw_gbps": measure_mem_bw_gbps(),
-        "gemv_gbps": measure_gemv_gbps(int8=lm_int8),
+        "gemv_gbps": measure_gemv_gbps(int8=lm_weights == "int8"),
         "gemm_gflops": measure_gemm_gflops(),
     }
 
 
-def model_files(model_dir: Path, lm_int8: bool, flow_int8: bool = False) -> list[Path]:
-    """The files a load reads: the model directory's, plus the prepared files of its formats
-    (engine.prepared; HiFT's in both)."""
-    from engine.prepared import file_name, prepared_dirs
+def model_files(model_dir: Path, profile: BenchProfile) -> list[Path]:
+    """The files a load reads: the model directory's, plus the prepared files of the profile's
+    formats (engine.core.prepared; HiFT's in both)."""
+    from engine.core.prepared import file_name, prepared_dirs
 
     files = sorted(path for path in model_dir.iterdir() if path.is_file())
     formats = [
-        ("llm", "int8" if lm_int8 else "fp32"),
-        ("flow", "int8" if flow_int8 else "fp32"),
+        ("llm", profile.lm_weights),
+        ("flow", profile.flow_weights),
         ("hift", "fp32"),
         ("hift", "bf16"),
     ]
@@ -174,8 +182,10 @@ def run_benchmark(
     from engine.bench.measure import RunConfig
     from engine.bench.report import summarize
 
+    profile = profile.with_weights(args.lm_weights, args.flow_weights, args.hift_weights)
+    profile.load_keywords()  # an unknown format fails here, before any run
     other_load = OtherLoad()
-    limits = measure_limits(args.threads, args.lm_int8)
+    limits = measure_limits(args.threads, profile.lm_weights)
     runs = []
     for index in range(args.repeats):
         config = RunConfig(
@@ -186,12 +196,9 @@ def run_benchmark(
             threads=args.threads,
             count_flops=index == 0,
             warmup=not args.no_warmup,
-            lm_int8=args.lm_int8,
         )
         _LOGGER.info("Run %d/%d", index + 1, args.repeats)
-        warmed = warm_page_cache(
-            model_files(model_dir, args.lm_int8, profile.flow_weights == "int8")
-        )
+        warmed = warm_page_cache(model_files(model_dir, profile))
         _LOGGER.debug("Read %.0f MB of model files into the page cache", warmed / 1e6)
         runs.append(run_worker(config))
         _LOGGER.info(
@@ -204,7 +211,7 @@ def run_benchmark(
         # and on a shared VM one window can be a slow one (measured: a GEMM probe at 75 GFLOP/s
         # before and after the runs while the flow itself ran at 94); a probe that understates
         # the machine flatters the stage-to-bound ratios.
-        again = measure_limits(args.threads, args.lm_int8)
+        again = measure_limits(args.threads, profile.lm_weights)
         limits = {key: max(value, again[key]) for key, value in limits.items()}
     measured: dict[str, float | None] = {**limits, "other_load_cores": other_load.cores()}
     return summarize(
@@ -274,7 +281,7 @@ def measure_beside_neighbours(
 
 def default_tokens(model_dir: Path) -> int:
     """Speech tokens for ``DEFAULT_AUDIO_S`` seconds of audio of the directory's model."""
-    from engine.constants import TOKEN_RATE
+    from engine.core.constants import TOKEN_RATE
     from engine.family import model_family
 
     if model_family(model_dir).name == "cosyvoice2":

@@ -6,7 +6,7 @@ fast path's deviations.
   language: zero-shot, the LM's prompt as long as a real one), primed as a server primes its
   voice at warm-up (its prompt chunks are computed before the first request).
 * FLOPs: the flow and HiFT of one whole answer of the request's length, without a prompt,
-  with 1 and 2 ODE steps (:func:`engine.bench.limits.count_stage_flops`).
+  with 1 and 2 ODE steps (:func:`engine.bench.work.count_stage_flops`).
 * Deviations: the mel of random tokens against the float32 flow at 10 steps and guidance 0.7
   (same fixed noise); the next-token KL of the engine's int8 LM against the float32 checkpoint,
   teacher-forced; the bfloat16 HiFT's waveform against the float32 one on the same mel.
@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from engine.bench.deviation import EXACT_CFG, EXACT_STEPS, hift_relative_l2
-from engine.bench.limits import StageFlops, count_stage_flops
-from engine.quantize import next_token_kl
+from engine.bench.work import StageFlops, count_stage_flops
+from engine.core.quantize import next_token_kl
 
 if TYPE_CHECKING:
     from engine.bench.timers import StageTimer
@@ -92,7 +92,7 @@ def stage_flops(
             mel = _mel(models.flow, tokens, embedding, steps, cfg_rate)
             models.hift.inference(mel, generator=torch.Generator().manual_seed(SEED))
 
-    return count_stage_flops(run_chunk, timer, n_timesteps)
+    return count_stage_flops(run_chunk, timer, n_timesteps, cfg_rate)
 
 
 def deviations(

@@ -15,13 +15,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from engine.constants import N_MELS, SPEECH_VOCAB, tokens_to_frames
-from engine.quantize import next_token_kl, quantize_lm_int8
+from engine.core.constants import N_MELS, SPEECH_VOCAB, tokens_to_frames
+from engine.core.quantize import next_token_kl, quantize_lm_int8
 
 if TYPE_CHECKING:
-    from engine.flow import FlowModel
-    from engine.hift import HiFTGenerator
-    from engine.llm import TransformerLM
+    from engine.core.hift import HiFTGenerator
+    from engine.cosyvoice1.flow import FlowModel
+    from engine.cosyvoice1.llm import TransformerLM
 
 EXACT_STEPS = 10
 EXACT_CFG = 0.7

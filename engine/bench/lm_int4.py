@@ -34,9 +34,10 @@ from engine.bench.synthetic import (
     ensure_synthetic_cosyvoice2,
     ensure_synthetic_model,
 )
-from engine.int4 import KEPT_INT8, choose_int4_kernel, quantize_lm_int4
-from engine.prepared import V1_PARTS, ModelParts
-from engine.quantize import next_token_kl, quantize_int8
+from engine.core.int4 import KEPT_INT8, choose_int4_kernel, quantize_lm_int4
+from engine.core.prepared import ModelParts
+from engine.core.quantize import next_token_kl, quantize_int8
+from engine.cosyvoice1.model_dir import PARTS as V1_PARTS
 
 SEED = 4
 TEXT_TOKENS = 30
@@ -142,8 +143,8 @@ def measure_matvec(family: str, groups: list[int], rounds: int = 7) -> list[dict
     and GB/s of weights read (float32, int8, int4 at each group size on this CPU's kernel).
     The formats take turns, ``rounds`` times, and each keeps its fastest: on a shared machine
     a busy moment then slows every format alike."""
-    from engine.int4 import Int4Linear, quantize_groups
-    from engine.quantize import int8_linear
+    from engine.core.int4 import Int4Linear, quantize_groups
+    from engine.core.quantize import int8_linear
 
     shapes = BLOCK_SHAPES[family]
     per_block = sum(out * n_in for out, n_in in shapes)

@@ -7,8 +7,9 @@ would see it, with a warm page cache (``engine.bench`` reads the model files jus
 
 What a run measures:
 
-* ``load_s``: the engine's load of the model directory (with ``--lm-int8``,
-  ``lm_int8_cache_hit`` says whether the int8 weights were already prepared: engine.prepared).
+* ``load_s``: the engine's load of the model directory in the profile's weight formats (with an
+  int8 LM, ``lm_int8_cache_hit`` says whether its weights were already prepared:
+  engine.core.prepared).
 * streaming request: ``first_audio_ms`` (request → first audio chunk), its parts
   (``first_audio_*_ms``, from the stage timers) and ``stall_ms`` (playing from the first chunk
   in real time, the total time playback waits for the next chunk); the flow's cost per chunk
@@ -17,7 +18,8 @@ What a run measures:
   ``cpu_s_per_audio_s``): what the audio costs the machine, whatever else runs on it.
 * non-streaming request: ``total_ms`` and ``rtf``; the stages then run one after the other, so
   the stage timers give clean ``lm_ms_per_token``, ``flow_ms_per_audio_s``, ``hift_ms_per_audio_s``.
-* optionally FLOPs of flow and HiFT per audio second, and the LM's weight bytes per token.
+* the work (engine.bench.work): the LM's weight bytes per token and its cache bytes at the
+  positions the decode steps read; optionally FLOPs of flow and HiFT per audio second.
 """
 
 from __future__ import annotations
@@ -34,10 +36,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from engine.bench.limits import count_stage_flops, lm_weight_bytes_per_token
 from engine.bench.profiles import BenchProfile
 from engine.bench.timers import StageTimer
-from engine.constants import SPEECH_VOCAB, TOKEN_RATE
+from engine.bench.work import (
+    count_stage_flops,
+    lm_cache_bytes_per_position,
+    lm_weight_bytes_per_token,
+)
+from engine.core.constants import SPEECH_VOCAB, TOKEN_RATE
 
 _LOGGER = logging.getLogger(__name__)
 FLOP_COUNT_TOKENS = 50  # fallback window when the request made no tokens to size it by
@@ -53,11 +59,10 @@ class RunConfig:
     model_dir: str
     text: str
     tokens: int | None
-    profile: dict[str, Any]  # BenchProfile.to_json(): the settings, not a name to look up
+    profile: dict[str, Any]  # BenchProfile.to_json(): the settings and formats, not a name
     threads: int | None = None
     count_flops: bool = False
     warmup: bool = True
-    lm_int8: bool = False  # the engine's opt-in int8 LM decoder weights
 
 
 def peak_rss_mb() -> float:
@@ -108,7 +113,7 @@ def stream_request(
     if options.force_tokens is not None:
         expected = options.force_tokens / getattr(engine, "token_rate", TOKEN_RATE)
     else:
-        from engine.start_policy import estimate_speech_seconds
+        from engine.core.start_policy import estimate_speech_seconds
 
         expected = estimate_speech_seconds(text)
     held = replay_gapless(arrivals, durations, expected, engine.sample_rate)
@@ -138,8 +143,8 @@ def replay_gapless(
     The policy only delays delivery (compute is unchanged), so replaying the eager run's
     timings through it with a fake clock gives its exact behaviour on this run.
     """
-    from engine.start_policy import hold_until_gapless
-    from engine.types import AudioChunk
+    from engine.core.start_policy import hold_until_gapless
+    from engine.core.types import AudioChunk
 
     now = [0.0]
 
@@ -176,7 +181,8 @@ def _stage_flops(
     The same window as each flow call of the timed non-streaming request: the estimator's
     attention grows with the square of the window, so a shorter one would understate the work.
     """
-    from engine.streaming import ChunkVocoder, FlowPrompt, GeneratorNoise
+    from engine.core.streaming import FlowPrompt, GeneratorNoise
+    from engine.cosyvoice1.streaming import ChunkVocoder
 
     models = engine.models
     embedding = models.speakers[engine.speakers[0]].reshape(1, -1)
@@ -200,37 +206,31 @@ def _stage_flops(
         with torch.inference_mode():
             vocoder.chunk(tokens, finalize=True)
 
-    return asdict(count_stage_flops(run_chunk, timer, n_timesteps))
+    return asdict(count_stage_flops(run_chunk, timer, n_timesteps, cfg_rate))
 
 
 def run(config: RunConfig) -> dict[str, Any]:
     """Measure one configuration in this process; returns the worker's JSON object."""
+    from engine.core.types import SynthesisOptions
     from engine.family import load_engine, model_family
-    from engine.types import SynthesisOptions
 
     profile = BenchProfile.from_json(config.profile)
     cosyvoice2 = model_family(config.model_dir).name == "cosyvoice2"
     start = time.perf_counter()
-    flow_int8 = profile.flow_weights == "int8"
-    engine = load_engine(
-        config.model_dir,
-        threads=config.threads,
-        lm_int8=config.lm_int8,
-        flow_int8=flow_int8,
-        hift_bf16=profile.hift_weights == "bf16",
-    )
+    lm_int8, flow_int8 = profile.lm_weights == "int8", profile.flow_weights == "int8"
+    engine = load_engine(config.model_dir, threads=config.threads, **profile.load_keywords())
     result: dict[str, Any] = {
         "load_s": time.perf_counter() - start,
         "threads": torch.get_num_threads(),
-        "lm_weights": "int8" if config.lm_int8 else "fp32",
+        "lm_weights": profile.lm_weights,
         "flow_weights": profile.flow_weights,
         # what HiFT ran in: bf16 is asked for, float32 without CPU support
         "hift_weights": engine.hift_dtype,
-        # int8 kernels, native bfloat16 and thread ceiling (engine.cpu)
+        # int8 kernels, native bfloat16 and thread ceiling (engine.core.cpu)
         "cpu": engine.cpu_choices.as_dict() if engine.cpu_choices is not None else None,
     }
     # A miss prepares the weights first (quantising takes seconds); a hit reads them prepared.
-    if config.lm_int8:
+    if lm_int8:
         result["lm_int8_cache_hit"] = "llm.int8" not in engine.prepared_at_load
     if flow_int8:
         result["flow_int8_cache_hit"] = "flow.int8" not in engine.prepared_at_load
@@ -284,27 +284,27 @@ def run(config: RunConfig) -> dict[str, Any]:
     result["peak_rss_mb"] = peak_rss_mb()
 
     result["lm_weight_bytes_per_token"] = lm_weight_bytes_per_token(engine.models.llm)
+    positions = result["lm_cache_positions"]
+    if positions is not None:
+        per_position = lm_cache_bytes_per_position(engine.models.llm)
+        result["lm_cache_bytes_per_token"] = round(positions * per_position)
     if config.count_flops and cosyvoice2:
         from engine.bench import cosyvoice2 as v2
 
         steps, cfg = profile.n_timesteps, profile.cfg_rate
         result.update(asdict(v2.stage_flops(engine, timer, steps, cfg, flow_window)))
         result.update(
-            v2.deviations(
-                engine, steps, cfg, config.text, lm_int8=config.lm_int8, flow_int8=flow_int8
-            )
+            v2.deviations(engine, steps, cfg, config.text, lm_int8=lm_int8, flow_int8=flow_int8)
         )
     elif config.count_flops:
         result.update(
             _stage_flops(engine, timer, profile.n_timesteps, profile.cfg_rate, flow_window)
         )
-        result.update(_deviations(engine, config, profile.n_timesteps, profile.cfg_rate, flow_int8))
+        result.update(_deviations(engine, config, profile))
     return result
 
 
-def _deviations(
-    engine: Any, config: RunConfig, n_timesteps: int, cfg_rate: float, flow_int8: bool
-) -> dict[str, float]:
+def _deviations(engine: Any, config: RunConfig, profile: BenchProfile) -> dict[str, float]:
     """How far this run's fast-path options are from the exact path (0 when exact)."""
     from engine.bench.deviation import (
         EXACT_CFG,
@@ -314,14 +314,14 @@ def _deviations(
         mel_relative_l2,
         random_tokens_mel,
     )
-    from engine.weights import load_model_dir
+    from engine.cosyvoice1.model_dir import load_model_dir
 
     embedding = engine.models.speakers[engine.speakers[0]].reshape(1, -1)
+    n_timesteps, cfg_rate = profile.n_timesteps, profile.cfg_rate
+    lm_int8, flow_int8 = profile.lm_weights == "int8", profile.flow_weights == "int8"
     hift_bf16 = engine.hift_dtype != "float32"
     # The exact references are float32 models loaded afresh: the engine's may be int8 / bf16.
-    fp32 = (
-        load_model_dir(Path(config.model_dir)) if config.lm_int8 or flow_int8 or hift_bf16 else None
-    )
+    fp32 = load_model_dir(Path(config.model_dir)) if lm_int8 or flow_int8 or hift_bf16 else None
     out = {"mel_rel_l2_vs_exact": 0.0, "wave_rel_l2_vs_exact_hift": 0.0}
     if flow_int8 or (n_timesteps, cfg_rate) != (EXACT_STEPS, EXACT_CFG):
         out["mel_rel_l2_vs_exact"] = mel_relative_l2(
@@ -331,7 +331,7 @@ def _deviations(
             cfg_rate=cfg_rate,
             exact_flow=fp32.flow if flow_int8 and fp32 is not None else None,
         )
-    if config.lm_int8 and fp32 is not None:
+    if lm_int8 and fp32 is not None:
         text_ids = engine.frontend.segments(config.text)[0].token_ids
         out.update(lm_int8_kl(fp32.llm, text_ids, embedding))
     if hift_bf16 and fp32 is not None:  # both vocoders on the same mel (the exact flow's)

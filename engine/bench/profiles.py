@@ -1,19 +1,21 @@
 """Benchmark profiles: the speed-relevant settings of one run.
 
 A profile fixes what changes speed: the streaming schedule (when the first chunk is cut and how
-hops grow), the number of flow ODE steps, the CFG rate and the weight formats of the flow and
-HiFT. The engine alone knows two, ``realtime`` and ``quality``: its own low-latency and official
-schedules at its default steps and guidance. The server's named profiles live in its
-``config.yaml``; ``python -m wyoming_cosyvoice.bench`` reads them and hands them in.
+hops grow), the number of flow ODE steps, the CFG rate and the weight formats of the LM, the flow
+and HiFT. The engine alone knows two, ``realtime`` and ``quality``: its own low-latency and
+official schedules at its default steps and guidance, in the weight formats a server loads for
+its profiles of those names (tests/test_bench.py holds them equal). The server's named profiles
+live in its ``config.yaml``; ``python -m wyoming_cosyvoice.bench`` reads them, with the formats
+the server loads for each, and hands them in.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from engine.types import LOW_LATENCY_SCHEDULE, OFFICIAL_SCHEDULE, StreamSchedule
+from engine.core.types import LOW_LATENCY_SCHEDULE, OFFICIAL_SCHEDULE, StreamSchedule
 
 
 @dataclass(frozen=True)
@@ -27,6 +29,31 @@ class BenchProfile:
     source: str = "built-in"
     flow_weights: str = "fp32"  # the format the engine loads the flow in
     hift_weights: str = "fp32"  # the format HiFT's filter runs in
+    lm_weights: str = "fp32"  # the format the engine loads the LM decoder in
+
+    def with_weights(
+        self, lm: str | None = None, flow: str | None = None, hift: str | None = None
+    ) -> BenchProfile:
+        """This profile with the formats given instead of its own (an experiment's)."""
+        return replace(
+            self,
+            lm_weights=lm or self.lm_weights,
+            flow_weights=flow or self.flow_weights,
+            hift_weights=hift or self.hift_weights,
+        )
+
+    def load_keywords(self) -> dict[str, bool]:
+        """The engine's load keywords (``engine.load_engine``) for this profile's formats."""
+        keywords: dict[str, bool] = {}
+        for part, weights in self.weight_formats().items():
+            if weights not in LOAD_KEYWORDS[part]:
+                known = ", ".join(LOAD_KEYWORDS[part])
+                raise ValueError(f"the engine has no {part} weights {weights!r} (known: {known})")
+            keywords.update(LOAD_KEYWORDS[part][weights])
+        return keywords
+
+    def weight_formats(self) -> dict[str, str]:
+        return {"lm": self.lm_weights, "flow": self.flow_weights, "hift": self.hift_weights}
 
     def describe(self) -> dict[str, object]:
         s = self.schedule
@@ -39,6 +66,7 @@ class BenchProfile:
             "max_hop": s.max_hop,
             "n_timesteps": self.n_timesteps,
             "cfg_rate": self.cfg_rate,
+            "lm_weights": self.lm_weights,
             "flow_weights": self.flow_weights,
             "hift_weights": self.hift_weights,
         }
@@ -52,9 +80,17 @@ class BenchProfile:
         return cls(**{**data, "schedule": StreamSchedule(**data["schedule"])})
 
 
+# Each part's weight formats and the engine's load keywords for them.
+LOAD_KEYWORDS: dict[str, dict[str, dict[str, bool]]] = {
+    "lm": {"fp32": {"lm_int8": False}, "int8": {"lm_int8": True}},
+    "flow": {"fp32": {"flow_int8": False}, "int8": {"flow_int8": True}},
+    "hift": {"fp32": {"hift_bf16": False}, "bf16": {"hift_bf16": True}},
+}
+
+# As a server with its default settings loads its profiles of these names: the LM in int8.
 BUILTIN_PROFILES = {
-    "realtime": BenchProfile("realtime", LOW_LATENCY_SCHEDULE),
-    "quality": BenchProfile("quality", OFFICIAL_SCHEDULE),
+    "realtime": BenchProfile("realtime", LOW_LATENCY_SCHEDULE, lm_weights="int8"),
+    "quality": BenchProfile("quality", OFFICIAL_SCHEDULE, lm_weights="int8"),
 }
 DEFAULT_PROFILE = "realtime"
 

@@ -1,12 +1,15 @@
 """Combine the repeats and the machine limits into one result; print it as a table or JSON.
 
 Every measured figure is the median over the repeats, with ``min``/``max`` under ``spread``.
-Bounds use this run's limits: ``lm_bound_ms_per_token`` = LM weight bytes per token ÷ read
-bandwidth, ``flow_bound_ms_per_audio_s`` / ``hift_bound_ms_per_audio_s`` = FLOPs per audio second
-÷ GEMM throughput. ``*_vs_bound`` is measured ÷ bound (1.0 = at this machine's physical limit).
-``lm_kernel_bound_ms_per_token`` = the same bytes ÷ the rate the LM's own GEMV kernel reaches
-alone (``gemv_gbps``); what ``lm_vs_kernel_bound`` exceeds 1.0 by is the engine's own time
-(attention over the cache, small ops, Python), not the kernel's.
+Bounds use this run's limits: ``lm_bound_ms_per_token`` = the bytes a decode step reads (weights
+and KV cache) ÷ read bandwidth, ``flow_bound_ms_per_audio_s`` / ``hift_bound_ms_per_audio_s`` =
+FLOPs per audio second ÷ GEMM throughput. ``*_vs_bound`` is measured ÷ bound (1.0 = at this
+machine's physical limit). ``lm_kernel_bound_ms_per_token`` = the weight bytes ÷ the rate the
+LM's own GEMV kernel reaches alone (``gemv_gbps``) plus the cache bytes ÷ read bandwidth; what
+``lm_vs_kernel_bound`` exceeds 1.0 by is the engine's own time (small ops, Python), not the
+kernel's. ``work_per_audio_s`` holds, per stage, the work of one second of speech, the time it
+bounds here and the time measured (the figures ``script/board-estimates`` scales to other
+machines).
 """
 
 from __future__ import annotations
@@ -52,9 +55,15 @@ FACTS = (
     "first_chunk_tokens",
     "stream_flow_ms_per_audio_s_by_chunk",
     "lm_weight_bytes_per_token",
+    "lm_cache_bytes_per_token",
+    "lm_cache_positions",
     "flow_gflop_per_audio_s",
     "hift_gflop_per_audio_s",
     "estimator_mflop_per_frame_step",
+    "estimator_mflop_per_frame_pass",
+    "flow_passes",
+    "flow_encoder_gflop_per_audio_s",
+    "mel_frames_per_audio_s",
     "mel_rel_l2_vs_exact",
     "wave_rel_l2_vs_exact_hift",
     "lm_int8_kl_mean",
@@ -104,12 +113,16 @@ def summarize(
 
     bw, gemm = limits.get("mem_bw_gbps"), limits.get("gemm_gflops")
     weight_bytes = result["lm_weight_bytes_per_token"]
+    cache_bytes = result["lm_cache_bytes_per_token"] or 0
+    result["lm_bytes_per_token"] = weight_bytes + cache_bytes if weight_bytes else None
     result["lm_bound_ms_per_token"] = (
-        weight_bytes / (bw * 1e9) * 1e3 if weight_bytes and bw else None
+        result["lm_bytes_per_token"] / (bw * 1e9) * 1e3 if weight_bytes and bw else None
     )
     gemv = limits.get("gemv_gbps")
     result["lm_kernel_bound_ms_per_token"] = (
-        weight_bytes / (gemv * 1e9) * 1e3 if weight_bytes and gemv else None
+        (weight_bytes / (gemv * 1e9) + cache_bytes / (bw * 1e9)) * 1e3
+        if weight_bytes and gemv and bw
+        else None
     )
     result["lm_vs_kernel_bound"] = _ratio(
         result["lm_ms_per_token"], result["lm_kernel_bound_ms_per_token"]
@@ -136,9 +149,56 @@ def summarize(
         result["rtf_bound"] = (bounds[0] * tokens_per_s + bounds[1] + bounds[2]) / 1000
     else:
         result["rtf_bound"] = None
+    result["work_per_audio_s"] = work_per_audio_s(result)
     result["spread"] = {k: v for k, v in spread.items() if v is not None}
     result["runs"] = runs
     return result
+
+
+def _times(*factors: float | None) -> float | None:
+    product = 1.0
+    for factor in factors:
+        if factor is None:
+            return None
+        product *= factor
+    return product
+
+
+def work_per_audio_s(result: dict[str, Any]) -> dict[str, Any] | None:
+    """Per stage, the work of one second of speech, the time it bounds on this machine and the
+    time measured (a whole request's stages, one after the other), all in ms per audio second.
+
+    None when the run counted no work (its FLOPs are counted in the first repeat only).
+    """
+    tokens, audio_s = result.get("tokens"), result.get("audio_s")
+    if not (tokens and audio_s and result.get("lm_bytes_per_token")):
+        return None
+    tokens_per_s = tokens / audio_s
+    lm = {
+        "tokens": tokens_per_s,
+        "weight_bytes_per_token": result["lm_weight_bytes_per_token"],
+        "cache_bytes_per_token": result.get("lm_cache_bytes_per_token"),
+        "cache_positions": result.get("lm_cache_positions"),
+        "gb": result["lm_bytes_per_token"] * tokens_per_s / 1e9,
+        "bound_ms": _times(result.get("lm_bound_ms_per_token"), tokens_per_s),
+        "measured_ms": _times(result.get("lm_ms_per_token"), tokens_per_s),
+    }
+    flow = {
+        "steps": result["profile_settings"].get("n_timesteps"),
+        "passes": result.get("flow_passes"),
+        "frames": result.get("mel_frames_per_audio_s"),
+        "mflop_per_frame_pass": result.get("estimator_mflop_per_frame_pass"),
+        "encoder_gflop": result.get("flow_encoder_gflop_per_audio_s"),
+        "gflop": result.get("flow_gflop_per_audio_s"),
+        "bound_ms": result.get("flow_bound_ms_per_audio_s"),
+        "measured_ms": result.get("flow_ms_per_audio_s"),
+    }
+    hift = {
+        "gflop": result.get("hift_gflop_per_audio_s"),
+        "bound_ms": result.get("hift_bound_ms_per_audio_s"),
+        "measured_ms": result.get("hift_ms_per_audio_s"),
+    }
+    return {"lm": lm, "flow": flow, "hift": hift}
 
 
 def fmt(value: Any, digits: int = 1) -> str:
@@ -236,13 +296,7 @@ def print_table(result: dict[str, Any], out: TextIO) -> None:
                 )
                 + "\n"
             )
-    weight_mb = (result.get("lm_weight_bytes_per_token") or 0) / 1e6
-    w(
-        f"\nLM weights ({result.get('lm_weights')}) read per token {weight_mb:,.1f} MB; flow "
-        f"{fmt(result.get('flow_gflop_per_audio_s'))} GFLOP and HiFT "
-        f"{fmt(result.get('hift_gflop_per_audio_s'))} GFLOP per audio second "
-        f"(estimator {fmt(result.get('estimator_mflop_per_frame_step'))} MFLOP per frame·step).\n"
-    )
+    _print_work(result, out)
     if result.get("flow_weights") == "int8":
         w(
             "The flow runs int8 weights: its bound is the float32 GEMM rate's, so its ratio can "
@@ -262,6 +316,50 @@ def print_table(result: dict[str, Any], out: TextIO) -> None:
     if result.get("wave_rel_l2_vs_exact_hift"):
         w(f", bfloat16 HiFT waveform relative L2 {fmt(result['wave_rel_l2_vs_exact_hift'], 4)}")
     w(".\n")
+
+
+def _print_work(result: dict[str, Any], out: TextIO) -> None:
+    """The work of one second of speech per stage, the time it bounds here and the time taken."""
+    work = result.get("work_per_audio_s")
+    if not work:
+        return
+    lm, flow, hift = work["lm"], work["flow"], work["hift"]
+    formats = f"LM {result.get('lm_weights')}, flow {result.get('flow_weights')}"
+    out.write(
+        f"\nWork per second of speech ({formats}, HiFT {result.get('hift_weights')}), the "
+        "time it takes at least on this machine, and the time measured (ms per audio-s):\n"
+    )
+    cache = lm["cache_bytes_per_token"] or 0
+    positions = fmt(lm["cache_positions"], 0)
+    stages = (
+        (
+            "LM",
+            f"{lm['tokens']:.1f} tokens × {(lm['weight_bytes_per_token'] + cache) / 1e6:,.1f} MB "
+            f"(weights {lm['weight_bytes_per_token'] / 1e6:,.1f} + KV cache {cache / 1e6:,.1f} "
+            f"at {positions} positions) = {lm['gb']:,.2f} GB",
+            lm,
+        ),
+        (
+            "flow",
+            f"{flow['steps']} steps × {flow['passes']} pass(es) × {fmt(flow['frames'])} frames × "
+            f"{fmt(flow['mflop_per_frame_pass'])} MFLOP + encoder "
+            f"{fmt(flow['encoder_gflop'])} GFLOP = {fmt(flow['gflop'])} GFLOP",
+            flow,
+        ),
+        ("HiFT", f"{fmt(hift['gflop'])} GFLOP", hift),
+    )
+    for label, counted, stage in stages:
+        out.write(
+            f"  {label:<5}{counted:<86} bound {fmt(stage['bound_ms'], 0):>6}"
+            f"  measured {fmt(stage['measured_ms'], 0):>6}\n"
+        )
+    bounds = [stage["bound_ms"] for _, _, stage in stages]
+    measured = [stage["measured_ms"] for _, _, stage in stages]
+    if all(v is not None for v in (*bounds, *measured)):
+        out.write(
+            f"  {'all':<5}{'stages one after the other':<86} bound {sum(bounds):>6,.0f}"
+            f"  measured {sum(measured):>6,.0f}\n"
+        )
 
 
 def _print_first_audio_parts(result: dict[str, Any], out: TextIO) -> None:

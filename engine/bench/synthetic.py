@@ -77,10 +77,10 @@ def official_config_path() -> Path:
 
 def state_dict_specs(config: Path) -> dict[str, dict[str, torch.Size]]:
     """{file: {key: shape}} of the three checkpoints, as the engine expects them (HiFT folded)."""
-    from engine.flow import FlowModel
-    from engine.hift import HiFTGenerator
-    from engine.hparams import load_model_args
-    from engine.llm import TransformerLM
+    from engine.core.hift import HiFTGenerator
+    from engine.cosyvoice1.flow import FlowModel
+    from engine.cosyvoice1.hparams import load_model_args
+    from engine.cosyvoice1.llm import TransformerLM
 
     args = load_model_args(config)
     specs: dict[str, dict[str, torch.Size]] = {}
@@ -233,9 +233,9 @@ def cosyvoice2_data_dir() -> Path:
 def cosyvoice2_specs(config: Path, backbone: dict[str, Any]) -> dict[str, dict[str, torch.Size]]:
     """{file: {key: shape}} of the three CosyVoice2 checkpoints, as the engine expects them
     (both keys of the tied text head; HiFT in the released file's weight-norm layout)."""
+    from engine.core.hparams import read_model_yaml
     from engine.cosyvoice2.model_dir import PARTS, args_from
     from engine.cosyvoice2.qwen2 import Qwen2Config
-    from engine.hparams import read_model_yaml
 
     args = args_from(read_model_yaml(config), Qwen2Config.from_dict(backbone), config.name)
     specs = {}

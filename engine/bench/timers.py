@@ -8,6 +8,7 @@ for a whole answer: the pair is one flow event, whose audio is the frames after 
 non-streaming request the stages run one after the other (the vocoder waits for the last token),
 so their times are clean per-stage costs; in a streaming request they overlap on the two cores
 once the first chunk is out (before, they run in turn: :meth:`StageTimer.first_audio_parts`).
+``llm.decode_step`` is wrapped too, to note how long the KV cache each step read was.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import Any
 
 import torch
 
-from engine.constants import HOP, SAMPLE_RATE
+from engine.core.constants import HOP, SAMPLE_RATE
 
 # The parts of a streamed request's first audio, in the order it waits for them.
 FIRST_AUDIO_PARTS = (
@@ -61,6 +62,8 @@ class StageTimer:
     def __init__(self, sample_rate: int = SAMPLE_RATE, samples_per_frame: int = HOP) -> None:
         self.sample_rate, self.samples_per_frame = sample_rate, samples_per_frame
         self.events: list[StageEvent] = []
+        # Positions in the KV cache after each LM decode step: what that step's attention read.
+        self.decode_positions: list[int] = []
         self.counter: Any = None  # a torch FlopCounterMode while counting FLOPs
         self._lock = threading.Lock()  # the LM thread records concurrently
 
@@ -74,6 +77,7 @@ class StageTimer:
     def install(self, models: Any) -> None:
         """Wrap ``models.llm.generate``, the flow's entry points and ``models.hift.inference``."""
         models.llm.generate = self._wrap_generator(models.llm.generate)
+        models.llm.decode_step = self._wrap_decode_step(models.llm.decode_step)
         if hasattr(models.flow, "stream"):  # CosyVoice2's causal flow
             self._wrap_causal_flow(models.flow)
         else:
@@ -156,9 +160,20 @@ class StageTimer:
 
         return timed
 
+    def _wrap_decode_step(self, method: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(method)
+        def counted(tokens: Any, cache: Any) -> Any:
+            result = method(tokens, cache)
+            with self._lock:
+                self.decode_positions.append(cache.length)
+            return result
+
+        return counted
+
     def reset(self) -> None:
         with self._lock:
             self.events.clear()
+            self.decode_positions.clear()
 
     def of(self, stage: str) -> list[StageEvent]:
         with self._lock:
@@ -167,16 +182,21 @@ class StageTimer:
     # --- per-stage summaries -----------------------------------------------------------------
 
     def lm_summary(self) -> dict[str, float | int | None]:
-        """Tokens, prefill (call → first token) and decode ms per token (first → last token)."""
+        """Tokens, prefill (call → first token), decode ms per token (first → last token) and
+        the mean cache length of the decode steps."""
         events = [e for e in self.of("lm") if e.token_times]
         tokens = sum(len(e.token_times) for e in events)
         steps = sum(len(e.token_times) - 1 for e in events)
         decode = sum(e.token_times[-1] - e.token_times[0] for e in events)
         prefill = sum(e.token_times[0] - e.start for e in events)
+        with self._lock:
+            positions = list(self.decode_positions)
         return {
             "tokens": tokens,
             "lm_prefill_ms": prefill * 1000 if events else None,
             "lm_ms_per_token": decode / steps * 1000 if steps else None,
+            # The mean KV-cache length a decode step read (prompt, text and the tokens so far).
+            "lm_cache_positions": sum(positions) / len(positions) if positions else None,
         }
 
     def ms_per_audio_s(self, stage: str) -> float | None:

@@ -25,11 +25,11 @@ from typing import Protocol
 
 import numpy as np
 
+from engine.core.types import AudioChunk, SynthesisOptions
 from engine.cosyvoice2.prompt import COSYVOICE2, V2_SPEECH_TOKENIZER
 from engine.prompt.errors import VoiceError
 from engine.prompt.onnx_models import PromptModels
 from engine.prompt.voices import CustomVoice, load_voice, voice_names
-from engine.types import AudioChunk, SynthesisOptions
 
 _LOGGER = logging.getLogger(__name__)
 

@@ -28,16 +28,16 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from engine.core.hparams import EncoderArgs
+from engine.core.transformer import (
+    EncoderLayer,
+    InputLayer,
+    RelPosAttention,
+    rel_pos_tables,
+    skew,
+)
 from engine.cosyvoice2.flow_args import UpsampleEncoderArgs
 from engine.cosyvoice2.flow_cache import ConvTail, KVBuffer, chunk_visible
-from engine.hparams import EncoderArgs
-from engine.transformer import (
-    RelPosAttention,
-    _InputLayer,
-    _Layer,
-    _rel_pos_tables,
-    _skew,
-)
 
 
 class PreLookahead(nn.Module):
@@ -93,7 +93,7 @@ class _PositionRows:
         """(length + queries − 1, d): positions length−1 … −(queries−1), in that order."""
         w = linear_pos.weight
         d = w.shape[1]
-        pos, neg = _rel_pos_tables(d, max(length, queries))
+        pos, neg = rel_pos_tables(d, max(length, queries))
         have = 0 if self.ahead is None else self.ahead.shape[0]
         if have < length:
             new = F.linear(pos[have:length].to(w), w)
@@ -123,7 +123,7 @@ def _attend(
     rows = positions.rows(attn.linear_pos, length, t)  # (length + t − 1, d)
     rows = rows.view(-1, h, d_k).permute(1, 2, 0)  # (h, d_k, W)
     raw = torch.matmul(q + attn.pos_bias_v.unsqueeze(1), rows)  # (B, h, t, W)
-    bias = _skew(raw, t, length) * (1.0 / math.sqrt(d_k))
+    bias = skew(raw, t, length) * (1.0 / math.sqrt(d_k))
     if visible is not None:
         bias = bias.masked_fill(~visible, float("-inf"))
     out = kv.attend(q + attn.pos_bias_u.unsqueeze(1), k, v, bias)
@@ -189,12 +189,14 @@ class UpsampleConformerEncoder(nn.Module):
             causal=False,
         )
         d = args.output_size
-        self.embed = _InputLayer(layer_args)
+        self.embed = InputLayer(layer_args)
         self.pre_lookahead_layer = PreLookahead(d, args.pre_lookahead_len)
-        self.encoders = nn.ModuleList(_Layer(layer_args) for _ in range(args.num_blocks))
+        self.encoders = nn.ModuleList(EncoderLayer(layer_args) for _ in range(args.num_blocks))
         self.up_layer = Upsample(d, args.upsample_stride)
-        self.up_embed = _InputLayer(layer_args)
-        self.up_encoders = nn.ModuleList(_Layer(layer_args) for _ in range(args.num_up_blocks))
+        self.up_embed = InputLayer(layer_args)
+        self.up_encoders = nn.ModuleList(
+            EncoderLayer(layer_args) for _ in range(args.num_up_blocks)
+        )
         self.after_norm = nn.LayerNorm(d, eps=1e-5)
         self.xscale = math.sqrt(d)
 
@@ -244,7 +246,7 @@ class UpsampleConformerEncoder(nn.Module):
         start, t = stack.length, x.shape[1]
         visible = chunk_visible(start, t, chunk, x.device)
         for layer, kv, positions in zip(
-            cast(Iterable[_Layer], layers), stack.kv, stack.positions, strict=True
+            cast(Iterable[EncoderLayer], layers), stack.kv, stack.positions, strict=True
         ):
             x = x + _attend(layer.self_attn, layer.norm_mha(x), kv, positions, start, visible)
             x = x + layer.feed_forward(layer.norm_ff(x))

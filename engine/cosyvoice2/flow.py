@@ -21,57 +21,30 @@ from __future__ import annotations
 
 import copy
 import logging
-from collections.abc import Callable, Mapping
-from typing import NamedTuple
+from collections.abc import Mapping
+from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
+from engine.core.solver import FieldInputs, GuidedEulerCFM, StepCallback, VectorField
+from engine.core.speaker import project_speaker
+from engine.core.types import ModelLoadError
+from engine.core.weights import state_dict_problems
 from engine.cosyvoice2.encoder import EncoderState, UpsampleConformerEncoder
 from engine.cosyvoice2.flow_args import NOISE_FRAMES, NOISE_SEED, CausalFlowArgs
 from engine.cosyvoice2.flow_estimator import CausalConditionalDecoder, EstimatorState
-from engine.types import ModelLoadError
-from engine.weights import state_dict_problems
 
 _LOGGER = logging.getLogger(__name__)
 
-#: Called once per Euler step with (step index, x fed to the estimator (1, 80, t), flow time t
-#: (0-d tensor), raw estimator output (rows, 80, t): row 0 conditional, row 1 unconditional).
-StepCallback = Callable[[int, Tensor, Tensor, Tensor], None]
 
-
-class EulerGrid(NamedTuple):
-    """The flow times the solver visits and the step after each (as the official solver)."""
-
-    times: list[Tensor]
-    steps: list[Tensor]
-
-
-def euler_grid(n_timesteps: int, scheduler: str, dtype: torch.dtype = torch.float32) -> EulerGrid:
-    """t_0 … t_{n−1} and dt_k; cosine: t_k = 1 − cos(π/2 · k/n).
-
-    Time is advanced by accumulation (t += dt; dt = t_{k+1} − t), which can differ from the
-    grid in the last float32 bit, as upstream.
-    """
-    if n_timesteps < 1:
-        raise ValueError(f"n_timesteps must be at least 1, got {n_timesteps}")
-    grid = torch.linspace(0, 1, n_timesteps + 1, dtype=dtype)
-    if scheduler == "cosine":
-        grid = 1 - torch.cos(grid * 0.5 * torch.pi)
-    times, steps = [grid[0]], [grid[1] - grid[0]]
-    for k in range(1, n_timesteps):
-        times.append(times[-1] + steps[-1])
-        steps.append(grid[k + 1] - times[-1])
-    return EulerGrid(times, steps)
-
-
-class CausalCFM(nn.Module):
+class CausalCFM(GuidedEulerCFM):
     """The Euler solver with classifier-free guidance and its fixed noise (key ``decoder``)."""
 
     def __init__(self, args: CausalFlowArgs) -> None:
         super().__init__()
         self.args = args
+        self.t_scheduler = args.t_scheduler
         self.estimator = CausalConditionalDecoder(args.estimator)
         self._noise: Tensor | None = None
 
@@ -87,52 +60,31 @@ class CausalCFM(nn.Module):
             self._noise = torch.randn(1, self.args.output_size, NOISE_FRAMES, generator=generator)
         return self._noise[:, :, start:end]
 
-    def solve(
+    def vector_field(
         self,
-        z: Tensor,
-        mu: Tensor,
-        spks: Tensor,
-        cond: Tensor,
-        *,
         n_timesteps: int,
-        cfg_rate: float,
-        streaming: bool,
+        *,
+        streaming: bool = False,
         states: list[EstimatorState] | None = None,
-        step_callback: StepCallback | None = None,
-    ) -> Tensor:
-        """Integrate the frames z (1, 80, t) from t=0 to 1; returns the mel (1, 80, t).
-
-        ``states``: one estimator state per step, carried across the chunks of a stream.
-        """
-        grid = euler_grid(n_timesteps, self.args.t_scheduler, mu.dtype)
+        **options: Any,
+    ) -> VectorField:
+        """``states``: one estimator state per step, carried across the chunks of a stream."""
         if states is not None and len(states) != n_timesteps:
             raise ValueError(f"{len(states)} estimator states for {n_timesteps} steps")
-        # The CFG batch: row 0 conditional, row 1 with mu/spks/cond zeroed (same x and t).
-        # Guidance off (cfg_rate 0) needs only the conditional row: half the work.
-        rows = 1 if cfg_rate == 0 else 2
-        mu_in = torch.cat([mu, torch.zeros_like(mu)])[:rows]
-        spks_in = torch.cat([spks, torch.zeros_like(spks)])[:rows]
-        cond_in = torch.cat([cond, torch.zeros_like(cond)])[:rows]
-        estimator = self.estimator
-        step_biases = estimator.time_biases(torch.stack(grid.times))
-        x = z
-        for k, (t, dt) in enumerate(zip(grid.times, grid.steps, strict=True)):
-            x_in = torch.cat([x, x]) if rows == 2 else x
-            dphi = estimator(
-                x_in,
-                mu_in,
-                t.expand(rows),
-                spks_in,
-                cond_in,
+
+        def field(step: int, x: Tensor, at: FieldInputs) -> Tensor:
+            return self.estimator(
+                x,
+                at.mu,
+                at.t,
+                at.spks,
+                at.cond,
                 streaming=streaming,
-                state=None if states is None else states[k],
-                time_biases=[b[k : k + 1] for b in step_biases],
+                state=None if states is None else states[step],
+                time_biases=at.time_biases,
             )
-            if step_callback is not None:
-                step_callback(k, x, t, dphi)
-            v = (1.0 + cfg_rate) * dphi[:1] - cfg_rate * dphi[1:] if rows == 2 else dphi
-            x = x + dt * v
-        return x.float()
+
+        return field
 
 
 class CausalFlow(nn.Module):
@@ -149,9 +101,7 @@ class CausalFlow(nn.Module):
 
     def speaker(self, embedding: Tensor) -> Tensor:
         """Raw x-vector (1, 192) → normalised and projected ``spks`` (1, 80)."""
-        weight = self.spk_embed_affine_layer.weight
-        normalised = F.normalize(embedding.reshape(1, -1).to(weight), dim=1)
-        return self.spk_embed_affine_layer(normalised)
+        return project_speaker(self.spk_embed_affine_layer, embedding)
 
     def embed(self, tokens: Tensor) -> Tensor:
         """Token ids (1, n) → (1, n, input_size); negative ids read row 0, as upstream."""

@@ -1,9 +1,9 @@
 """Hyperparameters of the CosyVoice2 flow and HiFT, read from an official ``cosyvoice2.yaml``.
 
-The file is read as data by :func:`engine.hparams.read_model_yaml` (no tag is executed). v2's
+The file is read as data by :func:`engine.core.hparams.read_model_yaml` (no tag is executed). v2's
 ``flow`` section is a ``CausalMaskedDiffWithXvec`` (upsampling Conformer encoder, chunk-causal
 decoder); its ``hift`` section has v1's layout with other numbers, so it fills v1's
-:class:`~engine.hparams.HiFTArgs`.
+:class:`~engine.core.hparams.HiFTArgs`.
 """
 
 from __future__ import annotations
@@ -13,13 +13,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from engine.hparams import (
+from engine.core.hparams import (
+    EstimatorArgs,
     HiFTArgs,
     ModelConfigError,
     RefNode,
+    Section,
     TaggedNode,
-    _hift_args,
-    _Section,
+    cfm_fields,
+    estimator_fields,
+    flow_fields,
+    hift_args,
     read_model_yaml,
 )
 
@@ -49,17 +53,10 @@ class UpsampleEncoderArgs:
 
 
 @dataclass(frozen=True)
-class CausalEstimatorArgs:
-    """CausalConditionalDecoder: the chunk-causal vector-field estimator."""
+class CausalEstimatorArgs(EstimatorArgs):
+    """CausalConditionalDecoder: the chunk-causal vector-field estimator (v1's numbers, and
+    its attention chunks)."""
 
-    in_channels: int
-    out_channels: int
-    channels: tuple[int, ...]
-    attention_head_dim: int
-    n_blocks: int
-    num_mid_blocks: int
-    num_heads: int
-    act_fn: str
     static_chunk_size: int  # mel frames per attention chunk in streaming mode
     num_decoding_left_chunks: int  # < 0: every earlier chunk is visible
 
@@ -105,14 +102,14 @@ def _product_of_refs(expr: str, doc: dict[str, Any], source: str, where: str) ->
     return value
 
 
-def _int_or_product(sec: _Section, key: str, doc: dict[str, Any], default: int) -> int:
+def _int_or_product(sec: Section, key: str, doc: dict[str, Any], default: int) -> int:
     raw = sec.data.get(key, default)
     if isinstance(raw, RefNode):
         return _product_of_refs(raw.expr, doc, sec.source, f"{sec.path}.{key}")
     return sec.int(key, default)
 
 
-def _encoder_args(sec: _Section, pre_lookahead_len: int) -> UpsampleEncoderArgs:
+def _encoder_args(sec: Section, pre_lookahead_len: int) -> UpsampleEncoderArgs:
     for key, expected in (
         ("input_layer", "linear"),
         ("pos_enc_layer_type", "rel_pos_espnet"),
@@ -141,45 +138,26 @@ def _encoder_args(sec: _Section, pre_lookahead_len: int) -> UpsampleEncoderArgs:
 
 
 def flow_args_from_doc(doc: dict[str, Any], source: str = "cosyvoice2.yaml") -> CausalFlowArgs:
-    """The flow section of a parsed v2 yaml (:func:`engine.hparams.read_model_yaml`)."""
+    """The flow section of a parsed v2 yaml (:func:`engine.core.hparams.read_model_yaml`)."""
     if "flow" not in doc:
         raise ModelConfigError(f"{source}: missing top-level section 'flow'")
     flow = doc["flow"]
     if isinstance(flow, TaggedNode) and not flow.target.endswith("CausalMaskedDiffWithXvec"):
         raise ModelConfigError(f"{source}: 'flow' is a {flow.target}, not CausalMaskedDiffWithXvec")
-    sec = _Section(flow, "flow", source)
-    cfm = sec.sub("decoder")
-    cfm_params = cfm.sub("cfm_params")
-    if "content" in cfm_params.data:  # !new:omegaconf.DictConfig {content: {...}}
-        cfm_params = cfm_params.sub("content")
-    est = cfm.sub("estimator")
+    sec = Section(flow, "flow", source)
+    cfm, est = cfm_fields(sec)
     lookahead = sec.int("pre_lookahead_len", 3)
     args = CausalFlowArgs(
-        input_size=sec.int("input_size", 512),
-        output_size=sec.int("output_size", 80),
-        spk_embed_dim=sec.int("spk_embed_dim", 192),
-        vocab_size=sec.int("vocab_size", 4096),
-        input_frame_rate=sec.int("input_frame_rate", 50),
+        **flow_fields(sec),
         token_mel_ratio=sec.int("token_mel_ratio", 2),
         pre_lookahead_len=lookahead,
         encoder=_encoder_args(sec.sub("encoder"), lookahead),
-        cfm_in_channels=cfm.int("in_channels", 240),
-        spk_emb_dim=cfm.int("spk_emb_dim", 80),
-        sigma_min=cfm_params.float("sigma_min", 1e-6),
-        t_scheduler=cfm_params.str("t_scheduler", "cosine"),
-        inference_cfg_rate=cfm_params.float("inference_cfg_rate", 0.7),
         estimator=CausalEstimatorArgs(
-            in_channels=est.int("in_channels"),
-            out_channels=est.int("out_channels"),
-            channels=est.ints("channels", [256, 256]),
-            attention_head_dim=est.int("attention_head_dim", 64),
-            n_blocks=est.int("n_blocks", 1),
-            num_mid_blocks=est.int("num_mid_blocks", 2),
-            num_heads=est.int("num_heads", 4),
-            act_fn=est.str("act_fn", "snake"),
+            **estimator_fields(est),
             static_chunk_size=_int_or_product(est, "static_chunk_size", doc, 50),
             num_decoding_left_chunks=_int_or_product(est, "num_decoding_left_chunks", doc, 2),
         ),
+        **cfm,
     )
     _check_flow_args(args, source)
     return args
@@ -224,7 +202,7 @@ def hift_args_from_doc(doc: dict[str, Any], source: str = "cosyvoice2.yaml") -> 
     """The hift section of a parsed v2 yaml (v1's layout: :class:`HiFTArgs`)."""
     if "hift" not in doc:
         raise ModelConfigError(f"{source}: missing top-level section 'hift'")
-    return _hift_args(_Section(doc["hift"], "hift", source))
+    return hift_args(Section(doc["hift"], "hift", source))
 
 
 def load_flow_args(yaml_path: Path) -> CausalFlowArgs:

@@ -1,6 +1,6 @@
 """The chunk-causal vector-field estimator of the CosyVoice2 flow (``decoder.estimator``).
 
-v1's U-Net (:mod:`engine.flow_estimator`) at a single resolution, made causal: every
+v1's U-Net (:mod:`engine.cosyvoice1.flow_estimator`) at a single resolution, made causal: every
 convolution pads on the left only, the ResNet blocks normalise each frame over its channels
 (LayerNorm) instead of over time (GroupNorm), and in streaming mode each attention query sees
 every frame up to the end of its own chunk (``static_chunk_size`` frames). Layout for channel
@@ -27,9 +27,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from engine.core.estimator_blocks import TimestepMLP, TransformerBlock, masked, sinusoidal_embedding
 from engine.cosyvoice2.flow_args import CausalEstimatorArgs
 from engine.cosyvoice2.flow_cache import ConvTail, KVBuffer, chunk_visible, visibility_bias
-from engine.flow_estimator import TimestepMLP, TransformerBlock, _masked, sinusoidal_embedding
 
 
 class CausalBlock1D(nn.Module):
@@ -46,9 +46,9 @@ class CausalBlock1D(nn.Module):
 
     def forward(self, x: Tensor, tail: ConvTail, mask: Tensor | None = None) -> Tensor:
         conv, norm = cast(nn.Conv1d, self.block[0]), cast(nn.LayerNorm, self.block[2])
-        h = tail.conv(conv, _masked(x, mask)).transpose(1, 2)  # (B, T, C)
+        h = tail.conv(conv, masked(x, mask)).transpose(1, 2)  # (B, T, C)
         h = F.layer_norm(h, norm.normalized_shape, norm.weight, norm.bias, norm.eps)
-        return _masked(F.mish(h).transpose(1, 2), mask)
+        return masked(F.mish(h).transpose(1, 2), mask)
 
 
 class CausalResnetBlock1D(nn.Module):
@@ -71,7 +71,7 @@ class CausalResnetBlock1D(nn.Module):
     ) -> Tensor:
         h = self.block1(x, next(tails), mask) + time_bias.unsqueeze(-1)
         # The residual branch is not re-masked (as upstream).
-        return self.block2(h, next(tails), mask) + self.res_conv(_masked(x, mask))
+        return self.block2(h, next(tails), mask) + self.res_conv(masked(x, mask))
 
 
 def _attend(block: TransformerBlock, x: Tensor, kv: KVBuffer, bias: Tensor | None) -> Tensor:
@@ -243,15 +243,15 @@ class CausalConditionalDecoder(nn.Module):
         resnet, blocks, conv = _only_level(self.down_blocks)
         h = _run_transformers(blocks, resnet(h, next(biases), tails, mask), kv, bias)
         skip = h
-        h = next(tails).conv(conv, _masked(h, mask))
+        h = next(tails).conv(conv, masked(h, mask))
         for resnet, blocks in cast(Iterable[_MidLevel], self.mid_blocks):
             h = _run_transformers(blocks, resnet(h, next(biases), tails, mask), kv, bias)
         resnet, blocks, conv = _only_level(self.up_blocks)
         h = torch.cat([h, skip], dim=1)
         h = _run_transformers(blocks, resnet(h, next(biases), tails, mask), kv, bias)
-        h = next(tails).conv(conv, _masked(h, mask))
+        h = next(tails).conv(conv, masked(h, mask))
         h = self.final_block(h, next(tails), mask)
-        out = _masked(self.final_proj(_masked(h, mask)), mask)
+        out = masked(self.final_proj(masked(h, mask)), mask)
         state.frames += frames
         state.computed.append(frames)
         return out

@@ -25,11 +25,11 @@ from typing import Any
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
+from engine.core.types import ModelLoadError
 from engine.text import rules, wetext_backend
 from engine.text.errors import TextInputError
-from engine.text.frontend import Segment, _check
+from engine.text.frontend import Segment, checked_text
 from engine.text.normalize import normalize
-from engine.types import ModelLoadError
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -195,7 +195,7 @@ class CosyVoice2TextFrontend:
         ``split=False``: ``text`` is one sentence already split off by the caller, normalised
         as one segment.
         """
-        text = _check(text, "text")
+        text = checked_text(text, "text")
         pieces = normalize(text, split=split, token_len=self._token_len)
         out = [Segment(piece, self.tokenizer.encode(piece)) for piece in pieces]
         _LOGGER.debug("frontend: %d chars -> %d segments", len(text), len(out))
@@ -203,7 +203,7 @@ class CosyVoice2TextFrontend:
 
     def prompt_text_ids(self, text: str) -> list[int]:
         """Transcript of a zero-shot prompt, normalised without splitting."""
-        norm = normalize(_check(text, "prompt text"), split=False)
+        norm = normalize(checked_text(text, "prompt text"), split=False)
         return self.tokenizer.encode(norm[0]) if norm else []
 
     def instruct_ids(self, instruct_text: str) -> list[int]:
@@ -212,7 +212,7 @@ class CosyVoice2TextFrontend:
         A trailing ``<|endofprompt|>`` (or v1's ``<endofprompt>``) typed by the user is not
         doubled.
         """
-        text = rules.sanitize(_check(instruct_text, "instruct text"))
+        text = rules.sanitize(checked_text(instruct_text, "instruct text"))
         text = _USER_END_OF_PROMPT.sub("", text).strip()
         if not rules.is_speakable(text):
             raise TextInputError("instruct text is empty or has nothing to say")

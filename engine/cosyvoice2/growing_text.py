@@ -30,7 +30,7 @@ import re
 import unicodedata
 
 from engine.cosyvoice2.frontend import CosyVoice2TextFrontend
-from engine.text.frontend import _check
+from engine.text.frontend import checked_text
 from engine.text.normalize import contains_chinese, detect_language, normalize_text
 
 _LOGGER = logging.getLogger(__name__)
@@ -173,7 +173,7 @@ class GrowingTextIds:
         if self._finished:
             raise RuntimeError("text given after finish()")
         # Normalisation strips the sentence, and the splitter releases it stripped.
-        return _check(text, "text").lstrip()
+        return checked_text(text, "text").lstrip()
 
     def _same_wetext_language(self, text: str, piece: str, chinese: bool) -> bool:
         """A piece with digits is read by the grammar of its own script: on the Chinese path,

@@ -1,8 +1,9 @@
-"""CosyVoice2's HiFT: v1's vocoder (:class:`engine.hift.HiFTGenerator`) built from v2's config.
+"""CosyVoice2's HiFT: v1's vocoder (:class:`engine.core.hift.HiFTGenerator`) built from v2's config.
 
 24 kHz, 480 samples a mel frame (upsampling 8·5·3, iSTFT hop 4); the 24 kHz config selects the
 frame-rate sine source. ``hift.pt`` stores its convolutions weight-normed; the pairs are folded
-into plain weights before the strict check (:func:`engine.weight_norm.normalize_hift_state_dict`).
+into plain weights before the strict check
+(:func:`engine.core.weight_norm.normalize_hift_state_dict`).
 """
 
 from __future__ import annotations
@@ -12,11 +13,11 @@ from collections.abc import Mapping
 import torch
 from torch import Tensor
 
+from engine.core.hift import HiFTGenerator
+from engine.core.hparams import HiFTArgs
+from engine.core.types import ModelLoadError
+from engine.core.weight_norm import normalize_hift_state_dict
 from engine.cosyvoice2.flow import assign_weights
-from engine.hift import HiFTGenerator
-from engine.hparams import HiFTArgs
-from engine.types import ModelLoadError
-from engine.weight_norm import normalize_hift_state_dict
 
 
 def build_hift(args: HiFTArgs, device: torch.device | str = "meta") -> HiFTGenerator:

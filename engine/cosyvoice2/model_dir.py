@@ -6,7 +6,7 @@
                                weights are never read: llm.pt holds them)
     campplus.onnx, speech_tokenizer_v2.onnx   prompt extraction only (voices from a recording)
 
-:data:`PARTS` tells :mod:`engine.prepared` how to build the models and read their checkpoints;
+:data:`PARTS` tells :mod:`engine.core.prepared` how to build the models and read their checkpoints;
 the engine runs from the prepared files. :func:`load_model_dir` reads the checkpoints straight
 (the reference a prepared model is compared with).
 """
@@ -19,6 +19,11 @@ from typing import TYPE_CHECKING, Any, cast
 
 from torch import nn
 
+from engine.core.hparams import HiFTArgs, ModelConfigError, read_model_yaml
+from engine.core.prepared import ModelParts
+from engine.core.types import ModelLoadError
+from engine.core.weights import PARTS as PART_NAMES
+from engine.core.weights import check_model_dir, read_state_dict, without_init
 from engine.cosyvoice2.flow import build_flow, load_flow
 from engine.cosyvoice2.flow import int8_layer_names as flow_int8_layer_names
 from engine.cosyvoice2.flow_args import CausalFlowArgs, flow_args_from_doc, hift_args_from_doc
@@ -34,15 +39,10 @@ from engine.cosyvoice2.lm import (
     speech_lm_args,
 )
 from engine.cosyvoice2.qwen2 import Qwen2Config
-from engine.hparams import HiFTArgs, ModelConfigError, read_model_yaml
-from engine.prepared import ModelParts
-from engine.types import ModelLoadError
-from engine.weights import PARTS as PART_NAMES
-from engine.weights import _without_init, check_model_dir, read_state_dict
 
 if TYPE_CHECKING:
+    from engine.core.hift import HiFTGenerator
     from engine.cosyvoice2.flow import CausalFlow
-    from engine.hift import HiFTGenerator
 
 CHECKPOINT_FILES = tuple(f"{part}.pt" for part in PART_NAMES)
 BACKBONE_CONFIG = f"{BACKBONE_DIR}/config.json"
@@ -117,7 +117,7 @@ def build_on_meta(args: CosyVoice2Args, part: str) -> nn.Module:
         "flow": lambda: build_flow(args.flow),
         "hift": lambda: build_hift(args.hift),
     }
-    with _without_init():  # every value is assigned from a file
+    with without_init():  # every value is assigned from a file
         return builders[part]()
 
 
@@ -126,7 +126,7 @@ def read_part(model_dir: Path, args: CosyVoice2Args, part: str) -> nn.Module:
     path = Path(model_dir) / f"{part}.pt"
     state = read_state_dict(path)
     source = str(path)
-    with _without_init():
+    with without_init():
         if part == "llm":
             return load_speech_lm(state, args.lm, source=source)
         if part == "flow":

@@ -28,8 +28,8 @@ from pathlib import Path
 
 import torch
 
+from engine.core.streaming import FlowPrompt
 from engine.cosyvoice2.frontend import CosyVoice2TextFrontend
-from engine.cosyvoice2.streaming import FlowPrompt
 from engine.prompt.extract import PromptFeatures, model_input_zero_shot
 from engine.prompt.features import V2_PROMPT_MEL
 from engine.prompt.onnx_models import PromptModels, SpeechTokenizer

@@ -11,7 +11,7 @@ grouped-query: ``num_attention_heads`` query heads share ``num_key_value_heads``
 the cache holds only the K/V heads. Rotary positions rotate the two halves of each head
 (``[x1, x2] -> [x1 cos - x2 sin, x2 cos + x1 sin]``), angle ``position * theta^(-2i/head_dim)``.
 
-Decoding uses a preallocated :class:`engine.transformer.KVCache` (layers, 2, B, K/V heads,
+Decoding uses a preallocated :class:`engine.core.transformer.KVCache` (layers, 2, B, K/V heads,
 max_len, head_dim): :meth:`Qwen2Model.forward_cached` appends any number of positions (a prompt
 prefill or one decode step). The single-sequence decode step has its own path with a handful of
 ops per layer (it runs 24 times a token). Optional int8 layers fuse q/k/v and gate/up into one
@@ -32,9 +32,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from engine.hparams import ModelConfigError
-from engine.quantize import int8_linear
-from engine.transformer import KVCache
+from engine.core.hparams import ModelConfigError
+from engine.core.quantize import int8_linear
+from engine.core.transformer import KVCache
 
 CONFIG_FILE = "config.json"
 

@@ -8,7 +8,7 @@ on that chunk's frames only. The vocoder hides the seams as the official runtime
 * the first 3840 output samples are cross-faded (Hamming, float64) with the 3840 held back
   from the previous chunk, and every chunk but the last holds back its own last 3840.
 
-A speed other than 1 resamples the mel in time before HiFT (engine.speed), chunk by chunk as
+A speed other than 1 resamples the mel in time before HiFT (engine.core.speed), chunk by chunk as
 the whole mel would be.
 
 The official schedule: the first chunk after ``TOKEN_HOP`` (25) tokens — plus what brings the
@@ -20,57 +20,26 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 from torch import Tensor
 
+from engine.core.hift import HiftNoise
+from engine.core.speed import MelStretcher, stretch_mel
+from engine.core.stage_times import StageListener, report, report_flow, since
+from engine.core.streaming import FlowPrompt, HiftNoiseSource, fade_in_out
+from engine.core.thread_budget import ThreadBudget, apply_thread_budget, vocoder_busy
 from engine.cosyvoice2.flow import CausalFlow, FlowStream
-from engine.hift import HiftNoise
-from engine.speed import MelStretcher, stretch_mel
-from engine.stage_times import StageListener, report, report_flow, since
-from engine.streaming import fade_in_out
-from engine.thread_budget import ThreadBudget, apply_thread_budget, vocoder_busy
 
 if TYPE_CHECKING:
-    from engine.hift import HiFTGenerator
+    from engine.core.hift import HiFTGenerator
 
 TOKEN_HOP = 25  # the official first hop: one attention chunk
 MAX_TOKEN_HOP = 100  # hops double up to this (four chunks)
 MEL_CACHE = 8  # mel frames of HiFT context carried to the next chunk
 N_MELS = 80
-
-
-class HiftNoiseSource(Protocol):
-    """Where HiFT gets its random draws (a seeded generator, or injected)."""
-
-    def hift_noise(self, n_samples: int) -> tuple[Tensor, Tensor]:
-        """(initial phases in [0, 1) of shape (1, 9, 1), sine noise of shape (1, 9, n))."""
-        ...
-
-
-@dataclass
-class GeneratorNoise:
-    """HiFT noise drawn from one ``torch.Generator`` (reproducible with a seed)."""
-
-    generator: torch.Generator
-    harmonics: int = 9
-
-    def hift_noise(self, n_samples: int) -> tuple[Tensor, Tensor]:
-        phase = torch.rand((1, self.harmonics, 1), generator=self.generator)
-        noise = torch.randn((1, self.harmonics, n_samples), generator=self.generator)
-        return phase, noise
-
-
-@dataclass(frozen=True)
-class FlowPrompt:
-    """What conditions the flow: the speaker x-vector and (zero-shot) prompt tokens and mel."""
-
-    embedding: Tensor  # (1, 192) un-normalised x-vector
-    tokens: Tensor = field(default_factory=lambda: torch.zeros(1, 0, dtype=torch.int64))
-    feat: Tensor = field(default_factory=lambda: torch.zeros(1, 0, N_MELS))  # (1, 2·N, 80)
 
 
 class VocoderStream:

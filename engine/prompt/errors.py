@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from engine.types import EngineError
+from engine.core.types import EngineError
 
 
 class VoiceError(EngineError, ValueError):

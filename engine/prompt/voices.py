@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
+from engine.core.voice import Voice
 from engine.prompt.audio import load_prompt
 from engine.prompt.errors import PromptModelError, VoiceError
 from engine.prompt.extract import PROMPT_RATE, PromptFeatures, extract_features
@@ -36,7 +37,6 @@ from engine.prompt.validate import (
     read_transcript,
 )
 from engine.text.normalize import detect_language
-from engine.voice import Voice
 
 if TYPE_CHECKING:
     from engine.text.frontend import TextFrontend
@@ -416,7 +416,7 @@ def to_engine_voice(
       gets the instruction and no speaker; the flow gets only the CAM++ embedding, exactly as
       official instruct mode treats a built-in speaker.
     """
-    from engine.streaming import FlowPrompt
+    from engine.core.streaming import FlowPrompt
 
     if voice.family != COSYVOICE1.family:
         raise ValueError(f"voice {voice.name!r} was prepared for {voice.family}, not cosyvoice1")

@@ -33,7 +33,8 @@ class Segment:
     token_ids: list[int]
 
 
-def _check(text: object, what: str) -> str:
+def checked_text(text: object, what: str) -> str:
+    """``text`` if it is a string within the length limit (``what``: its name in the error)."""
     if not isinstance(text, str):
         raise TextInputError(f"{what} must be a string, not {type(text).__name__}")
     if len(text) > MAX_TEXT_CHARS:
@@ -71,7 +72,7 @@ class TextFrontend:
         ``split=False``: ``text`` is one sentence already split off by the caller, normalised
         as one segment. ``language``: the caller's detection, used for the language tags.
         """
-        text = _check(text, "text")
+        text = checked_text(text, "text")
         out = []
         for seg in normalize(text, split=split):
             if self.language_tags and not seg.startswith("<|"):
@@ -82,7 +83,7 @@ class TextFrontend:
 
     def prompt_text_ids(self, text: str) -> list[int]:
         """Transcript of a zero-shot prompt, normalised without splitting."""
-        norm = normalize(_check(text, "prompt text"), split=False)
+        norm = normalize(checked_text(text, "prompt text"), split=False)
         return self.tokenizer.encode(norm[0]) if norm else []
 
     def instruct_ids(self, instruct_text: str) -> list[int]:
@@ -91,7 +92,7 @@ class TextFrontend:
         A trailing ``<endofprompt>`` or ``<|endofprompt|>`` typed by the user is replaced by the
         v1 suffix, so both spellings end in the same 6 ids.
         """
-        text = _USER_SUFFIX.sub("", _check(instruct_text, "instruct text"))
+        text = _USER_SUFFIX.sub("", checked_text(instruct_text, "instruct text"))
         norm = normalize(text, split=False)
         if not norm:
             raise TextInputError("instruct text is empty or has nothing to say")

@@ -60,7 +60,7 @@ print(torch.get_num_threads())
 """
 UNGUARDED = f"import torch\ntorch.set_num_threads({MANY_THREADS})\n{MATMUL}"
 AFTER_LOAD = f"""
-from engine.engine import CosyVoiceEngine
+from engine.cosyvoice1.engine import CosyVoiceEngine
 CosyVoiceEngine.load({str(TINY)!r}, threads={MANY_THREADS}, cache_dir={{cache!r}})
 {MATMUL}"""
 
@@ -86,7 +86,7 @@ def exit_text(returncode: int) -> str:
 
 
 def check_cpu(expect_ceiling: int | None) -> None:
-    from engine import cpu
+    from engine.core import cpu
 
     step("CPU")
     features = cpu.arm_features(cpu.read_cpuinfo())
@@ -100,7 +100,7 @@ def check_cpu(expect_ceiling: int | None) -> None:
     )
     choices = cpu.detect()
     print(f"engine picks: {choices.describe()}")
-    from engine.int4 import choose_int4_kernel, int4_fast_here
+    from engine.core.int4 import choose_int4_kernel, int4_fast_here
 
     kleidiai = getattr(torch.backends, "kleidiai", None)
     print(
@@ -135,7 +135,7 @@ def check_threads(expect_ceiling: int | None, cache: Path) -> None:
 
 
 def check_profiles(cache: Path) -> None:
-    from engine.engine import CosyVoiceEngine
+    from engine.cosyvoice1.engine import CosyVoiceEngine
     from wyoming_cosyvoice.config import load_config
 
     config = load_config(CONFIG)
@@ -166,9 +166,9 @@ def check_profiles(cache: Path) -> None:
 
 def report_deviations(cache: Path) -> None:
     from engine.bench.deviation import lm_int8_kl, mel_relative_l2
-    from engine.engine import CosyVoiceEngine
-    from engine.quantize import quantize_flow_int8
-    from engine.weights import load_model_dir
+    from engine.core.quantize import quantize_flow_int8
+    from engine.cosyvoice1.engine import CosyVoiceEngine
+    from engine.cosyvoice1.model_dir import load_model_dir
 
     step("int8 deviations on this CPU's kernels (tiny model, random weights)")
     # The load applies the int8 kernels the engine picks.
@@ -323,7 +323,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--expect-thread-ceiling", type=int, default=None)
     args = parser.parse_args()
-    from engine import cpu
+    from engine.core import cpu
 
     # As the engine's load does, before any torch op: this process's own threads within the
     # ceiling (the runs on more threads are made in child processes).

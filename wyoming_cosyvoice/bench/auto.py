@@ -41,7 +41,7 @@ class AutoRunConfig:
     text: str
     tokens: int | None
     threads: int | None = None
-    lm_int8: bool = False
+    lm_weights: str | None = None  # instead of the server's (an experiment's --lm-weights)
     config: str | None = None  # the server settings file with the auto: section
     warmup: bool = True
 
@@ -54,10 +54,13 @@ def run(config: AutoRunConfig) -> dict[str, Any]:
     from wyoming_cosyvoice.config import AUTO_PROFILE, load_config
     from wyoming_cosyvoice.model import auto_profile
 
-    settings = load_config(
-        Path(config.config) if config.config else None,
-        [("server.profile", AUTO_PROFILE), ("server.threads", config.threads)],
-    )
+    overrides: list[tuple[str, Any]] = [
+        ("server.profile", AUTO_PROFILE),
+        ("server.threads", config.threads),
+    ]
+    if config.lm_weights:
+        overrides.append(("server.lm_weights", config.lm_weights))
+    settings = load_config(Path(config.config) if config.config else None, overrides)
     auto = auto_profile(settings)
     assert auto is not None  # server.profile is auto
     weights = settings.load.weights
@@ -65,7 +68,7 @@ def run(config: AutoRunConfig) -> dict[str, Any]:
     engine = load_engine(
         config.model_dir,
         threads=config.threads,
-        lm_int8=config.lm_int8,
+        lm_int8=weights.lm == "int8",
         flow_int8=weights.flow == "int8",
         hift_bf16=weights.hift == "bf16",
         extra_formats=weights.extra,
@@ -137,7 +140,7 @@ def run_benchmark(args: Any, model_dir: Path, config: Path | None) -> dict[str, 
             text=args.text,
             tokens=args.tokens or None,
             threads=args.threads,
-            lm_int8=args.lm_int8,
+            lm_weights=args.lm_weights,
             config=str(config) if config else None,
             warmup=not args.no_warmup,
         )

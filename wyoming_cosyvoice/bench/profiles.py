@@ -1,4 +1,5 @@
-"""The server's profiles (config.yaml) as the engine benchmark's profiles."""
+"""The server's profiles (config.yaml) as the engine benchmark's profiles, each with the weight
+formats a server started with that profile loads (``ServerConfig.load``)."""
 
 from __future__ import annotations
 
@@ -12,15 +13,17 @@ def server_profiles(config: Path | None = None) -> dict[str, BenchProfile]:
     """Every profile of ``config`` (default: the server's config.yaml), by name."""
     settings = load_config(config)
     source = str(config) if config else "config.yaml"
-    return {
-        name: BenchProfile(
+    profiles = {}
+    for name, profile in settings.profiles.items():
+        weights = load_config(config, [("server.profile", name)]).load.weights
+        profiles[name] = BenchProfile(
             name,
             profile.schedule,
             profile.n_timesteps,
             profile.cfg_rate,
             source,
-            profile.flow_weights,
-            profile.hift_weights,
+            flow_weights=weights.flow,
+            hift_weights=weights.hift,
+            lm_weights=weights.lm,
         )
-        for name, profile in settings.profiles.items()
-    }
+    return profiles

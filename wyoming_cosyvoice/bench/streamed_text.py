@@ -76,8 +76,8 @@ def prompt_transcript(text: str) -> str:
 def model_problem(synthetic: str | None, model_dir: Path | None) -> str | None:
     """Why the model cannot show early speech (None: it can): only CosyVoice2 speaks a sentence
     before it ends. Reads the directory's family without loading it."""
+    from engine.core.types import ModelLoadError
     from engine.family import model_family
-    from engine.types import ModelLoadError
 
     needs = "--llm-stream needs a CosyVoice2 model (only it speaks a sentence before its end)"
     if synthetic is not None:

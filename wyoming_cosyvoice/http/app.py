@@ -20,9 +20,9 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
 
+from engine.core.types import EngineError
+from engine.core.types import UnknownSpeakerError as EngineUnknownSpeaker
 from engine.text.errors import TextInputError
-from engine.types import EngineError
-from engine.types import UnknownSpeakerError as EngineUnknownSpeaker
 from wyoming_cosyvoice.config import ServerConfig
 from wyoming_cosyvoice.custom_voices import CustomVoices
 from wyoming_cosyvoice.http.errors import (
@@ -146,8 +146,9 @@ class TtsRoutes:
         if choices is not None:
             body["cpu"] = choices.as_dict()
         if state == "ready":
-            # Threads per step follow the cores other processes leave free (engine.thread_budget).
-            from engine.thread_budget import thread_report
+            # Threads per step follow the cores other processes leave free
+            # (engine.core.thread_budget).
+            from engine.core.thread_budget import thread_report
 
             body["threads"] = thread_report()
         if self.scheduler.auto is not None:  # the measured stage costs and the last choice

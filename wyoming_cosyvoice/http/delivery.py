@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.types import MAX_SPEED, MIN_SPEED
+from engine.core.types import MAX_SPEED, MIN_SPEED
 from wyoming_cosyvoice.http.errors import HttpError
 from wyoming_cosyvoice.speaker_presets import (
     INSTRUCT_MODELS,

@@ -27,7 +27,7 @@ from urllib.parse import quote
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from engine.types import SynthesisCancelled
+from engine.core.types import SynthesisCancelled
 from wyoming_cosyvoice.http.errors import error_body
 from wyoming_cosyvoice.http.speech import SpeechRequest
 from wyoming_cosyvoice.speech import WIDTH, Audio, Speech

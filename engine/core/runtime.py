@@ -1,0 +1,251 @@
+"""What every engine does around its models: choose the CPU's kernels and threads at load, run a
+block on one thread, and give the heap back between chunks. Shared by the model families."""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import functools
+import logging
+import os
+import platform
+import sys
+import threading
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, TypeVar
+
+import torch
+
+from engine.core import cpu
+from engine.core.thread_budget import configure_threads
+from engine.core.types import AudioChunk, raise_if_cancelled
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    from engine.core.prepared import ModelParts, PreparedLoad, WeightFormats
+
+_LOGGER = logging.getLogger(__name__)
+T = TypeVar("T")
+
+# oneDNN keeps every convolution it JIT-compiles, one set per input length, up to 1024 by
+# default. A server vocodes chunks of ever-new lengths: measured over 37 lengths,
+# HiFT's memory in use grew by 156 MB, by 73 MB with 256 (50 MB with no cache, but 10-15 %
+# slower passes); 256 is as fast as the default when a length repeats.
+_ONEDNN_CACHE_CAPACITY = "256"
+
+
+@dataclass(frozen=True)
+class CpuSetup:
+    """What a load chose for this CPU: threads, kernels, and the weight formats it can run."""
+
+    threads: int | None
+    choices: cpu.CpuChoices
+    formats: WeightFormats
+
+
+def setup_cpu(
+    threads: int | None, *, lm_int8: bool, flow_int8: bool, hift_bf16: bool, lm_int4: bool = False
+) -> CpuSetup:
+    """Cap the threads, pick the int8 kernels and fall back to float32 where the CPU lacks them
+    (an int4 LM: to int8 where no int4 kernel works).
+
+    Called before any torch op: past the ceiling the first multi-threaded op would crash.
+    """
+    from engine.core.prepared import WeightFormats
+
+    threads = cpu.capped_threads(threads, cpu.thread_ceiling())
+    configure_threads(threads)
+    choices = cpu.detect()
+    _LOGGER.info("CPU %s", choices.describe())
+    if lm_int4 and not int4_kernel_for_lm():
+        lm_int4, lm_int8 = False, True
+    if choices.int8_kernels is not None:
+        torch.backends.quantized.engine = choices.int8_kernels
+    elif lm_int8 or flow_int8:
+        _LOGGER.warning("No int8 kernel works on this CPU: the LM and flow run float32")
+        lm_int8 = flow_int8 = False
+    if hift_bf16 and not choices.bfloat16:
+        _LOGGER.warning("This CPU has no fast bfloat16 convolutions: HiFT stays float32")
+        hift_bf16 = False
+    formats = WeightFormats(
+        llm="int4" if lm_int4 else "int8" if lm_int8 else "fp32",
+        flow="int8" if flow_int8 else "fp32",
+        hift="bf16" if hift_bf16 else "fp32",
+    )
+    bound_onednn_cache()
+    return CpuSetup(threads, choices, formats)
+
+
+def int4_kernel_for_lm() -> bool:
+    """Whether the LM runs int4 here: a kernel works and beats int8 (engine.core.int4). Otherwise a
+    WARNING says why and the LM runs int8: int4 only trades exactness for speed."""
+    from engine.core.int4 import choose_int4_kernel, int4_fast_here
+
+    kernel = choose_int4_kernel()
+    if kernel is None:
+        _LOGGER.warning("No int4 kernel of this torch build works on this CPU: the LM runs int8")
+        return False
+    if not int4_fast_here():
+        _LOGGER.warning(
+            "torch's int4 kernel (%s) has no fast path on this CPU (%s %s) and would run the "
+            "LM slower than int8: the LM runs int8 (docs/dev/int4.md)",
+            kernel,
+            platform.machine(),
+            torch.backends.cpu.get_cpu_capability(),
+        )
+        return False
+    _LOGGER.info("int4 LM: torch's %s kernel", kernel)
+    return True
+
+
+def extra_weight_formats(extra: Iterable[str], setup: CpuSetup) -> dict[str, str]:
+    """The formats of ``extra`` ("flow.int8", "hift.bf16", ...) a load adds beside its primary
+    ones, by part: those this CPU runs (as ``setup_cpu`` falls back) that are not primary.
+
+    Only the flow and HiFT have extras (a request chooses between them, engine.core.types'
+    ``SynthesisOptions.flow_weights``); ValueError names any other. Each part has two formats,
+    so one extra at most.
+    """
+    from engine.core.prepared import WEIGHT_FORMATS
+
+    chosen: dict[str, str] = {}
+    for name in extra:
+        part, _, weights = name.partition(".")
+        if part not in ("flow", "hift") or weights not in WEIGHT_FORMATS[part]:
+            raise ValueError(
+                f"extra weight format {name!r}: not one of flow.fp32, flow.int8, hift.fp32, "
+                "hift.bf16"
+            )
+        if weights == "int8" and setup.choices.int8_kernels is None:
+            continue  # as the primary formats: no int8 kernel, float32 only
+        if weights == "bf16" and not setup.choices.bfloat16:
+            continue
+        if weights != setup.formats.of(part):
+            chosen[part] = weights
+    return chosen
+
+
+@contextlib.contextmanager
+def prepared_loads(
+    model_dir: Path,
+    formats: WeightFormats,
+    extras: Mapping[str, str],
+    cache_dir: Path | None,
+    parts: ModelParts,
+) -> Iterator[list[PreparedLoad]]:
+    """The model's prepared load (``parts``: its family's) in its primary formats
+    and, with ``extras``, a second one of just those parts in their extra formats: finished
+    when the block ends, cancelled (the int8 layers still packing in the background stop) when
+    it fails.
+
+    While int8 layers are packed on every core the block runs on one torch thread: an OpenMP
+    region there would wait for a free core, several times slower than one thread alone.
+    """
+    from engine.core.prepared import PreparedLoad, WeightFormats
+
+    loads = [PreparedLoad(model_dir, formats, cache_dir, parts)]
+    if extras:
+        extra = WeightFormats(**extras)
+        loads.append(PreparedLoad(model_dir, extra, cache_dir, parts, only=tuple(extras)))
+    packing = bool({"int8", "int4"} & {formats.llm, formats.flow, extras.get("flow")})
+    try:
+        with one_torch_thread() if packing else contextlib.nullcontext():
+            yield loads
+        for loading in loads:
+            loading.finish()
+    except BaseException:
+        for loading in loads:
+            loading.cancel()
+        raise
+
+
+def pick_weights(loaded: Mapping[str, T], wanted: str | None) -> tuple[str, T]:
+    """(format, model) of ``wanted`` if loaded, else the primary (first) one."""
+    if wanted is not None and wanted in loaded:
+        return wanted, loaded[wanted]
+    return next(iter(loaded.items()))
+
+
+def loaded_format(module: torch.nn.Module) -> str:
+    """The weight format a loaded flow or HiFT runs in: int8 (int8 layers), bf16 (a bfloat16
+    filter) or fp32."""
+    from engine.core.quantize import Int8Linear
+
+    if any(isinstance(sub, Int8Linear) for sub in module.modules()):
+        return "int8"
+    return "bf16" if getattr(module, "filter_dtype", None) == torch.bfloat16 else "fp32"
+
+
+def weight_pairs(flows: Iterable[str], hifts: Iterable[str]) -> list[tuple[str, str]]:
+    """(flow, HiFT) formats that run each loaded format at least once: the primary pair, then
+    each part's other format (beside the other part's, or its primary)."""
+    flow_list, hift_list = list(flows), list(hifts)
+    pairs = [(flow_list[0], hift_list[0])]
+    for index in range(1, max(len(flow_list), len(hift_list))):
+        flow = flow_list[index] if index < len(flow_list) else flow_list[0]
+        hift = hift_list[index] if index < len(hift_list) else hift_list[0]
+        pairs.append((flow, hift))
+    return pairs
+
+
+def bound_onednn_cache() -> None:
+    """Cap oneDNN's primitive cache unless the user set it (either of oneDNN's two names).
+
+    oneDNN reads the setting when it creates its first primitive: this only takes effect in a
+    process that has not run a convolution yet (the server, the benchmark, the batch CLI).
+    """
+    if "DNNL_PRIMITIVE_CACHE_CAPACITY" not in os.environ:
+        os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", _ONEDNN_CACHE_CAPACITY)
+
+
+@functools.cache
+def _malloc_trim() -> Callable[[int], int] | None:
+    """glibc's ``malloc_trim`` (None elsewhere: musl has none, nor have other systems)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    return getattr(ctypes.CDLL(None), "malloc_trim", None)
+
+
+def give_back_free_heap() -> None:
+    """Return the memory malloc holds free to the kernel, once a chunk's passes are done.
+
+    glibc keeps what a flow and vocoder pass frees, all of it still resident, and a streamed
+    request's free heap keeps growing chunk by chunk; a trim costs a few milliseconds against
+    the seconds a chunk takes.
+    """
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+def audio_chunks(
+    waves: Iterator[torch.Tensor], sample_rate: int, cancel: threading.Event | None
+) -> Iterator[AudioChunk]:
+    """Drive a model family's waveform generator: each wave as an :class:`AudioChunk`, the
+    request's cancel checked after every chunk, the free heap given back between chunks."""
+    while True:
+        # inference_mode is thread-local and callers may resume us on any thread.
+        with torch.inference_mode():
+            wave = next(waves, None)
+        if wave is None:
+            return
+        raise_if_cancelled(cancel)
+        if wave.numel() == 0:  # a chunk whose frames the speed's resampling still holds
+            continue
+        chunk = AudioChunk(wave.reshape(-1).float().numpy().copy(), sample_rate)
+        del wave
+        give_back_free_heap()
+        yield chunk
+
+
+@contextlib.contextmanager
+def one_torch_thread() -> Iterator[None]:
+    """Run torch ops of this block on one thread (the setting is process-wide, then restored)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
