@@ -363,6 +363,21 @@ def wy() -> SimpleNamespace:
     )
 
 
+# The model families the server processes of tests/http_process.py run (v1: the SFT kind).
+FAMILIES = ("v1", "v2")
+
+
+@pytest.fixture(scope="session", params=FAMILIES)
+def family_server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+                  ) -> Iterator[Any]:  # fmt: skip
+    """The real server of each family in a process of its own (``http_process.shared_server``),
+    shared by the test modules that only ask it things: each start costs seconds of CPU."""
+    from http_process import shared_server
+
+    with shared_server(request.param, tmp_path_factory.mktemp(f"server-{request.param}")) as srv:
+        yield srv
+
+
 def terminate(process: subprocess.Popen, timeout: float = 30) -> str:
     """SIGTERM a server subprocess (killed after ``timeout`` s); its piped stderr, else ''."""
     process.send_signal(signal.SIGTERM)

@@ -11,6 +11,7 @@ Everything is on 127.0.0.1; waits are bounded polls of the server's own answers.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -19,16 +20,16 @@ import subprocess
 import sys
 import time
 import wave
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
-from conftest import ROOT, free_port
+from conftest import FAMILIES, ROOT, free_port  # noqa: F401  (FAMILIES: for the test modules)
 
 DATA = ROOT / "tests" / "data"
 ONNX = DATA / "zero_shot" / "onnx"
 PROMPT_16K = DATA / "zero_shot" / "prompt16k_pcm16.wav"
-FAMILIES = ("v1", "v2")
 # family -> (the tiny model, the prompt models' stand-ins: file in ONNX -> name in the model)
 MODELS = {
     "v1": (DATA / "tiny_model", {"tiny_campplus.onnx": "campplus.onnx",
@@ -141,6 +142,39 @@ class ServerProcess:
                 self.process.kill()
                 self.process.wait()
         return int(self.process.returncode)
+
+
+# The shared server of each family (conftest's ``family_server``): its voices folder holds a
+# voice named in Chinese, one named in Latin letters and a look-alike of that name dropped in by
+# hand beside it; its default voice is named by another look-alike (full-width letters), found
+# before the folder is scanned.
+CHINESE_NAME = "奶奶"  # a voice name no Latin-1 header can carry
+LATIN_NAME = "grandma"
+LOOK_ALIKE = "grаndma"  # the a is U+0430
+FULL_WIDTH = "ｇｒａｎｄｍａ"
+
+
+@contextlib.contextmanager
+def shared_server(family: str, workdir: Path) -> Iterator[ServerProcess]:
+    """The server of ``family`` for the tests that only ask it things, ready with its voices;
+    stopped by SIGTERM at the end, which it must survive cleanly. One profile, and audio as the
+    engine makes it (no loudness learnt, no replays): the same request gives the same samples
+    over HTTP and Wyoming."""
+    voices = workdir / "voices"
+    record_voice(voices, CHINESE_NAME)
+    record_voice(voices, LATIN_NAME)
+    record_voice(voices, LOOK_ALIKE)
+    args = ("--profile", "realtime", "--voice", FULL_WIDTH,
+            "--set", "server.loudness=null", "--set", "cache.max_mb=0")  # fmt: skip
+    srv = ServerProcess(family, workdir, voices=voices, args=args)
+    try:
+        srv.wait_ready().wait_for_voice(CHINESE_NAME)
+        srv.wait_for_voice(LATIN_NAME)
+        yield srv
+    finally:
+        code = srv.stop()
+    assert code == 0, srv.log[-3000:]
+    assert "Traceback" not in srv.log and " ERROR " not in srv.log, srv.log[-3000:]
 
 
 def raw_post(port: int, path: str, body: bytes, headers: dict[str, str]) -> bytes:

@@ -722,6 +722,7 @@ def test_health_shows_the_costs_and_the_last_choice() -> None:
     assert srv.engines[0].options[-1].n_timesteps == 10
 
 
+@pytest.mark.long
 def test_the_real_engine_measures_and_chooses(tmp_path: Path) -> None:
     """The real server process on the tiny model: the warm-up measures every stage in both
     formats, /health shows them, and a target no profile can meet makes the soonest win."""

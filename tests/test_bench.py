@@ -280,6 +280,7 @@ def run_bench_json(
     return json.loads(done.stdout)
 
 
+@pytest.mark.long
 def test_benchmark_runs_on_the_tiny_model_beside_a_neighbour() -> None:
     result = run_bench_json(
         "--tokens",

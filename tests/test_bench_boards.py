@@ -22,11 +22,12 @@ from wyoming_cosyvoice.bench.profiles import server_profiles
 HERE = Limits(read_gbps=20.0, gemm_gflops=100.0)  # the measured machine
 
 
-def _entry(hift_ran: str = "float32") -> dict:
-    """A profile measured on HERE: the LM at 2× its bound, the flow at 1.5×, HiFT at 1×."""
+def _entry(hift_ran: str = "float32", flow_ms: float = 1500.0, hift_ms: float = 1000.0) -> dict:
+    """A realtime run on HERE: the LM at 2× its bound, the flow (float32) at 1.5× and HiFT at
+    2×, unless given other times."""
     return {
+        "settings": {"lm_weights": "int8", "flow_weights": "fp32"},
         "hift_ran": hift_ran,
-        "gemm_gflops": 100.0,
         "first_chunk_tokens": 11,
         "first_audio_parts_ms": {
             "frontend": 10.0,
@@ -44,48 +45,63 @@ def _entry(hift_ran: str = "float32") -> dict:
                 "gb": 5.0,  # 100 MB 50 times: 250 ms at 20 GB/s
                 "measured_ms": 500.0,
             },
-            "flow": {"gflop": 100.0, "measured_ms": 1500.0},
-            "hift": {"gflop": 50.0, "measured_ms": 500.0},
+            "flow": {"gflop": 100.0, "measured_ms": flow_ms},  # bound 1000 ms
+            "hift": {"gflop": 50.0, "measured_ms": hift_ms},  # bound 500 ms
         },
     }
 
 
 def test_a_board_takes_the_work_at_the_measured_distance_from_its_limits() -> None:
-    fp32_hift = {"gflop": 50.0, "measured_ms": 1000.0}
+    entry = _entry()
+    best = boards.efficiencies({"realtime": entry}, HERE)
+    assert best == {("lm", "int8"): 2.0, ("flow", "fp32"): 1.5, ("hift", "float32"): 2.0}
     # A board of 10 GB/s and 50 GFLOP/s.
-    result = estimate(_entry(), 10.0, 50.0, fp32_hift, HERE)
+    result = estimate(entry, 10.0, 50.0, best, HERE)
     assert result.lm_ms_per_token == pytest.approx(100e6 / 10e9 * 1e3 * 2)  # 20 ms
     assert result.flow_ms == pytest.approx(100 / 50 * 1e3 * 1.5)  # 3000 ms
-    assert result.hift_ms == pytest.approx(50 / 50 * 1e3 * 1.0)  # the entry's HiFT: 1× bound
-    assert result.rtf == pytest.approx((50 * 20 + 3000 + 1000) / 1e3)
+    assert result.hift_ms == pytest.approx(50 / 50 * 1e3 * 2)  # 2000 ms
+    assert result.rtf == pytest.approx((50 * 20 + 3000 + 2000) / 1e3)
     assert result.rtf_bound == pytest.approx((50 * 10 + 2000 + 1000) / 1e3)
     # 10 more tokens at 20 ms; the rest of the first audio at half the matrix rate.
     assert result.first_audio_s == pytest.approx((10 * 20 + 2 * (10 + 40 + 300 + 100 + 50)) / 1e3)
 
 
+def test_each_stage_runs_as_efficiently_as_in_the_familys_best_run() -> None:
+    # Two runs of the same formats, the second in a busy moment (flow and HiFT twice as slow):
+    # both count at the first's efficiency, and the busy run's first audio loses what the
+    # busy moment added to it.
+    quiet, busy = _entry(), _entry(flow_ms=3000.0, hift_ms=2000.0)
+    for part in boards.COMPUTE_PARTS:
+        busy["first_audio_parts_ms"][part] *= 2
+    best = boards.efficiencies({"quiet": quiet, "busy": busy}, HERE)
+    assert best[("flow", "fp32")] == 1.5 and best[("hift", "float32")] == 2.0
+    assert estimate(busy, 10.0, 50.0, best, HERE) == estimate(quiet, 10.0, 50.0, best, HERE)
+
+
 def test_a_stage_faster_than_its_bound_counts_at_its_bound() -> None:
     # An int8 flow ahead of the float32 rate, or a probe that read a busy moment: no gain.
-    entry = _entry()
-    entry["work_per_audio_s"]["flow"]["measured_ms"] = 500.0  # half its bound
-    fp32_hift = entry["work_per_audio_s"]["hift"]
-    assert estimate(entry, 10.0, 50.0, fp32_hift, HERE).flow_ms == pytest.approx(100 / 50 * 1e3)
+    best = boards.efficiencies({"realtime": _entry(flow_ms=500.0)}, HERE)
+    assert best[("flow", "fp32")] == 1.0
 
 
 def test_a_bfloat16_hift_runs_as_float32_on_a_board() -> None:
-    # Measured with a native bfloat16 HiFT at 1× its float32 bound; the board runs float32,
-    # at the float32 HiFT's 2×: its HiFT and its first chunk's HiFT take twice as long.
-    fp32_hift = {"gflop": 50.0, "measured_ms": 1000.0}
-    bf16 = estimate(_entry("bfloat16"), 10.0, 50.0, fp32_hift, HERE)
-    fp32 = estimate(_entry("float32"), 10.0, 50.0, fp32_hift, HERE)
-    assert bf16.hift_ms == pytest.approx(2000.0) and fp32.hift_ms == pytest.approx(1000.0)
-    assert bf16.first_audio_s - fp32.first_audio_s == pytest.approx(2 * 100 / 1e3)
+    # Measured with a native bfloat16 HiFT at 1× its bound beside a float32 HiFT at 2×: on the
+    # board it runs in float32, and so does its first chunk's HiFT.
+    fp32, bf16 = _entry(), _entry("bfloat16", hift_ms=500.0)
+    best = boards.efficiencies({"realtime": fp32, "fast": bf16}, HERE)
+    assert best[("hift", "bfloat16")] == 1.0
+    on_board = estimate(bf16, 10.0, 50.0, best, HERE)
+    assert on_board.hift_ms == estimate(fp32, 10.0, 50.0, best, HERE).hift_ms == 2000.0
+    parts = bf16["first_audio_parts_ms"]
+    compute = sum(parts[p] for p in boards.COMPUTE_PARTS) + parts["hift"]  # HiFT twice
+    assert on_board.first_audio_s == pytest.approx((10 * 20 + 2 * compute) / 1e3)
 
 
 def test_a_range_of_figures_gives_a_range_of_estimates() -> None:
     board = Board("b", (10.0, 20.0), (50.0, 100.0), "r", "g")
     (low, high) = board_estimates({"realtime": _entry()}, board, HERE)["realtime"]
     assert high.rtf < low.rtf and high.first_audio_s < low.first_audio_s
-    assert boards._cell((low, high)) == "≈ 0.6–1.2 s / 2.5–5"
+    assert boards._cell((low, high)) == "≈ 0.6–1.2 s / 3–6"
 
 
 def test_the_measured_machine_is_the_best_its_probes_read() -> None:

@@ -34,6 +34,7 @@ def tiny_v2(tmp_path: Path) -> Path:
     return model
 
 
+@pytest.mark.long
 def test_an_llm_reply_streamed_with_and_without_early_speech(tiny_v2: Path) -> None:
     command = [sys.executable, "-m", "wyoming_cosyvoice.bench", "--model-dir", str(tiny_v2)]
     command += ["--llm-stream", str(WORDS_PER_S), "--tokens", str(TOKENS), "--repeats", "1"]

@@ -13,6 +13,7 @@ import subprocess
 import sys
 from importlib import metadata
 from pathlib import Path
+from typing import Any
 
 import pytest
 from packaging.requirements import Requirement
@@ -30,25 +31,28 @@ def readme_test_command() -> str:
     return match.group(1).strip()
 
 
-def stub(path: Path, name: str, exit_code: int = 0) -> None:
-    """An executable that appends its name and arguments to calls.log and exits with exit_code."""
+def stub(path: Path, name: str, exit_code: int = 0, fails_on: str | None = None) -> None:
+    """An executable that appends its name and arguments to calls.log and exits with exit_code
+    (given ``fails_on``: only when called with exactly those arguments, else 0)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(
-        f'#!/usr/bin/env bash\necho "{name} $*" >> "$CALLS"\nexit {exit_code}\n', encoding="utf-8"
-    )
+    ends = f"exit {exit_code}\n"
+    if fails_on is not None:
+        ends = f'[[ "$*" == "{fails_on}" ]] && exit {exit_code}\nexit 0\n'
+    path.write_text(f'#!/usr/bin/env bash\necho "{name} $*" >> "$CALLS"\n{ends}', encoding="utf-8")
     path.chmod(0o755)
 
 
 def run_script(
-    tree: Path, script: str, stubs: dict[str, tuple[str, int]]
+    tree: Path, script: str, stubs: dict[str, tuple[str, int] | tuple[str, int, str]]
 ) -> tuple[int, list[str], str]:
-    """Copy ``script`` into ``tree``, stub the programs it calls, run it as CI does (no stdin,
-    CI=true); returns (exit code, the stubs called in order, stderr)."""
+    """Copy ``script`` into ``tree``, stub the programs it calls (name, exit code and, if given,
+    the arguments it fails on), run it as CI does (no stdin, CI=true); returns (exit code, the
+    stubs called in order, stderr)."""
     target = tree / script
     target.parent.mkdir(parents=True, exist_ok=True)
     shutil.copy2(ROOT / script, target)
-    for rel, (name, code) in stubs.items():
-        stub(tree / rel, name, code)
+    for rel, (name, code, *fails_on) in stubs.items():
+        stub(tree / rel, name, code, *fails_on)
     calls = tree / "calls.log"
     calls.touch()
     env = {**os.environ, "CI": "true", "CALLS": str(calls)}
@@ -58,15 +62,17 @@ def run_script(
     return result.returncode, calls.read_text().splitlines(), result.stderr
 
 
-CI_STUBS = {
+CI_STUBS: dict[str, tuple[str, int] | tuple[str, int, str]] = {
     "script/setup": ("setup", 0),
     "script/lint": ("lint", 0),
     "script/image-test": ("image-test", 0),
     ".venv/bin/python": ("py", 0),
 }
+LONG_TESTS = ".venv/bin/python -m pytest -m long"
 
 
-def test_ci_runs_setup_lint_the_image_test_then_exactly_the_readme_test_command() -> None:
+def test_ci_runs_setup_lint_the_image_test_the_long_tests_then_exactly_the_readme_command(
+) -> None:  # fmt: skip
     lines = [
         line
         for line in CI_RUN.read_text().splitlines()
@@ -76,35 +82,64 @@ def test_ci_runs_setup_lint_the_image_test_then_exactly_the_readme_test_command(
         "./script/setup --test",
         "./script/lint",
         "./script/image-test",
+        LONG_TESTS,
         readme_test_command(),
     ]
+
+
+def pyproject() -> dict[str, Any]:
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:
+        import tomli as tomllib
+    return dict(tomllib.loads((ROOT / "pyproject.toml").read_text()))
+
+
+def test_between_them_ci_runs_every_test_but_the_slow_and_soak_ones() -> None:
+    """The default run deselects the long tests and CI runs them in a run of their own: a test
+    marked long keeps running in CI, it only leaves the default run."""
+    options = pyproject()["tool"]["pytest"]["ini_options"]
+    default = re.search(r"-m '([^']*)'", options["addopts"])
+    assert default and default.group(1) == "not slow and not soak and not long"
+    assert any(marker.startswith("long: ") for marker in options["markers"])
+    assert LONG_TESTS in CI_RUN.read_text().splitlines()
 
 
 def test_ci_passes_when_lint_and_tests_pass(tmp_path: Path) -> None:
     code, calls, _ = run_script(tmp_path, ".ci/run", CI_STUBS)
     assert code == 0
-    assert calls == ["setup --test", "lint ", "image-test ", "setup --test", "py -m pytest"]
+    assert calls == [
+        "setup --test",
+        "lint ",
+        "image-test ",
+        "py -m pytest -m long",
+        "setup --test",
+        "py -m pytest",
+    ]
 
 
 def test_an_image_test_failure_fails_ci_before_the_tests(tmp_path: Path) -> None:
     stubs = {**CI_STUBS, "script/image-test": ("image-test", 1)}
     code, calls, _ = run_script(tmp_path, ".ci/run", stubs)
     assert code != 0
-    assert "py -m pytest" not in calls
+    assert not [call for call in calls if call.startswith("py ")]
 
 
 def test_a_lint_failure_fails_ci_before_the_tests(tmp_path: Path) -> None:
     code, calls, _ = run_script(tmp_path, ".ci/run", {**CI_STUBS, "script/lint": ("lint", 1)})
     assert code != 0
-    assert "py -m pytest" not in calls
+    assert not [call for call in calls if call.startswith("py ")]
 
 
 @pytest.mark.parametrize("pytest_exit", [1, 5])  # 5: no test collected
-def test_a_pytest_failure_or_empty_run_fails_ci(tmp_path: Path, pytest_exit: int) -> None:
-    stubs = {**CI_STUBS, ".venv/bin/python": ("py", pytest_exit)}
+@pytest.mark.parametrize("run", ["-m pytest -m long", "-m pytest"], ids=["long", "default"])
+def test_a_failure_or_empty_run_of_either_test_run_fails_ci(
+    tmp_path: Path, pytest_exit: int, run: str
+) -> None:
+    stubs = {**CI_STUBS, ".venv/bin/python": ("py", pytest_exit, run)}
     code, calls, _ = run_script(tmp_path, ".ci/run", stubs)
     assert code == pytest_exit
-    assert calls[-1] == "py -m pytest"
+    assert calls[-1] == f"py {run}"
 
 
 LINT_STUBS = {
@@ -141,11 +176,7 @@ def test_lint_without_the_test_tools_says_how_to_install_them(tmp_path: Path) ->
 
 
 def test_mypy_checks_both_packages() -> None:
-    if sys.version_info >= (3, 11):
-        import tomllib
-    else:
-        import tomli as tomllib
-    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["mypy"]
+    config = pyproject()["tool"]["mypy"]
     assert config["packages"] == ["engine", "wyoming_cosyvoice"]
 
 
@@ -165,11 +196,7 @@ def test_ci_scripts_are_shellcheck_clean() -> None:
 
 def _test_requirements() -> list[Requirement]:
     """The ``test`` extra's requirements, with the project's own extras it names expanded."""
-    if sys.version_info >= (3, 11):
-        import tomllib
-    else:
-        import tomli as tomllib
-    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    project = pyproject()["project"]
     extras = project["optional-dependencies"]
     found: list[Requirement] = []
     pending = [Requirement(text) for text in extras["test"]]

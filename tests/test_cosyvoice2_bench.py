@@ -76,6 +76,7 @@ def test_lm_weight_bytes_leave_out_the_unused_text_head() -> None:
     assert lm_weight_bytes_per_token(models.llm) == expected
 
 
+@pytest.mark.long
 def test_benchmark_runs_on_the_tiny_cosyvoice2(tmp_path: Path) -> None:
     """A prompt voice of 5 s; the first chunk is one attention chunk plus the look-ahead; the
     default token count is 8 s at 25 tokens a second; the stream's flow cost per chunk is

@@ -11,7 +11,7 @@ import pytest
 from http_process import FAMILIES, ServerProcess, record_voice  # noqa: E402
 from test_http_browser import DevTools, open_browser  # noqa: E402
 
-pytestmark = pytest.mark.browser
+pytestmark = [pytest.mark.browser, pytest.mark.long]
 NAME = "奶奶"
 
 

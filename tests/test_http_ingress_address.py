@@ -60,6 +60,7 @@ def _inside(workdir: Path) -> dict[str, Any]:
     return {**answers, "exit": code, "log": srv.log[-3000:]}
 
 
+@pytest.mark.long
 def test_only_the_supervisors_own_connections_count_as_the_ingress() -> None:
     unshare = shutil.which("unshare")
     if unshare is None or subprocess.run([unshare, "-n", "true"]).returncode != 0:

@@ -11,19 +11,18 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
-from collections.abc import Iterator
 from typing import Any
 from urllib.parse import unquote
 
 import httpx
 import pytest
 from conftest import synthesize  # noqa: E402
-from http_process import FAMILIES, SYNTHETIC, ServerProcess, record_voice  # noqa: E402
+from http_process import CHINESE_NAME, SYNTHETIC, ServerProcess  # noqa: E402
 
 from wyoming_cosyvoice.http.origin import INGRESS_PROXY  # noqa: E402
 from wyoming_cosyvoice.speech import MAX_INSTRUCTION_CHARS  # noqa: E402
 
-NAME = "奶奶"  # a voice name no Latin-1 header can carry
+NAME = CHINESE_NAME
 JSON = {"content-type": "application/json"}
 # The routes that read a JSON body, and bodies Python's parser gives up on.
 ROUTES = ("/tts", "/v1/audio/speech", "/voices/check", "/voices/custom")
@@ -31,23 +30,9 @@ TOO_DEEP = b"[" * 50000
 HUGE_NUMBER = b'{"text": ' + b"9" * 5000 + b"}"
 
 
-@pytest.fixture(scope="module", params=FAMILIES)
-def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
-           ) -> Iterator[ServerProcess]:  # fmt: skip
-    workdir = tmp_path_factory.mktemp(f"http-input-{request.param}")
-    voices = workdir / "voices"
-    record_voice(voices, NAME)
-    # One profile, and audio as the engine makes it (no loudness learnt, no replays): the same
-    # request gives the same samples over HTTP and Wyoming.
-    args = ("--profile", "realtime", "--set", "server.loudness=null", "--set", "cache.max_mb=0")
-    srv = ServerProcess(request.param, workdir, voices=voices, args=args)
-    try:
-        srv.wait_ready().wait_for_voice(NAME)
-        yield srv
-    finally:
-        code = srv.stop()
-    assert code == 0, srv.log[-3000:]
-    assert "Traceback" not in srv.log and " ERROR " not in srv.log, srv.log[-3000:]
+@pytest.fixture
+def server(family_server: ServerProcess) -> ServerProcess:
+    return family_server
 
 
 def error(r: httpx.Response) -> dict[str, Any]:

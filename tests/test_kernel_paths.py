@@ -71,11 +71,13 @@ def test_the_parity_tests_collect_from_the_files_that_mark_them() -> None:
     assert "tests/test_kernel_paths.py" not in files  # the re-run never runs itself
 
 
+@pytest.mark.long
 @pytest.mark.timeout(1800)
 def test_parity_holds_on_the_portable_kernels_with_four_threads() -> None:
     _run_parity({**PORTABLE, PARITY_THREADS_ENV: "4"})
 
 
+@pytest.mark.long
 @pytest.mark.timeout(1800)
 def test_parity_holds_on_the_avx2_kernels_of_a_cpu_with_more() -> None:
     best = torch.backends.cpu.get_cpu_capability()

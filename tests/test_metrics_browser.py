@@ -18,7 +18,7 @@ from conftest import FakeEngine, synthesize
 from test_http import BackgroundServer
 from test_http_browser import DevTools, browser  # noqa: F401
 
-pytestmark = pytest.mark.browser
+pytestmark = [pytest.mark.browser, pytest.mark.long]
 
 
 class SlowWhenAsked(FakeEngine):

@@ -374,6 +374,7 @@ def run_smoke_test(model_dir: Path) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.long
 def test_smoke_test_passes_on_this_install() -> None:
     result = run_smoke_test(TINY_MODEL)
     assert result.returncode == 0, result.stdout + result.stderr
@@ -381,6 +382,7 @@ def test_smoke_test_passes_on_this_install() -> None:
         assert step in result.stdout, step
 
 
+@pytest.mark.long
 def test_smoke_test_fails_on_a_model_that_cannot_load(tmp_path: Path) -> None:
     broken = tmp_path / "model"
     shutil.copytree(TINY_MODEL, broken)

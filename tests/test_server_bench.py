@@ -136,6 +136,7 @@ def test_the_benchmark_starts_its_server_through_the_launcher() -> None:
     assert "--force-tokens" not in until_eos
 
 
+@pytest.mark.long
 def test_concurrency_through_the_server() -> None:
     tokens = 30
     result = run_bench_json(

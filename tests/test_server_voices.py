@@ -267,8 +267,7 @@ def test_restart_uses_the_cache_and_survives_missing_prompt_models(
             f"\n[custom voice prompt] extracted in {extracted:.3f} s, from the cache in "
             f"{cached:.3f} s: {extracted - cached:.3f} s saved per voice and start "
             f"(tiny stand-in ONNX models)\n"
-        )
-    assert cached < extracted
+        )  # a figure to read, not a timed assertion: the cache's use is the log line and mtime
 
 
 # --- the helpers, without a server -----------------------------------------------------------

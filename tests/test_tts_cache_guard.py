@@ -68,6 +68,7 @@ def start_and_wait_for(ha: StandInHomeAssistant, data: Path, log: Path, says: st
     return log.read_text()
 
 
+@pytest.mark.long
 def test_a_changed_setting_clears_home_assistants_cache_at_the_next_start(tmp_path: Path) -> None:
     unchanged = "Nothing that shapes the audio changed since the last start"
     log = tmp_path / "server.log"

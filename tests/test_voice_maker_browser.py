@@ -33,7 +33,7 @@ from voice_signals import speech_like, wav_bytes, white_noise
 
 from wyoming_cosyvoice import home_assistant
 
-pytestmark = pytest.mark.browser
+pytestmark = [pytest.mark.browser, pytest.mark.long]
 PREFIX = "/api/hassio_ingress/3f6c2a9b7d"
 SPOKEN = "Hello, this is my voice for the kitchen speaker"
 _HOP_BY_HOP = {b"content-length", b"transfer-encoding", b"connection", b"accept-encoding"}

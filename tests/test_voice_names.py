@@ -11,41 +11,27 @@ from __future__ import annotations
 import asyncio
 import base64
 import unicodedata
-from collections.abc import Iterator
 from typing import Any
 from urllib.parse import unquote
 
 import httpx
 import pytest
 from conftest import synthesize  # noqa: E402
-from http_process import FAMILIES, ServerProcess, record_voice  # noqa: E402
+from http_process import FULL_WIDTH, LOOK_ALIKE, ServerProcess  # noqa: E402
 from voice_signals import speech_like, wav_bytes  # noqa: E402
 
 from wyoming_cosyvoice.voice_names import BadVoiceName, check_name, name_key  # noqa: E402
 
 GOOD = base64.b64encode(wav_bytes(speech_like(5.0, 24000), 24000)).decode()
 TRANSCRIPT = "Hello, this is my voice for the kitchen speaker."
-FULL_WIDTH = "ｇｒａｎｄｍａ"
-CYRILLIC_A = "grаndma"  # the a is U+0430
+CYRILLIC_A = LOOK_ALIKE
 DECOMPOSED = unicodedata.normalize("NFD", "José")
 
 
-@pytest.fixture(scope="module", params=FAMILIES)
-def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
-           ) -> Iterator[ServerProcess]:  # fmt: skip
-    workdir = tmp_path_factory.mktemp(f"names-{request.param}")
-    voices = workdir / "voices"
-    record_voice(voices, "grandma")
-    record_voice(voices, CYRILLIC_A)  # dropped in by hand beside it
-    # The default voice named as it looks (full-width): found before the folder is scanned.
-    args = ("--profile", "realtime", "--voice", FULL_WIDTH)
-    srv = ServerProcess(request.param, workdir, voices=voices, args=args)
-    try:
-        srv.wait_ready().wait_for_voice("grandma")
-        yield srv
-    finally:
-        code = srv.stop()
-    assert code == 0 and "Traceback" not in srv.log, srv.log[-3000:]
+@pytest.fixture
+def server(family_server: ServerProcess) -> ServerProcess:
+    """Voices "grandma" and CYRILLIC_A beside it in its folder, its default voice FULL_WIDTH."""
+    return family_server
 
 
 def save(http: httpx.Client, name: str) -> httpx.Response:

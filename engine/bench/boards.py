@@ -14,17 +14,18 @@ its work needs there, at the engine's measured distance from the bound on the me
 
 * LM per token: (weight + KV-cache bytes) ÷ the board's read bandwidth × (measured ÷ bound here);
 * flow and HiFT per second of speech: FLOPs ÷ the board's float32 matrix rate × (measured ÷
-  bound here); a board without native bfloat16 runs HiFT in float32, at the float32 HiFT's
-  distance from its bound (the family's ``realtime`` run);
-* a stage that ran faster than its bound here counts at its bound (:func:`_efficiency`);
+  bound here); the boards have no native bfloat16, so HiFT counts as the float32 HiFT (the
+  family's ``realtime`` run);
+* measured ÷ bound of a stage in a format is the least over the family's recorded runs, and at
+  least once (:func:`efficiencies`);
 * RTF: 50 (v1) or 25 (CosyVoice2) tokens, the flow and HiFT of one second, one after the other;
 * first audio: the first chunk's tokens at the board's LM time per token; the other parts of the
-  measured first audio (text, prefill, the first chunk's flow and HiFT, the rest) scaled by the
-  ratio of the matrix rates.
+  measured first audio (text, prefill, the first chunk's flow and HiFT, the rest), less what a
+  busy moment added to that run, scaled by the ratio of the matrix rates.
 
 The counts come from the benchmark of the full-size models (``--record`` keeps the figures the
 model needs in ``script/board-estimates.json``); a profile whose settings changed since must be
-measured again (tests/test_board_estimates.py checks them against the server's profiles).
+measured again (tests/test_bench_boards.py checks them against the server's profiles).
 """
 
 from __future__ import annotations
@@ -185,67 +186,79 @@ def measured_limits(counts: dict[str, Any]) -> Limits:
     return Limits(max(e["mem_bw_gbps"] for e in entries), max(e["gemm_gflops"] for e in entries))
 
 
-def _efficiency(measured_ms: float, bound_ms: float) -> float:
-    """How many times its bound a stage took on the measured machine, at least once.
+def _raw_efficiencies(entry: dict[str, Any], here: Limits) -> dict[tuple[str, str], float]:
+    """How many times its bound each stage of a recorded run took, keyed by stage and format."""
+    work, settings = entry["work_per_audio_s"], entry["settings"]
+    lm, flow, hift = work["lm"], work["flow"], work["hift"]
+    return {
+        ("lm", settings["lm_weights"]): lm["measured_ms"] / (lm["gb"] / here.read_gbps * 1e3),
+        ("flow", settings["flow_weights"]): flow["measured_ms"]
+        / (flow["gflop"] / here.gemm_gflops * 1e3),
+        ("hift", entry["hift_ran"]): hift["measured_ms"] / (hift["gflop"] / here.gemm_gflops * 1e3),
+    }
 
-    Below once, the stage ran a faster format than the float32 products its bound counts (the
-    int8 flow), or the probes read the machine slower than the stage ran (a busy moment);
-    neither is known to carry over to a board, so no gain is counted.
+
+def efficiencies(profiles: dict[str, Any], here: Limits) -> dict[tuple[str, str], float]:
+    """Each stage's and format's distance from its bound: the least over the family's runs.
+
+    A busy moment of a shared machine only ever slows a run down, so the least is the
+    engine's own (as the benchmark keeps the best of its probes). Below once (the int8 flow
+    ahead of the float32 rate its bound counts, or a probe that read a busy moment) it counts
+    as once: no gain that is not known to carry over to a board.
     """
-    return max(1.0, measured_ms / bound_ms)
+    best: dict[tuple[str, str], float] = {}
+    for entry in profiles.values():
+        for key, value in _raw_efficiencies(entry, here).items():
+            best[key] = min(value, best.get(key, value))
+    return {key: max(1.0, value) for key, value in best.items()}
 
 
 def estimate(
     entry: dict[str, Any],
     board_read_gbps: float,
     board_gflops: float,
-    fp32_hift: dict[str, Any],
+    best: dict[tuple[str, str], float],
     here: Limits,
 ) -> Estimate:
     """``entry`` (a recorded profile, measured on a machine of limits ``here``) on a board with
-    these figures; ``fp32_hift``: the family's float32 HiFT, for a board that runs the profile's
-    bfloat16 HiFT in float32."""
-    work = entry["work_per_audio_s"]
-    lm, flow = work["lm"], work["flow"]
-    hift = work["hift"] if entry["hift_ran"] == "float32" else fp32_hift
-
-    def compute_efficiency(stage: dict[str, Any]) -> float:
-        return _efficiency(stage["measured_ms"], stage["gflop"] / here.gemm_gflops * 1e3)
-
-    lm_efficiency = _efficiency(lm["measured_ms"], lm["gb"] / here.read_gbps * 1e3)
+    these figures, at the family's ``best`` efficiencies (:func:`efficiencies`). HiFT runs in
+    float32 on the board (none computes bfloat16 natively)."""
+    work, settings = entry["work_per_audio_s"], entry["settings"]
+    lm, flow, hift = work["lm"], work["flow"], work["hift"]
     lm_bytes = lm["weight_bytes_per_token"] + (lm["cache_bytes_per_token"] or 0)
     lm_bound = lm_bytes / board_read_gbps / 1e6  # ms per token
     flow_bound = flow["gflop"] / board_gflops * 1e3
     hift_bound = hift["gflop"] / board_gflops * 1e3
-    lm_ms = lm_bound * lm_efficiency
-    flow_ms = flow_bound * compute_efficiency(flow)
-    hift_ms = hift_bound * compute_efficiency(hift)
+    lm_ms = lm_bound * best[("lm", settings["lm_weights"])]
+    flow_ms = flow_bound * best[("flow", settings["flow_weights"])]
+    if ("hift", "float32") not in best:
+        raise ValueError("no run of the family had HiFT in float32 (record its realtime)")
+    hift_ms = hift_bound * best[("hift", "float32")]
     rtf = (lm["tokens"] * lm_ms + flow_ms + hift_ms) / 1e3
     rtf_bound = (lm["tokens"] * lm_bound + flow_bound + hift_bound) / 1e3
+    # The first audio's parts as this run measured them, less what a busy moment added (its
+    # flow against the family's best of the format), at the board's matrix rate; its HiFT in
+    # float32; its first chunk's tokens at the board's LM time.
+    raw = _raw_efficiencies(entry, here)
+    flow_key, hift_key = ("flow", settings["flow_weights"]), ("hift", entry["hift_ran"])
+    busy = max(1.0, raw[flow_key] / best[flow_key])
     parts = entry["first_audio_parts_ms"]
+    hift_in_float32 = best[("hift", "float32")] / best[hift_key]
+    compute = sum(parts[part] for part in COMPUTE_PARTS) + parts["hift"] * (hift_in_float32 - 1)
     slower = here.gemm_gflops / board_gflops
-    hift_format = compute_efficiency(hift) / compute_efficiency(work["hift"])
-    compute = sum(parts[part] for part in COMPUTE_PARTS) + parts["hift"] * (hift_format - 1)
-    first_audio = compute * slower + (entry["first_chunk_tokens"] - 1) * lm_ms
+    first_audio = compute / busy * slower + (entry["first_chunk_tokens"] - 1) * lm_ms
     return Estimate(lm_ms, flow_ms, hift_ms, first_audio / 1e3, rtf, rtf_bound)
-
-
-def _fp32_hift(profiles: dict[str, Any]) -> dict[str, Any]:
-    for entry in profiles.values():
-        if entry["hift_ran"] == "float32":
-            return dict(entry["work_per_audio_s"]["hift"])
-    raise ValueError("no profile of the family ran HiFT in float32 (measure realtime)")
 
 
 def board_estimates(
     profiles: dict[str, Any], board: Board, here: Limits
 ) -> dict[str, tuple[Estimate, Estimate]]:
     """Each profile on ``board``: (at its low figures, at its high figures)."""
-    hift = _fp32_hift(profiles)
+    best = efficiencies(profiles, here)
     return {
         name: (
-            estimate(entry, board.read_gbps[0], board.gemm_gflops[0], hift, here),
-            estimate(entry, board.read_gbps[1], board.gemm_gflops[1], hift, here),
+            estimate(entry, board.read_gbps[0], board.gemm_gflops[0], best, here),
+            estimate(entry, board.read_gbps[1], board.gemm_gflops[1], best, here),
         )
         for name, entry in profiles.items()
     }
