@@ -45,7 +45,12 @@ def _synthesize(args: argparse.Namespace) -> int:
         instruct=args.instruct,
         speed=args.speed,
     )
-    engine = load_engine(args.model_dir, threads=args.threads, lm_int8=args.lm_weights == "int8")
+    engine = load_engine(
+        args.model_dir,
+        threads=args.threads,
+        lm_int8=args.lm_weights == "int8",
+        lm_int4=args.lm_weights == "int4",
+    )
     if args.voices_dir is not None:
         engine.enable_custom_voices(args.voices_dir)  # rejected voices are logged
     elif not engine.speakers:
@@ -153,9 +158,10 @@ def build_parser() -> argparse.ArgumentParser:
     synth.add_argument("--threads", type=int, help="torch CPU threads")
     synth.add_argument(
         "--lm-weights",
-        choices=("int8", "fp32"),
+        choices=("int8", "int4", "fp32"),
         default="int8",
-        help="LM decoder weights: int8 (default, as the server's) or fp32 (the official maths)",
+        help="LM decoder weights: int8 (default, as the server's), int4 (engine.core.int4) or fp32 "
+        "(the official maths)",
     )
 
     prep = sub.add_parser(

@@ -174,7 +174,7 @@ def test_a_new_profile_names_every_setting(tmp_path: Path) -> None:
         ("profiles.realtime.streaming", "no", "profiles.realtime.streaming"),
         ("profiles.realtime.speed", 2, "profiles.realtime.speed"),
         ("profiles.realtime.start_policy", "later", "profiles.realtime.start_policy"),
-        ("server.lm_weights", "int4", "server.lm_weights"),
+        ("server.lm_weights", "int2", "server.lm_weights"),
         ("profiles.fast.flow_weights", "int4", "profiles.fast.flow_weights"),
         ("profiles.batch", 3, "profiles.batch"),
         ("extras", 1, "extras"),

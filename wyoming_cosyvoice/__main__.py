@@ -74,8 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add(
         "--lm-weights",
-        choices=("int8", "fp32"),
-        help="LM decoder weights: int8 (default, 3x faster) or fp32 (exact official maths)",
+        choices=("int8", "int4", "fp32"),
+        help="LM decoder weights: int8 (default, 3x faster), int4 (half int8's bytes where the "
+        "CPU has a fast int4 kernel; docs/dev/int4.md) or fp32 (exact official maths)",
     )
     add("--threads", type=int, help="CPU threads for the engine at most (0: all cores)")
     add(

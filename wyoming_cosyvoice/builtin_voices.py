@@ -119,6 +119,7 @@ def _make_voices(
         source_dir,
         threads=config.load.threads,
         lm_int8=config.load.weights.lm == "int8",
+        lm_int4=config.load.weights.lm == "int4",
         cache_dir=cache_dir,
     )
     try:

@@ -63,6 +63,7 @@ def load_cosyvoice(
     flow_int8: bool = False,
     hift_bf16: bool = False,
     extra_formats: tuple[str, ...] = (),
+    lm_int4: bool = False,
 ) -> Engine:
     """The engine of the directory's model family; imported here so torch loads on the engine
     thread, not at startup."""
@@ -72,6 +73,7 @@ def load_cosyvoice(
         model_dir,
         threads=threads,
         lm_int8=lm_int8,
+        lm_int4=lm_int4,
         flow_int8=flow_int8,
         hift_bf16=hift_bf16,
         cache_dir=cache_dir,
@@ -130,6 +132,7 @@ def load_options(config: ServerConfig) -> dict[str, Any]:
     weights = config.load.weights
     return {
         "lm_int8": weights.lm == "int8",
+        "lm_int4": weights.lm == "int4",
         "flow_int8": weights.flow == "int8",
         "hift_bf16": weights.hift == "bf16",
         "cache_dir": engine_cache_dir(config),

@@ -92,13 +92,15 @@ class EngineBase(ABC, Generic[FlowT]):
         hift_bf16: bool = False,
         cache_dir: Path | str | None = None,
         extra_formats: Iterable[str] = (),
+        lm_int4: bool = False,
         **engine_options: Any,
     ) -> EngineT:
         """Load a model directory of the family in the official layout (raises ModelLoadError).
 
         ``lm_int8`` swaps the LM decoder's weights for int8 (faster, slightly different
-        sampling distribution; see engine.core.quantize); ``flow_int8`` the flow's (an
-        approximation for the fast profiles: faster estimator passes, less memory);
+        sampling distribution; see engine.core.quantize), ``lm_int4`` most of them for 4-bit
+        groups (engine.core.int4; int8 where no fast int4 kernel works); ``flow_int8`` the
+        flow's (an approximation for the fast profiles: faster estimator passes, less memory);
         ``hift_bf16`` runs HiFT's filter in bfloat16 where oneDNN supports it (another
         approximation: about twice as fast with AVX-512 BF16, half its weights' memory;
         ``hift_dtype`` on the engine says what was used). Kernels and threads are chosen for
@@ -120,7 +122,9 @@ class EngineBase(ABC, Generic[FlowT]):
         (:meth:`_adapt_flow`), build its text frontend (:meth:`_build_frontend`, while the int8
         layers are packed) and its models (:meth:`_models_of`).
         """
-        setup = setup_cpu(threads, lm_int8=lm_int8, flow_int8=flow_int8, hift_bf16=hift_bf16)
+        setup = setup_cpu(
+            threads, lm_int8=lm_int8, flow_int8=flow_int8, hift_bf16=hift_bf16, lm_int4=lm_int4
+        )
         extras = extra_weight_formats(extra_formats, setup)
         start = time.perf_counter()
         model_dir = Path(model_dir)

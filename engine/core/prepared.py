@@ -4,9 +4,10 @@ The official checkpoints hold what training saved: weight-normed HiFT convolutio
 layers that the fast profiles run in int8, a pickle to parse. ``python -m engine prepare`` (or
 the engine's first load of a model in a weight format) turns each model into the tensors the
 engine reads, in the formats it reads them: int8 layers as int8 weights with per-channel scales
-and their float biases, HiFT's weight norm folded and its convolution weights laid out
-channels-last (in bfloat16 for ``hift.bf16``), the LM's positional rows computed (its causal
-layers' ``pos_rows``: engine.core.transformer). Nothing the engine would replace or drop at load.
+and their float biases (the int4 LM's 4-bit layers as codes with group-wise scales:
+engine.core.int4), HiFT's weight norm folded and its convolution weights laid out channels-last
+(in bfloat16 for ``hift.bf16``), the LM's positional rows computed (its causal layers'
+``pos_rows``: engine.core.transformer). Nothing the engine would replace or drop at load.
 
 The files go to a ``prepared/`` folder beside the model files (``llm.int8.safetensors``,
 ``flow.fp32.safetensors``, ``hift.fp32.safetensors``, ...), or, when the model directory cannot be
@@ -50,6 +51,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
+from engine.core.int4 import GROUP_SIZE, int4_format_parts, int4_format_specs, pack_int4_format
 from engine.core.quantize import (
     Int8Packing,
     install_int8_layers,
@@ -68,7 +70,13 @@ _LOGGER = logging.getLogger(__name__)
 
 PREPARED_DIR = "prepared"
 FILE_FORMAT = "2"  # bump when what a prepared file holds, or how, changes
-WEIGHT_FORMATS = {"llm": ("fp32", "int8"), "flow": ("fp32", "int8"), "hift": ("fp32", "bf16")}
+WEIGHT_FORMATS = {
+    "llm": ("fp32", "int8", "int4"),
+    "flow": ("fp32", "int8"),
+    "hift": ("fp32", "bf16"),
+}
+# The formats whose quantised layers are the int8 format's layers, in their own parts.
+QUANTISED = ("int8", "int4")
 # Tensors up to this size, and every 1-D one, are read as copies rather than mapped (see above).
 _COPY_BYTES = 64 << 10
 
@@ -138,7 +146,7 @@ def source_key(model_dir: Path, part: str, weights: str) -> dict[str, str]:
     full-size ``llm.pt`` (1.2 GB) would add seconds to every start.
     """
     st = (Path(model_dir) / f"{part}.pt").stat()
-    return {
+    key = {
         "file_format": FILE_FORMAT,
         "torch": str(torch.__version__),
         "weights": weights,
@@ -146,13 +154,27 @@ def source_key(model_dir: Path, part: str, weights: str) -> dict[str, str]:
         "source_size": str(st.st_size),
         "source_mtime_ns": str(st.st_mtime_ns),
     }
+    if weights == "int4":  # another group size is another file
+        key["group_size"] = str(GROUP_SIZE)
+    return key
 
 
 # --- what a prepared file holds ---------------------------------------------------------------
 
 
 def _int8_names(module: nn.Module, part: str, weights: str, parts: ModelParts) -> list[str]:
-    return parts.int8_names(module, part) if weights == "int8" else []
+    """The quantised layers of ``module`` in ``weights`` (int4's are int8's, some in 4 bits)."""
+    return parts.int8_names(module, part) if weights in QUANTISED else []
+
+
+def quantised_part_specs(module: nn.Module, names: list[str], weights: str) -> Spec:
+    """Shape and dtype of the plain parts of the quantised layers ``names`` in ``weights``."""
+    return (int4_format_specs if weights == "int4" else int8_part_specs)(module, names)
+
+
+def quantised_parts(module: nn.Module, names: list[str], weights: str) -> dict[str, torch.Tensor]:
+    """The plain parts of the quantised layers ``names`` in ``weights``, quantised now."""
+    return (int4_format_parts if weights == "int4" else int8_parts)(module, names)
 
 
 def _in_run_dtype(module: nn.Module, part: str, weights: str) -> nn.Module:
@@ -168,25 +190,26 @@ def run_module_on_meta(args: Any, part: str, weights: str, parts: ModelParts) ->
 
 
 def expected_tensors(
-    module: nn.Module, int8_names: list[str], left_out: Collection[str] = ()
+    module: nn.Module, int8_names: list[str], left_out: Collection[str] = (), weights: str = "int8"
 ) -> Spec:
-    """Name → (shape, dtype) of every tensor a prepared file of ``module`` holds."""
+    """Name → (shape, dtype) of every tensor a prepared file of ``module`` holds (``weights``:
+    the format of the quantised layers ``int8_names``)."""
     replaced = replaced_float_keys(module, int8_names) | set(left_out)
     floats = {
         name: (tuple(t.shape), t.dtype)
         for name, t in module.state_dict(keep_vars=True).items()
         if name not in replaced
     }
-    return floats | int8_part_specs(module, int8_names)
+    return floats | quantised_part_specs(module, int8_names, weights)
 
 
 def run_tensors(
-    module: nn.Module, int8_names: list[str], left_out: Collection[str] = ()
+    module: nn.Module, int8_names: list[str], left_out: Collection[str] = (), weights: str = "int8"
 ) -> dict[str, torch.Tensor]:
     """The tensors of a loaded model that a prepared file holds (the int8 ones quantised)."""
     replaced = replaced_float_keys(module, int8_names) | set(left_out)
     floats = {k: v for k, v in module.state_dict().items() if k not in replaced}
-    return floats | int8_parts(module, int8_names)
+    return floats | quantised_parts(module, int8_names, weights)
 
 
 def _storage_order(tensor: torch.Tensor) -> list[int] | None:
@@ -259,6 +282,7 @@ _DTYPE_NAMES = {
     torch.float16: "F16",
     torch.int64: "I64",
     torch.int8: "I8",
+    torch.uint8: "U8",
 }
 
 
@@ -335,7 +359,8 @@ def _prepare(
     key = source_key(model_dir, part, weights)
     module = _in_run_dtype(parts.read_part(model_dir, args, part), part, weights)
     left_out = parts.left_out.get(part, ())
-    tensors = run_tensors(module, _int8_names(module, part, weights, parts), left_out)
+    names = _int8_names(module, part, weights, parts)
+    tensors = run_tensors(module, names, left_out, weights)
     errors = []
     for directory in dirs:
         path = directory / name
@@ -364,7 +389,7 @@ def ensure_prepared(
     :func:`run_module_on_meta` builds it, if the caller has it."""
     module = module if module is not None else run_module_on_meta(args, part, weights, parts)
     names = _int8_names(module, part, weights, parts)
-    expected = expected_tensors(module, names, parts.left_out.get(part, ()))
+    expected = expected_tensors(module, names, parts.left_out.get(part, ()), weights)
     key = source_key(model_dir, part, weights)
     dirs = prepared_dirs(model_dir, cache_dir)
     reason = "first use of this model and format"
@@ -437,6 +462,7 @@ class _PartLoad:
     int8_names: list[str]
     part: str
     parts: ModelParts
+    weights: str = "int8"  # the format of the quantised layers ``int8_names``
     packing: Int8Packing | None = None
     mapped: dict[str, torch.Tensor] = field(default_factory=dict)
 
@@ -453,12 +479,13 @@ class _PartLoad:
             keys = [key for name in names for key in parts_of[name]]
             return _read(path, keys, layouts, copies=False)  # a mapping of their own
 
-        self.packing = Int8Packing(self.int8_names, read)
+        pack = pack_int4_format if self.weights == "int4" else None
+        self.packing = Int8Packing(self.int8_names, read, pack)
 
     def assign(self) -> None:
         """Assign the float tensors: the large ones mapped in place, small ones as copies."""
         path, layouts, expected = self.file.path, self.file.layouts, self.file.tensors
-        part_names = set(int8_part_specs(self.module, self.int8_names))
+        part_names = set(quantised_part_specs(self.module, self.int8_names, self.weights))
         floats = [name for name in expected if name not in part_names]
         small = [name for name in floats if _is_small(*expected[name])]
         copies = _read(path, small, layouts, copies=True)
@@ -478,7 +505,7 @@ class _PartLoad:
                 layers = self.packing.layers()
             except Exception as err:  # a read or packing error: name the file
                 raise ModelLoadError(
-                    f"{self.file.path}: cannot load its int8 layers ({err})"
+                    f"{self.file.path}: cannot load its {self.weights} layers ({err})"
                 ) from err
             install_int8_layers(self.module, layers)
             self.packing = None
@@ -555,8 +582,8 @@ class PreparedLoad:
         if prepared_now:
             self.prepared_now.append(f"{part}.{weights}")
         names = _int8_names(module, part, weights, self.parts)
-        load = _PartLoad(module, checked, names, part, self.parts)
-        load.start_packing(int8_part_specs(module, names))
+        load = _PartLoad(module, checked, names, part, self.parts, weights)
+        load.start_packing(quantised_part_specs(module, names, weights))
         self._parts[part] = load
 
     def assigned(self) -> dict[str, nn.Module]:

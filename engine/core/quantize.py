@@ -93,6 +93,18 @@ def _float_weight_bias(sources: list[nn.Linear]) -> tuple[torch.Tensor, torch.Te
     return torch.cat(tuple(s.weight for s in sources)), bias
 
 
+def float_layer(model: nn.Module, name: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(weight, bias) of the float layer(s) behind quantised layer ``name``, rows stacked."""
+    return _float_weight_bias(_float_sources(model, name))
+
+
+def layer_shape(model: nn.Module, name: str) -> tuple[int, int, bool]:
+    """(out, in, has bias) of quantised layer ``name`` (reads no weight)."""
+    sources = _float_sources(model, name)
+    out = sum(s.out_features for s in sources)
+    return out, sources[0].in_features, all(s.bias is not None for s in sources)
+
+
 def _block_names(stack: str, blocks: nn.ModuleList) -> list[str]:
     return [f"{stack}.{i}.{name}" for i, block in enumerate(blocks) for name in _int8_names(block)]
 
@@ -324,12 +336,17 @@ class Int8Packing:
 
     ``read(names)`` returns those layers' plain parts; packing copies them, and they are
     dropped right after. Packing costs ~7 ns per weight and releases the GIL: one
-    worker per core (at most four) halves it. :meth:`layers` waits for them.
+    worker per core (at most four) halves it. :meth:`layers` waits for them. ``pack``: how a
+    layer is packed from its parts (another format's, e.g. engine.core.int4's; default int8).
     """
 
     def __init__(
-        self, names: list[str], read: Callable[[list[str]], Mapping[str, torch.Tensor]]
+        self,
+        names: list[str],
+        read: Callable[[list[str]], Mapping[str, torch.Tensor]],
+        pack: Callable[[Mapping[str, torch.Tensor], str], nn.Module] | None = None,
     ) -> None:
+        self._pack_layer = pack or pack_int8
         _prime_quantized_warnings()
         self._cancelled = threading.Event()
         workers = _pack_workers()
@@ -340,16 +357,16 @@ class Int8Packing:
 
     def _pack(
         self, names: list[str], read: Callable[[list[str]], Mapping[str, torch.Tensor]]
-    ) -> dict[str, Int8Linear]:
+    ) -> dict[str, nn.Module]:
         if self._cancelled.is_set():
             return {}
         parts = read(names)
-        return {name: pack_int8(parts, name) for name in names}
+        return {name: self._pack_layer(parts, name) for name in names}
 
-    def layers(self) -> dict[str, Int8Linear]:
+    def layers(self) -> dict[str, nn.Module]:
         """Every packed layer, by name (re-raises a worker's error)."""
         try:
-            packed: dict[str, Int8Linear] = {}
+            packed: dict[str, nn.Module] = {}
             for future in self._futures:
                 packed.update(future.result())
             return packed

@@ -8,6 +8,7 @@ import ctypes
 import functools
 import logging
 import os
+import platform
 import sys
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -44,8 +45,11 @@ class CpuSetup:
     formats: WeightFormats
 
 
-def setup_cpu(threads: int | None, *, lm_int8: bool, flow_int8: bool, hift_bf16: bool) -> CpuSetup:
-    """Cap the threads, pick the int8 kernels and fall back to float32 where the CPU lacks them.
+def setup_cpu(
+    threads: int | None, *, lm_int8: bool, flow_int8: bool, hift_bf16: bool, lm_int4: bool = False
+) -> CpuSetup:
+    """Cap the threads, pick the int8 kernels and fall back to float32 where the CPU lacks them
+    (an int4 LM: to int8 where no int4 kernel works).
 
     Called before any torch op: past the ceiling the first multi-threaded op would crash.
     """
@@ -55,6 +59,8 @@ def setup_cpu(threads: int | None, *, lm_int8: bool, flow_int8: bool, hift_bf16:
     configure_threads(threads)
     choices = cpu.detect()
     _LOGGER.info("CPU %s", choices.describe())
+    if lm_int4 and not int4_kernel_for_lm():
+        lm_int4, lm_int8 = False, True
     if choices.int8_kernels is not None:
         torch.backends.quantized.engine = choices.int8_kernels
     elif lm_int8 or flow_int8:
@@ -64,12 +70,34 @@ def setup_cpu(threads: int | None, *, lm_int8: bool, flow_int8: bool, hift_bf16:
         _LOGGER.warning("This CPU has no fast bfloat16 convolutions: HiFT stays float32")
         hift_bf16 = False
     formats = WeightFormats(
-        llm="int8" if lm_int8 else "fp32",
+        llm="int4" if lm_int4 else "int8" if lm_int8 else "fp32",
         flow="int8" if flow_int8 else "fp32",
         hift="bf16" if hift_bf16 else "fp32",
     )
     bound_onednn_cache()
     return CpuSetup(threads, choices, formats)
+
+
+def int4_kernel_for_lm() -> bool:
+    """Whether the LM runs int4 here: a kernel works and beats int8 (engine.core.int4). Otherwise a
+    WARNING says why and the LM runs int8: int4 only trades exactness for speed."""
+    from engine.core.int4 import choose_int4_kernel, int4_fast_here
+
+    kernel = choose_int4_kernel()
+    if kernel is None:
+        _LOGGER.warning("No int4 kernel of this torch build works on this CPU: the LM runs int8")
+        return False
+    if not int4_fast_here():
+        _LOGGER.warning(
+            "torch's int4 kernel (%s) has no fast path on this CPU (%s %s) and would run the "
+            "LM slower than int8: the LM runs int8 (docs/dev/int4.md)",
+            kernel,
+            platform.machine(),
+            torch.backends.cpu.get_cpu_capability(),
+        )
+        return False
+    _LOGGER.info("int4 LM: torch's %s kernel", kernel)
+    return True
 
 
 def extra_weight_formats(extra: Iterable[str], setup: CpuSetup) -> dict[str, str]:
@@ -121,7 +149,7 @@ def prepared_loads(
     if extras:
         extra = WeightFormats(**extras)
         loads.append(PreparedLoad(model_dir, extra, cache_dir, parts, only=tuple(extras)))
-    packing = "int8" in (formats.llm, formats.flow, extras.get("flow"))
+    packing = bool({"int8", "int4"} & {formats.llm, formats.flow, extras.get("flow")})
     try:
         with one_torch_thread() if packing else contextlib.nullcontext():
             yield loads

@@ -34,8 +34,16 @@ CONFIG = SRC / "config.yaml"
 # What pytest runs on the board: one run per entry, each entry pytest's arguments (paths relative
 # to tests/). A marked subset of the whole suite would be ("-m", "MARKER", ".").
 PYTEST_RUNS: tuple[tuple[str, ...], ...] = (
-    # The quantised path: the CPU's choices, the int8 LM and flow, prepared files, HiFT.
-    ("test_cpu.py", "test_quantize.py", "test_flow_int8.py", "test_prepared.py", "test_hift.py"),
+    # The quantised path: the CPU's choices, the int8 and int4 LM and int8 flow, prepared files,
+    # HiFT.
+    (
+        "test_cpu.py",
+        "test_quantize.py",
+        "test_int4.py",
+        "test_flow_int8.py",
+        "test_prepared.py",
+        "test_hift.py",
+    ),
 )
 MANY_THREADS = 4  # a Raspberry Pi's cores
 TOKENS = 60  # speech tokens per sentence (the tiny model's weights are random): two chunks
@@ -92,6 +100,13 @@ def check_cpu(expect_ceiling: int | None) -> None:
     )
     choices = cpu.detect()
     print(f"engine picks: {choices.describe()}")
+    from engine.core.int4 import choose_int4_kernel, int4_fast_here
+
+    kleidiai = getattr(torch.backends, "kleidiai", None)
+    print(
+        f"int4 kernel: {choose_int4_kernel()}, faster than int8 here: {int4_fast_here()} "
+        f"(torch built with KleidiAI: {kleidiai is not None and kleidiai.is_available()})"
+    )
     if choices.int8_kernels != "qnnpack":
         fail(f"expected the qnnpack int8 kernels, got {choices.int8_kernels}")
     if choices.thread_ceiling != expect_ceiling:
