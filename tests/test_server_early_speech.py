@@ -149,7 +149,9 @@ def test_a_client_gone_mid_sentence_cancels_it(wy: SimpleNamespace) -> None:
                 await client.write_event(Event("synthesize-chunk", {"text": "Turn on the kitch"}))
                 await wy.read_until(client, ("audio-chunk",))
             (call,) = engines[0].growing
-            await wy.until(lambda: call.cancelled, "the engine stops: it sees the cancel or is closed")
+            await wy.until(
+                lambda: call.cancelled, "the engine stops: it sees the cancel or is closed"
+            )
             assert call.final is None
             # The engine is free again: the next client is served.
             reply = await wy.synthesize(srv.port, SECOND)
