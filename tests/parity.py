@@ -1,8 +1,8 @@
 """Tolerances the v1 and CosyVoice2 parity tests share.
 
 Each is four times the official implementation's own spread on the stored reference inputs (across
-1, 2 and 4 threads, ATen's default and AVX2 kernels, oneDNN and MKL capped at SSE, and the CPUs
-the reference data was made and checked on), rounded up to two digits. The measurements are in
+1, 2 and 4 threads, ATen's default and AVX2 kernels, oneDNN and MKL capped at SSE, the CPUs the
+reference data was made and checked on, and an emulated Arm Cortex-A76), rounded up to two digits. The measurements are in
 the tolerance tables of tests/data/README.md and tests/data/cosyvoice2/README.md.
 """
 
