@@ -2,8 +2,9 @@
 
 Each is four times the official implementation's own spread on the stored reference inputs (across
 1, 2 and 4 threads, ATen's default and AVX2 kernels, oneDNN and MKL capped at SSE, the CPUs the
-reference data was made and checked on, and an emulated Arm Cortex-A76), rounded up to two digits. The measurements are in
-the tolerance tables of tests/data/README.md and tests/data/cosyvoice2/README.md.
+reference data was made and checked on, and an emulated Arm Cortex-A76), rounded up to two
+digits. The measurements are in the tolerance tables of tests/data/README.md and
+tests/data/cosyvoice2/README.md.
 """
 
 from __future__ import annotations
