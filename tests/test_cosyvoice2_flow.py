@@ -207,8 +207,8 @@ def test_prompt_mel_must_be_two_frames_a_token(flow: CausalFlow) -> None:
 # --- parity with the official reference cases (tests/data/cosyvoice2/flow_cases.*) ----------
 
 # Four times the official code's own spread (tests/data/cosyvoice2/README.md, tolerance table).
-ENC_TOL = {"atol": 1.6e-5, "rtol": 0.0}  # encoder stages and mu: 3.8e-6
-MEL_TOL = {"atol": 2.1e-5, "rtol": 0.0}  # estimator steps and mels: 5.2e-6
+ENC_TOL = {"atol": 2.3e-5, "rtol": 0.0}  # encoder stages and mu: 5.7e-6 (aarch64)
+MEL_TOL = {"atol": 8.7e-5, "rtol": 0.0}  # estimator steps and mels: 2.17e-5 (aarch64)
 # (case, tokens passed to the official call, streaming, finalize)
 ONE_SHOT_CASES = {
     "nonstream_prompt": (90, False, True),

@@ -143,8 +143,9 @@ def test_frame_rate_source_holds_the_last_frame_phase(hift: HiFTGenerator) -> No
 
 # --- parity with the official reference cases (tests/data/cosyvoice2/hift_cases.*) ----------
 
-# conv_pre on a stored mel: four times the official spread of 2.1e-6 (the others: tests/parity.py)
-CONV_PRE_ATOL = 8.4e-6
+# conv_pre on a stored mel: four times the official spread, 2.1e-6 across x86 kernel paths and
+# 1.05e-5 on emulated aarch64 (the others: tests/parity.py)
+CONV_PRE_ATOL = 4.2e-5
 
 
 def expand(codes: Tensor, shape: tuple[int, ...], scale: float) -> Tensor:

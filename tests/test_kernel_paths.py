@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import platform
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -20,22 +19,15 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import PARITY_THREADS_ENV
+from parity import parity_files
 
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
 X86 = platform.machine().lower() in ("x86_64", "amd64")
 
 
-# A test marked as a whole, or one of its parameters marked.
-PARITY_MARK = re.compile(r"^@pytest\.mark\.parity$|marks=pytest\.mark\.parity\b", re.MULTILINE)
-
-
 def _parity_files() -> list[str]:
-    return sorted(
-        str(path.relative_to(ROOT))
-        for path in TESTS.glob("test_*.py")
-        if PARITY_MARK.search(path.read_text(encoding="utf-8"))
-    )
+    return [f"tests/{name}" for name in parity_files()]
 
 
 # The lowest paths every x86-64 build has: ATen's scalar kernels, oneDNN's SSE4.1 ones, MKL's

@@ -28,6 +28,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from parity import parity_files  # noqa: E402  (tests/parity.py, beside this folder)
+
 SRC = Path(__file__).resolve().parents[2]
 TINY = SRC / "tests" / "data" / "tiny_model"
 CONFIG = SRC / "config.yaml"
@@ -44,6 +47,8 @@ PYTEST_RUNS: tuple[tuple[str, ...], ...] = (
         "test_prepared.py",
         "test_hift.py",
     ),
+    # Every comparison with the official reference data, within the tolerances its spread sets.
+    ("-m", "parity", *parity_files()),
 )
 MANY_THREADS = 4  # a Raspberry Pi's cores
 TOKENS = 60  # speech tokens per sentence (the tiny model's weights are random): two chunks
