@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors import safe_open
+from teacher_forcing import teacher_forced_logits
 from torch import nn
 
 from engine.core import int4
@@ -167,16 +168,6 @@ def fp32_lm() -> TransformerLM:
     return model
 
 
-def _teacher_forced(model: TransformerLM, fx: dict, case: str) -> torch.Tensor:
-    lm_input = fx[f"{case}/lm_input"].unsqueeze(0)
-    tokens = fx[f"{case}/forced_tokens"].tolist()
-    with torch.inference_mode():
-        cache = model.new_cache(lm_input.shape[1] + len(tokens))
-        outs = [model.prefill(lm_input, cache).logits]
-        outs += [model.decode_step(tok, cache).logits for tok in tokens]
-    return torch.cat(outs)
-
-
 def _layer_inputs(model: nn.Module, names: list[str], run: object) -> dict[str, torch.Tensor]:
     """The rows each layer ``names`` (float sources: the first of a fused one) reads in a run."""
     from engine.core.quantize import FUSED_SOURCES
@@ -208,7 +199,7 @@ def test_every_int4_layer_of_the_tiny_lm_is_within_its_derived_bound(
 ) -> None:
     fx = torch.load(DATA / "llm_fixtures.pt", weights_only=True)
     names = int4_layer_names(fp32_lm, int8_layer_names(fp32_lm))
-    inputs = _layer_inputs(fp32_lm, names, lambda: _teacher_forced(fp32_lm, fx, "sft"))
+    inputs = _layer_inputs(fp32_lm, names, lambda: teacher_forced_logits(fp32_lm, fx, "sft"))
     int4_lm = quantize_int4(copy.deepcopy(fp32_lm), names, kernel)
     for name in names:
         weight, bias = float_layer(fp32_lm, name)
@@ -242,7 +233,9 @@ def test_the_int4_format_keeps_the_head_and_attention_in_int8(fp32_lm: Transform
 def test_the_tiny_int4_lm_stays_close(fp32_lm: TransformerLM, kernel: str, case: str) -> None:
     fx = torch.load(DATA / "llm_fixtures.pt", weights_only=True)
     int4_lm = quantize_lm_int4(copy.deepcopy(fp32_lm), int8_layer_names(fp32_lm), kernel)
-    kl = next_token_kl(_teacher_forced(fp32_lm, fx, case), _teacher_forced(int4_lm, fx, case))
+    kl = next_token_kl(
+        teacher_forced_logits(fp32_lm, fx, case), teacher_forced_logits(int4_lm, fx, case)
+    )
     assert kl.mean() <= MAX_MEAN_KL, kl
     assert kl.max() <= MAX_STEP_KL, kl
     assert kl.max() > 0  # the int4 path really ran

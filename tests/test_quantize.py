@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from teacher_forcing import teacher_forced_logits
 
 from engine.core.quantize import next_token_kl, quantize_lm_int8
 from engine.cosyvoice1.hparams import load_model_args
@@ -17,16 +18,6 @@ DATA = Path(__file__).parent / "data"
 # random model measures ~1e-4 nats; the full-size figure is printed by `python -m engine.bench`.
 MAX_MEAN_KL = 2e-3
 MAX_STEP_KL = 1e-2
-
-
-def _teacher_forced_logits(model: TransformerLM, fx: dict, case: str) -> torch.Tensor:
-    lm_input = fx[f"{case}/lm_input"].unsqueeze(0)
-    tokens = fx[f"{case}/forced_tokens"].tolist()
-    with torch.inference_mode():
-        cache = model.new_cache(lm_input.shape[1] + len(tokens))
-        outs = [model.prefill(lm_input, cache).logits]
-        outs += [model.decode_step(tok, cache).logits for tok in tokens]
-    return torch.cat(outs)
 
 
 @pytest.fixture(scope="module")
@@ -41,9 +32,9 @@ def models() -> tuple[TransformerLM, TransformerLM]:
 def test_int8_lm_stays_close(models, case: str) -> None:
     fx = torch.load(DATA / "llm_fixtures.pt", weights_only=True)
     fp32, int8 = models
-    reference = _teacher_forced_logits(fp32, fx, case)
+    reference = teacher_forced_logits(fp32, fx, case)
     torch.testing.assert_close(reference, fx[f"{case}/logits"], atol=1e-4, rtol=0)
-    kl = next_token_kl(reference, _teacher_forced_logits(int8, fx, case))
+    kl = next_token_kl(reference, teacher_forced_logits(int8, fx, case))
     assert kl.mean() <= MAX_MEAN_KL, kl
     assert kl.max() <= MAX_STEP_KL, kl
     assert kl.max() > 0  # the int8 path really ran
