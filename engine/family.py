@@ -22,6 +22,7 @@ from typing import Any
 
 from engine.core.types import ModelLoadError
 from engine.family_facts import (  # the facts, for callers that find families here
+    COSYVOICE3,
     DESCRIBED_SPEAKER,
     FAMILIES,
     INSTRUCT2,
@@ -49,8 +50,8 @@ __all__ = [
     "model_family",
 ]
 
-# Config files of families the engine knows but cannot run (a clearer error than "no config").
-_UNSUPPORTED = {"cosyvoice3.yaml": "Fun-CosyVoice3"}
+# Config files of families the engine knows but cannot run yet (a clearer error than "no config").
+_UNSUPPORTED = {COSYVOICE3.config_file: COSYVOICE3.label}
 
 
 def model_family(model_dir: Path | str) -> Family:

@@ -120,6 +120,9 @@ def _add_configured_tokens(tokenizer: Tokenizer, config: Any, source: Path) -> N
 class Qwen2TextTokenizer:
     """The model folder's Qwen2 BPE with CosyVoice2's special tokens."""
 
+    # Added on top of the folder's vocabulary, in this order (a later family adds more).
+    SPECIAL_TOKENS: tuple[str, ...] = SPECIAL_TOKENS
+
     def __init__(self, folder: Path) -> None:
         folder = Path(folder)
         if not folder.is_dir():
@@ -137,10 +140,10 @@ class Qwen2TextTokenizer:
                 AddedToken(
                     t, single_word=False, lstrip=False, rstrip=False, normalized=False, special=True
                 )
-                for t in SPECIAL_TOKENS
+                for t in self.SPECIAL_TOKENS
             ]
         )
-        self.special_ids = {t: self.token_id(t) for t in SPECIAL_TOKENS}
+        self.special_ids = {t: self.token_id(t) for t in self.SPECIAL_TOKENS}
 
     def token_id(self, token: str) -> int:
         token_id = self.tokenizer.token_to_id(token)
@@ -160,26 +163,31 @@ class Qwen2TextTokenizer:
         return str(self.tokenizer.decode(list(ids), skip_special_tokens=skip_special))
 
 
-_TOKENIZERS: dict[Path, Qwen2TextTokenizer] = {}
+_TOKENIZERS: dict[tuple[type[Qwen2TextTokenizer], Path], Qwen2TextTokenizer] = {}
 _TOKENIZERS_LOCK = threading.Lock()
 
 
-def get_tokenizer(folder: Path) -> Qwen2TextTokenizer:
-    """The process-wide tokenizer of a folder, built on first use (thread-safe)."""
-    key = Path(folder).resolve()
+def get_tokenizer(
+    folder: Path, kind: type[Qwen2TextTokenizer] = Qwen2TextTokenizer
+) -> Qwen2TextTokenizer:
+    """The process-wide tokenizer of a folder, built on first use (thread-safe); ``kind`` says
+    which family's special tokens it adds."""
+    key = (kind, Path(folder).resolve())
     with _TOKENIZERS_LOCK:
         tokenizer = _TOKENIZERS.get(key)
         if tokenizer is None:
-            _LOGGER.debug("Loading the Qwen2 tokenizer of %s", key)
-            tokenizer = _TOKENIZERS[key] = Qwen2TextTokenizer(key)
+            _LOGGER.debug("Loading the %s of %s", kind.__name__, key[1])
+            tokenizer = _TOKENIZERS[key] = kind(key[1])
         return tokenizer
 
 
 class CosyVoice2TextFrontend:
     """Normalise, split and tokenise text for CosyVoice2 (shareable between threads)."""
 
+    TOKENIZER: type[Qwen2TextTokenizer] = Qwen2TextTokenizer  # which special tokens it adds
+
     def __init__(self, tokenizer_dir: Path) -> None:
-        self.tokenizer = get_tokenizer(tokenizer_dir)
+        self.tokenizer = get_tokenizer(tokenizer_dir, self.TOKENIZER)
 
     def _token_len(self, text: str) -> int:
         return len(self.tokenizer.encode(text))

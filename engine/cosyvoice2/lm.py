@@ -77,10 +77,15 @@ class SpeechLMArgs:
     max_token_text_ratio: float = 20.0
 
 
-def speech_lm_args(llm_section: object, backbone: Qwen2Config, source: str) -> SpeechLMArgs:
-    """The args from a parsed yaml ``llm`` section (``!new:...Qwen2LM``) and the backbone's."""
-    if isinstance(llm_section, TaggedNode) and llm_section.target.rsplit(".", 1)[-1] != LM_CLASS:
-        raise ModelConfigError(f"{source}: 'llm' is {llm_section.target}, expected {LM_CLASS}")
+def speech_lm_args(
+    llm_section: object, backbone: Qwen2Config, source: str, lm_class: str = LM_CLASS
+) -> SpeechLMArgs:
+    """The args from a parsed yaml ``llm`` section (``!new:...<lm_class>``) and the backbone's.
+
+    A family on this backbone with another layout names its own ``lm_class``.
+    """
+    if isinstance(llm_section, TaggedNode) and llm_section.target.rsplit(".", 1)[-1] != lm_class:
+        raise ModelConfigError(f"{source}: 'llm' is {llm_section.target}, expected {lm_class}")
     sec = Section(llm_section, "llm", source)
     mix_ratio = sec.ints("mix_ratio", [5, 15])
     if len(mix_ratio) != 2:
@@ -112,7 +117,7 @@ def load_speech_lm_args(model_dir: Path) -> SpeechLMArgs:
     return speech_lm_args(doc["llm"], backbone, CONFIG_FILE)
 
 
-class _Backbone(nn.Module):
+class Qwen2Backbone(nn.Module):
     """Holds the Qwen2 model under the checkpoint's ``llm.model`` prefix."""
 
     def __init__(self, cfg: Qwen2Config) -> None:
@@ -123,6 +128,7 @@ class _Backbone(nn.Module):
 class CosyVoice2LM(SpeechTokenLM):
     """The CosyVoice2 speech-token LM."""
 
+    LABEL = "CosyVoice2 LM"  # for error messages
     SOS = 0  # rows of llm_embedding
     TASK_ID = 1
 
@@ -132,7 +138,7 @@ class CosyVoice2LM(SpeechTokenLM):
         d = args.llm_input_size
         n_speech = args.speech_token_size
         self.llm_embedding = nn.Embedding(2, d)
-        self.llm = _Backbone(args.backbone)
+        self.llm = Qwen2Backbone(args.backbone)
         self.llm_decoder = nn.Linear(args.llm_output_size, n_speech + 3)
         self.speech_embedding = nn.Embedding(n_speech + 3, d)
         self.speech_token_size = n_speech
@@ -147,7 +153,7 @@ class CosyVoice2LM(SpeechTokenLM):
 
     @property
     def _device(self) -> torch.device:
-        return self.llm_embedding.weight.device
+        return self.speech_embedding.weight.device
 
     # --- input assembly ------------------------------------------------------------------------
 
@@ -172,7 +178,7 @@ class CosyVoice2LM(SpeechTokenLM):
     ) -> Tensor:
         """(1, L0, D) = [SOS | text(prompt ++ text) | TASK_ID | prompt speech]."""
         if embedding is not None:
-            raise ValueError("CosyVoice2's LM takes no speaker embedding (its flow does)")
+            raise ValueError(f"the {self.LABEL} takes no speaker embedding (its flow does)")
         dev = self._device
         text = torch.cat([token_ids(prompt_text_ids, dev), token_ids(text_ids, dev)], dim=1)
         return torch.cat(
@@ -244,13 +250,18 @@ def check_speech_lm_state(
     """
     optional = set(UNUSED_KEYS) if model.args.backbone.tie_word_embeddings else set()
     if problems := state_dict_problems(model, state, optional):
-        raise ModelLoadError(f"{source} does not fit the CosyVoice2 LM: " + "; ".join(problems))
+        raise ModelLoadError(f"{source} does not fit the {model.LABEL}: " + "; ".join(problems))
 
 
-def build_speech_lm(args: SpeechLMArgs, device: torch.device | str = "meta") -> CosyVoice2LM:
-    """The module with uninitialised (``meta``: absent) weights, to be assigned."""
+def build_speech_lm(
+    args: SpeechLMArgs,
+    device: torch.device | str = "meta",
+    model_class: type[CosyVoice2LM] = CosyVoice2LM,
+) -> CosyVoice2LM:
+    """The module (``model_class``: this LM or a later family's on the same backbone) with
+    uninitialised (``meta``: absent) weights, to be assigned."""
     with torch.device(device):
-        return CosyVoice2LM(args)
+        return model_class(args)
 
 
 def load_speech_lm(
@@ -259,9 +270,10 @@ def load_speech_lm(
     *,
     int8: bool = False,
     source: str = "llm.pt",
+    model_class: type[CosyVoice2LM] = CosyVoice2LM,
 ) -> CosyVoice2LM:
     """Build on ``meta``, check ``state`` strictly and assign it (tensors used in place)."""
-    model = build_speech_lm(args)
+    model = build_speech_lm(args, model_class=model_class)
     check_speech_lm_state(model, state, source)
     floats = {k: v if v.dtype == torch.float32 else v.float() for k, v in state.items()}
     head = UNUSED_KEYS[0]
