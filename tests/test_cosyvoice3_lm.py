@@ -36,9 +36,9 @@ V2_TINY = Path(__file__).parent / "data" / "cosyvoice2" / "tiny"
 CASES = ("zero_shot", "cross_lingual", "instruct2")
 SEEDS = (11, 12, 13)
 # Four times the official code's own spread (tests/data/cosyvoice3/README.md, tolerance table).
-ATOL_LOGITS = 4.0e-5  # logits and log-probs
-ATOL_HIDDEN = 1.2e-5  # hidden states and the cache
-NUCLEUS_PROBS_ATOL = 3.1e-6  # softmax of the stored logits
+ATOL_LOGITS = 3.1e-5  # logits and log-probs: 7.6e-6
+ATOL_HIDDEN = 8.4e-6  # hidden states and the cache: 2.1e-6
+NUCLEUS_PROBS_ATOL = 3.4e-6  # softmax of the stored logits: 8.3e-7
 # KL(fp32 || int8) of the next-token distribution over the teacher-forced steps; the tiny model
 # measures mean 6e-3…7.6e-3 / max 3.5e-2 nats per case (its 32-wide layers quantise coarsely);
 # the bounds are CosyVoice2's, whose tiny model measures about the same.
