@@ -72,8 +72,13 @@ class BistreamSession:
         text_timeout: float | None = None,
         observer: Callable[[Tensor, StepOut], None] | None = None,
         max_tokens: int | None = None,
+        lead_text_ids: TokenIds | None = None,
     ) -> None:
         """``forced_tokens`` / ``sampler`` replace the draws (tests; forced fills draw nothing).
+
+        ``lead_text_ids``: text read right after ``SOS``, outside the interleaving (a later
+        family's system prompt). With it, the first speech token is drawn as soon as one text
+        token has arrived, as the reference does when its first input is longer than ``SOS``.
 
         ``max_tokens`` fixes the count, as :meth:`CosyVoice2LM.generate`'s (benchmarks): no
         stop token is drawn after the end either, and the answer ends at that many tokens.
@@ -98,9 +103,12 @@ class BistreamSession:
         self._finished = False
         self._lock = threading.Condition()
         # LM state (consumer thread only)
+        lead = _checked_ids(lead_text_ids, self._text_vocab, "lead text")
         self._pending: list[Tensor] = [lm.special_input(lm.SOS)]  # rows not read yet
+        if lead:
+            self._pending.append(lm.embed_text(lead))
         self._last_input: Tensor | None = None  # rows of the last LM call
-        self._awaiting_group = not self._prompt_speech
+        self._awaiting_group = not self._prompt_speech and not lead
         self._drawing = False  # drawing speech until the next fill (or the end)
         self._final = False
         self._done = False
