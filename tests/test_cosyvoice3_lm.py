@@ -28,7 +28,8 @@ from engine.cosyvoice3.model_dir import (
     load_lm,
     missing_model_files,
 )
-from engine.family import COSYVOICE3, model_family
+from engine.family import model_family
+from engine.family_facts import COSYVOICE3
 
 DATA = Path(__file__).parent / "data" / "cosyvoice3"
 TINY = DATA / "tiny"
