@@ -102,7 +102,8 @@ def _product_of_refs(expr: str, doc: dict[str, Any], source: str, where: str) ->
     return value
 
 
-def _int_or_product(sec: Section, key: str, doc: dict[str, Any], default: int) -> int:
+def int_or_product(sec: Section, key: str, doc: dict[str, Any], default: int) -> int:
+    """An integer value of ``sec``, which may be a ``!ref <a> * <b>`` product."""
     raw = sec.data.get(key, default)
     if isinstance(raw, RefNode):
         return _product_of_refs(raw.expr, doc, sec.source, f"{sec.path}.{key}")
@@ -154,8 +155,8 @@ def flow_args_from_doc(doc: dict[str, Any], source: str = "cosyvoice2.yaml") -> 
         encoder=_encoder_args(sec.sub("encoder"), lookahead),
         estimator=CausalEstimatorArgs(
             **estimator_fields(est),
-            static_chunk_size=_int_or_product(est, "static_chunk_size", doc, 50),
-            num_decoding_left_chunks=_int_or_product(est, "num_decoding_left_chunks", doc, 2),
+            static_chunk_size=int_or_product(est, "static_chunk_size", doc, 50),
+            num_decoding_left_chunks=int_or_product(est, "num_decoding_left_chunks", doc, 2),
         ),
         **cfm,
     )
