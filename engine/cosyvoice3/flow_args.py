@@ -129,6 +129,13 @@ def _check_flow_args(args: DiTFlowArgs, pre: Section, source: str) -> None:
             f"{source}: the DiT's mu_dim must equal 'flow.input_size' and its mel_dim "
             "'flow.output_size'"
         )
+    if args.input_size != args.output_size:
+        # mu is the embedded tokens themselves; the official solver copies it into buffers
+        # as wide as the mel, so no other width runs upstream.
+        raise ModelConfigError(
+            f"{source}: 'flow.input_size' ({args.input_size}) must equal 'flow.output_size' "
+            f"({args.output_size})"
+        )
     if est.spk_dim != args.output_size:
         raise ModelConfigError(f"{source}: the DiT's spk_dim must equal 'flow.output_size'")
     if est.static_chunk_size <= 0 or est.static_chunk_size % args.token_mel_ratio:
