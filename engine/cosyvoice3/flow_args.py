@@ -14,12 +14,11 @@ from typing import Any
 from engine.core.hparams import (
     ModelConfigError,
     Section,
-    TaggedNode,
     cfm_fields,
     flow_fields,
     read_model_yaml,
 )
-from engine.cosyvoice2.flow_args import int_or_product
+from engine.cosyvoice2.flow_args import flow_section, int_or_product
 
 # Fixed by the official DiT classes rather than the yaml: the sinusoid fed to the time MLP, and
 # the causal convolutional position embedding (two grouped convolutions) after the input proj.
@@ -92,12 +91,7 @@ def _dit_args(est: Section, doc: dict[str, Any], mel_dim: int) -> DiTArgs:
 
 def flow_args_from_doc(doc: dict[str, Any], source: str = "cosyvoice3.yaml") -> DiTFlowArgs:
     """The flow section of a parsed v3 yaml (:func:`engine.core.hparams.read_model_yaml`)."""
-    if "flow" not in doc:
-        raise ModelConfigError(f"{source}: missing top-level section 'flow'")
-    flow = doc["flow"]
-    if isinstance(flow, TaggedNode) and not flow.target.endswith("CausalMaskedDiffWithDiT"):
-        raise ModelConfigError(f"{source}: 'flow' is a {flow.target}, not CausalMaskedDiffWithDiT")
-    sec = Section(flow, "flow", source)
+    sec = flow_section(doc, source, "CausalMaskedDiffWithDiT")
     cfm, est = cfm_fields(sec)
     sizes = flow_fields(sec)
     lookahead = sec.int("pre_lookahead_len", 3)
