@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -65,9 +66,18 @@ def _weights() -> dict[str, torch.Tensor]:
     return {k.removeprefix("weights/"): v for k, v in CASES.items() if k.startswith("weights/")}
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread() -> Iterator[None]:
+    """Tiny tensors: a second thread only contends. Module-wide, so a parity re-run's thread
+    count (tests/conftest.py, per test) still applies."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def flow() -> DiTFlow:
-    torch.set_num_threads(min(2, torch.get_num_threads()))
     return load_flow(_weights(), _case_args())
 
 
