@@ -162,6 +162,7 @@ class ChunkCausalFlow(nn.Module):
         return self.input_embedding(ids.clamp(min=0))
 
     def check_prompt(self, prompt_tokens: Tensor, prompt_feat: Tensor) -> None:
+        """Refuse a prompt whose tokens are not (1, N) or whose mel is not their frames."""
         if prompt_tokens.dim() != 2 or prompt_tokens.shape[0] != 1:
             raise ValueError(f"prompt tokens must be (1, N), got {tuple(prompt_tokens.shape)}")
         want = self.args.token_mel_ratio * prompt_tokens.shape[1]
