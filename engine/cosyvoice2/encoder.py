@@ -41,13 +41,17 @@ from engine.cosyvoice2.flow_cache import ConvTail, KVBuffer, chunk_visible
 
 
 class PreLookahead(nn.Module):
-    """``pre_lookahead_layer``: x + conv2(pad_left(leaky_relu(conv1(x ‖ look-ahead))))."""
+    """``pre_lookahead_layer``: x + conv2(pad_left(leaky_relu(conv1(x ‖ look-ahead)))).
 
-    def __init__(self, channels: int, lookahead: int) -> None:
+    ``hidden``: the width between the two convolutions (CosyVoice3 widens it; v2 keeps
+    ``channels``)."""
+
+    def __init__(self, channels: int, lookahead: int, hidden: int | None = None) -> None:
         super().__init__()
         self.lookahead = lookahead
-        self.conv1 = nn.Conv1d(channels, channels, lookahead + 1)
-        self.conv2 = nn.Conv1d(channels, channels, 3)
+        inner = channels if hidden is None else hidden
+        self.conv1 = nn.Conv1d(channels, inner, lookahead + 1)
+        self.conv2 = nn.Conv1d(inner, channels, 3)
 
     def forward(self, x: Tensor, ahead: Tensor | None, tail: ConvTail) -> Tensor:
         """x (1, t, C) embedded tokens; ``ahead`` (1, ≤L, C) the tokens after them (None or

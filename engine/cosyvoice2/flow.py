@@ -22,7 +22,7 @@ from __future__ import annotations
 import copy
 import logging
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor, nn
@@ -39,13 +39,18 @@ _LOGGER = logging.getLogger(__name__)
 
 
 class CausalCFM(GuidedEulerCFM):
-    """The Euler solver with classifier-free guidance and its fixed noise (key ``decoder``)."""
+    """The Euler solver with classifier-free guidance and its fixed noise (key ``decoder``).
 
-    def __init__(self, args: CausalFlowArgs) -> None:
+    ``estimator``: a chunk-causal vector field called as ``estimator(x, mu, t, spks, cond, *,
+    streaming, state, time_biases)``, with ``new_state(cache_dtype)`` and ``time_biases(t)``
+    (v2's U-Net, CosyVoice3's DiT); ``channels``: the mel bins of the noise.
+    """
+
+    def __init__(self, estimator: nn.Module, *, channels: int, t_scheduler: str) -> None:
         super().__init__()
-        self.args = args
-        self.t_scheduler = args.t_scheduler
-        self.estimator = CausalConditionalDecoder(args.estimator)
+        self.channels = channels
+        self.t_scheduler = t_scheduler
+        self.estimator = estimator
         self._noise: Tensor | None = None
 
     def noise(self, start: int, end: int) -> Tensor:
@@ -57,7 +62,7 @@ class CausalCFM(GuidedEulerCFM):
             )
         if self._noise is None:
             generator = torch.Generator().manual_seed(NOISE_SEED)
-            self._noise = torch.randn(1, self.args.output_size, NOISE_FRAMES, generator=generator)
+            self._noise = torch.randn(1, self.channels, NOISE_FRAMES, generator=generator)
         return self._noise[:, :, start:end]
 
     def vector_field(
@@ -87,17 +92,60 @@ class CausalCFM(GuidedEulerCFM):
         return field
 
 
-class CausalFlow(nn.Module):
-    """CausalMaskedDiffWithXvec with the official ``flow.pt`` key names."""
+class FlowSizes(Protocol):
+    """The numbers of a chunk-causal flow that its inference and stream read."""
 
-    def __init__(self, args: CausalFlowArgs) -> None:
-        super().__init__()
-        self.args = args
-        self.input_embedding = nn.Embedding(args.vocab_size, args.input_size)
-        self.spk_embed_affine_layer = nn.Linear(args.spk_embed_dim, args.output_size)
-        self.encoder = UpsampleConformerEncoder(args.encoder)
-        self.encoder_proj = nn.Linear(args.encoder.output_size, args.output_size)
-        self.decoder = CausalCFM(args)
+    @property
+    def vocab_size(self) -> int: ...
+    @property
+    def output_size(self) -> int: ...
+    @property
+    def token_mel_ratio(self) -> int: ...
+    @property
+    def pre_lookahead_len(self) -> int: ...
+    @property
+    def inference_cfg_rate(self) -> float: ...
+
+
+class EncoderMemory(Protocol):
+    """What a flow's encoder keeps of the tokens before a stream's next chunk."""
+
+    @property
+    def kv_bytes(self) -> int: ...
+    def copy(self) -> EncoderMemory: ...
+
+
+class ChunkCausalFlow(nn.Module):
+    """What every chunk-causal flow does around its token encoder (v2's Conformer, v3's
+    look-ahead convolution): the speaker projection, the official one-call ``inference`` and
+    the incremental :class:`FlowStream`. A flow has ``input_embedding``,
+    ``spk_embed_affine_layer`` and a :class:`CausalCFM` ``decoder`` and says how its tokens
+    become ``mu`` (:meth:`encode`)."""
+
+    args: FlowSizes
+    input_embedding: nn.Embedding
+    spk_embed_affine_layer: nn.Linear
+    decoder: CausalCFM
+
+    @property
+    def chunk_tokens(self) -> int:
+        """Tokens per attention chunk in streaming mode."""
+        raise NotImplementedError
+
+    def new_encoder_state(self) -> EncoderMemory:
+        """An empty encoder memory for a stream."""
+        raise NotImplementedError
+
+    def encode(
+        self,
+        tokens: Tensor,
+        ahead: Tensor | None,
+        *,
+        streaming: bool,
+        state: Any = None,
+    ) -> Tensor:
+        """Token ids (1, n) (and their look-ahead ids, None at the end) → mu (1, 80, 2n)."""
+        raise NotImplementedError
 
     def speaker(self, embedding: Tensor) -> Tensor:
         """Raw x-vector (1, 192) → normalised and projected ``spks`` (1, 80)."""
@@ -113,20 +161,8 @@ class CausalFlow(nn.Module):
             )
         return self.input_embedding(ids.clamp(min=0))
 
-    def encode(
-        self,
-        tokens: Tensor,
-        ahead: Tensor | None,
-        *,
-        streaming: bool,
-        state: EncoderState | None = None,
-    ) -> Tensor:
-        """Token ids (1, n) (and their look-ahead ids, None at the end) → mu (1, 80, 2n)."""
-        ahead_x = self.embed(ahead) if ahead is not None and ahead.shape[1] else None
-        h = self.encoder(self.embed(tokens), ahead_x, streaming=streaming, state=state)
-        return self.encoder_proj(h).transpose(1, 2)
-
-    def _check_prompt(self, prompt_tokens: Tensor, prompt_feat: Tensor) -> None:
+    def check_prompt(self, prompt_tokens: Tensor, prompt_feat: Tensor) -> None:
+        """Refuse a prompt whose tokens are not (1, N) or whose mel is not their frames."""
         if prompt_tokens.dim() != 2 or prompt_tokens.shape[0] != 1:
             raise ValueError(f"prompt tokens must be (1, N), got {tuple(prompt_tokens.shape)}")
         want = self.args.token_mel_ratio * prompt_tokens.shape[1]
@@ -156,7 +192,7 @@ class CausalFlow(nn.Module):
         (1, 192) x-vector. Unless ``finalize``, the last ``pre_lookahead_len`` tokens are only
         look-ahead: the mel covers N2 − pre_lookahead_len tokens.
         """
-        self._check_prompt(prompt_tokens, prompt_feat)
+        self.check_prompt(prompt_tokens, prompt_feat)
         ids = torch.cat([prompt_tokens.to(tokens), tokens], dim=1)
         ahead = None
         if not finalize:
@@ -206,6 +242,44 @@ class CausalFlow(nn.Module):
         )
 
 
+class CausalFlow(ChunkCausalFlow):
+    """CausalMaskedDiffWithXvec with the official ``flow.pt`` key names."""
+
+    args: CausalFlowArgs
+
+    def __init__(self, args: CausalFlowArgs) -> None:
+        super().__init__()
+        self.args = args
+        self.input_embedding = nn.Embedding(args.vocab_size, args.input_size)
+        self.spk_embed_affine_layer = nn.Linear(args.spk_embed_dim, args.output_size)
+        self.encoder = UpsampleConformerEncoder(args.encoder)
+        self.encoder_proj = nn.Linear(args.encoder.output_size, args.output_size)
+        self.decoder = CausalCFM(
+            CausalConditionalDecoder(args.estimator),
+            channels=args.output_size,
+            t_scheduler=args.t_scheduler,
+        )
+
+    @property
+    def chunk_tokens(self) -> int:
+        return self.args.encoder.static_chunk_size
+
+    def new_encoder_state(self) -> EncoderState:
+        return self.encoder.new_state()
+
+    def encode(
+        self,
+        tokens: Tensor,
+        ahead: Tensor | None,
+        *,
+        streaming: bool,
+        state: EncoderState | None = None,
+    ) -> Tensor:
+        ahead_x = self.embed(ahead) if ahead is not None and ahead.shape[1] else None
+        h = self.encoder(self.embed(tokens), ahead_x, streaming=streaming, state=state)
+        return self.encoder_proj(h).transpose(1, 2)
+
+
 class FlowStream:
     """One utterance's flow, computed chunk by chunk as its tokens arrive.
 
@@ -218,7 +292,7 @@ class FlowStream:
 
     def __init__(
         self,
-        flow: CausalFlow,
+        flow: ChunkCausalFlow,
         prompt_tokens: Tensor,
         prompt_feat: Tensor,
         embedding: Tensor,
@@ -227,7 +301,7 @@ class FlowStream:
         cfg_rate: float,
         cache_dtype: torch.dtype | None = None,
     ) -> None:
-        flow._check_prompt(prompt_tokens, prompt_feat)
+        flow.check_prompt(prompt_tokens, prompt_feat)
         self.flow, self.n_timesteps, self.cfg_rate = flow, n_timesteps, cfg_rate
         with torch.inference_mode():
             self.spks = flow.speaker(embedding)
@@ -235,13 +309,13 @@ class FlowStream:
         self.tokens = prompt_tokens.reshape(-1).long().tolist()
         self.encoded = 0  # tokens (prompt included) whose frames are computed
         self.finished = False
-        self.encoder_state = flow.encoder.new_state()
+        self.encoder_state = flow.new_encoder_state()
         estimator = flow.decoder.estimator
         self.step_states = [estimator.new_state(cache_dtype) for _ in range(n_timesteps)]
 
     @property
     def chunk_tokens(self) -> int:
-        return self.flow.args.encoder.static_chunk_size
+        return self.flow.chunk_tokens
 
     @property
     def prompt_tokens(self) -> int:

@@ -102,7 +102,8 @@ def _product_of_refs(expr: str, doc: dict[str, Any], source: str, where: str) ->
     return value
 
 
-def _int_or_product(sec: Section, key: str, doc: dict[str, Any], default: int) -> int:
+def int_or_product(sec: Section, key: str, doc: dict[str, Any], default: int) -> int:
+    """An integer value of ``sec``, which may be a ``!ref <a> * <b>`` product."""
     raw = sec.data.get(key, default)
     if isinstance(raw, RefNode):
         return _product_of_refs(raw.expr, doc, sec.source, f"{sec.path}.{key}")
@@ -137,14 +138,19 @@ def _encoder_args(sec: Section, pre_lookahead_len: int) -> UpsampleEncoderArgs:
     )
 
 
-def flow_args_from_doc(doc: dict[str, Any], source: str = "cosyvoice2.yaml") -> CausalFlowArgs:
-    """The flow section of a parsed v2 yaml (:func:`engine.core.hparams.read_model_yaml`)."""
+def flow_section(doc: dict[str, Any], source: str, class_name: str) -> Section:
+    """The ``flow`` section of a parsed yaml, refused if it builds another class."""
     if "flow" not in doc:
         raise ModelConfigError(f"{source}: missing top-level section 'flow'")
     flow = doc["flow"]
-    if isinstance(flow, TaggedNode) and not flow.target.endswith("CausalMaskedDiffWithXvec"):
-        raise ModelConfigError(f"{source}: 'flow' is a {flow.target}, not CausalMaskedDiffWithXvec")
-    sec = Section(flow, "flow", source)
+    if isinstance(flow, TaggedNode) and not flow.target.endswith(class_name):
+        raise ModelConfigError(f"{source}: 'flow' is a {flow.target}, not {class_name}")
+    return Section(flow, "flow", source)
+
+
+def flow_args_from_doc(doc: dict[str, Any], source: str = "cosyvoice2.yaml") -> CausalFlowArgs:
+    """The flow section of a parsed v2 yaml (:func:`engine.core.hparams.read_model_yaml`)."""
+    sec = flow_section(doc, source, "CausalMaskedDiffWithXvec")
     cfm, est = cfm_fields(sec)
     lookahead = sec.int("pre_lookahead_len", 3)
     args = CausalFlowArgs(
@@ -154,8 +160,8 @@ def flow_args_from_doc(doc: dict[str, Any], source: str = "cosyvoice2.yaml") -> 
         encoder=_encoder_args(sec.sub("encoder"), lookahead),
         estimator=CausalEstimatorArgs(
             **estimator_fields(est),
-            static_chunk_size=_int_or_product(est, "static_chunk_size", doc, 50),
-            num_decoding_left_chunks=_int_or_product(est, "num_decoding_left_chunks", doc, 2),
+            static_chunk_size=int_or_product(est, "static_chunk_size", doc, 50),
+            num_decoding_left_chunks=int_or_product(est, "num_decoding_left_chunks", doc, 2),
         ),
         **cfm,
     )
