@@ -33,6 +33,7 @@ from torch import Tensor, nn
 from engine.core.hift import (
     CausalCLConv1d,
     CLConv1d,
+    F0Predictor,
     HiFTGenerator,
     HiftNoise,
     PhaseCarry,
@@ -82,15 +83,16 @@ def load_causal_hift_args(yaml_path: Path) -> CausalHiFTArgs:
     return causal_hift_args_from_doc(read_model_yaml(yaml_path), Path(yaml_path).name)
 
 
-class CausalF0Predictor(nn.Module):
+class CausalF0Predictor(F0Predictor):
     """Upstream's ``CausalConvRNNF0Predictor``: a kernel-4 conv reading 3 frames ahead, four
     kernel-3 convs reading 2 frames back (ELU after each), a per-frame linear map, |·| in Hz.
+    The shared predictor's layout (same keys), its convolutions swapped.
 
     Float64 throughout, as upstream runs it; the output is rounded to float32.
     """
 
     def __init__(self, in_channels: int, cond_channels: int) -> None:
-        super().__init__()
+        super().__init__(in_channels, cond_channels)
         f64 = torch.float64
         convs = [nn.Conv1d(in_channels, cond_channels, F0_LOOKAHEAD + 1, dtype=f64)]
         convs += [nn.Conv1d(cond_channels, cond_channels, 3, dtype=f64) for _ in range(4)]
@@ -145,6 +147,8 @@ class CausalHiFT(HiFTGenerator):
     """
 
     phase_upsampling = "nearest"
+    f0_predictor: CausalF0Predictor
+    conv_post: CausalCLConv1d
 
     def __init__(self, args: CausalHiFTArgs) -> None:
         super().__init__(args)
@@ -159,7 +163,7 @@ class CausalHiFT(HiFTGenerator):
             for up, u, k in zip(
                 self.ups, args.upsample_rates, args.upsample_kernel_sizes, strict=True
             )
-            if isinstance(up, nn.Module)
+            if isinstance(up, nn.ConvTranspose1d)
         )
         downs = []
         for i, down in enumerate(self.source_downs):
@@ -255,7 +259,7 @@ class CausalHiFT(HiFTGenerator):
         for i in reversed(range(n_up)):
             blocks = [*self.resblocks[i * self.n_kernels : (i + 1) * self.n_kernels]]
             blocks.append(self.source_resblocks[i])
-            reach += max(b.reach for b in blocks if isinstance(b, ResBlock)) + 1
+            reach += max(int(b.reach) for b in blocks if isinstance(b, ResBlock)) + 1
             up = self.ups[i]
             assert isinstance(up, CausalUpsample)
             reach = -(-(reach + up.left) // up.factor)
@@ -405,7 +409,8 @@ class CausalHiftStream:
     def _forget(self) -> None:
         """Drop the mel and source no later call reads."""
         keep_source = max(self.source_start, self.emitted - self.context)
-        keep_mel = max(self.mel_start, min(keep_source, self.sourced - self.hift.f0_predictor.reach))
+        f0_from = self.sourced - self.hift.f0_predictor.reach
+        keep_mel = max(self.mel_start, min(keep_source, f0_from))
         upp = self.hift.upp
         self.source = self.source[..., (keep_source - self.source_start) * upp :]
         self.source_start = keep_source
