@@ -7,6 +7,11 @@ style upsampler whose output is an 18-channel (magnitude, phase) spectrum for a 
 does: at 22.05 kHz each sample's phase is the running sum of its own increments; at other rates
 the phase is summed at the frame rate and interpolated back to the samples.
 
+CosyVoice3's causal vocoder (``engine.cosyvoice3.hift``) builds on this one: its convolutions
+pad on the left only (:class:`CausalCLConv1d`, ``ResBlock(causal=True)``), its phase is held per
+frame (:attr:`HiFTGenerator.phase_upsampling`) and a stream carries the phase sum across calls
+(:class:`PhaseCarry`).
+
 Convolutions are plain: weight norm is folded at load time by
 :func:`engine.core.weight_norm.normalize_hift_state_dict`, and attribute names mirror the folded
 keys so ``load_state_dict(..., strict=True)`` works directly.
@@ -55,6 +60,27 @@ def _cumulative_phase(incr: Tensor) -> Tensor:
         out[..., lo : lo + _PHASE_TILE] = sums
         carry = sums[..., -1:].clone()  # not a view: the tile's buffer can go
     return out.remainder_(1)
+
+
+@dataclass
+class PhaseCarry:
+    """A stream's running sum of per-frame phase increments (cycles), carried across calls.
+
+    The frame-rate source sums the increments from the utterance's first frame; a source made
+    chunk by chunk seeds each chunk's sum with the previous chunk's last float64 sum, which is
+    what one float32 cumsum over the whole (accumulated in float64 on the CPU) reaches there.
+    """
+
+    cycles: Tensor | None = None  # (1, H, 1) float64, the sum up to the last frame made
+
+    def advance(self, per_frame: Tensor) -> Tensor:
+        """The running sums (float32) of ``per_frame`` (1, H, T), continuing the carried one."""
+        sums = per_frame.to(torch.float64, copy=True)
+        if self.cycles is not None:
+            sums[..., :1] += self.cycles
+        sums.cumsum_(-1)
+        self.cycles = sums[..., -1:].clone()
+        return sums.float()
 
 
 @dataclass(frozen=True)
@@ -118,6 +144,30 @@ class CLConv1d(_ChannelsLast, nn.Conv1d):
         )
 
 
+class CausalCLConv1d(CLConv1d):
+    """A CLConv1d padded on the left only: output t reads inputs up to t (stride 1) or the
+    strided window ending ``stride − 1`` past it (``left`` = stride − 1, as upstream's causal
+    downsampling). ``left`` defaults to the kernel's reach, (k − 1) · dilation."""
+
+    def __init__(
+        self,
+        in_channels: int,
+        out_channels: int,
+        kernel_size: int,
+        *,
+        stride: int = 1,
+        dilation: int = 1,
+        left: int | None = None,
+    ) -> None:
+        super().__init__(
+            in_channels, out_channels, kernel_size, stride=stride, dilation=dilation, padding=0
+        )
+        self.left = (kernel_size - 1) * dilation if left is None else left
+
+    def forward(self, x: Tensor) -> Tensor:
+        return super().forward(F.pad(x, (self.left, 0)))  # keeps the channels-last layout
+
+
 class CLConvTranspose1d(_ChannelsLast, nn.ConvTranspose1d):
     """ConvTranspose1d on (1, C, 1, L) channels-last tensors."""
 
@@ -151,21 +201,34 @@ class Snake(nn.Module):
 
 
 class ResBlock(nn.Module):
-    """Three (Snake → dilated conv → Snake → conv) residual units sharing one kernel size."""
+    """Three (Snake → dilated conv → Snake → conv) residual units sharing one kernel size.
 
-    def __init__(self, channels: int, kernel: int, dilations: tuple[int, ...]) -> None:
+    ``causal``: every conv pads on the left only (CosyVoice3), so an output reads no later input.
+    """
+
+    def __init__(
+        self, channels: int, kernel: int, dilations: tuple[int, ...], *, causal: bool = False
+    ) -> None:
         super().__init__()
-        self.convs1 = nn.ModuleList(
-            CLConv1d(channels, channels, kernel, dilation=d, padding=(kernel * d - d) // 2)
-            for d in dilations
-        )
-        self.convs2 = nn.ModuleList(
-            CLConv1d(channels, channels, kernel, padding=(kernel - 1) // 2) for _ in dilations
-        )
+        if causal:
+            self.convs1 = nn.ModuleList(
+                CausalCLConv1d(channels, channels, kernel, dilation=d) for d in dilations
+            )
+            self.convs2 = nn.ModuleList(
+                CausalCLConv1d(channels, channels, kernel) for _ in dilations
+            )
+        else:
+            self.convs1 = nn.ModuleList(
+                CLConv1d(channels, channels, kernel, dilation=d, padding=(kernel * d - d) // 2)
+                for d in dilations
+            )
+            self.convs2 = nn.ModuleList(
+                CLConv1d(channels, channels, kernel, padding=(kernel - 1) // 2) for _ in dilations
+            )
         self.activations1 = nn.ModuleList(Snake(channels) for _ in dilations)
         self.activations2 = nn.ModuleList(Snake(channels) for _ in dilations)
-        # Frames on each side one output depends on (for time tiling).
-        self.reach = sum((kernel - 1) // 2 * (d + 1) for d in dilations)
+        # Frames one output depends on, on each side (causal: on the left, twice as many).
+        self.reach = sum((kernel - 1) // 2 * (d + 1) for d in dilations) * (2 if causal else 1)
 
     def forward(self, x: Tensor) -> Tensor:
         for c1, c2, a1, a2 in zip(
@@ -207,6 +270,9 @@ class HiFTGenerator(nn.Module):
     """CosyVoice HiFT vocoder for inference on CPU (float32, batch 1)."""
 
     window: Tensor  # the STFT window, a non-persistent buffer
+    # How the per-frame phase returns to the samples at rates other than 22.05 kHz: linearly
+    # (CosyVoice2) or held over the frame (CosyVoice3's causal source).
+    phase_upsampling = "linear"
 
     def __init__(self, args: HiFTArgs) -> None:
         super().__init__()
@@ -308,12 +374,14 @@ class HiFTGenerator(nn.Module):
         *,
         noise: HiftNoise | None = None,
         generator: torch.Generator | None = None,
+        phase: PhaseCarry | None = None,
     ) -> tuple[Tensor, Tensor]:
         """(1, T) F0 → (source (1, 1, L), uv (1, 1, L)), L = samples per frame · T.
 
         Follows the reference float32 recipe to the bit where it matters: per-harmonic increments
         f0·k/sr in float32, then the phase (:meth:`_sample_rate_sines` or
-        :meth:`_frame_rate_sines`), the noise and the harmonic merge.
+        :meth:`_frame_rate_sines`), the noise and the harmonic merge. ``phase``: the frame-rate
+        phase continues from (and advances) a stream's carried sum.
         """
         a = self.args
         f_up = f0.repeat_interleave(self.upp, dim=-1).unsqueeze(1)  # (1, 1, L)
@@ -325,7 +393,7 @@ class HiFTGenerator(nn.Module):
         if self.per_sample_phase:
             sine = self._sample_rate_sines(incr, u)
         else:
-            sine = self._frame_rate_sines(incr, u)
+            sine = self._frame_rate_sines(incr, u, phase)
         del incr
         sine = sine.mul_(a.nsf_alpha)
         uv = (f_up > a.nsf_voiced_threshold).to(torch.float32)
@@ -366,20 +434,24 @@ class HiFTGenerator(nn.Module):
         phase[:, 0] = 0.0  # the fundamental starts at phase 0
         return theta.mul_(_TWO_PI_F32).add_(phase).sin_()
 
-    def _frame_rate_sines(self, incr: Tensor, u: Tensor) -> Tensor:
+    def _frame_rate_sines(self, incr: Tensor, u: Tensor, carry: PhaseCarry | None) -> Tensor:
         """The phase summed at the frame rate and interpolated back to the samples.
 
         The increments (mod 1, the first sample's shifted by the initial phase in cycles) are
         linearly resampled to one per frame, summed, scaled to radians, and linearly resampled
-        back, as upstream's generator for rates other than 22.05 kHz. ``incr`` is consumed.
+        back (:attr:`phase_upsampling`), as upstream's generator for rates other than 22.05 kHz.
+        ``incr`` is consumed.
         """
         rad = incr.remainder_(1)
         start = u[:, :, 0].clone()
         start[:, 0] = 0.0  # the fundamental starts at phase 0
         rad[:, :, 0] += start
         per_frame = F.interpolate(rad, scale_factor=1 / self.upp, mode="linear")  # (1, H, T)
-        phase = torch.cumsum(per_frame, dim=-1) * 2 * math.pi
-        return F.interpolate(phase * self.upp, scale_factor=float(self.upp), mode="linear").sin_()
+        cycles = torch.cumsum(per_frame, dim=-1) if carry is None else carry.advance(per_frame)
+        phase = cycles * 2 * math.pi
+        return F.interpolate(
+            phase * self.upp, scale_factor=float(self.upp), mode=self.phase_upsampling
+        ).sin_()
 
     # --- spectral helpers --------------------------------------------------------------------
 
@@ -416,10 +488,16 @@ class HiFTGenerator(nn.Module):
     # --- filter ------------------------------------------------------------------------------
 
     def decode_spec(self, mel: Tensor, source: Tensor) -> Tensor:
-        """Mel (1, 80, T) + source (1, 1, upp·T) → conv_post output (1, 18, upp·T/hop + 1)."""
+        """Mel (1, 80, T) + source (1, 1, upp·T) → conv_post output (1, 18, upp·T'/hop + 1), T'
+        the frames conv_pre keeps (T, or T less a causal conv_pre's look-ahead)."""
         real, imag = self.stft(source)
-        s_stft = _to_cl(torch.cat([real, imag], dim=1).to(self.filter_dtype))
         x = self.conv_pre(_to_cl(mel.to(self.filter_dtype)))
+        # A causal conv_pre keeps fewer frames than it is given (its look-ahead): the source
+        # spectrum is cut to the frames the stages read (no-op for a centred conv_pre).
+        frames = x.shape[-1] * self.upp // self.hop + 1
+        s_stft = _to_cl(
+            torch.cat([real[..., :frames], imag[..., :frames]], dim=1).to(self.filter_dtype)
+        )
         for i in range(len(self.ups)):
             x = self._stage_in_tiles(i, x, s_stft)
         return x.squeeze(2).float()

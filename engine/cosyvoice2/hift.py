@@ -9,6 +9,7 @@ into plain weights before the strict check
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import TypeVar
 
 import torch
 from torch import Tensor
@@ -18,6 +19,8 @@ from engine.core.hparams import HiFTArgs
 from engine.core.types import ModelLoadError
 from engine.core.weight_norm import normalize_hift_state_dict
 from engine.cosyvoice2.flow import assign_weights
+
+H = TypeVar("H", bound=HiFTGenerator)
 
 
 def build_hift(args: HiFTArgs, device: torch.device | str = "meta") -> HiFTGenerator:
@@ -30,11 +33,15 @@ def load_hift(
     state: Mapping[str, Tensor], args: HiFTArgs, source: str = "hift.pt"
 ) -> HiFTGenerator:
     """Fold weight norm, build on ``meta``, check strictly and assign ``state``."""
+    return assign_hift(build_hift(args), state, source)
+
+
+def assign_hift(hift: H, state: Mapping[str, Tensor], source: str = "hift.pt") -> H:
+    """Fold weight norm, check strictly and assign ``state`` to a ``meta``-built vocoder."""
     try:
         folded = normalize_hift_state_dict(dict(state))
     except ValueError as err:
         raise ModelLoadError(f"{source}: {err}") from err
-    hift = build_hift(args)
     assign_weights(hift, folded, source)
     for module in hift.modules():  # the STFT window; channels-last convolution weights
         materialize = getattr(module, "materialize_derived", None)
