@@ -40,7 +40,7 @@ REQUIRED_FIELDS = (
     "load_s", "peak_rss_mb", "stream_peak_rss_mb", "first_audio_ms", "stall_ms", "total_ms", "rtf",
     "gapless_first_audio_ms", "gapless_stall_ms",
     "lm_ms_per_token", "flow_ms_per_audio_s", "hift_ms_per_audio_s",
-    "mem_bw_gbps", "gemv_gbps", "gemm_gflops", "lm_bound_ms_per_token",
+    "mem_bw_gbps", "gemv_gbps", "gemm_gflops", "lm_bound_ms_per_token", "lm_overhead_ms_per_token",
     "lm_kernel_bound_ms_per_token", "lm_vs_kernel_bound", "flow_bound_ms_per_audio_s",
     "hift_bound_ms_per_audio_s", "lm_vs_bound", "flow_vs_bound", "hift_vs_bound",
     "threads", "profile", "tokens", "text", "audio_s",
@@ -222,6 +222,7 @@ def test_summary_medians_bounds_and_ratios() -> None:
     assert result["spread"]["load_s"] == {"median": 2.0, "min": 1.0, "max": 3.0}
     assert result["lm_bound_ms_per_token"] == pytest.approx(40.0)  # 800 MB at 20 GB/s
     assert result["lm_vs_bound"] == pytest.approx(80.0 / 40.0)
+    assert result["lm_overhead_ms_per_token"] == pytest.approx(80.0 - 40.0)  # beyond the reads
     # The weights at the GEMV kernel's 8 GB/s, the cache at the read bandwidth.
     assert result["lm_kernel_bound_ms_per_token"] == pytest.approx(90.0 + 4.0)
     assert result["lm_vs_kernel_bound"] == pytest.approx(80.0 / 94.0)

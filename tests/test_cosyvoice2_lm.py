@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from engine.core.hparams import ModelConfigError, TaggedNode, read_model_yaml
 from engine.core.quantize import Int8Linear, int8_linear, next_token_kl
@@ -380,3 +381,42 @@ def test_config_errors_are_clear(tmp_path: Path) -> None:
     (tmp_path / "cosyvoice2.yaml").write_text((TINY / "cosyvoice2.yaml").read_text())
     with pytest.raises(ModelConfigError, match="config.json"):
         load_speech_lm_args(tmp_path)
+
+
+class _OpCount(TorchDispatchMode):
+    """Counts the torch operators dispatched inside it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+# Operators of one decode step of the tiny two-layer model (float32 / int8). Every one costs
+# dispatch time on the CPU, 24 layers a token at full size: a change that adds some shows here.
+DECODE_STEP_OPS = {False: 87, True: 81}
+
+
+@pytest.mark.parametrize("int8", [False, True])
+def test_decode_step_keeps_to_its_operator_budget(state: dict, int8: bool) -> None:
+    model = load_speech_lm(state, load_speech_lm_args(TINY), int8=int8)
+    with torch.inference_mode():
+        cache = model.new_cache(8)
+        model.prefill(model.build_input([1, 2, 3]), cache)
+        with _OpCount() as count:
+            model.decode_step(5, cache)
+    assert count.ops <= DECODE_STEP_OPS[int8]
+
+
+def test_decode_step_leaves_its_input_row_alone(model: CosyVoice2LM) -> None:
+    """The single-position path adds to its running row in place: never to the caller's row
+    (here a view of the special-token embedding, as the bistream session feeds it)."""
+    before = model.llm_embedding.weight.clone()
+    with torch.inference_mode():
+        cache = model.new_cache(8)
+        model.prefill(model.build_input([1, 2, 3]), cache)
+        model.backbone.forward_cached(model.special_input(model.TASK_ID), cache)
+    assert torch.equal(model.llm_embedding.weight, before)

@@ -4,12 +4,13 @@ Every measured figure is the median over the repeats, with ``min``/``max`` under
 Bounds use this run's limits: ``lm_bound_ms_per_token`` = the bytes a decode step reads (weights
 and KV cache) ÷ read bandwidth, ``flow_bound_ms_per_audio_s`` / ``hift_bound_ms_per_audio_s`` =
 FLOPs per audio second ÷ GEMM throughput. ``*_vs_bound`` is measured ÷ bound (1.0 = at this
-machine's physical limit). ``lm_kernel_bound_ms_per_token`` = the weight bytes ÷ the rate the
-LM's own GEMV kernel reaches alone (``gemv_gbps``) plus the cache bytes ÷ read bandwidth; what
-``lm_vs_kernel_bound`` exceeds 1.0 by is the engine's own time (small ops, Python), not the
-kernel's. ``work_per_audio_s`` holds, per stage, the work of one second of speech, the time it
-bounds here and the time measured (the figures ``script/board-estimates`` scales to other
-machines).
+machine's physical limit); ``lm_overhead_ms_per_token`` = ``lm_ms_per_token`` minus that
+bound, the decode time that is not reading bytes. ``lm_kernel_bound_ms_per_token`` = the weight
+bytes ÷ the rate the LM's own GEMV kernel reaches alone (``gemv_gbps``) plus the cache bytes ÷
+read bandwidth; what ``lm_vs_kernel_bound`` exceeds 1.0 by is the engine's own time (small ops,
+Python), not the kernel's. ``work_per_audio_s`` holds, per stage, the work of one second of
+speech, the time it bounds here and the time measured (the figures ``script/board-estimates``
+scales to other machines).
 """
 
 from __future__ import annotations
@@ -118,6 +119,13 @@ def summarize(
     result["lm_bound_ms_per_token"] = (
         result["lm_bytes_per_token"] / (bw * 1e9) * 1e3 if weight_bytes and bw else None
     )
+    # What a decode step costs beyond reading its bytes at the measured bandwidth: the kernels'
+    # distance from the memory's speed plus everything that is not a matrix product.
+    result["lm_overhead_ms_per_token"] = (
+        result["lm_ms_per_token"] - result["lm_bound_ms_per_token"]
+        if result["lm_ms_per_token"] is not None and result["lm_bound_ms_per_token"] is not None
+        else None
+    )
     gemv = limits.get("gemv_gbps")
     result["lm_kernel_bound_ms_per_token"] = (
         (weight_bytes / (gemv * 1e9) + cache_bytes / (bw * 1e9)) * 1e3
@@ -225,6 +233,7 @@ _TABLE = (
     ("RTF (whole)", "rtf", "", "rtf_bound", None, 2),
     ("LM prefill", "lm_prefill_ms", "ms", None, None, 0),
     ("LM decode", "lm_ms_per_token", "ms/token", "lm_bound_ms_per_token", "lm_vs_bound", 1),
+    ("LM decode beyond its reads", "lm_overhead_ms_per_token", "ms/token", None, None, 1),
     (
         "LM decode, vs its kernel",
         "lm_ms_per_token",

@@ -135,10 +135,11 @@ def inverse_frequencies(head_dim: int, theta: float) -> Tensor:
 
 
 def rotary_rows(head_dim: int, theta: float, length: int) -> tuple[Tensor, Tensor]:
-    """(cos, sin) of the angles of positions 0…N-1, (N >= length, head_dim) each, shared.
+    """(cos, signed sin) of the angles of positions 0…N-1, (N >= length, head_dim) each, shared.
 
-    angle = position * inverse frequency (both halves of a head use the same angles); grown by
-    doubling. The values of a row do not depend on the table's length.
+    angle = position * inverse frequency (both halves of a head use the same angles); the sin
+    row's first half is negated, the sign :func:`rotate` needs. Grown by doubling; the values
+    of a row do not depend on the table's length.
     """
     key = (head_dim, theta)
     table = _rotary_tables.get(key)
@@ -153,17 +154,21 @@ def rotary_rows(head_dim: int, theta: float, length: int) -> tuple[Tensor, Tenso
                 size *= 2
             positions = torch.arange(size, dtype=torch.float32, device="cpu").unsqueeze(1)
             angles = positions * inverse_frequencies(head_dim, theta)
-            angles = torch.cat([angles, angles], dim=-1)
-            table = _rotary_tables[key] = (angles.cos(), angles.sin())
+            sin = angles.sin()
+            cos = angles.cos()
+            table = _rotary_tables[key] = (torch.cat([cos, cos], -1), torch.cat([-sin, sin], -1))
         assert table is not None
         return table
 
 
-def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotary embedding of x (..., T, head_dim) with cos/sin (T, head_dim)."""
-    half = x.shape[-1] // 2
-    turned = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + turned * sin
+def rotate(x: Tensor, cos: Tensor, signed_sin: Tensor, out: Tensor | None = None) -> Tensor:
+    """Rotary embedding of x (..., T, head_dim) with the rows of :func:`rotary_rows` (T, hd).
+
+    ``[x1, x2] -> [x1 cos - x2 sin, x2 cos + x1 sin]``: the halves swapped by one ``roll``
+    times the signed sin (the same products as negating x2, bit for bit). ``out`` may be x.
+    """
+    turned = x.roll(x.shape[-1] // 2, -1).mul_(signed_sin)
+    return torch.add(turned, x * cos, out=out)
 
 
 # --- blocks -----------------------------------------------------------------------------------
@@ -239,7 +244,8 @@ class Qwen2Attention(nn.Module):
         """One new position of one sequence, in few ops (same maths as ``forward_cached``).
 
         x (1, 1, d); ``slot`` (2, kv_heads, hd) is the cache's room for this position's K/V;
-        ``keys``/``values`` (kv_heads, L, hd) the cache up to and including it; cos/sin (hd,).
+        ``keys``/``values`` (kv_heads, L, hd) the cache up to and including it; cos/sin (hd,)
+        the position's rows of :func:`rotary_rows`.
         The query heads of a group are one batch row against their shared K/V head.
         """
         q_dim = self.heads * self.head_dim
@@ -248,13 +254,14 @@ class Qwen2Attention(nn.Module):
         else:
             qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1).view(-1)
         kv_dim = self.kv_heads * self.head_dim
-        # q and k rotated in one go: (heads + kv_heads, hd) rows at the same position
-        qk = rotate(qkv[: q_dim + kv_dim].view(-1, self.head_dim), cos, sin)
-        slot[0].copy_(qk[self.heads :])
-        slot[1].copy_(qkv[q_dim + kv_dim :].view(self.kv_heads, self.head_dim))
+        # q and k rotated in one go, in place: (heads + kv_heads, hd) rows at the same position.
+        # qkv then holds [q | k | v] as the cache stores them, and k and v go in with one copy.
+        qk = qkv[: q_dim + kv_dim].view(-1, self.head_dim)
+        rotate(qk, cos, sin, out=qk)
+        slot.copy_(qkv[q_dim:].view(2, self.kv_heads, self.head_dim))
         group = self.heads // self.kv_heads
-        q = qk[: self.heads].view(self.kv_heads, group, self.head_dim)
-        scores = torch.bmm(q, keys.transpose(1, 2)) * self.scale  # (kv_heads, group, L)
+        q = qkv[:q_dim].view(self.kv_heads, group, self.head_dim)
+        scores = torch.bmm(q, keys.transpose(1, 2)).mul_(self.scale)  # (kv_heads, group, L)
         out = torch.bmm(scores.softmax(dim=-1), values)  # (kv_heads, group, hd)
         return self.o_proj(out.view(1, 1, -1))
 
@@ -276,7 +283,8 @@ class Qwen2MLP(nn.Module):
             gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(F.silu(gate) * up)
+        # in place: gate and up are the products' fresh outputs (one allocation less per call)
+        return self.down_proj(F.silu(gate, inplace=True).mul_(up))
 
 
 class Qwen2DecoderLayer(nn.Module):
@@ -298,10 +306,10 @@ class Qwen2DecoderLayer(nn.Module):
     def decode_position(
         self, x: Tensor, slot: Tensor, keys: Tensor, values: Tensor, cos: Tensor, sin: Tensor
     ) -> Tensor:
-        x = x + self.self_attn.decode_position(
-            self.input_layernorm(x), slot, keys, values, cos, sin
-        )
-        return x + self.mlp(self.post_attention_layernorm(x))
+        """One position; adds to ``x`` in place (the decode step's own running row)."""
+        attn = self.self_attn.decode_position(self.input_layernorm(x), slot, keys, values, cos, sin)
+        x.add_(attn)
+        return x.add_(self.mlp(self.post_attention_layernorm(x)))
 
 
 class Qwen2Model(nn.Module):
@@ -364,6 +372,7 @@ class Qwen2Model(nn.Module):
         slots = kv[:, :, :, start].unbind(0)  # per layer (2, kv_heads, hd)
         keys = kv[:, 0, :, :length].unbind(0)  # per layer (kv_heads, L, hd)
         values = kv[:, 1, :, :length].unbind(0)
+        x = x.clone()  # the layers add to it in place; the caller's row may be a weight's view
         for layer, slot, k, v in zip(self._layers(), slots, keys, values, strict=True):
             x = layer.decode_position(x, slot, k, v, cos, sin)
         cache.length = length
