@@ -320,7 +320,7 @@ def test_a_seed_gives_the_same_audio_and_streams_share_the_primed_prompt(
         return np.concatenate([c.samples for c in fresh.synthesize("Hello.", options)])
 
     first = audio()
-    assert fresh.primed.keys() == [("tester", 10, 0.7, 39, "fp32")]
+    assert fresh.primed.keys() == [("tester", 10, 0.7, 39, "fp32", "euler")]
     np.testing.assert_array_equal(audio(), first)
     assert len(first) == 80 * SAMPLES_PER_TOKEN
 

@@ -25,6 +25,7 @@ from typing import Any
 
 import yaml
 
+from engine.core.solver import EXACT_SOLVER, SOLVERS
 from engine.core.start_policy import START_POLICIES
 from engine.core.types import (
     LOW_LATENCY_SCHEDULE,
@@ -117,6 +118,9 @@ class ProfileConfig:
     # (bf16: approximation) are loaded in these formats; another profile needs the same ones.
     flow_weights: str
     hift_weights: str
+    # Per request: the flow ODE's solver (euler: the official maths). Optional in a profile
+    # of one's own: one written before the setting existed still loads.
+    solver: str = EXACT_SOLVER
 
     def options(
         self,
@@ -134,6 +138,7 @@ class ProfileConfig:
             seed=seed,
             n_timesteps=self.n_timesteps,
             cfg_rate=self.cfg_rate,
+            solver=self.solver,
             instruct=instruct,
             force_tokens=force_tokens,
             start_policy=self.start_policy,
@@ -480,6 +485,7 @@ def _schedule(key: str, value: Any) -> StreamSchedule:
 
 
 _PROFILE_KEYS = tuple(f.name for f in fields(ProfileConfig) if f.name != "name")
+_OPTIONAL_PROFILE_KEYS = ("solver",)
 
 
 def _profile(name: str, raw: Any) -> ProfileConfig:
@@ -489,7 +495,7 @@ def _profile(name: str, raw: Any) -> ProfileConfig:
     for sub in raw:
         if sub not in _PROFILE_KEYS:
             raise ConfigError(f"{key}.{sub}", f"unknown key (known: {', '.join(_PROFILE_KEYS)})")
-    if missing := [sub for sub in _PROFILE_KEYS if sub not in raw]:
+    if missing := [s for s in _PROFILE_KEYS if s not in raw and s not in _OPTIONAL_PROFILE_KEYS]:
         raise ConfigError(
             key, f"a profile names every setting; missing: {', '.join(missing)} (copy one "
             "from config.yaml and change what you need)"
@@ -507,6 +513,7 @@ def _profile(name: str, raw: Any) -> ProfileConfig:
         start_policy=_one_of(f"{key}.start_policy", raw["start_policy"], START_POLICIES),
         flow_weights=_one_of(f"{key}.flow_weights", raw["flow_weights"], FLOW_WEIGHTS),
         hift_weights=_one_of(f"{key}.hift_weights", raw["hift_weights"], HIFT_WEIGHTS),
+        solver=_one_of(f"{key}.solver", raw.get("solver", EXACT_SOLVER), tuple(SOLVERS)),
     )
 
 

@@ -226,6 +226,7 @@ class GuidedCFM(nn.Module):
         cfg_rate: float,
         solver: str = EXACT_SOLVER,
         step_callback: StepCallback | None = None,
+        guided_evaluations: int | None = None,
         **field_options: Any,
     ) -> Tensor:
         """Integrate the frames z (1, 80, T) from t=0 to 1; returns the mel (1, 80, T) float32
@@ -244,4 +245,5 @@ class GuidedCFM(nn.Module):
             scheduler=self.t_scheduler,
             solver=solver,
             step_callback=step_callback,
+            guided_evaluations=guided_evaluations,
         )
