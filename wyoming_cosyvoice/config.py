@@ -40,7 +40,7 @@ from wyoming_cosyvoice.speaker_presets import SPEEDS, STYLES, is_preset_name
 
 SETTINGS_FILE = "settings.yaml"  # in this package: the defaults every other layer overrides
 LM_WEIGHTS = ("int8", "int4", "fp32")
-FLOW_WEIGHTS = ("fp32", "int8")
+FLOW_WEIGHTS = ("fp32", "int8", "bf16")
 HIFT_WEIGHTS = ("fp32", "bf16")
 
 _NAMED_SCHEDULES = {"low_latency": LOW_LATENCY_SCHEDULE, "official": OFFICIAL_SCHEDULE}
@@ -68,7 +68,7 @@ class WeightFormats:
     """The formats the model's weights are loaded in: fixed for the life of the process."""
 
     lm: str  # int8, int4 or fp32 (server.lm_weights)
-    flow: str  # fp32 or int8 (the server profile's flow_weights)
+    flow: str  # fp32, int8 or bf16 (the server profile's flow_weights)
     hift: str  # fp32 or bf16 (the server profile's hift_weights)
     # Loaded beside those for a request to choose (``auto``): "flow.int8", "hift.bf16", ...
     extra: tuple[str, ...] = ()

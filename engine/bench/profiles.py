@@ -85,7 +85,11 @@ class BenchProfile:
 # Each part's weight formats and the engine's load keywords for them.
 LOAD_KEYWORDS: dict[str, dict[str, dict[str, bool]]] = {
     "lm": {"fp32": {"lm_int8": False}, "int8": {"lm_int8": True}},
-    "flow": {"fp32": {"flow_int8": False}, "int8": {"flow_int8": True}},
+    "flow": {
+        "fp32": {"flow_int8": False},
+        "int8": {"flow_int8": True},
+        "bf16": {"flow_int8": False, "flow_bf16": True},
+    },
     "hift": {"fp32": {"hift_bf16": False}, "bf16": {"hift_bf16": True}},
 }
 
