@@ -4,6 +4,7 @@ on an ODE with a known solution, and the guidance rows combined at every evaluat
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ from engine.core.solver import (
     solve_flow,
 )
 
+DATA = Path(__file__).parent / "data"
 X0 = torch.linspace(0.2, 1.5, 12, dtype=torch.float64).reshape(1, 1, 12)
 
 
@@ -141,3 +143,52 @@ def test_an_unknown_solver_is_refused() -> None:
         evaluation_count("rk4", 4)
     with pytest.raises(InvalidOptionError, match="unknown flow solver"):
         SynthesisOptions(solver="rk4")
+
+
+# --- the setting, from a profile to the flow ---------------------------------------------------
+
+
+def test_a_profile_names_its_solver_or_runs_the_official_one() -> None:
+    from wyoming_cosyvoice.config import ConfigError, load_config, packaged_settings
+
+    config = load_config(overrides=[("profiles.fast.solver", "heun")])
+    assert (
+        config.profiles["fast"]
+        .options(speaker=None, seed=None, instruct=None, force_tokens=None)
+        .solver
+        == "heun"
+    )
+    # The exact profiles run the official Euler steps; a profile without the key (one written
+    # before it existed) runs Euler too.
+    packaged = load_config()
+    assert packaged.profiles["realtime"].solver == packaged.profiles["quality"].solver == "euler"
+    assert "solver" not in packaged_settings()["profiles"]["quality"]
+    with pytest.raises(ConfigError, match=r"profiles.fast.solver"):
+        load_config(overrides=[("profiles.fast.solver", "rk4")])
+
+
+def test_the_request_solver_reaches_the_flow(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A v1 request with Heun at 2 steps runs the estimator 4 times per flow call, and the stage
+    costs count 4 evaluations × 2 guidance rows per call."""
+    from engine.core.stage_times import StageTime
+    from engine.core.types import SynthesisOptions
+    from engine.cosyvoice1.engine import CosyVoiceEngine
+
+    engine = CosyVoiceEngine.load(DATA / "tiny_model", cache_dir=tmp_path / "cache")
+    estimator = engine.flows["fp32"].decoder.estimator
+    calls: list[int] = []
+    handle = estimator.register_forward_hook(lambda m, args, out: calls.append(out.shape[0]))
+    stages: list[StageTime] = []
+    try:
+        for solver in ("euler", "heun"):
+            calls.clear()
+            options = SynthesisOptions(
+                speaker=engine.speakers[0], n_timesteps=2, solver=solver, force_tokens=30,
+                seed=0, stream=False, on_stage=stages.append,
+            )  # fmt: skip
+            assert list(engine.synthesize("你好。", options))
+            assert calls == [2] * evaluation_count(solver, 2)
+    finally:
+        handle.remove()
+    flow_passes = [s.passes for s in stages if s.stage == "flow"]
+    assert flow_passes == [4, 8]
