@@ -109,7 +109,7 @@ def deviations(
     text: str,
     *,
     lm_int8: bool,
-    flow_int8: bool,
+    flow_approx: bool,
     n_tokens: int = 100,
     n_steps: int = 50,
     solver: str = EXACT_SOLVER,
@@ -119,14 +119,14 @@ def deviations(
 
     models = engine.models
     hift_bf16 = engine.hift_dtype != "float32"
-    exact = load_model_dir(engine.model_dir) if lm_int8 or flow_int8 or hift_bf16 else None
+    exact = load_model_dir(engine.model_dir) if lm_int8 or flow_approx or hift_bf16 else None
     embedding = engine.voices[VOICE].prompt.embedding
     tokens = _random_tokens(models.flow, n_tokens)
     out = {"mel_rel_l2_vs_exact": 0.0, "wave_rel_l2_vs_exact_hift": 0.0}
     with torch.inference_mode():
-        exact_flow = exact.flow if exact is not None and flow_int8 else models.flow
+        exact_flow = exact.flow if exact is not None and flow_approx else models.flow
         reference = _mel(exact_flow, tokens, embedding, EXACT_STEPS, EXACT_CFG)
-        if flow_int8 or (n_timesteps, cfg_rate, solver) != (EXACT_STEPS, EXACT_CFG, EXACT_SOLVER):
+        if flow_approx or (n_timesteps, cfg_rate, solver) != (EXACT_STEPS, EXACT_CFG, EXACT_SOLVER):
             mel = _mel(models.flow, tokens, embedding, n_timesteps, cfg_rate, solver)
             out["mel_rel_l2_vs_exact"] = float((mel - reference).norm() / reference.norm())
         if lm_int8 and exact is not None:
