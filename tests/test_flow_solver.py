@@ -148,8 +148,8 @@ def test_an_unknown_solver_is_refused() -> None:
 # --- the setting, from a profile to the flow ---------------------------------------------------
 
 
-def test_a_profile_names_its_solver_or_runs_the_official_one() -> None:
-    from wyoming_cosyvoice.config import ConfigError, load_config, packaged_settings
+def test_a_profile_names_its_solver() -> None:
+    from wyoming_cosyvoice.config import ConfigError, load_config
 
     config = load_config(overrides=[("profiles.fast.solver", "heun")])
     assert (
@@ -158,11 +158,9 @@ def test_a_profile_names_its_solver_or_runs_the_official_one() -> None:
         .solver
         == "heun"
     )
-    # The exact profiles run the official Euler steps; a profile without the key (one written
-    # before it existed) runs Euler too.
+    # Every packaged profile runs the official Euler steps.
     packaged = load_config()
-    assert packaged.profiles["realtime"].solver == packaged.profiles["quality"].solver == "euler"
-    assert "solver" not in packaged_settings()["profiles"]["quality"]
+    assert {profile.solver for profile in packaged.profiles.values()} == {"euler"}
     with pytest.raises(ConfigError, match=r"profiles.fast.solver"):
         load_config(overrides=[("profiles.fast.solver", "rk4")])
 

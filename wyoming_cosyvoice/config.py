@@ -25,7 +25,7 @@ from typing import Any
 
 import yaml
 
-from engine.core.solver import EXACT_SOLVER, SOLVERS
+from engine.core.solver import SOLVERS
 from engine.core.start_policy import START_POLICIES
 from engine.core.types import (
     LOW_LATENCY_SCHEDULE,
@@ -118,9 +118,8 @@ class ProfileConfig:
     # (bf16: approximation) are loaded in these formats; another profile needs the same ones.
     flow_weights: str
     hift_weights: str
-    # Per request: the flow ODE's solver (euler: the official maths). Optional in a profile
-    # of one's own: one written before the setting existed still loads.
-    solver: str = EXACT_SOLVER
+    # Per request: the flow ODE's solver (euler: the official maths).
+    solver: str
 
     def options(
         self,
@@ -485,7 +484,6 @@ def _schedule(key: str, value: Any) -> StreamSchedule:
 
 
 _PROFILE_KEYS = tuple(f.name for f in fields(ProfileConfig) if f.name != "name")
-_OPTIONAL_PROFILE_KEYS = ("solver",)
 
 
 def _profile(name: str, raw: Any) -> ProfileConfig:
@@ -495,7 +493,7 @@ def _profile(name: str, raw: Any) -> ProfileConfig:
     for sub in raw:
         if sub not in _PROFILE_KEYS:
             raise ConfigError(f"{key}.{sub}", f"unknown key (known: {', '.join(_PROFILE_KEYS)})")
-    if missing := [s for s in _PROFILE_KEYS if s not in raw and s not in _OPTIONAL_PROFILE_KEYS]:
+    if missing := [sub for sub in _PROFILE_KEYS if sub not in raw]:
         raise ConfigError(
             key, f"a profile names every setting; missing: {', '.join(missing)} (copy one "
             "from config.yaml and change what you need)"
@@ -513,7 +511,7 @@ def _profile(name: str, raw: Any) -> ProfileConfig:
         start_policy=_one_of(f"{key}.start_policy", raw["start_policy"], START_POLICIES),
         flow_weights=_one_of(f"{key}.flow_weights", raw["flow_weights"], FLOW_WEIGHTS),
         hift_weights=_one_of(f"{key}.hift_weights", raw["hift_weights"], HIFT_WEIGHTS),
-        solver=_one_of(f"{key}.solver", raw.get("solver", EXACT_SOLVER), tuple(SOLVERS)),
+        solver=_one_of(f"{key}.solver", raw["solver"], tuple(SOLVERS)),
     )
 
 

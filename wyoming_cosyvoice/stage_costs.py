@@ -38,10 +38,8 @@ ALPHA = 0.3
 CALL_ALPHA = 0.1
 # A format that has not run yet, relative to its part's other format: the int8 flow's passes
 # are about 25 % faster than float32's, the bfloat16 HiFT about twice as fast (docs/performance.md).
-# The bfloat16 flow's is a guess from matrix rates, not a timing: its products run 3-7x faster on
-# AMX, its attention and convolutions (about a third of a pass) not at all.
 PRIOR_RATIOS: Mapping[str, Mapping[str, float]] = {
-    "flow": {"fp32": 1.0, "int8": 0.75, "bf16": 0.45},
+    "flow": {"fp32": 1.0, "int8": 0.75},
     "hift": {"fp32": 1.0, "bf16": 0.5},
 }
 LM_STAGES = ("lm_prefill", "lm_token")
