@@ -320,7 +320,7 @@ def test_a_seed_gives_the_same_audio_and_streams_share_the_primed_prompt(
         return np.concatenate([c.samples for c in fresh.synthesize("Hello.", options)])
 
     first = audio()
-    assert fresh.primed.keys() == [("tester", 10, 0.7, 39, "fp32")]
+    assert fresh.primed.keys() == [("tester", 10, 0.7, 39, "fp32", "euler")]
     np.testing.assert_array_equal(audio(), first)
     assert len(first) == 80 * SAMPLES_PER_TOKEN
 
@@ -373,7 +373,7 @@ def test_the_default_stream_keeps_its_keys_and_values_in_half_precision(
     tests/test_cosyvoice2_flow.py."""
     assert fresh.flow_cache_dtype == torch.float16
     fresh.prime_voice(SynthesisOptions(speaker="tester"))
-    primed = fresh.primed.stream(("tester", 10, 0.7, 39, "fp32"))
+    primed = fresh.primed.stream(("tester", 10, 0.7, 39, "fp32", "euler"))
     assert primed is not None
     pages = [page for state in primed.step_states for kv in state.kv for page in kv.pages]
     assert pages and all(k.dtype == v.dtype == torch.float16 for k, v in pages)

@@ -162,26 +162,36 @@ def test_encoder_frames_do_not_depend_on_later_chunks(flow: CausalFlow) -> None:
     assert (full[:, :, :100] - changed[:, :, :100]).abs().max() > 1e-3
 
 
-def test_streamed_mel_equals_the_official_streaming_calls(flow: CausalFlow) -> None:
+@pytest.mark.parametrize(("solver", "steps"), [("euler", 10), ("ab2", 4), ("heun", 2)])
+def test_streamed_mel_equals_the_official_streaming_calls(
+    flow: CausalFlow, solver: str, steps: int
+) -> None:
     """FlowStream chunk by chunk = the official call over the growing prefix (which recomputes
-    everything), chunk for chunk."""
+    everything), chunk for chunk; with every solver (one estimator state per evaluation)."""
     prompt_tokens, prompt_feat, embedding = _prompt(30)
     tokens = torch.randint(0, 6561, (1, 160), generator=torch.Generator().manual_seed(3))
-    stream = flow.stream(prompt_tokens, prompt_feat, embedding)
+    settings = {"n_timesteps": steps, "solver": solver}
+    stream = flow.stream(prompt_tokens, prompt_feat, embedding, **settings)
     offset, sent = 0, 0
     for hop in (45, 50, 50):  # the first hop brings the 30 prompt tokens to three chunks
         end = offset + hop + 3
         got = stream.push(tokens[:, sent:end])
         sent = end
         want = flow.inference(
-            tokens[:, :end], prompt_tokens, prompt_feat, embedding, streaming=True, finalize=False
+            tokens[:, :end],
+            prompt_tokens,
+            prompt_feat,
+            embedding,
+            streaming=True,
+            finalize=False,
+            **settings,
         )[:, :, 2 * offset :]
         assert got.shape == want.shape == (1, 80, 2 * hop)
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
         offset += hop
     got = stream.push(tokens[:, sent:], finalize=True)
     want = flow.inference(
-        tokens, prompt_tokens, prompt_feat, embedding, streaming=True, finalize=True
+        tokens, prompt_tokens, prompt_feat, embedding, streaming=True, finalize=True, **settings
     )[:, :, 2 * offset :]
     assert got.shape == want.shape == (1, 80, 2 * (160 - offset))
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)

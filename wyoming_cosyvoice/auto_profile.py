@@ -182,7 +182,7 @@ def predict(
     for chunk in plan_chunks(profile, n_tokens, geometry, prompt_frames):
         clock += max(0, chunk.tokens - made) * costs.lm_token_s
         made = max(made, chunk.tokens)
-        passes = flow_passes(profile.n_timesteps, profile.cfg_rate)
+        passes = flow_passes(profile.n_timesteps, profile.cfg_rate, profile.solver)
         clock += flow.seconds(passes * chunk.flow_frames, passes) + hift.seconds(chunk.hift_s)
         ready.append(clock)
         durations.append(max(0.0, chunk.audio_s))

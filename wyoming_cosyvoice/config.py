@@ -25,6 +25,7 @@ from typing import Any
 
 import yaml
 
+from engine.core.solver import SOLVERS
 from engine.core.start_policy import START_POLICIES
 from engine.core.types import (
     LOW_LATENCY_SCHEDULE,
@@ -39,7 +40,7 @@ from wyoming_cosyvoice.speaker_presets import SPEEDS, STYLES, is_preset_name
 
 SETTINGS_FILE = "settings.yaml"  # in this package: the defaults every other layer overrides
 LM_WEIGHTS = ("int8", "int4", "fp32")
-FLOW_WEIGHTS = ("fp32", "int8")
+FLOW_WEIGHTS = ("fp32", "int8", "bf16")
 HIFT_WEIGHTS = ("fp32", "bf16")
 
 _NAMED_SCHEDULES = {"low_latency": LOW_LATENCY_SCHEDULE, "official": OFFICIAL_SCHEDULE}
@@ -67,7 +68,7 @@ class WeightFormats:
     """The formats the model's weights are loaded in: fixed for the life of the process."""
 
     lm: str  # int8, int4 or fp32 (server.lm_weights)
-    flow: str  # fp32 or int8 (the server profile's flow_weights)
+    flow: str  # fp32, int8 or bf16 (the server profile's flow_weights)
     hift: str  # fp32 or bf16 (the server profile's hift_weights)
     # Loaded beside those for a request to choose (``auto``): "flow.int8", "hift.bf16", ...
     extra: tuple[str, ...] = ()
@@ -117,6 +118,8 @@ class ProfileConfig:
     # (bf16: approximation) are loaded in these formats; another profile needs the same ones.
     flow_weights: str
     hift_weights: str
+    # Per request: the flow ODE's solver (euler: the official maths).
+    solver: str
 
     def options(
         self,
@@ -134,6 +137,7 @@ class ProfileConfig:
             seed=seed,
             n_timesteps=self.n_timesteps,
             cfg_rate=self.cfg_rate,
+            solver=self.solver,
             instruct=instruct,
             force_tokens=force_tokens,
             start_policy=self.start_policy,
@@ -507,6 +511,7 @@ def _profile(name: str, raw: Any) -> ProfileConfig:
         start_policy=_one_of(f"{key}.start_policy", raw["start_policy"], START_POLICIES),
         flow_weights=_one_of(f"{key}.flow_weights", raw["flow_weights"], FLOW_WEIGHTS),
         hift_weights=_one_of(f"{key}.hift_weights", raw["hift_weights"], HIFT_WEIGHTS),
+        solver=_one_of(f"{key}.solver", raw["solver"], tuple(SOLVERS)),
     )
 
 

@@ -64,6 +64,7 @@ def load_cosyvoice(
     hift_bf16: bool = False,
     extra_formats: tuple[str, ...] = (),
     lm_int4: bool = False,
+    flow_bf16: bool = False,
 ) -> Engine:
     """The engine of the directory's model family; imported here so torch loads on the engine
     thread, not at startup."""
@@ -75,6 +76,7 @@ def load_cosyvoice(
         lm_int8=lm_int8,
         lm_int4=lm_int4,
         flow_int8=flow_int8,
+        flow_bf16=flow_bf16,
         hift_bf16=hift_bf16,
         cache_dir=cache_dir,
         extra_formats=extra_formats,
@@ -134,6 +136,7 @@ def load_options(config: ServerConfig) -> dict[str, Any]:
         "lm_int8": weights.lm == "int8",
         "lm_int4": weights.lm == "int4",
         "flow_int8": weights.flow == "int8",
+        "flow_bf16": weights.flow == "bf16",
         "hift_bf16": weights.hift == "bf16",
         "cache_dir": engine_cache_dir(config),
         "extra_formats": weights.extra,

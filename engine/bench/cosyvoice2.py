@@ -21,6 +21,7 @@ import torch
 from engine.bench.deviation import EXACT_CFG, EXACT_STEPS, hift_relative_l2
 from engine.bench.work import StageFlops, count_stage_flops
 from engine.core.quantize import next_token_kl
+from engine.core.solver import EXACT_SOLVER
 
 if TYPE_CHECKING:
     from engine.bench.timers import StageTimer
@@ -64,7 +65,12 @@ def _random_tokens(flow: CausalFlow, n_tokens: int) -> torch.Tensor:
 
 
 def _mel(
-    flow: CausalFlow, tokens: torch.Tensor, embedding: torch.Tensor, steps: int, cfg: float
+    flow: CausalFlow,
+    tokens: torch.Tensor,
+    embedding: torch.Tensor,
+    steps: int,
+    cfg: float,
+    solver: str = EXACT_SOLVER,
 ) -> torch.Tensor:
     return flow.inference(
         tokens,
@@ -75,6 +81,7 @@ def _mel(
         finalize=True,
         n_timesteps=steps,
         cfg_rate=cfg,
+        solver=solver,
     )
 
 
@@ -102,24 +109,25 @@ def deviations(
     text: str,
     *,
     lm_int8: bool,
-    flow_int8: bool,
+    flow_approx: bool,
     n_tokens: int = 100,
     n_steps: int = 50,
+    solver: str = EXACT_SOLVER,
 ) -> dict[str, float]:
     """How far this run's fast-path options are from the exact path (0 when exact)."""
     from engine.cosyvoice2.model_dir import load_model_dir
 
     models = engine.models
     hift_bf16 = engine.hift_dtype != "float32"
-    exact = load_model_dir(engine.model_dir) if lm_int8 or flow_int8 or hift_bf16 else None
+    exact = load_model_dir(engine.model_dir) if lm_int8 or flow_approx or hift_bf16 else None
     embedding = engine.voices[VOICE].prompt.embedding
     tokens = _random_tokens(models.flow, n_tokens)
     out = {"mel_rel_l2_vs_exact": 0.0, "wave_rel_l2_vs_exact_hift": 0.0}
     with torch.inference_mode():
-        exact_flow = exact.flow if exact is not None and flow_int8 else models.flow
+        exact_flow = exact.flow if exact is not None and flow_approx else models.flow
         reference = _mel(exact_flow, tokens, embedding, EXACT_STEPS, EXACT_CFG)
-        if flow_int8 or (n_timesteps, cfg_rate) != (EXACT_STEPS, EXACT_CFG):
-            mel = _mel(models.flow, tokens, embedding, n_timesteps, cfg_rate)
+        if flow_approx or (n_timesteps, cfg_rate, solver) != (EXACT_STEPS, EXACT_CFG, EXACT_SOLVER):
+            mel = _mel(models.flow, tokens, embedding, n_timesteps, cfg_rate, solver)
             out["mel_rel_l2_vs_exact"] = float((mel - reference).norm() / reference.norm())
         if lm_int8 and exact is not None:
             text_ids = engine.frontend.segments(text)[0].token_ids

@@ -17,6 +17,7 @@ import torch
 
 from engine.core.constants import N_MELS, SPEECH_VOCAB, tokens_to_frames
 from engine.core.quantize import next_token_kl, quantize_lm_int8
+from engine.core.solver import EXACT_SOLVER
 
 if TYPE_CHECKING:
     from engine.core.hift import HiFTGenerator
@@ -36,6 +37,7 @@ def mel_relative_l2(
     n_tokens: int = 100,
     seed: int = 0,
     exact_flow: FlowModel | None = None,
+    solver: str = EXACT_SOLVER,
 ) -> float:
     """||mel(n_timesteps, cfg_rate) − mel(exact)|| / ||mel(exact)|| for random tokens.
 
@@ -51,7 +53,13 @@ def mel_relative_l2(
         seed=seed,
     )
     mel = random_tokens_mel(
-        flow, embedding, n_timesteps=n_timesteps, cfg_rate=cfg_rate, n_tokens=n_tokens, seed=seed
+        flow,
+        embedding,
+        n_timesteps=n_timesteps,
+        cfg_rate=cfg_rate,
+        n_tokens=n_tokens,
+        seed=seed,
+        solver=solver,
     )
     return float((mel - exact).norm() / exact.norm())
 
@@ -64,6 +72,7 @@ def random_tokens_mel(
     cfg_rate: float,
     n_tokens: int = 100,
     seed: int = 0,
+    solver: str = EXACT_SOLVER,
 ) -> torch.Tensor:
     """The flow's mel (1, 80, T) of ``n_tokens`` random speech tokens, seeded noise."""
     gen = torch.Generator().manual_seed(seed)
@@ -79,6 +88,7 @@ def random_tokens_mel(
             noise=z,
             n_timesteps=n_timesteps,
             cfg_rate=cfg_rate,
+            solver=solver,
         )
     return out
 

@@ -44,6 +44,7 @@ from engine.bench.work import (
     lm_weight_bytes_per_token,
 )
 from engine.core.constants import SPEECH_VOCAB, TOKEN_RATE
+from engine.core.solver import EXACT_SOLVER, evaluation_count
 
 _LOGGER = logging.getLogger(__name__)
 FLOP_COUNT_TOKENS = 50  # fallback window when the request made no tokens to size it by
@@ -254,6 +255,7 @@ def run(config: RunConfig) -> dict[str, Any]:
         seed=SEED,
         n_timesteps=profile.n_timesteps,
         cfg_rate=profile.cfg_rate,
+        solver=profile.solver,
         force_tokens=config.tokens,
     )
     if cosyvoice2:  # its prompt chunks computed at the profile's settings, before the request
@@ -278,6 +280,8 @@ def run(config: RunConfig) -> dict[str, Any]:
         )
     # Tokens per flow call of the whole request (one call per text segment): the FLOP window.
     flow_window = result["tokens"] // max(1, len(timer.of("flow")))
+    # The FLOPs are counted per estimator evaluation: a solver's evaluations stand for steps.
+    evaluations = evaluation_count(profile.solver, profile.n_timesteps)
     result["flow_ms_per_audio_s"] = timer.ms_per_audio_s("flow")
     result["hift_ms_per_audio_s"] = timer.ms_per_audio_s("hift")
     # Before the FLOP count: the peak of a serving process, not of the counting pass.
@@ -292,14 +296,20 @@ def run(config: RunConfig) -> dict[str, Any]:
         from engine.bench import cosyvoice2 as v2
 
         steps, cfg = profile.n_timesteps, profile.cfg_rate
-        result.update(asdict(v2.stage_flops(engine, timer, steps, cfg, flow_window)))
+        result.update(asdict(v2.stage_flops(engine, timer, evaluations, cfg, flow_window)))
         result.update(
-            v2.deviations(engine, steps, cfg, config.text, lm_int8=lm_int8, flow_int8=flow_int8)
+            v2.deviations(
+                engine,
+                steps,
+                cfg,
+                config.text,
+                lm_int8=lm_int8,
+                flow_approx=profile.flow_weights != "fp32",  # int8 or bf16
+                solver=profile.solver,
+            )  # fmt: skip
         )
     elif config.count_flops:
-        result.update(
-            _stage_flops(engine, timer, profile.n_timesteps, profile.cfg_rate, flow_window)
-        )
+        result.update(_stage_flops(engine, timer, evaluations, profile.cfg_rate, flow_window))
         result.update(_deviations(engine, config, profile))
     return result
 
@@ -317,19 +327,21 @@ def _deviations(engine: Any, config: RunConfig, profile: BenchProfile) -> dict[s
     from engine.cosyvoice1.model_dir import load_model_dir
 
     embedding = engine.models.speakers[engine.speakers[0]].reshape(1, -1)
-    n_timesteps, cfg_rate = profile.n_timesteps, profile.cfg_rate
-    lm_int8, flow_int8 = profile.lm_weights == "int8", profile.flow_weights == "int8"
+    n_timesteps, cfg_rate, solver = profile.n_timesteps, profile.cfg_rate, profile.solver
+    # An int8 or bfloat16 flow is an approximation of the float32 one.
+    lm_int8, flow_approx = profile.lm_weights == "int8", profile.flow_weights != "fp32"
     hift_bf16 = engine.hift_dtype != "float32"
     # The exact references are float32 models loaded afresh: the engine's may be int8 / bf16.
-    fp32 = load_model_dir(Path(config.model_dir)) if lm_int8 or flow_int8 or hift_bf16 else None
+    fp32 = load_model_dir(Path(config.model_dir)) if lm_int8 or flow_approx or hift_bf16 else None
     out = {"mel_rel_l2_vs_exact": 0.0, "wave_rel_l2_vs_exact_hift": 0.0}
-    if flow_int8 or (n_timesteps, cfg_rate) != (EXACT_STEPS, EXACT_CFG):
+    if flow_approx or (n_timesteps, cfg_rate, solver) != (EXACT_STEPS, EXACT_CFG, EXACT_SOLVER):
         out["mel_rel_l2_vs_exact"] = mel_relative_l2(
             engine.models.flow,
             embedding,
             n_timesteps=n_timesteps,
             cfg_rate=cfg_rate,
-            exact_flow=fp32.flow if flow_int8 and fp32 is not None else None,
+            solver=solver,
+            exact_flow=fp32.flow if flow_approx and fp32 is not None else None,
         )
     if lm_int8 and fp32 is not None:
         text_ids = engine.frontend.segments(config.text)[0].token_ids

@@ -1,7 +1,7 @@
 """Benchmark profiles: the speed-relevant settings of one run.
 
 A profile fixes what changes speed: the streaming schedule (when the first chunk is cut and how
-hops grow), the number of flow ODE steps, the CFG rate and the weight formats of the LM, the flow
+hops grow), the flow ODE's solver and steps, the CFG rate and the weight formats of the LM, the flow
 and HiFT. The engine alone knows two, ``realtime`` and ``quality``: its own low-latency and
 official schedules at its default steps and guidance, in the weight formats a server loads for
 its profiles of those names (tests/test_bench.py holds them equal). The server's named profiles
@@ -30,6 +30,7 @@ class BenchProfile:
     flow_weights: str = "fp32"  # the format the engine loads the flow in
     hift_weights: str = "fp32"  # the format HiFT's filter runs in
     lm_weights: str = "fp32"  # the format the engine loads the LM decoder in
+    solver: str = "euler"  # the flow ODE's solver (engine.core.solver)
 
     def with_weights(
         self, lm: str | None = None, flow: str | None = None, hift: str | None = None
@@ -66,6 +67,7 @@ class BenchProfile:
             "max_hop": s.max_hop,
             "n_timesteps": self.n_timesteps,
             "cfg_rate": self.cfg_rate,
+            "solver": self.solver,
             "lm_weights": self.lm_weights,
             "flow_weights": self.flow_weights,
             "hift_weights": self.hift_weights,
@@ -83,7 +85,11 @@ class BenchProfile:
 # Each part's weight formats and the engine's load keywords for them.
 LOAD_KEYWORDS: dict[str, dict[str, dict[str, bool]]] = {
     "lm": {"fp32": {"lm_int8": False}, "int8": {"lm_int8": True}},
-    "flow": {"fp32": {"flow_int8": False}, "int8": {"flow_int8": True}},
+    "flow": {
+        "fp32": {"flow_int8": False},
+        "int8": {"flow_int8": True},
+        "bf16": {"flow_int8": False, "flow_bf16": True},
+    },
     "hift": {"fp32": {"hift_bf16": False}, "bf16": {"hift_bf16": True}},
 }
 

@@ -93,6 +93,7 @@ class EngineBase(ABC, Generic[FlowT]):
         cache_dir: Path | str | None = None,
         extra_formats: Iterable[str] = (),
         lm_int4: bool = False,
+        flow_bf16: bool = False,
         **engine_options: Any,
     ) -> EngineT:
         """Load a model directory of the family in the official layout (raises ModelLoadError).
@@ -101,6 +102,8 @@ class EngineBase(ABC, Generic[FlowT]):
         sampling distribution; see engine.core.quantize), ``lm_int4`` most of them for 4-bit
         groups (engine.core.int4; int8 where no fast int4 kernel works); ``flow_int8`` the
         flow's (an approximation for the fast profiles: faster estimator passes, less memory);
+        ``flow_bf16`` runs the flow estimator's Linear layers in bfloat16 where the CPU has
+        native bfloat16 matrix units (engine.core.bf16_flow; float32 elsewhere);
         ``hift_bf16`` runs HiFT's filter in bfloat16 where oneDNN supports it (another
         approximation: about twice as fast with AVX-512 BF16, half its weights' memory;
         ``hift_dtype`` on the engine says what was used). Kernels and threads are chosen for
@@ -123,7 +126,12 @@ class EngineBase(ABC, Generic[FlowT]):
         layers are packed) and its models (:meth:`_models_of`).
         """
         setup = setup_cpu(
-            threads, lm_int8=lm_int8, flow_int8=flow_int8, hift_bf16=hift_bf16, lm_int4=lm_int4
+            threads,
+            lm_int8=lm_int8,
+            flow_int8=flow_int8,
+            hift_bf16=hift_bf16,
+            lm_int4=lm_int4,
+            flow_bf16=flow_bf16,
         )
         extras = extra_weight_formats(extra_formats, setup)
         start = time.perf_counter()

@@ -6,7 +6,8 @@ the engine's first load of a model in a weight format) turns each model into the
 engine reads, in the formats it reads them: int8 layers as int8 weights with per-channel scales
 and their float biases (the int4 LM's 4-bit layers as codes with group-wise scales:
 engine.core.int4), HiFT's weight norm folded and its convolution weights laid out channels-last
-(in bfloat16 for ``hift.bf16``), the LM's positional rows computed (its causal layers'
+(in bfloat16 for ``hift.bf16``), the flow estimator's Linear weights in bfloat16 for
+``flow.bf16`` (engine.core.bf16_flow), the LM's positional rows computed (its causal layers'
 ``pos_rows``: engine.core.transformer). Nothing the engine would replace or drop at load.
 
 The files go to a ``prepared/`` folder beside the model files (``llm.int8.safetensors``,
@@ -51,6 +52,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
+from engine.core.bf16_flow import use_bf16_linears
 from engine.core.int4 import GROUP_SIZE, int4_format_parts, int4_format_specs, pack_int4_format
 from engine.core.quantize import (
     Int8Packing,
@@ -72,7 +74,7 @@ PREPARED_DIR = "prepared"
 FILE_FORMAT = "2"  # bump when what a prepared file holds, or how, changes
 WEIGHT_FORMATS = {
     "llm": ("fp32", "int8", "int4"),
-    "flow": ("fp32", "int8"),
+    "flow": ("fp32", "int8", "bf16"),
     "hift": ("fp32", "bf16"),
 }
 # The formats whose quantised layers are the int8 format's layers, in their own parts.
@@ -180,6 +182,8 @@ def quantised_parts(module: nn.Module, names: list[str], weights: str) -> dict[s
 def _in_run_dtype(module: nn.Module, part: str, weights: str) -> nn.Module:
     if part == "hift" and weights == "bf16":
         cast("HiFTGenerator", module).use_bfloat16()
+    if part == "flow" and weights == "bf16":
+        use_bf16_linears(module)  # the file holds the estimator's Linear weights in bfloat16
     store_position_rows(module)  # the LM's causal layers: their rows are read, not linear_pos
     return module
 

@@ -46,7 +46,13 @@ class CpuSetup:
 
 
 def setup_cpu(
-    threads: int | None, *, lm_int8: bool, flow_int8: bool, hift_bf16: bool, lm_int4: bool = False
+    threads: int | None,
+    *,
+    lm_int8: bool,
+    flow_int8: bool,
+    hift_bf16: bool,
+    lm_int4: bool = False,
+    flow_bf16: bool = False,
 ) -> CpuSetup:
     """Cap the threads, pick the int8 kernels and fall back to float32 where the CPU lacks them
     (an int4 LM: to int8 where no int4 kernel works).
@@ -69,9 +75,12 @@ def setup_cpu(
     if hift_bf16 and not choices.bfloat16:
         _LOGGER.warning("This CPU has no fast bfloat16 convolutions: HiFT stays float32")
         hift_bf16 = False
+    if flow_bf16 and not flow_int8 and not choices.bfloat16:
+        _LOGGER.warning("This CPU has no native bfloat16 matrix units: the flow stays float32")
+        flow_bf16 = False
     formats = WeightFormats(
         llm="int4" if lm_int4 else "int8" if lm_int8 else "fp32",
-        flow="int8" if flow_int8 else "fp32",
+        flow="int8" if flow_int8 else "bf16" if flow_bf16 else "fp32",
         hift="bf16" if hift_bf16 else "fp32",
     )
     bound_onednn_cache()
@@ -115,8 +124,8 @@ def extra_weight_formats(extra: Iterable[str], setup: CpuSetup) -> dict[str, str
         part, _, weights = name.partition(".")
         if part not in ("flow", "hift") or weights not in WEIGHT_FORMATS[part]:
             raise ValueError(
-                f"extra weight format {name!r}: not one of flow.fp32, flow.int8, hift.fp32, "
-                "hift.bf16"
+                f"extra weight format {name!r}: not one of flow.fp32, flow.int8, flow.bf16, "
+                "hift.fp32, hift.bf16"
             )
         if weights == "int8" and setup.choices.int8_kernels is None:
             continue  # as the primary formats: no int8 kernel, float32 only
@@ -170,11 +179,14 @@ def pick_weights(loaded: Mapping[str, T], wanted: str | None) -> tuple[str, T]:
 
 def loaded_format(module: torch.nn.Module) -> str:
     """The weight format a loaded flow or HiFT runs in: int8 (int8 layers), bf16 (a bfloat16
-    filter) or fp32."""
+    filter or bfloat16 estimator layers) or fp32."""
+    from engine.core.bf16_flow import has_bf16_linears
     from engine.core.quantize import Int8Linear
 
     if any(isinstance(sub, Int8Linear) for sub in module.modules()):
         return "int8"
+    if has_bf16_linears(module):
+        return "bf16"
     return "bf16" if getattr(module, "filter_dtype", None) == torch.bfloat16 else "fp32"
 
 

@@ -28,6 +28,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from engine.core.solver import EXACT_SOLVER, evaluation_count
+
 
 @dataclass(frozen=True)
 class StageTime:
@@ -46,15 +48,18 @@ class StageTime:
 StageListener = Callable[[StageTime], None]
 
 
-def flow_passes(n_timesteps: int, cfg_rate: float) -> int:
-    """The estimator's passes in one flow call: one per ODE step and batch row (two rows,
-    conditioned and not, when guidance is on)."""
-    return n_timesteps * (2 if cfg_rate > 0 else 1)
+def flow_passes(n_timesteps: int, cfg_rate: float, solver: str = EXACT_SOLVER) -> int:
+    """The estimator's passes in one flow call: one per solver evaluation (one per ODE step,
+    two with Heun or the midpoint rule) and batch row (two rows, conditioned and not, when
+    guidance is on)."""
+    return evaluation_count(solver, n_timesteps) * (2 if cfg_rate > 0 else 1)
 
 
-def flow_units(frames: float, n_timesteps: int, cfg_rate: float) -> float:
+def flow_units(
+    frames: float, n_timesteps: int, cfg_rate: float, solver: str = EXACT_SOLVER
+) -> float:
     """The flow's work for ``frames`` mel frames: each pass runs the estimator over them."""
-    return float(frames * flow_passes(n_timesteps, cfg_rate))
+    return float(frames * flow_passes(n_timesteps, cfg_rate, solver))
 
 
 def report(
@@ -78,9 +83,10 @@ def report_flow(
     frames: float,
     n_timesteps: int,
     cfg_rate: float,
+    solver: str = EXACT_SOLVER,
 ) -> None:
     """Tell ``listener`` about one flow call that computed ``frames`` mel frames."""
-    passes = flow_passes(n_timesteps, cfg_rate)
+    passes = flow_passes(n_timesteps, cfg_rate, solver)
     report(listener, "flow", weights, seconds, frames * passes, passes)
 
 

@@ -78,6 +78,8 @@ class SynthesisOptions:
     seed: int | None = None
     n_timesteps: int = 10
     cfg_rate: float = 0.7
+    # The flow ODE's solver (engine.core.solver.SOLVERS): 'euler' is the official maths.
+    solver: str = "euler"
     instruct: str | None = None
     # Fixes the number of speech tokens (benchmarks: random weights never emit EOS).
     force_tokens: int | None = None
@@ -105,6 +107,12 @@ class SynthesisOptions:
     speed: float = 1.0
 
     def __post_init__(self) -> None:
+        from engine.core.solver import SOLVERS
+
+        if self.solver not in SOLVERS:
+            raise InvalidOptionError(
+                f"unknown flow solver {self.solver!r}: use one of {', '.join(SOLVERS)}"
+            )
         speed = self.speed
         if isinstance(speed, bool) or not isinstance(speed, (int, float)):
             raise InvalidOptionError(f"speed must be a number, not {speed!r}")

@@ -232,6 +232,7 @@ class CosyVoiceEngine(EngineBase["FlowModel"], OfFamily):
             GeneratorNoise(noise_generator),
             n_timesteps=options.n_timesteps,
             cfg_rate=options.cfg_rate,
+            solver=options.solver,
             threads=options.threads,
             speed=options.speed,
             on_stage=options.on_stage,

@@ -26,9 +26,10 @@ from torch import Tensor, nn
 
 from engine.core.hparams import EstimatorArgs
 from engine.core.solver import (
+    EXACT_SOLVER,
     T_SCHEDULERS,
     FieldInputs,
-    GuidedEulerCFM,
+    GuidedCFM,
     StepCallback,
     VectorField,
 )
@@ -110,8 +111,8 @@ class InterpolateRegulator(nn.Module):
         return self.model(x)
 
 
-class ConditionalCFM(GuidedEulerCFM):
-    """Euler solver for the flow ODE with classifier-free guidance (key prefix ``decoder``)."""
+class ConditionalCFM(GuidedCFM):
+    """The flow ODE's solver with classifier-free guidance (key prefix ``decoder``)."""
 
     def __init__(self, args: EstimatorArgs, t_scheduler: str) -> None:
         super().__init__()
@@ -120,7 +121,7 @@ class ConditionalCFM(GuidedEulerCFM):
         self.t_scheduler = t_scheduler
         self.estimator = ConditionalDecoder(args)
 
-    def vector_field(self, n_timesteps: int, **options: Any) -> VectorField:
+    def vector_field(self, evaluations: int, **options: Any) -> VectorField:
         def field(step: int, x: Tensor, at: FieldInputs) -> Tensor:
             # Batch 1 has no padding: every frame of every row is valid.
             mask = torch.ones(x.shape[0], 1, x.shape[-1], dtype=at.mu.dtype, device=at.mu.device)
@@ -209,6 +210,7 @@ class FlowModel(nn.Module):
         generator: torch.Generator | None = None,
         n_timesteps: int = 10,
         cfg_rate: float | None = None,
+        solver: str = EXACT_SOLVER,
         step_callback: StepCallback | None = None,
     ) -> tuple[Tensor, Tensor]:
         """Mel for new tokens (1, N2) → ((1, 80, mel_len2), new flow cache (1, 80, C', 2)).
@@ -261,6 +263,7 @@ class FlowModel(nn.Module):
             c.cond,
             n_timesteps=n_timesteps,
             cfg_rate=rate,
+            solver=solver,
             step_callback=step_callback,
         )
         return mel[:, :, c.mel_len1 :], new_cache

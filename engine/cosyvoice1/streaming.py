@@ -35,6 +35,7 @@ from engine.core.constants import (
     SOURCE_CACHE,
     TOKEN_OVERLAP,
 )
+from engine.core.solver import EXACT_SOLVER
 from engine.core.speed import MelStretcher
 from engine.core.stage_times import StageListener, report, report_flow, since
 from engine.core.streaming import FlowPrompt, NoiseSource, fade_in_out
@@ -65,13 +66,14 @@ class ChunkVocoder:
         *,
         n_timesteps: int = 10,
         cfg_rate: float = 0.7,
+        solver: str = EXACT_SOLVER,
         threads: ThreadBudget | None = None,
         speed: float = 1.0,
         on_stage: StageListener | None = None,
         weights: tuple[str, str] = ("fp32", "fp32"),
     ) -> None:
         self.flow, self.hift, self.prompt, self.noise = flow, hift, prompt, noise
-        self.n_timesteps, self.cfg_rate = n_timesteps, cfg_rate
+        self.n_timesteps, self.cfg_rate, self.solver = n_timesteps, cfg_rate, solver
         # Told what each flow and HiFT call cost, by (flow, HiFT) weight format.
         self.on_stage, self.weights = on_stage, weights
         self.threads = threads  # applied before the flow, after each flow step and before HiFT
@@ -102,10 +104,11 @@ class ChunkVocoder:
             noise=z,
             n_timesteps=self.n_timesteps,
             cfg_rate=self.cfg_rate,
+            solver=self.solver,
             step_callback=after_step,
         )
         report_flow(self.on_stage, self.weights[0], since(start), n_frames, self.n_timesteps,
-                    self.cfg_rate)  # fmt: skip
+                    self.cfg_rate, self.solver)  # fmt: skip
         return mel
 
     def _hift(

@@ -285,6 +285,7 @@ class CosyVoice2Engine(
                         noise,
                         n_timesteps=options.n_timesteps,
                         cfg_rate=options.cfg_rate,
+                        solver=options.solver,
                         speed=options.speed,
                         on_stage=options.on_stage,
                         weights=(flow_weights, hift_weights),
@@ -358,6 +359,7 @@ class CosyVoice2Engine(
                 noise,
                 n_timesteps=options.n_timesteps,
                 cfg_rate=options.cfg_rate,
+                solver=options.solver,
                 full_attention_last=official,
                 # The official schedule is for parity: its keys and values stay exact.
                 cache_dtype=None if official else self.flow_cache_dtype,
@@ -397,6 +399,7 @@ class CosyVoice2Engine(
                 prompt.embedding,
                 n_timesteps=options.n_timesteps,
                 cfg_rate=options.cfg_rate,
+                solver=options.solver,
                 cache_dtype=self.flow_cache_dtype,
             )
             with vocoder_busy():
@@ -411,7 +414,8 @@ class CosyVoice2Engine(
     ) -> PrimedKey:
         flow_weights, _ = pick_weights(self.flows, options.flow_weights)
         cut = prompt.tokens.shape[1]
-        return (voice.name, options.n_timesteps, float(options.cfg_rate), cut, flow_weights)
+        settings = (options.n_timesteps, float(options.cfg_rate))
+        return (voice.name, *settings, cut, flow_weights, options.solver)
 
     def unprime_voice(self, options: SynthesisOptions | None = None) -> None:
         """Let go of the computed prompt chunks of ``options.speaker``'s voice (None: the

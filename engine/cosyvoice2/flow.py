@@ -27,7 +27,14 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor, nn
 
-from engine.core.solver import FieldInputs, GuidedEulerCFM, StepCallback, VectorField
+from engine.core.solver import (
+    EXACT_SOLVER,
+    FieldInputs,
+    GuidedCFM,
+    StepCallback,
+    VectorField,
+    evaluation_count,
+)
 from engine.core.speaker import project_speaker
 from engine.core.types import ModelLoadError
 from engine.core.weights import state_dict_problems
@@ -38,8 +45,8 @@ from engine.cosyvoice2.flow_estimator import CausalConditionalDecoder, Estimator
 _LOGGER = logging.getLogger(__name__)
 
 
-class CausalCFM(GuidedEulerCFM):
-    """The Euler solver with classifier-free guidance and its fixed noise (key ``decoder``).
+class CausalCFM(GuidedCFM):
+    """The flow's solver with classifier-free guidance and its fixed noise (key ``decoder``).
 
     ``estimator``: a chunk-causal vector field called as ``estimator(x, mu, t, spks, cond, *,
     streaming, state, time_biases)``, with ``new_state(cache_dtype)`` and ``time_biases(t)``
@@ -67,15 +74,16 @@ class CausalCFM(GuidedEulerCFM):
 
     def vector_field(
         self,
-        n_timesteps: int,
+        evaluations: int,
         *,
         streaming: bool = False,
         states: list[EstimatorState] | None = None,
         **options: Any,
     ) -> VectorField:
-        """``states``: one estimator state per step, carried across the chunks of a stream."""
-        if states is not None and len(states) != n_timesteps:
-            raise ValueError(f"{len(states)} estimator states for {n_timesteps} steps")
+        """``states``: one estimator state per evaluation of a solve, carried across the chunks
+        of a stream (evaluation k of a chunk attends to evaluation k of the earlier ones)."""
+        if states is not None and len(states) != evaluations:
+            raise ValueError(f"{len(states)} estimator states for {evaluations} evaluations")
 
         def field(step: int, x: Tensor, at: FieldInputs) -> Tensor:
             return self.estimator(
@@ -184,6 +192,7 @@ class ChunkCausalFlow(nn.Module):
         finalize: bool,
         n_timesteps: int = 10,
         cfg_rate: float | None = None,
+        solver: str = EXACT_SOLVER,
         step_callback: StepCallback | None = None,
     ) -> Tensor:
         """Mel (1, 80, frames) of ``tokens`` (1, N2) after the prompt, in one call.
@@ -211,6 +220,7 @@ class ChunkCausalFlow(nn.Module):
             cond,
             n_timesteps=n_timesteps,
             cfg_rate=self.args.inference_cfg_rate if cfg_rate is None else cfg_rate,
+            solver=solver,
             streaming=streaming,
             step_callback=step_callback,
         )
@@ -224,6 +234,7 @@ class ChunkCausalFlow(nn.Module):
         *,
         n_timesteps: int = 10,
         cfg_rate: float | None = None,
+        solver: str = EXACT_SOLVER,
         cache_dtype: torch.dtype | None = None,
     ) -> FlowStream:
         """An incremental stream for one utterance in the voice of this prompt.
@@ -238,6 +249,7 @@ class ChunkCausalFlow(nn.Module):
             embedding,
             n_timesteps=n_timesteps,
             cfg_rate=self.args.inference_cfg_rate if cfg_rate is None else cfg_rate,
+            solver=solver,
             cache_dtype=cache_dtype,
         )
 
@@ -299,10 +311,12 @@ class FlowStream:
         *,
         n_timesteps: int,
         cfg_rate: float,
+        solver: str = EXACT_SOLVER,
         cache_dtype: torch.dtype | None = None,
     ) -> None:
         flow.check_prompt(prompt_tokens, prompt_feat)
         self.flow, self.n_timesteps, self.cfg_rate = flow, n_timesteps, cfg_rate
+        self.solver = solver
         with torch.inference_mode():
             self.spks = flow.speaker(embedding)
         self.prompt_feat = prompt_feat.float().transpose(1, 2)  # (1, 80, prompt frames)
@@ -311,7 +325,8 @@ class FlowStream:
         self.finished = False
         self.encoder_state = flow.new_encoder_state()
         estimator = flow.decoder.estimator
-        self.step_states = [estimator.new_state(cache_dtype) for _ in range(n_timesteps)]
+        evaluations = evaluation_count(solver, n_timesteps)
+        self.step_states = [estimator.new_state(cache_dtype) for _ in range(evaluations)]
 
     @property
     def chunk_tokens(self) -> int:
@@ -338,8 +353,8 @@ class FlowStream:
     ) -> Tensor:
         """Add speech tokens; mel (1, 80, frames) of the tokens that became computable.
 
-        ``step_callback``: called after each ODE step (e.g. to take the cores an LM beside it
-        has just given back)."""
+        ``step_callback``: called after each estimator evaluation (e.g. to take the cores an LM
+        beside it has just given back)."""
         if self.finished:
             raise ValueError("the stream is finalized")
         new = tokens.reshape(-1).tolist() if isinstance(tokens, Tensor) else list(tokens)
@@ -366,6 +381,7 @@ class FlowStream:
             cond,
             n_timesteps=self.n_timesteps,
             cfg_rate=self.cfg_rate,
+            solver=self.solver,
             streaming=True,
             states=self.step_states,
             step_callback=step_callback,

@@ -19,8 +19,8 @@ if TYPE_CHECKING:
 # request (auto) then never recomputes a prompt.
 PRIMED_SETTINGS = 4
 
-#: (voice, flow steps, guidance, prompt tokens kept, flow weights)
-PrimedKey = tuple[str, int, float, int, str]
+#: (voice, flow steps, guidance, prompt tokens kept, flow weights, flow solver)
+PrimedKey = tuple[str, int, float, int, str, str]
 
 
 @dataclass

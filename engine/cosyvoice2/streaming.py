@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 
 from engine.core.hift import HiftNoise
+from engine.core.solver import EXACT_SOLVER
 from engine.core.speed import MelStretcher, stretch_mel
 from engine.core.stage_times import StageListener, report, report_flow, since
 from engine.core.streaming import FlowPrompt, HiftNoiseSource, fade_in_out
@@ -109,6 +110,7 @@ class SpeechStream:
         *,
         n_timesteps: int = 10,
         cfg_rate: float | None = None,
+        solver: str = EXACT_SOLVER,
         full_attention_last: bool = False,
         cache_dtype: torch.dtype | None = None,
         flow_stream: FlowStream | None = None,
@@ -128,6 +130,7 @@ class SpeechStream:
                 prompt.embedding,
                 n_timesteps=n_timesteps,
                 cfg_rate=cfg_rate,
+                solver=solver,
                 cache_dtype=cache_dtype,
             )
         self.flow: FlowStream = flow_stream
@@ -161,7 +164,8 @@ class SpeechStream:
                 ratio = self.flow.flow.args.token_mel_ratio
                 computed = (self.flow.encoded - encoded) * ratio
             report_flow(self.on_stage, self.weights[0], since(start), computed,
-                        self.flow.n_timesteps, self.flow.cfg_rate or 0.0)  # fmt: skip
+                        self.flow.n_timesteps, self.flow.cfg_rate or 0.0,
+                        self.flow.solver)  # fmt: skip
             if self.stretcher is not None:
                 mel = self.stretcher.push(mel, finalize=finalize)
             if mel.shape[2] == 0 and not finalize:
@@ -184,6 +188,7 @@ class SpeechStream:
             finalize=True,
             n_timesteps=stream.n_timesteps,
             cfg_rate=stream.cfg_rate,
+            solver=stream.solver,
         )
         return mel[:, :, max(0, done) :]
 
@@ -247,6 +252,7 @@ def whole_audio(
     *,
     n_timesteps: int = 10,
     cfg_rate: float | None = None,
+    solver: str = EXACT_SOLVER,
     speed: float = 1.0,
     on_stage: StageListener | None = None,
     weights: tuple[str, str] = ("fp32", "fp32"),
@@ -263,8 +269,9 @@ def whole_audio(
         finalize=True,
         n_timesteps=n_timesteps,
         cfg_rate=cfg_rate,
+        solver=solver,
     )
     frames = prompt.feat.shape[1] + mel.shape[2]
-    report_flow(on_stage, weights[0], since(start), frames, n_timesteps, cfg_rate or 0.0)
+    report_flow(on_stage, weights[0], since(start), frames, n_timesteps, cfg_rate or 0.0, solver)
     vocoder = VocoderStream(hift, noise, on_stage=on_stage, weights=weights[1])
     return vocoder.push(stretch_mel(mel, speed), finalize=True)

@@ -71,6 +71,7 @@ def run(config: AutoRunConfig) -> dict[str, Any]:
         threads=config.threads,
         lm_int8=weights.lm == "int8",
         flow_int8=weights.flow == "int8",
+        flow_bf16=weights.flow == "bf16",
         hift_bf16=weights.hift == "bf16",
         extra_formats=weights.extra,
     )

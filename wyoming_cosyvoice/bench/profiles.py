@@ -25,5 +25,6 @@ def server_profiles(config: Path | None = None) -> dict[str, BenchProfile]:
             flow_weights=weights.flow,
             hift_weights=weights.hift,
             lm_weights=weights.lm,
+            solver=profile.solver,
         )
     return profiles
