@@ -64,6 +64,7 @@ def load_cosyvoice(
     hift_bf16: bool = False,
     extra_formats: tuple[str, ...] = (),
     lm_int4: bool = False,
+    hift_int8: bool = False,
 ) -> Engine:
     """The engine of the directory's model family; imported here so torch loads on the engine
     thread, not at startup."""
@@ -76,6 +77,7 @@ def load_cosyvoice(
         lm_int4=lm_int4,
         flow_int8=flow_int8,
         hift_bf16=hift_bf16,
+        hift_int8=hift_int8,
         cache_dir=cache_dir,
         extra_formats=extra_formats,
     )
@@ -135,6 +137,7 @@ def load_options(config: ServerConfig) -> dict[str, Any]:
         "lm_int4": weights.lm == "int4",
         "flow_int8": weights.flow == "int8",
         "hift_bf16": weights.hift == "bf16",
+        "hift_int8": weights.hift == "int8",
         "cache_dir": engine_cache_dir(config),
         "extra_formats": weights.extra,
     }

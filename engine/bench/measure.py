@@ -319,9 +319,9 @@ def _deviations(engine: Any, config: RunConfig, profile: BenchProfile) -> dict[s
     embedding = engine.models.speakers[engine.speakers[0]].reshape(1, -1)
     n_timesteps, cfg_rate = profile.n_timesteps, profile.cfg_rate
     lm_int8, flow_int8 = profile.lm_weights == "int8", profile.flow_weights == "int8"
-    hift_bf16 = engine.hift_dtype != "float32"
+    hift_approx = engine.hift_dtype != "float32"
     # The exact references are float32 models loaded afresh: the engine's may be int8 / bf16.
-    fp32 = load_model_dir(Path(config.model_dir)) if lm_int8 or flow_int8 or hift_bf16 else None
+    fp32 = load_model_dir(Path(config.model_dir)) if lm_int8 or flow_int8 or hift_approx else None
     out = {"mel_rel_l2_vs_exact": 0.0, "wave_rel_l2_vs_exact_hift": 0.0}
     if flow_int8 or (n_timesteps, cfg_rate) != (EXACT_STEPS, EXACT_CFG):
         out["mel_rel_l2_vs_exact"] = mel_relative_l2(
@@ -334,7 +334,7 @@ def _deviations(engine: Any, config: RunConfig, profile: BenchProfile) -> dict[s
     if lm_int8 and fp32 is not None:
         text_ids = engine.frontend.segments(config.text)[0].token_ids
         out.update(lm_int8_kl(fp32.llm, text_ids, embedding))
-    if hift_bf16 and fp32 is not None:  # both vocoders on the same mel (the exact flow's)
+    if hift_approx and fp32 is not None:  # both vocoders on the same mel (the exact flow's)
         mel = random_tokens_mel(fp32.flow, embedding, n_timesteps=EXACT_STEPS, cfg_rate=EXACT_CFG)
         out["wave_rel_l2_vs_exact_hift"] = hift_relative_l2(engine.models.hift, fp32.hift, mel)
     return out

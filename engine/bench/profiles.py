@@ -84,7 +84,11 @@ class BenchProfile:
 LOAD_KEYWORDS: dict[str, dict[str, dict[str, bool]]] = {
     "lm": {"fp32": {"lm_int8": False}, "int8": {"lm_int8": True}},
     "flow": {"fp32": {"flow_int8": False}, "int8": {"flow_int8": True}},
-    "hift": {"fp32": {"hift_bf16": False}, "bf16": {"hift_bf16": True}},
+    "hift": {
+        "fp32": {"hift_bf16": False},
+        "bf16": {"hift_bf16": True},
+        "int8": {"hift_int8": True},
+    },
 }
 
 # As a server with its default settings loads its profiles of these names: the LM in int8.

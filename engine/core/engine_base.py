@@ -93,6 +93,7 @@ class EngineBase(ABC, Generic[FlowT]):
         cache_dir: Path | str | None = None,
         extra_formats: Iterable[str] = (),
         lm_int4: bool = False,
+        hift_int8: bool = False,
         **engine_options: Any,
     ) -> EngineT:
         """Load a model directory of the family in the official layout (raises ModelLoadError).
@@ -103,7 +104,8 @@ class EngineBase(ABC, Generic[FlowT]):
         flow's (an approximation for the fast profiles: faster estimator passes, less memory);
         ``hift_bf16`` runs HiFT's filter in bfloat16 where oneDNN supports it (another
         approximation: about twice as fast with AVX-512 BF16, half its weights' memory;
-        ``hift_dtype`` on the engine says what was used). Kernels and threads are chosen for
+        ``hift_dtype`` on the engine says what was used); ``hift_int8`` its residual blocks'
+        convolutions in int8 where they run faster than float32 (engine.core.hift_int8). Kernels and threads are chosen for
         this CPU (engine.core.cpu; the engine's ``cpu_choices`` say which): int8 falls back to
         float32 where no int8 kernel works, and ``threads`` is capped where more would crash.
 
@@ -123,7 +125,12 @@ class EngineBase(ABC, Generic[FlowT]):
         layers are packed) and its models (:meth:`_models_of`).
         """
         setup = setup_cpu(
-            threads, lm_int8=lm_int8, flow_int8=flow_int8, hift_bf16=hift_bf16, lm_int4=lm_int4
+            threads,
+            lm_int8=lm_int8,
+            flow_int8=flow_int8,
+            hift_bf16=hift_bf16,
+            lm_int4=lm_int4,
+            hift_int8=hift_int8,
         )
         extras = extra_weight_formats(extra_formats, setup)
         start = time.perf_counter()
@@ -184,9 +191,9 @@ class EngineBase(ABC, Generic[FlowT]):
 
     @property
     def hift_dtype(self) -> str:
-        """``float32`` or ``bfloat16``: what the primary HiFT's filter runs in."""
+        """``float32``, ``bfloat16`` or ``int8``: what the primary HiFT's filter runs in."""
         _, hift = pick_weights(self.hifts, None)
-        return str(hift.filter_dtype).removeprefix("torch.")
+        return "int8" if hift.quantized else str(hift.filter_dtype).removeprefix("torch.")
 
     @abstractmethod
     def synthesize(
