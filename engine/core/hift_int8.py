@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 
 _LOGGER = logging.getLogger(__name__)
 
-_QMAX_WEIGHT = 127
+_QMAX_WEIGHT = 63
 _QMAX_ACTIVATION = 255
 # torch's CPU capabilities whose oneDNN int8 convolutions were measured faster than float32.
 _FAST_CAPABILITIES = ("AVX2", "AVX512")
