@@ -105,9 +105,10 @@ class EngineBase(ABC, Generic[FlowT]):
         ``hift_bf16`` runs HiFT's filter in bfloat16 where oneDNN supports it (another
         approximation: about twice as fast with AVX-512 BF16, half its weights' memory;
         ``hift_dtype`` on the engine says what was used); ``hift_int8`` its residual blocks'
-        convolutions in int8 where they run faster than float32 (engine.core.hift_int8). Kernels and threads are chosen for
-        this CPU (engine.core.cpu; the engine's ``cpu_choices`` say which): int8 falls back to
-        float32 where no int8 kernel works, and ``threads`` is capped where more would crash.
+        convolutions in int8 where they run faster than float32 (engine.core.hift_int8).
+        Kernels and threads are chosen for this CPU (engine.core.cpu; the engine's
+        ``cpu_choices`` say which): int8 falls back to float32 where no int8 kernel works,
+        and ``threads`` is capped where more would crash.
 
         The models run from their prepared files (engine.core.prepared), in ``prepared/``
         beside the model files, or under ``cache_dir`` when the model directory cannot be
