@@ -194,7 +194,9 @@ class EngineBase(ABC, Generic[FlowT]):
     def hift_dtype(self) -> str:
         """``float32``, ``bfloat16`` or ``int8``: what the primary HiFT's filter runs in."""
         _, hift = pick_weights(self.hifts, None)
-        return "int8" if hift.quantized else str(hift.filter_dtype).removeprefix("torch.")
+        if getattr(hift, "quantized", False):  # int8 convolutions, float32 elsewhere
+            return "int8"
+        return str(hift.filter_dtype).removeprefix("torch.")
 
     @abstractmethod
     def synthesize(
