@@ -153,9 +153,11 @@ def residual_convs(hift: HiFTGenerator) -> list[tuple[nn.ModuleList, int]]:
 def quantize_residual_convs(hift: HiFTGenerator) -> None:
     """Swap ``hift``'s residual block convolutions for :class:`Int8Conv` (on a meta-built
     model: int8 placeholders, filled by the prepared file's load)."""
+    from engine.core.hift import CLConv1d
+
     for convs, i in residual_convs(hift):
         conv = convs[i]
-        if not isinstance(conv, Int8Conv):
+        if isinstance(conv, CLConv1d):
             convs[i] = Int8Conv(conv)
 
 
