@@ -29,7 +29,7 @@ from torch import Tensor
 
 from engine.core import hift_int8
 from engine.core.hift import CLConv1d, HiFTGenerator
-from engine.core.hift_int8 import Int8Conv, int8_conv_fast, quantize_activation, residual_convs
+from engine.core.hift_int8 import Int8Conv, int8_conv_fast, quantize_activation
 from engine.core.weight_norm import normalize_hift_state_dict
 from engine.prompt.features import V1_PROMPT_MEL, V2_PROMPT_MEL, MelSpec, prompt_mel
 
@@ -85,10 +85,12 @@ def test_int8_conv_computes_the_formats_integer_products() -> None:
 
 def test_only_the_residual_blocks_convolutions_turn_int8() -> None:
     model, _, _ = _tiny("v2")
-    n_residual = len(residual_convs(model))
+    n_float = sum(isinstance(m, CLConv1d) for m in model.modules())
     model.use_int8()
     int8 = [m for m in model.modules() if isinstance(m, Int8Conv)]
-    assert len(int8) == n_residual == 3 * 2 * (len(model.resblocks) + len(model.source_resblocks))
+    n_residual = 2 * 3 * (len(model.resblocks) + len(model.source_resblocks))  # 3 units, 2 convs
+    assert len(int8) == n_residual
+    assert sum(isinstance(m, CLConv1d) for m in model.modules()) == n_float - n_residual
     assert model.quantized and model.filter_dtype == torch.float32
     assert isinstance(model.conv_pre, CLConv1d) and isinstance(model.conv_post, CLConv1d)
     assert all(isinstance(m, CLConv1d) for m in model.source_downs)

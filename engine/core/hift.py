@@ -295,9 +295,13 @@ class HiFTGenerator(nn.Module):
         Where the CPU has no native bfloat16 (AVX2), about 1.4 times as fast as float32; the
         rest of the vocoder stays float32 (engine.core.hift_int8).
         """
-        from engine.core.hift_int8 import quantize_residual_convs
+        from engine.core.hift_int8 import Int8Conv
 
-        quantize_residual_convs(self)
+        for block in [*self.source_resblocks, *self.resblocks]:
+            for convs in (block.convs1, block.convs2):
+                for i, conv in enumerate(convs):
+                    if isinstance(conv, CLConv1d):  # on meta: placeholders the load fills
+                        convs[i] = Int8Conv(conv)
         self.quantized = True
 
     def _hann(self) -> Tensor:

@@ -24,13 +24,9 @@ import functools
 import logging
 import platform
 import warnings
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
-
-if TYPE_CHECKING:
-    from engine.core.hift import CLConv1d, HiFTGenerator
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -43,19 +39,19 @@ _FAST_CAPABILITIES = ("AVX2", "AVX512")
 class Int8Conv(nn.Module):
     """A residual block's convolution with int8 weights and per-call uint8 activations.
 
-    Takes and returns (1, C, 1, L) channels-last float32 tensors, as
-    :class:`engine.core.hift.CLConv1d`. Its state (``weight`` int8 (O, I, K), ``weight_scale``
-    and ``bias`` float32 (O,)) is what a prepared ``hift.int8`` file holds; the oneDNN packing is
-    made from it by :meth:`materialize_derived`.
+    Made from a float Conv1d of numeric padding; takes and returns (1, C, 1, L) channels-last
+    float32 tensors, as :class:`engine.core.hift.CLConv1d`. Its state (``weight`` int8
+    (O, I, K), ``weight_scale`` and ``bias`` float32 (O,)) is what a prepared ``hift.int8`` file
+    holds; the oneDNN packing is made from it by :meth:`materialize_derived`.
     """
 
     weight: Tensor
     weight_scale: Tensor
     bias: Tensor
 
-    def __init__(self, conv: CLConv1d) -> None:
+    def __init__(self, conv: nn.Conv1d) -> None:
         super().__init__()
-        self.padding = conv.time_padding()
+        self.padding = int(conv.padding[0])  # HiFT's convolutions are built with numbers
         self.dilation = conv.dilation[0]
         if conv.stride[0] != 1 or conv.groups != 1 or conv.bias is None:
             raise ValueError("int8 HiFT convolutions are the residual blocks': stride 1, biased")
@@ -138,29 +134,6 @@ def quantize_activation(x: Tensor) -> tuple[Tensor, float, int]:
     return q.int_repr(), scale, zero_point
 
 
-def residual_convs(hift: HiFTGenerator) -> list[tuple[nn.ModuleList, int]]:
-    """Every residual block convolution of ``hift`` as (its list, index in it)."""
-    from engine.core.hift import ResBlock
-
-    found = []
-    for module in hift.modules():
-        if isinstance(module, ResBlock):
-            for convs in (module.convs1, module.convs2):
-                found += [(convs, i) for i in range(len(convs))]
-    return found
-
-
-def quantize_residual_convs(hift: HiFTGenerator) -> None:
-    """Swap ``hift``'s residual block convolutions for :class:`Int8Conv` (on a meta-built
-    model: int8 placeholders, filled by the prepared file's load)."""
-    from engine.core.hift import CLConv1d
-
-    for convs, i in residual_convs(hift):
-        conv = convs[i]
-        if isinstance(conv, CLConv1d):
-            convs[i] = Int8Conv(conv)
-
-
 @functools.cache
 def int8_conv_fast() -> bool:
     """Whether this CPU runs the int8 HiFT faster than float32, and oneDNN computes it right.
@@ -172,17 +145,16 @@ def int8_conv_fast() -> bool:
     capability = torch.backends.cpu.get_cpu_capability()
     if machine not in ("x86_64", "amd64") or capability not in _FAST_CAPABILITIES:
         return False
-    from engine.core.hift import CLConv1d
-
     gen = torch.Generator().manual_seed(0)
-    conv = CLConv1d(16, 16, 3, padding=1)
+    conv = nn.Conv1d(16, 16, 3, padding=1)
     with torch.no_grad():
         conv.weight.copy_(torch.randn(16, 16, 3, generator=gen) * 0.1)
-    x = torch.randn(1, 16, 1, 64, generator=gen).contiguous(memory_format=torch.channels_last)
+    x = torch.randn(1, 16, 64, generator=gen)
     try:
         with torch.inference_mode():
             exact = conv(x)
-            approx = Int8Conv(conv)(x)
+            x4 = x.unsqueeze(2).contiguous(memory_format=torch.channels_last)
+            approx = Int8Conv(conv)(x4).squeeze(2)
     except RuntimeError as err:
         _LOGGER.debug("oneDNN's int8 convolution does not work here: %s", err)
         return False
