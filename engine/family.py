@@ -74,5 +74,5 @@ def model_family(model_dir: Path | str) -> Family:
 
 def load_engine(model_dir: Path | str, **options: Any) -> Any:
     """The engine of ``model_dir``'s family, loaded (``options``: its ``load`` keywords:
-    threads, lm_int8, flow_int8, hift_bf16, cache_dir, ...): an ``engine.api.Engine``."""
+    threads, lm_int8, flow_int8, hift_bf16, hift_int8, cache_dir, ...): an ``engine.api.Engine``."""
     return model_family(model_dir).engine_class().load(model_dir, **options)

@@ -63,7 +63,8 @@ def costs(scale: float = 1.0, cores: int = 2, **changes: Any) -> StageCosts:
         lm_prefill_s=0.074 * scale,
         lm_token_s=0.0128 * scale,
         flow_s={"fp32": 0.00084 * scale, "int8": 0.00063 * scale},
-        hift_s={"fp32": 0.32 * scale, "bf16": 0.16 * scale},
+        # HiFT 0.16 s in bf16 there; the int8 HiFT the fast profiles now run is given as much.
+        hift_s={"fp32": 0.32 * scale, "bf16": 0.16 * scale, "int8": 0.16 * scale},
         cores=cores,
     )
     return replace(base, **changes)
@@ -111,9 +112,9 @@ def test_a_custom_voices_prompt_makes_every_v1_chunk_dearer() -> None:
 
 
 def test_a_format_the_cpu_lacks_costs_what_the_engine_runs_instead() -> None:
-    """A CPU without bfloat16 runs HiFT in float32 whatever the profile asks."""
-    without_bf16 = {"flow": ("fp32", "int8"), "hift": ("fp32",)}
-    asked = predict(FASTEST, costs(), 200, V1_GEOMETRY, loaded=without_bf16)
+    """A CPU without fast int8 convolutions runs HiFT in float32 whatever the profile asks."""
+    without_int8 = {"flow": ("fp32", "int8"), "hift": ("fp32",)}
+    asked = predict(FASTEST, costs(), 200, V1_GEOMETRY, loaded=without_int8)
     as_fp32 = predict(replace(FASTEST, hift_weights="fp32"), costs(), 200, V1_GEOMETRY)
     assert asked == as_fp32
 
@@ -249,10 +250,10 @@ class TimedEngine(FakeSurface):
     frames it attends to (CosyVoice2: the prompt's and the earlier chunks'). Its chunks are the
     engine's (the test above ties the plan to them). Keeps each request's text and options."""
 
-    weight_formats = {"flow": ("fp32", "int8"), "hift": ("fp32", "bf16")}
+    weight_formats = {"flow": ("fp32", "int8"), "hift": ("fp32", "int8")}
     FLOW_PASS_S = 0.01  # per ODE step and batch row
     FLOW_FRAME_S = {"fp32": 0.9e-3, "int8": 0.65e-3}  # per frame and pass
-    HIFT = {"fp32": (0.03, 0.3), "bf16": (0.02, 0.15)}  # per call, per second fed
+    HIFT = {"fp32": (0.03, 0.3), "int8": (0.02, 0.15)}  # per call, per second fed
     LM_TOKEN_S = 0.03
 
     def __init__(self, geometry: StreamGeometry) -> None:
@@ -319,7 +320,7 @@ def test_the_calibration_is_a_streamed_request_of_an_answers_length(family: str)
     engine, _ = _calibrated(geometry)
     assert [(o.flow_weights, o.hift_weights) for _, o in engine.requests] == [
         ("fp32", "fp32"),
-        ("int8", "bf16"),
+        ("int8", "int8"),
     ]
     for (text, options), profile in zip(engine.requests, (REALTIME, FAST), strict=True):
         assert text == CALIBRATION_TEXT and len(text) >= 30
@@ -339,7 +340,7 @@ def test_the_first_audio_predicted_is_what_a_streamed_request_pays(family: str) 
     geometry = GEOMETRIES[family]
     engine, auto = _calibrated(geometry)
     costs = auto.meter.costs()
-    assert costs is not None and costs.estimated == ()
+    assert costs is not None and costs.estimated == ("hift.bf16",)  # no candidate runs bf16
     assert costs.lm_prefill_s == pytest.approx(engine.prefill_s(CALIBRATION_TEXT))
     assert costs.lm_prefill_s > engine.prefill_s("Hello.") + 0.1
     for profile in (REALTIME, FAST):  # the first of each pair of formats
@@ -419,7 +420,7 @@ def test_without_a_voice_the_calibration_is_skipped_until_one_is_added(
     auto.calibrate(engine)
     measured = auto.meter.costs()
     assert measured is not None and "Measured the stage costs" in caplog.text
-    assert measured.estimated == ("flow.int8", "hift.bf16")  # only fp32 is loaded
+    assert measured.estimated == ("flow.int8", "hift.bf16", "hift.int8")  # only fp32 is loaded
 
 
 # --- the rule ---------------------------------------------------------------------------------
@@ -528,8 +529,10 @@ def test_an_unrun_format_is_guessed_from_its_parts_other() -> None:
     assert measured is not None
     assert measured.flow_s["int8"] == pytest.approx(0.001 * 0.75)
     assert measured.hift_s["bf16"] == pytest.approx(0.3 * 0.5)
-    assert measured.estimated == ("flow.int8", "hift.bf16")
+    assert measured.hift_s["int8"] == pytest.approx(0.3 * 0.7)
+    assert measured.estimated == ("flow.int8", "hift.bf16", "hift.int8")
     _feed(meter, flow="int8", hift="bf16")  # measured once it runs
+    _feed(meter, flow="int8", hift="int8")
     assert meter.costs().estimated == ()  # type: ignore[union-attr]
 
 
@@ -552,7 +555,7 @@ def _measure_every_format(meter: CostMeter, reference: StageCosts) -> None:
     """Give ``meter`` the ``reference`` costs of every stage and weight format."""
     for weights in ("fp32", "int8"):
         meter.record(StageTime("flow", weights, reference.flow_s[weights] * 1000, 1000))
-    for weights in ("fp32", "bf16"):
+    for weights in ("fp32", "bf16", "int8"):
         meter.record(StageTime("hift", weights, reference.hift_s[weights], 1))
     meter.record(StageTime("lm_prefill", "", reference.lm_prefill_s, 1))
     meter.record(StageTime("lm_token", "", reference.lm_token_s * 40, 40))
@@ -562,7 +565,7 @@ class ChoosingEngine(FakeSurface):
     """What auto's choice reads of an engine: v1's, with every weight format loaded."""
 
     speakers = ["tester"]
-    weight_formats = {"flow": ("fp32", "int8"), "hift": ("fp32", "bf16")}
+    weight_formats = {"flow": ("fp32", "int8"), "hift": ("fp32", "int8")}
 
     def synthesize(self, text: str, options: Any = None, cancel: Any = None) -> Iterator[Any]:
         raise AssertionError("auto's choice speaks nothing")
@@ -592,7 +595,7 @@ def test_auto_is_the_default_and_loads_every_format_it_chooses_from() -> None:
     assert (weights.flow, weights.hift, weights.extra) == (
         "fp32",
         "fp32",
-        ("flow.int8", "hift.bf16"),
+        ("flow.int8", "hift.int8"),
     )
     # Until it has chosen it runs the most exact one's settings.
     assert replace(CONFIG.profile, name="realtime", streaming=True) == REALTIME
@@ -607,7 +610,7 @@ def test_auto_is_the_default_and_loads_every_format_it_chooses_from() -> None:
 
 def test_auto_chooses_only_from_the_profiles_it_names() -> None:
     config = load_config(None, [("auto.profiles", ["fast", "fastest"])])
-    assert config.load.weights == replace(config.load.weights, flow="int8", hift="bf16", extra=())
+    assert config.load.weights == replace(config.load.weights, flow="int8", hift="int8", extra=())
     with pytest.raises(ConfigError) as err:
         load_config(None, [("auto.profiles", ["realtime", "turbo"])])
     assert err.value.key == "auto.profiles" and "turbo" in str(err.value)
@@ -643,7 +646,7 @@ class CostEngine(FakeEngine):
     """The fake engine, reporting made-up stage costs as the real one measures them: those
     of the reference machine times ``scale``. Keeps each request's options."""
 
-    weight_formats = {"flow": ("fp32", "int8"), "hift": ("fp32", "bf16")}
+    weight_formats = {"flow": ("fp32", "int8"), "hift": ("fp32", "int8")}
 
     def __init__(self, model_dir: Path, threads: int | None = None, *, scale: float) -> None:
         super().__init__(model_dir, threads)
@@ -682,17 +685,17 @@ def test_the_server_measures_after_the_warm_up_and_chooses_per_request(
     options, auto = _serve(wy, 1.0, ["Hello there.", "A long announcement. " * 12])
     # The calibration: one streamed request per distinct pair of formats, then the two requests.
     calibration = [(o.flow_weights, o.hift_weights) for o in options[:2]]
-    assert calibration == [("fp32", "fp32"), ("int8", "bf16")]
+    assert calibration == [("fp32", "fp32"), ("int8", "int8")]
     assert all(o.stream for o in options[:2])
     short, long = options[2], options[-1]
-    assert (short.n_timesteps, short.flow_weights, short.hift_weights) == (5, "int8", "bf16")
+    assert (short.n_timesteps, short.flow_weights, short.hift_weights) == (5, "int8", "int8")
     assert (long.n_timesteps, long.cfg_rate, long.flow_weights) == (4, 0.0, "int8")  # fastest
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Profile auto")]
     assert len(lines) == 2  # one line per request, not per sentence
     assert "fast, first audio 0.95 s" in lines[0] and "(realtime: first audio 1.65 s)" in lines[0]
     assert "fastest, no profile plays 11.9 s of speech without a stall" in lines[1]
     report = auto.report()
-    assert report["stage_costs"]["estimated"] == []  # both formats measured
+    assert report["stage_costs"]["estimated"] == ["hift.bf16"]  # the loaded formats measured
     assert report["last_choice"]["profile"] == "fastest"
 
 

@@ -245,7 +245,7 @@ def test_cli_exits_with_a_message_naming_the_key(tmp_path: Path) -> None:
 def test_load_settings_come_from_the_servers_own_profile() -> None:
     config = load_config(None, [("server.profile", "fast"), ("server.lm_weights", "fp32")])
     load = config.load
-    assert (load.weights.lm, load.weights.flow, load.weights.hift) == ("fp32", "int8", "bf16")
+    assert (load.weights.lm, load.weights.flow, load.weights.hift) == ("fp32", "int8", "int8")
     assert (load.threads, load.parallel_sentences, load.warmup) == (None, 1, True)
 
 
@@ -256,7 +256,7 @@ def test_a_request_may_name_only_a_profile_whose_weights_are_loaded() -> None:
     assert realtime.request_profile("batch").name == "batch"
     with pytest.raises(ProfileNotLoadedError) as err:
         realtime.request_profile("fastest")
-    assert "'fastest' needs the flow in int8 and HiFT in bf16" in str(err.value)
+    assert "'fastest' needs the flow in int8 and HiFT in int8" in str(err.value)
     assert "start it with --profile fastest" in str(err.value)
     with pytest.raises(UnknownProfileError, match="unknown profile 'turbo'"):
         realtime.request_profile("turbo")
@@ -287,13 +287,13 @@ def test_exact_profiles_keep_the_float_flow_and_fast_ones_use_int8() -> None:
     }
 
 
-def test_only_the_fast_profiles_run_hift_in_bfloat16() -> None:
+def test_only_the_fast_profiles_run_an_int8_hift() -> None:
     profiles = load_config(None).profiles
     weights = {name: profile.hift_weights for name, profile in profiles.items()}
     assert weights == {
         "realtime": "fp32",
-        "fast": "bf16",
-        "fastest": "bf16",
+        "fast": "int8",
+        "fastest": "int8",
         "quality": "fp32",
         "batch": "fp32",
     }
@@ -303,7 +303,7 @@ def test_only_the_fast_profiles_run_hift_in_bfloat16() -> None:
 
 
 @pytest.mark.parametrize(
-    ("profile", "flow_int8", "hift_bf16"),
+    ("profile", "flow_int8", "hift_int8"),
     [
         ("realtime", False, False),
         ("fast", True, True),
@@ -312,11 +312,12 @@ def test_only_the_fast_profiles_run_hift_in_bfloat16() -> None:
     ],
 )
 def test_the_server_loads_the_weight_formats_its_profile_names(
-    profile: str, flow_int8: bool, hift_bf16: bool
+    profile: str, flow_int8: bool, hift_int8: bool
 ) -> None:
     from wyoming_cosyvoice.model import engine_loader
 
     loader = engine_loader(load_config(None, [("server.profile", profile)]))
     assert loader.keywords["flow_int8"] is flow_int8
-    assert loader.keywords["hift_bf16"] is hift_bf16
+    assert loader.keywords["hift_int8"] is hift_int8
+    assert loader.keywords["hift_bf16"] is False
     assert loader.keywords["lm_int8"] is True  # the server's own setting, int8 by default

@@ -37,7 +37,7 @@ def test_http_refuses_a_profile_whose_weights_are_not_loaded() -> None:
         error = refused.json()["error"]
         assert refused.status_code == 400, refused.text
         assert (error["code"], error["param"]) == ("profile_not_loaded", "profile")
-        assert "needs the flow in int8 and HiFT in bf16" in error["message"]
+        assert "needs the flow in int8 and HiFT in int8" in error["message"]
         assert "start it with --profile fastest" in error["message"]
         openai = http.post("/v1/audio/speech", json={"input": "Hi.", "profile": "fast"})
         assert openai.status_code == 400 and openai.json()["error"]["code"] == "profile_not_loaded"
@@ -79,4 +79,4 @@ def test_wyoming_requests_run_the_profile_the_weights_were_loaded_for(
     assert [(o.n_timesteps, o.cfg_rate) for o in options] == [(steps, guidance)] * 2
     loader = engine_loader(load_config(None, [("server.profile", profile)]))
     fast = profile == "fastest"
-    assert (loader.keywords["flow_int8"], loader.keywords["hift_bf16"]) == (fast, fast)
+    assert (loader.keywords["flow_int8"], loader.keywords["hift_int8"]) == (fast, fast)

@@ -41,7 +41,7 @@ from wyoming_cosyvoice.speaker_presets import SPEEDS, STYLES, is_preset_name
 SETTINGS_FILE = "settings.yaml"  # in this package: the defaults every other layer overrides
 LM_WEIGHTS = ("int8", "int4", "fp32")
 FLOW_WEIGHTS = ("fp32", "int8", "bf16")
-HIFT_WEIGHTS = ("fp32", "bf16")
+HIFT_WEIGHTS = ("fp32", "bf16", "int8")
 
 _NAMED_SCHEDULES = {"low_latency": LOW_LATENCY_SCHEDULE, "official": OFFICIAL_SCHEDULE}
 

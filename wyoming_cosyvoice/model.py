@@ -65,6 +65,7 @@ def load_cosyvoice(
     extra_formats: tuple[str, ...] = (),
     lm_int4: bool = False,
     flow_bf16: bool = False,
+    hift_int8: bool = False,
 ) -> Engine:
     """The engine of the directory's model family; imported here so torch loads on the engine
     thread, not at startup."""
@@ -78,6 +79,7 @@ def load_cosyvoice(
         flow_int8=flow_int8,
         flow_bf16=flow_bf16,
         hift_bf16=hift_bf16,
+        hift_int8=hift_int8,
         cache_dir=cache_dir,
         extra_formats=extra_formats,
     )
@@ -138,6 +140,7 @@ def load_options(config: ServerConfig) -> dict[str, Any]:
         "flow_int8": weights.flow == "int8",
         "flow_bf16": weights.flow == "bf16",
         "hift_bf16": weights.hift == "bf16",
+        "hift_int8": weights.hift == "int8",
         "cache_dir": engine_cache_dir(config),
         "extra_formats": weights.extra,
     }

@@ -37,10 +37,11 @@ from engine.core.stage_times import StageTime
 ALPHA = 0.3
 CALL_ALPHA = 0.1
 # A format that has not run yet, relative to its part's other format: the int8 flow's passes
-# are about 25 % faster than float32's, the bfloat16 HiFT about twice as fast (docs/performance.md).
+# are about 25 % faster than float32's, the bfloat16 HiFT about twice as fast (docs/performance.md),
+# the int8 HiFT about 1.4 times (docs/dev/performance-notes.md).
 PRIOR_RATIOS: Mapping[str, Mapping[str, float]] = {
     "flow": {"fp32": 1.0, "int8": 0.75},
-    "hift": {"fp32": 1.0, "bf16": 0.5},
+    "hift": {"fp32": 1.0, "bf16": 0.5, "int8": 0.7},
 }
 LM_STAGES = ("lm_prefill", "lm_token")
 # Stages whose calls have a fixed part: the vocoder's, one call per chunk.

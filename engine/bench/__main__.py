@@ -141,6 +141,7 @@ def model_files(model_dir: Path, profile: BenchProfile) -> list[Path]:
         ("flow", profile.flow_weights),
         ("hift", "fp32"),
         ("hift", "bf16"),
+        ("hift", "int8"),
     ]
     for directory in prepared_dirs(model_dir):
         files += [directory / file_name(part, weights) for part, weights in formats]

@@ -118,8 +118,8 @@ def deviations(
     from engine.cosyvoice2.model_dir import load_model_dir
 
     models = engine.models
-    hift_bf16 = engine.hift_dtype != "float32"
-    exact = load_model_dir(engine.model_dir) if lm_int8 or flow_approx or hift_bf16 else None
+    hift_approx = engine.hift_dtype != "float32"
+    exact = load_model_dir(engine.model_dir) if lm_int8 or flow_approx or hift_approx else None
     embedding = engine.voices[VOICE].prompt.embedding
     tokens = _random_tokens(models.flow, n_tokens)
     out = {"mel_rel_l2_vs_exact": 0.0, "wave_rel_l2_vs_exact_hift": 0.0}
@@ -132,7 +132,7 @@ def deviations(
         if lm_int8 and exact is not None:
             text_ids = engine.frontend.segments(text)[0].token_ids
             out.update(_lm_int8_kl(exact.llm, models.llm, text_ids, n_steps))
-    if hift_bf16 and exact is not None:
+    if hift_approx and exact is not None:
         out["wave_rel_l2_vs_exact_hift"] = hift_relative_l2(models.hift, exact.hift, reference)
     return out
 

@@ -330,9 +330,9 @@ def _deviations(engine: Any, config: RunConfig, profile: BenchProfile) -> dict[s
     n_timesteps, cfg_rate, solver = profile.n_timesteps, profile.cfg_rate, profile.solver
     # An int8 or bfloat16 flow is an approximation of the float32 one.
     lm_int8, flow_approx = profile.lm_weights == "int8", profile.flow_weights != "fp32"
-    hift_bf16 = engine.hift_dtype != "float32"
+    hift_approx = engine.hift_dtype != "float32"
     # The exact references are float32 models loaded afresh: the engine's may be int8 / bf16.
-    fp32 = load_model_dir(Path(config.model_dir)) if lm_int8 or flow_approx or hift_bf16 else None
+    fp32 = load_model_dir(Path(config.model_dir)) if lm_int8 or flow_approx or hift_approx else None
     out = {"mel_rel_l2_vs_exact": 0.0, "wave_rel_l2_vs_exact_hift": 0.0}
     if flow_approx or (n_timesteps, cfg_rate, solver) != (EXACT_STEPS, EXACT_CFG, EXACT_SOLVER):
         out["mel_rel_l2_vs_exact"] = mel_relative_l2(
@@ -346,7 +346,7 @@ def _deviations(engine: Any, config: RunConfig, profile: BenchProfile) -> dict[s
     if lm_int8 and fp32 is not None:
         text_ids = engine.frontend.segments(config.text)[0].token_ids
         out.update(lm_int8_kl(fp32.llm, text_ids, embedding))
-    if hift_bf16 and fp32 is not None:  # both vocoders on the same mel (the exact flow's)
+    if hift_approx and fp32 is not None:  # both vocoders on the same mel (the exact flow's)
         mel = random_tokens_mel(fp32.flow, embedding, n_timesteps=EXACT_STEPS, cfg_rate=EXACT_CFG)
         out["wave_rel_l2_vs_exact_hift"] = hift_relative_l2(engine.models.hift, fp32.hift, mel)
     return out

@@ -90,7 +90,11 @@ LOAD_KEYWORDS: dict[str, dict[str, dict[str, bool]]] = {
         "int8": {"flow_int8": True},
         "bf16": {"flow_int8": False, "flow_bf16": True},
     },
-    "hift": {"fp32": {"hift_bf16": False}, "bf16": {"hift_bf16": True}},
+    "hift": {
+        "fp32": {"hift_bf16": False},
+        "bf16": {"hift_bf16": True},
+        "int8": {"hift_int8": True},
+    },
 }
 
 # As a server with its default settings loads its profiles of these names: the LM in int8.

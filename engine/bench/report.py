@@ -311,10 +311,10 @@ def print_table(result: dict[str, Any], out: TextIO) -> None:
             "The flow runs int8 weights: its bound is the float32 GEMM rate's, so its ratio can "
             "fall below 1.\n"
         )
-    if result.get("hift_weights") == "bfloat16":
+    if result.get("hift_weights") in ("bfloat16", "int8"):
         w(
-            "HiFT's filter runs in bfloat16: its bound is the float32 GEMM rate's, so its ratio "
-            "can fall below 1.\n"
+            f"HiFT's filter runs in {result['hift_weights']}: its bound is the float32 GEMM "
+            "rate's, so its ratio can fall below 1.\n"
         )
     w(f"Deviation from the exact path: mel relative L2 {fmt(result.get('mel_rel_l2_vs_exact'), 4)}")
     if result.get("lm_int8_kl_mean") is not None:
@@ -323,7 +323,8 @@ def print_table(result: dict[str, Any], out: TextIO) -> None:
             f"max {fmt(result.get('lm_int8_kl_max'), 5)} nats"
         )
     if result.get("wave_rel_l2_vs_exact_hift"):
-        w(f", bfloat16 HiFT waveform relative L2 {fmt(result['wave_rel_l2_vs_exact_hift'], 4)}")
+        hift = result.get("hift_weights")
+        w(f", {hift} HiFT waveform relative L2 {fmt(result['wave_rel_l2_vs_exact_hift'], 4)}")
     w(".\n")
 
 

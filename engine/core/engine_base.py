@@ -94,6 +94,7 @@ class EngineBase(ABC, Generic[FlowT]):
         extra_formats: Iterable[str] = (),
         lm_int4: bool = False,
         flow_bf16: bool = False,
+        hift_int8: bool = False,
         **engine_options: Any,
     ) -> EngineT:
         """Load a model directory of the family in the official layout (raises ModelLoadError).
@@ -106,9 +107,11 @@ class EngineBase(ABC, Generic[FlowT]):
         native bfloat16 matrix units (engine.core.bf16_flow; float32 elsewhere);
         ``hift_bf16`` runs HiFT's filter in bfloat16 where oneDNN supports it (another
         approximation: about twice as fast with AVX-512 BF16, half its weights' memory;
-        ``hift_dtype`` on the engine says what was used). Kernels and threads are chosen for
-        this CPU (engine.core.cpu; the engine's ``cpu_choices`` say which): int8 falls back to
-        float32 where no int8 kernel works, and ``threads`` is capped where more would crash.
+        ``hift_dtype`` on the engine says what was used); ``hift_int8`` its residual blocks'
+        convolutions in int8 where they run faster than float32 (engine.core.hift_int8).
+        Kernels and threads are chosen for this CPU (engine.core.cpu; the engine's
+        ``cpu_choices`` say which): int8 falls back to float32 where no int8 kernel works,
+        and ``threads`` is capped where more would crash.
 
         The models run from their prepared files (engine.core.prepared), in ``prepared/``
         beside the model files, or under ``cache_dir`` when the model directory cannot be
@@ -132,6 +135,7 @@ class EngineBase(ABC, Generic[FlowT]):
             hift_bf16=hift_bf16,
             lm_int4=lm_int4,
             flow_bf16=flow_bf16,
+            hift_int8=hift_int8,
         )
         extras = extra_weight_formats(extra_formats, setup)
         start = time.perf_counter()
@@ -192,8 +196,10 @@ class EngineBase(ABC, Generic[FlowT]):
 
     @property
     def hift_dtype(self) -> str:
-        """``float32`` or ``bfloat16``: what the primary HiFT's filter runs in."""
+        """``float32``, ``bfloat16`` or ``int8``: what the primary HiFT's filter runs in."""
         _, hift = pick_weights(self.hifts, None)
+        if getattr(hift, "quantized", False):  # int8 convolutions, float32 elsewhere
+            return "int8"
         return str(hift.filter_dtype).removeprefix("torch.")
 
     @abstractmethod

@@ -75,7 +75,7 @@ FILE_FORMAT = "2"  # bump when what a prepared file holds, or how, changes
 WEIGHT_FORMATS = {
     "llm": ("fp32", "int8", "int4"),
     "flow": ("fp32", "int8", "bf16"),
-    "hift": ("fp32", "bf16"),
+    "hift": ("fp32", "bf16", "int8"),
 }
 # The formats whose quantised layers are the int8 format's layers, in their own parts.
 QUANTISED = ("int8", "int4")
@@ -184,6 +184,8 @@ def _in_run_dtype(module: nn.Module, part: str, weights: str) -> nn.Module:
         cast("HiFTGenerator", module).use_bfloat16()
     if part == "flow" and weights == "bf16":
         use_bf16_linears(module)  # the file holds the estimator's Linear weights in bfloat16
+    if part == "hift" and weights == "int8":
+        cast("HiFTGenerator", module).use_int8()
     store_position_rows(module)  # the LM's causal layers: their rows are read, not linear_pos
     return module
 

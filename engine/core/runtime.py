@@ -53,6 +53,7 @@ def setup_cpu(
     hift_bf16: bool,
     lm_int4: bool = False,
     flow_bf16: bool = False,
+    hift_int8: bool = False,
 ) -> CpuSetup:
     """Cap the threads, pick the int8 kernels and fall back to float32 where the CPU lacks them
     (an int4 LM: to int8 where no int4 kernel works).
@@ -78,13 +79,28 @@ def setup_cpu(
     if flow_bf16 and not flow_int8 and not choices.bfloat16:
         _LOGGER.warning("This CPU has no native bfloat16 matrix units: the flow stays float32")
         flow_bf16 = False
+    if hift_int8 and not int8_hift_fast():
+        _LOGGER.warning(
+            "This CPU has no int8 convolutions measured faster than float32 (%s %s): HiFT "
+            "stays float32",
+            platform.machine(),
+            torch.backends.cpu.get_cpu_capability(),
+        )
+        hift_int8 = False
     formats = WeightFormats(
         llm="int4" if lm_int4 else "int8" if lm_int8 else "fp32",
         flow="int8" if flow_int8 else "bf16" if flow_bf16 else "fp32",
-        hift="bf16" if hift_bf16 else "fp32",
+        hift="bf16" if hift_bf16 else "int8" if hift_int8 else "fp32",
     )
     bound_onednn_cache()
     return CpuSetup(threads, choices, formats)
+
+
+def int8_hift_fast() -> bool:
+    """Whether HiFT's int8 convolutions run here, faster than float32 (engine.core.hift_int8)."""
+    from engine.core.hift_int8 import int8_conv_fast
+
+    return int8_conv_fast()
 
 
 def int4_kernel_for_lm() -> bool:
@@ -125,8 +141,10 @@ def extra_weight_formats(extra: Iterable[str], setup: CpuSetup) -> dict[str, str
         if part not in ("flow", "hift") or weights not in WEIGHT_FORMATS[part]:
             raise ValueError(
                 f"extra weight format {name!r}: not one of flow.fp32, flow.int8, flow.bf16, "
-                "hift.fp32, hift.bf16"
+                "hift.fp32, hift.bf16, hift.int8"
             )
+        if part == "hift" and weights == "int8" and not int8_hift_fast():
+            continue
         if weights == "int8" and setup.choices.int8_kernels is None:
             continue  # as the primary formats: no int8 kernel, float32 only
         if weights == "bf16" and not setup.choices.bfloat16:
@@ -178,11 +196,13 @@ def pick_weights(loaded: Mapping[str, T], wanted: str | None) -> tuple[str, T]:
 
 
 def loaded_format(module: torch.nn.Module) -> str:
-    """The weight format a loaded flow or HiFT runs in: int8 (int8 layers), bf16 (a bfloat16
-    filter or bfloat16 estimator layers) or fp32."""
+    """The weight format a loaded flow or HiFT runs in: int8 (int8 layers or convolutions),
+    bf16 (a bfloat16 filter or bfloat16 estimator layers) or fp32."""
     from engine.core.bf16_flow import has_bf16_linears
     from engine.core.quantize import Int8Linear
 
+    if getattr(module, "quantized", False):
+        return "int8"
     if any(isinstance(sub, Int8Linear) for sub in module.modules()):
         return "int8"
     if has_bf16_linears(module):

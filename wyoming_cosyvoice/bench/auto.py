@@ -73,6 +73,7 @@ def run(config: AutoRunConfig) -> dict[str, Any]:
         flow_int8=weights.flow == "int8",
         flow_bf16=weights.flow == "bf16",
         hift_bf16=weights.hift == "bf16",
+        hift_int8=weights.hift == "int8",
         extra_formats=weights.extra,
     )
     result: dict[str, Any] = {"load_s": time.perf_counter() - start}
