@@ -35,8 +35,7 @@ from stand_in_supervisor import StandInSupervisor
 
 from engine.core.types import MAX_SPEED, MIN_SPEED
 from wyoming_cosyvoice import addon, addon_start
-from wyoming_cosyvoice.config import AUTO_PROFILE, packaged_settings
-from wyoming_cosyvoice.loudness import VOLUME_RANGE
+from wyoming_cosyvoice.config import AUTO_PROFILE, VOLUME_RANGE, packaged_settings
 
 try:
     import tomllib

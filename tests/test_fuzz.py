@@ -25,7 +25,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from wyoming.event import Event, async_read_event, async_write_event
 
-from wyoming_cosyvoice.protocol import ClientError, read_event
+from wyoming_cosyvoice.errors import ClientError
+from wyoming_cosyvoice.protocol import read_event
 
 LIMIT = 4096
 

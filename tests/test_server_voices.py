@@ -36,7 +36,7 @@ from wyoming.info import Describe, Info
 
 from engine.family import DESCRIBED_SPEAKER
 from wyoming_cosyvoice.custom_voices import folder_fingerprint
-from wyoming_cosyvoice.protocol import LimitExceededError
+from wyoming_cosyvoice.errors import LimitExceededError
 from wyoming_cosyvoice.speech import split_instruction
 from wyoming_cosyvoice.voice_catalog import ALL_LANGUAGES, VoiceCatalog
 

@@ -34,13 +34,15 @@ from engine.core.types import (
     StreamSchedule,
     SynthesisOptions,
 )
-from wyoming_cosyvoice.loudness import TARGET_RANGE, VOLUME_RANGE
 from wyoming_cosyvoice.speaker_presets import SPEEDS, STYLES, is_preset_name
 
 SETTINGS_FILE = "settings.yaml"  # in this package: the defaults every other layer overrides
 LM_WEIGHTS = ("int8", "int4", "fp32")
 FLOW_WEIGHTS = ("fp32", "int8")
 HIFT_WEIGHTS = ("fp32", "bf16")
+TARGET_RANGE = (-40.0, -6.0)  # LUFS the server's loudness may aim at (server.loudness)
+# factor on the target level (server.volume, a request's volume): −20 dB … +6 dB
+VOLUME_RANGE = (0.1, 2.0)
 
 _NAMED_SCHEDULES = {"low_latency": LOW_LATENCY_SCHEDULE, "official": OFFICIAL_SCHEDULE}
 

@@ -39,7 +39,7 @@ from engine.core.types import UnknownSpeakerError as EngineUnknownSpeaker
 from engine.text.errors import TextInputError
 from wyoming_cosyvoice import __version__
 from wyoming_cosyvoice.config import ServerConfig
-from wyoming_cosyvoice.protocol import (
+from wyoming_cosyvoice.errors import (
     ClientError,
     LimitExceededError,
     ServerBusyError,
@@ -47,10 +47,8 @@ from wyoming_cosyvoice.protocol import (
     SynthesisError,
     TextError,
     VoiceNotFoundError,
-    event_text,
-    event_voice,
-    read_event,
 )
+from wyoming_cosyvoice.protocol import event_text, event_voice, read_event
 from wyoming_cosyvoice.scheduler import Scheduler, speaks_growing
 from wyoming_cosyvoice.sentences import (
     Sentence,

@@ -50,8 +50,6 @@ T = TypeVar("T")
 _LOGGER = logging.getLogger(__name__)
 
 DEFAULT_TARGET_LUFS = -18.0
-TARGET_RANGE = (-40.0, -6.0)  # LUFS a server may aim at
-VOLUME_RANGE = (0.1, 2.0)  # factor on the target level: −20 dB … +6 dB
 CEILING_DBFS = -1.0  # sample peak the limiter keeps every sample under
 RELEASE_S = 0.05  # the limiter's gain recovers by 1/e in this time after a peak
 MAX_GAIN_DB = 24.0  # a near-silent voice is not boosted into its noise floor

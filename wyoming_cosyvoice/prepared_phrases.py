@@ -17,7 +17,7 @@ import logging
 
 from engine.core.types import EngineError, SynthesisCancelled
 from wyoming_cosyvoice.config import ServerConfig
-from wyoming_cosyvoice.protocol import ClientError
+from wyoming_cosyvoice.errors import ClientError
 from wyoming_cosyvoice.scheduler import Scheduler
 from wyoming_cosyvoice.sentences import SplitterFactory, iter_sentences, opening_language
 from wyoming_cosyvoice.speech import Audio, Speech, SpeechSettings, VoiceChoice

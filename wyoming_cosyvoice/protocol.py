@@ -1,4 +1,4 @@
-"""Reading Wyoming events with limits, and the errors the server reports to clients.
+"""Reading Wyoming events with limits.
 
 ``wyoming.event.async_read_event`` treats every malformed header as a disconnect and trusts
 ``data_length``/``payload_length``. A server facing unproofread clients needs to tell the client
@@ -13,44 +13,7 @@ from typing import Any
 
 from wyoming.event import Event
 
-
-class ClientError(Exception):
-    """A request the server refuses; sent to the client as ``error{text, code}``.
-
-    ``code`` is the class name, as wyoming-piper does, so clients can match on it.
-    """
-
-    @property
-    def code(self) -> str:
-        return type(self).__name__
-
-
-class ProtocolError(ClientError):
-    """The bytes on the wire are not a well-formed Wyoming event."""
-
-
-class LimitExceededError(ClientError):
-    """A configured limit (header size, text length, events per connection...) was exceeded."""
-
-
-class VoiceNotFoundError(ClientError):
-    """The requested voice or speaker does not exist."""
-
-
-class TextError(ClientError):
-    """The text frontend cannot turn this text into speech."""
-
-
-class StreamStateError(ClientError):
-    """A streaming event arrived in the wrong order (chunk without start, ...)."""
-
-
-class ServerBusyError(ClientError):
-    """Too many connections, or the model could not be made ready in time."""
-
-
-class SynthesisError(ClientError):
-    """The engine failed on this request."""
+from wyoming_cosyvoice.errors import LimitExceededError, ProtocolError
 
 
 def _length(header: dict[str, Any], key: str, limit: int) -> int:

@@ -26,9 +26,9 @@ from engine.api import Engine, PrimesVoices, SpeaksGrowingText
 from engine.core.constants import SAMPLE_RATE
 from engine.core.text_feed import TextFeed
 from engine.core.types import AudioChunk, SynthesisCancelled, SynthesisOptions
+from wyoming_cosyvoice.errors import ServerBusyError
 from wyoming_cosyvoice.loudness import VoiceLevels
 from wyoming_cosyvoice.metrics import ServerMetrics
-from wyoming_cosyvoice.protocol import ServerBusyError
 from wyoming_cosyvoice.repeat_cache import RepeatCache
 from wyoming_cosyvoice.voice_catalog import VoiceCatalog
 

@@ -33,7 +33,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from engine.family import DESCRIBED_SPEAKER, INSTRUCT2, instruct_models
-from wyoming_cosyvoice.protocol import VoiceNotFoundError
+from wyoming_cosyvoice.errors import VoiceNotFoundError
 from wyoming_cosyvoice.voice_catalog import VoiceCatalog
 
 SPEEDS = {"slow": 0.8, "normal": 1.0, "fast": 1.25}

@@ -41,9 +41,9 @@ from engine.core.text_feed import TextFeed
 from engine.core.types import AudioChunk, EngineError, SynthesisCancelled, SynthesisOptions
 from engine.text.normalize import detect_language
 from wyoming_cosyvoice.config import AUTO_PROFILE, Limits, ProfileConfig
+from wyoming_cosyvoice.errors import LimitExceededError, VoiceNotFoundError
 from wyoming_cosyvoice.loudness import SentenceLevel
 from wyoming_cosyvoice.metrics import SpeechReport, speech_outcome
-from wyoming_cosyvoice.protocol import LimitExceededError, VoiceNotFoundError
 from wyoming_cosyvoice.scheduler import Scheduler
 from wyoming_cosyvoice.sentences import Sentence
 from wyoming_cosyvoice.speaker_presets import split_preset, with_presets

@@ -131,8 +131,8 @@ def voice_choice(args: argparse.Namespace, config: ServerConfig, segments: list[
 
 def run(args: argparse.Namespace) -> int:
     from wyoming_cosyvoice.download import ModelNotFoundError
+    from wyoming_cosyvoice.errors import VoiceNotFoundError
     from wyoming_cosyvoice.model import resolve_model_dir, speakers_before_load
-    from wyoming_cosyvoice.protocol import VoiceNotFoundError
 
     try:
         config = settings(args)
@@ -174,8 +174,8 @@ async def speak(config: ServerConfig, model_dir: Path, segments: list[Sentence],
                 output: FileOutput) -> int:  # fmt: skip
     """Load the model, then speak ``segments`` into ``output`` through the speech pipeline."""
     from engine.core.types import EngineError
+    from wyoming_cosyvoice.errors import ClientError
     from wyoming_cosyvoice.model import scheduler_for_config
-    from wyoming_cosyvoice.protocol import ClientError
 
     # The profile's weight formats, as the server would load them; one synthesis, no warm-up.
     scheduler = scheduler_for_config(replace(config, warmup=False), model_dir)

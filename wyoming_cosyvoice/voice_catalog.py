@@ -19,7 +19,7 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from wyoming_cosyvoice.protocol import VoiceNotFoundError
+from wyoming_cosyvoice.errors import VoiceNotFoundError
 from wyoming_cosyvoice.voice_names import name_key
 
 # prefix of an official speaker name -> (slug prefix, HA languages, English label)

@@ -25,6 +25,7 @@ from engine.core.types import UnknownSpeakerError as EngineUnknownSpeaker
 from engine.text.errors import TextInputError
 from wyoming_cosyvoice.config import ServerConfig
 from wyoming_cosyvoice.custom_voices import CustomVoices
+from wyoming_cosyvoice.errors import ClientError, ServerBusyError
 from wyoming_cosyvoice.http.errors import (
     HttpError,
     http_error_handler,
@@ -47,7 +48,6 @@ from wyoming_cosyvoice.http.stream import (
     first_piece,
 )
 from wyoming_cosyvoice.http.voice_maker import voice_maker_routes
-from wyoming_cosyvoice.protocol import ClientError, ServerBusyError
 from wyoming_cosyvoice.scheduler import Scheduler
 from wyoming_cosyvoice.sentences import SplitterFactory, make_splitter
 from wyoming_cosyvoice.speaker_presets import speaker_names

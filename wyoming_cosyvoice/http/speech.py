@@ -16,15 +16,15 @@ from typing import Any
 from starlette.requests import Request
 
 from wyoming_cosyvoice.config import (
+    VOLUME_RANGE,
     ProfileConfig,
     ProfileNotLoadedError,
     ServerConfig,
     UnknownProfileError,
 )
+from wyoming_cosyvoice.errors import LimitExceededError, VoiceNotFoundError
 from wyoming_cosyvoice.http.delivery import delivery, speaker_preset
 from wyoming_cosyvoice.http.errors import HttpError
-from wyoming_cosyvoice.loudness import VOLUME_RANGE
-from wyoming_cosyvoice.protocol import LimitExceededError, VoiceNotFoundError
 from wyoming_cosyvoice.sentences import (
     Sentence,
     SplitterFactory,
