@@ -295,7 +295,7 @@ async def fake_server(
 ) -> AsyncIterator[SimpleNamespace]:
     """The real server (handler, scheduler, limits) on a free port, with a fake engine."""
     from wyoming_cosyvoice.config import load_config
-    from wyoming_cosyvoice.server import create_server
+    from wyoming_cosyvoice.wyoming.server import create_server
 
     port = free_port()
     # A data dir of its own: what the server keeps there (the voices' levels) stays in the test.

@@ -34,8 +34,9 @@ from lint_tools import tool
 from stand_in_supervisor import StandInSupervisor
 
 from engine.core.types import MAX_SPEED, MIN_SPEED
-from wyoming_cosyvoice import addon, addon_start
+from wyoming_cosyvoice import addon_start
 from wyoming_cosyvoice.config import AUTO_PROFILE, VOLUME_RANGE, packaged_settings
+from wyoming_cosyvoice.home_assistant import addon
 
 try:
     import tomllib
@@ -250,7 +251,7 @@ def test_the_schema_admits_what_the_server_accepts(config: dict[str, Any]) -> No
 
 
 def test_the_model_and_profile_lists_are_the_servers(config: dict[str, Any]) -> None:
-    from wyoming_cosyvoice.download import MODELS
+    from wyoming_cosyvoice.models.download import MODELS
 
     assert sorted(schema_choices(config, "model")) == sorted(MODELS)
     assert schema_choices(config, "profile") == [AUTO_PROFILE, *packaged_settings()["profiles"]]
@@ -462,7 +463,7 @@ def test_main_rejects_a_bad_options_file(tmp_path: Path) -> None:
 def _missing_model_message(tmp_path: Path) -> str:
     """The server's message for the add-on's default model, absent, offline."""
     from wyoming_cosyvoice.__main__ import build_parser, config_from_args, resolve_model_dir
-    from wyoming_cosyvoice.download import ModelNotFoundError
+    from wyoming_cosyvoice.models.download import ModelNotFoundError
 
     args = addon.options_to_args({}, data_dir=tmp_path / "data", share_dir=tmp_path / "share")
     config = config_from_args(build_parser().parse_args([*args, "--offline"]))

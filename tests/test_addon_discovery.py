@@ -1,5 +1,6 @@
-"""The add-on telling Home Assistant about its server (wyoming_cosyvoice.addon_discovery), against
-a stand-in Supervisor on loopback that answers as the real one does, or fails."""
+"""The add-on telling Home Assistant about its server
+(wyoming_cosyvoice.home_assistant.discovery), against a stand-in Supervisor on loopback that
+answers as the real one does, or fails."""
 
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ from collections.abc import Iterator
 import pytest
 from stand_in_supervisor import FORCED_ANSWERS, StandInSupervisor
 
-from wyoming_cosyvoice import addon_discovery
-from wyoming_cosyvoice.addon_discovery import (
+from wyoming_cosyvoice.home_assistant import discovery as addon_discovery
+from wyoming_cosyvoice.home_assistant.discovery import (
     DiscoveryError,
     announce,
     discovery_message,

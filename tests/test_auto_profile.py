@@ -1,8 +1,8 @@
 """The `auto` profile: per request, the most exact profile this machine speaks in time.
 
-The rule (wyoming_cosyvoice.auto_profile.choose_profile) is checked with made-up costs; the
+The rule (wyoming_cosyvoice.auto.profile.choose_profile) is checked with made-up costs; the
 chunk plan it predicts from against the chunks the real engines cut; the measured costs
-(wyoming_cosyvoice.stage_costs) with scripted measurements; and the whole path through the
+(wyoming_cosyvoice.auto.stage_costs) with scripted measurements; and the whole path through the
 real server: a fake engine whose reported costs make a fast, a slow and a busy machine, and
 the real engine on the tiny model.
 """
@@ -30,7 +30,7 @@ from engine.core.stage_times import StageTime, flow_passes, flow_units
 from engine.core.types import SynthesisOptions
 from engine.cosyvoice1.engine import STREAM_GEOMETRY as V1_GEOMETRY
 from engine.cosyvoice2.engine import ChunkedStreamGeometry
-from wyoming_cosyvoice.auto_profile import (
+from wyoming_cosyvoice.auto.profile import (
     CALIBRATION_TEXT,
     GROWING_SPEECH_S,
     AutoProfile,
@@ -41,13 +41,13 @@ from wyoming_cosyvoice.auto_profile import (
     predict,
     speech_seconds,
 )
+from wyoming_cosyvoice.auto.stage_costs import CostMeter, StageCosts
 from wyoming_cosyvoice.config import (
     AUTO_PROFILE,
     ConfigError,
     ProfileNotLoadedError,
     load_config,
 )
-from wyoming_cosyvoice.stage_costs import CostMeter, StageCosts
 
 DATA = Path(__file__).parent / "data"
 CONFIG = load_config(None)
@@ -409,7 +409,7 @@ def test_without_a_voice_the_calibration_is_skipped_until_one_is_added(
 ) -> None:
     """The real CosyVoice2 engine: no voice, no measurement (the first request measures);
     with one, its streamed calibration measures every stage."""
-    caplog.set_level(logging.INFO, logger="wyoming_cosyvoice.auto_profile")
+    caplog.set_level(logging.INFO, logger="wyoming_cosyvoice.auto.profile")
     engine = _v2_engine(tmp_path)
     auto = AutoProfile(CONFIG.auto, CANDIDATES, CostMeter(lambda: 1))  # type: ignore[arg-type]
     auto.calibrate(engine)
@@ -678,7 +678,7 @@ def _serve(wy: SimpleNamespace, scale: float, texts: list[str], **settings: Any)
 def test_the_server_measures_after_the_warm_up_and_chooses_per_request(
     wy: SimpleNamespace, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.INFO, logger="wyoming_cosyvoice.auto_profile")
+    caplog.set_level(logging.INFO, logger="wyoming_cosyvoice.auto.profile")
     options, auto = _serve(wy, 1.0, ["Hello there.", "A long announcement. " * 12])
     # The calibration: one streamed request per distinct pair of formats, then the two requests.
     calibration = [(o.flow_weights, o.hift_weights) for o in options[:2]]

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from wyoming_cosyvoice import synthesize as batch
-from wyoming_cosyvoice.sentences import split_text
+from wyoming_cosyvoice.pipeline.sentences import split_text
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "tests" / "data" / "tiny_model"
@@ -136,7 +136,7 @@ def test_batch_reads_each_sentence_in_a_voice_of_its_language(
 ) -> None:  # fmt: skip
     """Without --voice, a mixed text switches voice per segment, as the server picks one for
     a request; --voice keeps one voice throughout."""
-    from wyoming_cosyvoice import model
+    from wyoming_cosyvoice.models import model
 
     engines: list[Any] = []
 

@@ -314,7 +314,7 @@ def test_only_the_fast_profiles_run_hift_in_bfloat16() -> None:
 def test_the_server_loads_the_weight_formats_its_profile_names(
     profile: str, flow_int8: bool, hift_bf16: bool
 ) -> None:
-    from wyoming_cosyvoice.model import engine_loader
+    from wyoming_cosyvoice.models.model import engine_loader
 
     loader = engine_loader(load_config(None, [("server.profile", profile)]))
     assert loader.keywords["flow_int8"] is flow_int8

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from engine.family import family_named
-from wyoming_cosyvoice.download import (
+from wyoming_cosyvoice.models.download import (
     DownloadError,
     ModelNotFoundError,
     download_model,
@@ -344,7 +344,7 @@ def test_cli_downloads_through_hf_endpoint(hub: Hub, tmp_path: Path) -> None:
 def test_voice_files_are_added_to_a_complete_model_dir(hub: Hub, tmp_path: Path) -> None:
     import shutil
 
-    from wyoming_cosyvoice.download import ensure_extra_files
+    from wyoming_cosyvoice.models.download import ensure_extra_files
 
     for name in VOICE_FILES:
         hub.files[name] = os.urandom(300_000)
@@ -403,7 +403,7 @@ def test_cosyvoice2_resumes_a_file_in_the_backbone_folder(hub_v2: Hub, tmp_path:
 def test_cosyvoice2_prompt_models_are_its_own(hub_v2: Hub, tmp_path: Path) -> None:
     import shutil
 
-    from wyoming_cosyvoice.download import ensure_extra_files
+    from wyoming_cosyvoice.models.download import ensure_extra_files
 
     model_dir = tmp_path / NAME_V2
     shutil.copytree(TINY_V2, model_dir)
@@ -417,7 +417,7 @@ def test_a_cosyvoice2_model_dir_is_checked_for_its_own_files(tmp_path: Path) -> 
     import shutil
 
     from wyoming_cosyvoice.config import load_config
-    from wyoming_cosyvoice.model import model_sample_rate, resolve_model_dir
+    from wyoming_cosyvoice.models.model import model_sample_rate, resolve_model_dir
 
     model_dir = tmp_path / "v2"
     shutil.copytree(TINY_V2, model_dir)

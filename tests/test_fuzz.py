@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 from wyoming.event import Event, async_read_event, async_write_event
 
 from wyoming_cosyvoice.errors import ClientError
-from wyoming_cosyvoice.protocol import read_event
+from wyoming_cosyvoice.wyoming.protocol import read_event
 
 LIMIT = 4096
 

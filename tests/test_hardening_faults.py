@@ -250,7 +250,7 @@ def test_a_describe_flood_without_reading_is_bounded(wy: SimpleNamespace) -> Non
     """Each unread ``info`` is kilobytes of objects: the server stops reading at a handful
     instead of queueing thousands (a client that catches up is served on), and refuses a
     client that reads nothing for ``stall_timeout_s``; others are served meanwhile."""
-    from wyoming_cosyvoice.handler import _MAX_UNSENT_INFO, EventHandler
+    from wyoming_cosyvoice.wyoming.handler import _MAX_UNSENT_INFO, EventHandler
 
     async def main() -> tuple[int, Any, list[Any]]:
         limits = {"limits.stall_timeout_s": 0.5}

@@ -29,8 +29,8 @@ import pytest
 from conftest import terminate
 from wyoming.event import Event
 
-from wyoming_cosyvoice.loudness import LEVELS_DIR
-from wyoming_cosyvoice.tts_cache_guard import STATE_FILE
+from wyoming_cosyvoice.home_assistant.tts_cache_guard import STATE_FILE
+from wyoming_cosyvoice.voices.loudness import LEVELS_DIR
 
 ROOT = Path(__file__).resolve().parent.parent
 ZERO_SHOT_WAV = ROOT / "tests" / "data" / "zero_shot" / "prompt16k_pcm16.wav"
@@ -64,7 +64,7 @@ def model_copy(tmp_path: Path, wy: SimpleNamespace) -> Path:
 def test_malicious_speaker_file_is_refused_everywhere(model_copy: Path, tmp_path: Path) -> None:
     from engine.core.types import ModelLoadError
     from engine.cosyvoice1.model_dir import load_model_dir, load_speakers
-    from wyoming_cosyvoice.model import peek_speakers
+    from wyoming_cosyvoice.models.model import peek_speakers
 
     marker = tmp_path / "pwned"
     _malicious(model_copy / "spk2info.pt", {"中文女": {"embedding": _Payload(marker)}})
@@ -251,8 +251,8 @@ def test_real_server_binds_only_the_uri_and_writes_only_its_prepared_weights_and
     assert {Path(k).name.split(".")[0] for k in written} == {"flow", "hift", "llm"}, written
     assert all(k.endswith(".safetensors") for k in written), written
     # And the server's own state beside the models: each voice's learnt loudness
-    # (wyoming_cosyvoice.loudness) and what Home Assistant's TTS cache last heard
-    # (wyoming_cosyvoice.tts_cache_guard).
+    # (wyoming_cosyvoice.voices.loudness) and what Home Assistant's TTS cache last heard
+    # (wyoming_cosyvoice.home_assistant.tts_cache_guard).
     levels = Path("data", LEVELS_DIR)
     state = {str(Path("data", STATE_FILE)), str(levels), str(levels / "CosyVoice-300M-SFT.json")}
     assert state <= set(after) - set(before), sorted(set(after) - set(before))

@@ -47,7 +47,7 @@ GARBAGE: dict[str, tuple[str, str | None]] = {
 @contextlib.asynccontextmanager
 async def real_server(port: int, model_dir: Path) -> AsyncIterator[Any]:
     from wyoming_cosyvoice.config import load_config
-    from wyoming_cosyvoice.server import create_server
+    from wyoming_cosyvoice.wyoming.server import create_server
 
     settings = {
         "server.uri": f"tcp://127.0.0.1:{port}",

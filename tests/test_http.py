@@ -51,10 +51,10 @@ class BackgroundServer:
 
     async def _start(self) -> None:
         from wyoming_cosyvoice.config import load_config
-        from wyoming_cosyvoice.custom_voices import CustomVoices
+        from wyoming_cosyvoice.custom_voices.folder import CustomVoices
         from wyoming_cosyvoice.http import start_http, start_model_only
-        from wyoming_cosyvoice.sentences import make_splitter
-        from wyoming_cosyvoice.server import create_server
+        from wyoming_cosyvoice.pipeline.sentences import make_splitter
+        from wyoming_cosyvoice.wyoming.server import create_server
 
         self.config = load_config(None, self.settings.items())
         splitter = SimpleSplitter if self.simple else make_splitter

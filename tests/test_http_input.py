@@ -20,7 +20,7 @@ from conftest import synthesize  # noqa: E402
 from http_process import CHINESE_NAME, SYNTHETIC, ServerProcess  # noqa: E402
 
 from wyoming_cosyvoice.http.origin import INGRESS_PROXY  # noqa: E402
-from wyoming_cosyvoice.speech import MAX_INSTRUCTION_CHARS  # noqa: E402
+from wyoming_cosyvoice.pipeline.speech import MAX_INSTRUCTION_CHARS  # noqa: E402
 
 NAME = CHINESE_NAME
 JSON = {"content-type": "application/json"}

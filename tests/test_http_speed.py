@@ -13,7 +13,7 @@ from test_http import BackgroundServer, httpx
 from test_server_speed import InstructEngine, SpeedEngine
 
 from engine.family import DESCRIBED_SPEAKER
-from wyoming_cosyvoice.speaker_presets import STYLES
+from wyoming_cosyvoice.voices.presets import STYLES
 
 FIXED = {"server.profile": "realtime"}
 _NUMBERS = itertools.count()

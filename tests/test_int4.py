@@ -314,7 +314,7 @@ def test_where_int4_is_fast_the_lm_runs_int4(monkeypatch: pytest.MonkeyPatch) ->
 
 def test_the_lm_weights_setting_chooses_the_int4_lm() -> None:
     from wyoming_cosyvoice.config import load_config
-    from wyoming_cosyvoice.model import load_options
+    from wyoming_cosyvoice.models.model import load_options
 
     config = load_config(None, [("server.lm_weights", "int4")])
     options = load_options(config)

@@ -24,9 +24,10 @@ import pytest
 import scipy.signal
 from conftest import TINY_MODEL, FakeEngine, fake_server, synthesize, until
 
-from wyoming_cosyvoice import addon
 from wyoming_cosyvoice.config import ConfigError, load_config
-from wyoming_cosyvoice.loudness import (
+from wyoming_cosyvoice.home_assistant import addon
+from wyoming_cosyvoice.voices.catalog import Voice
+from wyoming_cosyvoice.voices.loudness import (
     CEILING_DBFS,
     MAX_STEP_DB,
     PeakLimiter,
@@ -39,7 +40,6 @@ from wyoming_cosyvoice.loudness import (
     k_weighted,
     k_weighting,
 )
-from wyoming_cosyvoice.voice_catalog import Voice
 
 RATE = 22050
 TARGET = -18.0
@@ -243,7 +243,7 @@ def voices_dir(tmp_path: Path) -> Path:
 async def voices_server(voices_dir: Path, overrides: dict[str, Any] | None = None
                         ) -> AsyncIterator[SimpleNamespace]:  # fmt: skip
     """The real server with the recording engine and its custom voices offered."""
-    from wyoming_cosyvoice.custom_voices import CustomVoices
+    from wyoming_cosyvoice.custom_voices.folder import CustomVoices
 
     def engine(path: Path, threads: int | None) -> RecordingEngine:
         return RecordingEngine(path, threads, {"drifting": -6.0})
@@ -399,7 +399,7 @@ def test_sentences_ending_together_are_measured_on_one_thread_of_their_own(
     the same time (a long-running server's thread count stays where the warm-up left it)."""
     import threading
 
-    import wyoming_cosyvoice.loudness as module
+    import wyoming_cosyvoice.voices.loudness as module
 
     threads: set[str] = set()
     measure = module.block_powers

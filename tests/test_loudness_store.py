@@ -26,8 +26,8 @@ from test_loudness import (
     write_wav,
 )
 
-from wyoming_cosyvoice.loudness import LEVELS_DIR, STORE_FORMAT, LevelStore, VoiceLevels
-from wyoming_cosyvoice.voice_catalog import Voice
+from wyoming_cosyvoice.voices.catalog import Voice
+from wyoming_cosyvoice.voices.loudness import LEVELS_DIR, STORE_FORMAT, LevelStore, VoiceLevels
 
 
 class LoudEngine(FakeEngine):
@@ -80,7 +80,7 @@ def test_a_corrupt_file_is_learnt_again_and_replaced(
     path = store_file(tmp_path)
     path.parent.mkdir()
     path.write_bytes(content)
-    with caplog.at_level(logging.WARNING, "wyoming_cosyvoice.loudness"):
+    with caplog.at_level(logging.WARNING, "wyoming_cosyvoice.voices.loudness"):
         gains = asyncio.run(gains_of_requests(tmp_path, 1))[0]
     assert gains[0] == pytest.approx(0.0, abs=1e-3)  # nothing usable was read
     assert np.diff(gains) == pytest.approx([-MAX_STEP_DB] * 3, abs=0.01)  # learnt as new
@@ -92,7 +92,7 @@ def test_an_unwritable_data_directory_costs_only_the_saving(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     store_file(tmp_path).parent.write_text("a file where the folder would be")
-    with caplog.at_level(logging.WARNING, "wyoming_cosyvoice.loudness"):
+    with caplog.at_level(logging.WARNING, "wyoming_cosyvoice.voices.loudness"):
         first, second = asyncio.run(gains_of_requests(tmp_path, 2))
     assert second == pytest.approx([TARGET - (-8.2)] * len(SENTENCES), abs=0.5)
     assert caplog.text.count("Cannot save the voice levels") == 1

@@ -22,7 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from test_http import RATE, BackgroundServer
 
 from engine.core.types import SynthesisCancelled
-from wyoming_cosyvoice.metrics import ServerMetrics, SpeechReport, speech_outcome
+from wyoming_cosyvoice.pipeline.metrics import ServerMetrics, SpeechReport, speech_outcome
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 

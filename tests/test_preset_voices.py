@@ -19,9 +19,9 @@ import yaml
 from test_server_speed import FIXED, CosyVoice2Engine, SpeedEngine, describe
 
 from engine.family import INSTRUCT2
-from wyoming_cosyvoice import addon
 from wyoming_cosyvoice.config import ConfigError, load_config, packaged_settings
-from wyoming_cosyvoice.speaker_presets import SPEEDS, STYLES, is_preset_name
+from wyoming_cosyvoice.home_assistant import addon
+from wyoming_cosyvoice.voices.presets import SPEEDS, STYLES, is_preset_name
 
 TEXT = "The washing machine has finished."
 

@@ -66,7 +66,7 @@ def test_wyoming_requests_run_the_profile_the_weights_were_loaded_for(
     wy: SimpleNamespace, profile: str, steps: int, guidance: float
 ) -> None:
     from wyoming_cosyvoice.config import load_config
-    from wyoming_cosyvoice.model import engine_loader
+    from wyoming_cosyvoice.models.model import engine_loader
 
     async def main() -> list[Any]:
         engine = lambda p, t: OptionsEngine(p, t)  # noqa: E731

@@ -69,10 +69,10 @@ class V2Server(BackgroundServer):
 
     async def _start(self) -> None:
         from wyoming_cosyvoice.config import load_config
-        from wyoming_cosyvoice.custom_voices import CustomVoices
+        from wyoming_cosyvoice.custom_voices.folder import CustomVoices
         from wyoming_cosyvoice.http import start_http
-        from wyoming_cosyvoice.model import resolve_model_dir
-        from wyoming_cosyvoice.server import create_server
+        from wyoming_cosyvoice.models.model import resolve_model_dir
+        from wyoming_cosyvoice.wyoming.server import create_server
 
         config = load_config(None, self.settings.items())
         self.config = dataclasses.replace(config, force_tokens=TOKENS)
@@ -119,7 +119,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SimpleNamespace
     logger.addHandler(handler)
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(logger, "level", logging.INFO)
-        patch.setattr("wyoming_cosyvoice.builtin_voices.SPEAKING_OPTIONS", QUICK_V1)
+        patch.setattr("wyoming_cosyvoice.models.builtin_voices.SPEAKING_OPTIONS", QUICK_V1)
         try:
             with V2Server(
                 # these tests watch what reaches the engine: no replays from the repeat cache
@@ -184,10 +184,10 @@ def test_an_unfinished_voices_folder_is_finished_on_the_next_start(
     server: SimpleNamespace, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from engine.family import family_named
-    from wyoming_cosyvoice.builtin_voices import make_missing_voices
     from wyoming_cosyvoice.config import load_config
+    from wyoming_cosyvoice.models.builtin_voices import make_missing_voices
 
-    monkeypatch.setattr("wyoming_cosyvoice.builtin_voices.SPEAKING_OPTIONS", QUICK_V1)
+    monkeypatch.setattr("wyoming_cosyvoice.models.builtin_voices.SPEAKING_OPTIONS", QUICK_V1)
     data = data_dir(tmp_path, with_v1=True)
     folder = data / BUILTIN_VOICES_DIR
     shutil.copytree(server.data / BUILTIN_VOICES_DIR, folder)
@@ -211,7 +211,7 @@ def test_describe_lists_the_voices_before_and_after_the_load(
     from wyoming.event import Event
     from wyoming.info import Info
 
-    from wyoming_cosyvoice.model import speakers_before_load
+    from wyoming_cosyvoice.models.model import speakers_before_load
 
     async def describe() -> Info:
         async with wy.connect(server.port) as client:
@@ -362,7 +362,7 @@ def test_voice_caches_are_named_per_family(tmp_path: Path) -> None:
     from engine.family import family_named
     from engine.prompt.recipe import COSYVOICE1
     from wyoming_cosyvoice.config import load_config
-    from wyoming_cosyvoice.custom_voices import prompt_model_files, voice_model_name
+    from wyoming_cosyvoice.custom_voices.folder import prompt_model_files, voice_model_name
 
     assert family_named("cosyvoice").prompt_cache_suffix == COSYVOICE1.cache_suffix
     assert family_named("cosyvoice2").prompt_cache_suffix == COSYVOICE2.cache_suffix
@@ -388,7 +388,7 @@ def test_the_synthesize_command_writes_24_khz(server: SimpleNamespace, tmp_path:
 def test_a_fast_profile_loads_cosyvoice2_in_its_weight_formats(tmp_path: Path) -> None:
     from engine.core.cpu import detect
     from wyoming_cosyvoice.config import load_config
-    from wyoming_cosyvoice.model import engine_loader
+    from wyoming_cosyvoice.models.model import engine_loader
 
     data = data_dir(tmp_path, with_v1=False)
     settings = [("server.profile", "fastest"), ("server.offline", True),

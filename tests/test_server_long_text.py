@@ -22,7 +22,7 @@ import pytest
 from conftest import TINY_MODEL, FakeEngine, SimpleSplitter, event_bytes, free_port, read_until
 from wyoming.event import Event
 
-from wyoming_cosyvoice import sentences as sentences_module
+from wyoming_cosyvoice.pipeline import sentences as sentences_module
 
 LIMIT = 20_000  # the documented size of a long announcement: the default limit holds it
 
@@ -83,7 +83,7 @@ def progress(monkeypatch: pytest.MonkeyPatch) -> Progress:
 async def long_text_server(progress: Progress, **overrides: Any) -> AsyncIterator[Any]:
     """The real Wyoming server with the default limits (only the port and warm-up set)."""
     from wyoming_cosyvoice.config import load_config
-    from wyoming_cosyvoice.server import create_server
+    from wyoming_cosyvoice.wyoming.server import create_server
 
     port = free_port()
     settings = {"server.uri": f"tcp://127.0.0.1:{port}", "server.warmup": False, **overrides}

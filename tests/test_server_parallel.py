@@ -11,7 +11,7 @@ import torch
 from fake_surface import FakeSurface
 
 from engine.core import thread_budget
-from wyoming_cosyvoice.scheduler import _Slots
+from wyoming_cosyvoice.pipeline.scheduler import _Slots
 
 
 def run(coro):
@@ -129,7 +129,7 @@ def test_sentences_side_by_side_share_the_cores_and_one_alone_gets_them_all(
 
 
 def test_only_the_first_slot_runs_a_sentence_on_every_core() -> None:
-    from wyoming_cosyvoice.scheduler import Scheduler
+    from wyoming_cosyvoice.pipeline.scheduler import Scheduler
 
     async def main() -> list[int | None]:
         host = Scheduler(
@@ -169,7 +169,7 @@ def test_an_explicit_thread_count_is_kept_with_parallel_sentences(wy: SimpleName
 
 def test_an_exclusive_job_waits_for_every_running_sentence(wy: SimpleNamespace) -> None:
     from engine.core.types import SynthesisOptions
-    from wyoming_cosyvoice.scheduler import Scheduler
+    from wyoming_cosyvoice.pipeline.scheduler import Scheduler
 
     async def main() -> list[bool]:
         engine = wy.FakeEngine("model", None, delay=0.02)

@@ -15,8 +15,8 @@ from conftest import FakeEngine, until
 from wyoming.event import Event
 from wyoming.info import Describe
 
-from wyoming_cosyvoice import prepared_phrases
 from wyoming_cosyvoice.config import ConfigError, load_config
+from wyoming_cosyvoice.pipeline import prepared_phrases
 
 
 def run(coro: Any) -> Any:
@@ -139,8 +139,8 @@ def test_prepare_phrases_is_a_list_of_texts(value: Any, problem: str | None) -> 
 
 
 def test_the_add_on_options_reach_the_cache_settings() -> None:
-    from wyoming_cosyvoice import addon
     from wyoming_cosyvoice.__main__ import build_parser, config_from_args
+    from wyoming_cosyvoice.home_assistant import addon
 
     def config_of(options: dict[str, Any]) -> Any:
         args = addon.options_to_args(options)  # a missing option is the server's default

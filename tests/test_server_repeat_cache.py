@@ -17,8 +17,8 @@ from conftest import FakeEngine
 
 from engine.core.types import AudioChunk, SynthesisOptions
 from engine.family import DESCRIBED_SPEAKER
-from wyoming_cosyvoice.repeat_cache import RepeatCache
-from wyoming_cosyvoice.voice_catalog import Voice, VoiceCatalog
+from wyoming_cosyvoice.pipeline.repeat_cache import RepeatCache
+from wyoming_cosyvoice.voices.catalog import Voice, VoiceCatalog
 
 
 def run(coro: Any) -> Any:

@@ -22,7 +22,7 @@ from wyoming.info import Describe, Info
 
 from engine.core.types import AudioChunk
 from engine.family import DESCRIBED_SPEAKER, INSTRUCT2
-from wyoming_cosyvoice.speaker_presets import SPEEDS, STYLES
+from wyoming_cosyvoice.voices.presets import SPEEDS, STYLES
 
 STYLE_NAMES = list(STYLES)
 # A fixed profile: what these tests check does not depend on the profile a request gets.
@@ -273,7 +273,7 @@ def test_describe_then_speak_with_every_listed_speaker(wy: Any) -> None:
     ],
 )
 def test_preset_names(name: str, expected: tuple[float | None, str | None] | None) -> None:
-    from wyoming_cosyvoice.speaker_presets import find_preset
+    from wyoming_cosyvoice.voices.presets import find_preset
 
     preset = find_preset(name, DESCRIBED_SPEAKER)
     assert (None if preset is None else (preset.speed, preset.style)) == expected
@@ -289,7 +289,7 @@ def test_the_servers_speed_is_checked() -> None:
 
 
 def test_the_addon_speed_option_sets_the_servers_speed() -> None:
-    from wyoming_cosyvoice import addon
+    from wyoming_cosyvoice.home_assistant import addon
 
     assert "server.speed=0.8" in addon.options_to_args({"speed": 0.8})
     assert not any("server.speed" in arg for arg in addon.options_to_args({"speed": 1.0}))

@@ -50,7 +50,7 @@ class RecordingEngine(FakeSurface):
 def test_streamed_fragments_are_cut_by_the_frontends_splitter(wy: SimpleNamespace) -> None:
     from engine.cosyvoice1.engine import CosyVoiceEngine
     from wyoming_cosyvoice.config import load_config
-    from wyoming_cosyvoice.server import create_server
+    from wyoming_cosyvoice.wyoming.server import create_server
 
     engines: list[RecordingEngine] = []
 

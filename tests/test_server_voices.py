@@ -35,10 +35,10 @@ from conftest import terminate
 from wyoming.info import Describe, Info
 
 from engine.family import DESCRIBED_SPEAKER
-from wyoming_cosyvoice.custom_voices import folder_fingerprint
+from wyoming_cosyvoice.custom_voices.folder import folder_fingerprint
 from wyoming_cosyvoice.errors import LimitExceededError
-from wyoming_cosyvoice.speech import split_instruction
-from wyoming_cosyvoice.voice_catalog import ALL_LANGUAGES, VoiceCatalog
+from wyoming_cosyvoice.pipeline.speech import split_instruction
+from wyoming_cosyvoice.voices.catalog import ALL_LANGUAGES, VoiceCatalog
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT / "tests" / "data"

@@ -12,7 +12,7 @@ from typing import Any
 
 from conftest import NAMESPACE_LAN_ADDRESS, run_python_in_network_namespace
 
-from wyoming_cosyvoice.zeroconf import advertised_address
+from wyoming_cosyvoice.wyoming.zeroconf import advertised_address
 
 PROBE = Path(__file__).with_name("zeroconf_probe.py")
 

@@ -19,9 +19,14 @@ from conftest import TINY_MODEL, FakeEngine, until
 from engine.core.types import AudioChunk, EngineError, SynthesisCancelled
 from engine.text.normalize import detect_language
 from wyoming_cosyvoice.config import load_config
-from wyoming_cosyvoice.scheduler import Scheduler
-from wyoming_cosyvoice.sentences import SentenceStream, make_splitter, split_text, text_language
-from wyoming_cosyvoice.speech import (
+from wyoming_cosyvoice.pipeline.scheduler import Scheduler
+from wyoming_cosyvoice.pipeline.sentences import (
+    SentenceStream,
+    make_splitter,
+    split_text,
+    text_language,
+)
+from wyoming_cosyvoice.pipeline.speech import (
     Audio,
     ClientStalledError,
     SentenceEnd,

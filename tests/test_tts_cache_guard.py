@@ -22,9 +22,9 @@ from conftest import TINY_MODEL, fake_server, terminate
 from test_loudness import RecordingEngine, speechlike, write_wav
 from voice_maker_helpers import StandInHomeAssistant
 
-from wyoming_cosyvoice import home_assistant
-from wyoming_cosyvoice.custom_voices import CustomVoices
-from wyoming_cosyvoice.tts_cache_guard import STATE_FILE, TtsCacheGuard
+from wyoming_cosyvoice.custom_voices.folder import CustomVoices
+from wyoming_cosyvoice.home_assistant import supervisor as home_assistant
+from wyoming_cosyvoice.home_assistant.tts_cache_guard import STATE_FILE, TtsCacheGuard
 
 ROOT = Path(__file__).resolve().parents[1]
 CLEAR = "/api/services/tts/clear_cache"
@@ -34,7 +34,8 @@ LAUNCHER = """
 import sys
 sys.path.insert(0, "tests")
 from conftest import FakeEngine
-from wyoming_cosyvoice import home_assistant, model
+from wyoming_cosyvoice.home_assistant import supervisor as home_assistant
+from wyoming_cosyvoice.models import model
 from wyoming_cosyvoice.__main__ import main
 home_assistant.SUPERVISOR_CORE_API = sys.argv[1]
 model.engine_loader = lambda config: FakeEngine

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from voice_signals import float_wav_bytes, speech_like, wav_bytes, white_noise
 
-from wyoming_cosyvoice.voice_check import (
+from wyoming_cosyvoice.custom_voices.voice_check import (
     MAX_CLIPPED_PERCENT,
     MIN_SNR_DB,
     MIN_SPEECH_DBFS,

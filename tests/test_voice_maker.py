@@ -35,7 +35,7 @@ from voice_signals import speech_like, wav_bytes, white_noise
 from wyoming.client import AsyncTcpClient
 from wyoming.info import Describe, Info
 
-from wyoming_cosyvoice import home_assistant
+from wyoming_cosyvoice.home_assistant import supervisor as home_assistant
 from wyoming_cosyvoice.http import voice_maker
 
 TRANSCRIPT = "Hello, this is my voice for the kitchen speaker."

@@ -31,7 +31,7 @@ from test_voice_maker import describe, voice_server
 from voice_maker_helpers import WYOMING_ENTRIES, StandInHomeAssistant, StandInStt
 from voice_signals import speech_like, wav_bytes, white_noise
 
-from wyoming_cosyvoice import home_assistant
+from wyoming_cosyvoice.home_assistant import supervisor as home_assistant
 
 pytestmark = [pytest.mark.browser, pytest.mark.long]
 PREFIX = "/api/hassio_ingress/3f6c2a9b7d"

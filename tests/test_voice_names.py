@@ -1,6 +1,6 @@
 """Voice names: what a new voice may be called and when two names are one voice, through the
 real server of each family (the page's voice maker, the voices folder, Wyoming and HTTP), and
-the comparison rule itself (wyoming_cosyvoice.voice_names).
+the comparison rule itself (wyoming_cosyvoice.voices.names).
 
 Home Assistant lists voices by name: two that look the same cannot be told apart there, so a
 look-alike of a voice's name is that voice's name.
@@ -20,7 +20,7 @@ from conftest import synthesize  # noqa: E402
 from http_process import FULL_WIDTH, LOOK_ALIKE, ServerProcess  # noqa: E402
 from voice_signals import speech_like, wav_bytes  # noqa: E402
 
-from wyoming_cosyvoice.voice_names import BadVoiceName, check_name, name_key  # noqa: E402
+from wyoming_cosyvoice.voices.names import BadVoiceName, check_name, name_key  # noqa: E402
 
 GOOD = base64.b64encode(wav_bytes(speech_like(5.0, 24000), 24000)).decode()
 TRANSCRIPT = "Hello, this is my voice for the kitchen speaker."

@@ -34,7 +34,7 @@ from engine.core.types import (
     StreamSchedule,
     SynthesisOptions,
 )
-from wyoming_cosyvoice.speaker_presets import SPEEDS, STYLES, is_preset_name
+from wyoming_cosyvoice.voices.presets import SPEEDS, STYLES, is_preset_name
 
 SETTINGS_FILE = "settings.yaml"  # in this package: the defaults every other layer overrides
 LM_WEIGHTS = ("int8", "int4", "fp32")
@@ -85,7 +85,7 @@ AUTO_PROFILE = "auto"
 
 @dataclass(frozen=True)
 class AutoSettings:
-    """How the ``auto`` profile chooses (wyoming_cosyvoice.auto_profile)."""
+    """How the ``auto`` profile chooses (wyoming_cosyvoice.auto.profile)."""
 
     first_audio_s: float  # the first audio a request should get within
     profiles: tuple[str, ...]  # what it chooses from, the most exact first

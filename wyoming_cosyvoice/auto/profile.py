@@ -36,8 +36,8 @@ from typing import Any
 from engine.api import Engine, StreamGeometry
 from engine.core.stage_times import flow_passes
 from engine.core.start_policy import estimate_speech_seconds
+from wyoming_cosyvoice.auto.stage_costs import CostMeter, StageCosts
 from wyoming_cosyvoice.config import AutoSettings, ProfileConfig
-from wyoming_cosyvoice.stage_costs import CostMeter, StageCosts
 
 _LOGGER = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ are skipped with a message; the server keeps running whatever the folder holds.
 
 Per request, Wyoming's ``voice.speaker`` carries an instruction for the -Instruct model and
 CosyVoice2 (instruct2, with any voice) when it names no voice (see
-:func:`wyoming_cosyvoice.speech.split_instruction` and docs/custom-voices.md).
+:func:`wyoming_cosyvoice.pipeline.speech.split_instruction` and docs/custom-voices.md).
 """
 
 from __future__ import annotations
@@ -37,10 +37,10 @@ from typing import TYPE_CHECKING, Any
 from engine.api import Engine
 from engine.family import PROMPT_CACHE_ENDING
 from wyoming_cosyvoice.config import ServerConfig
-from wyoming_cosyvoice.scheduler import Scheduler
-from wyoming_cosyvoice.tts_cache_guard import TtsCacheGuard, voice_files_identity
-from wyoming_cosyvoice.voice_catalog import VoiceCatalog, describe_custom_voice
-from wyoming_cosyvoice.voice_names import name_key
+from wyoming_cosyvoice.home_assistant.tts_cache_guard import TtsCacheGuard, voice_files_identity
+from wyoming_cosyvoice.pipeline.scheduler import Scheduler
+from wyoming_cosyvoice.voices.catalog import VoiceCatalog, describe_custom_voice
+from wyoming_cosyvoice.voices.names import name_key
 
 if TYPE_CHECKING:
     from engine.prompt.voices import ScanResult
@@ -56,7 +56,7 @@ _NEVER = object()  # no fingerprint taken yet: the first check always scans
 def voice_model_name(config: ServerConfig, model_dir: Path) -> str:
     """The model whose repository completes ``model_dir`` with its prompt models: the
     configured one, unless the directory (``--model-dir``) is of another family."""
-    from wyoming_cosyvoice.model import family_at
+    from wyoming_cosyvoice.models.model import family_at
 
     family = family_at(model_dir)
     return config.model if config.model in family.models else family.base_model
@@ -64,7 +64,7 @@ def voice_model_name(config: ServerConfig, model_dir: Path) -> str:
 
 def prompt_model_files(model_dir: Path) -> tuple[str, ...]:
     """The ONNX files voices of ``model_dir``'s family are extracted with."""
-    from wyoming_cosyvoice.model import family_at
+    from wyoming_cosyvoice.models.model import family_at
 
     return family_at(model_dir).prompt_model_files
 
@@ -132,7 +132,7 @@ class CustomVoices:
         self.tts_cache = tts_cache  # told what each offered voice is made of, after a scan
         self.config, self.scheduler, self.model_dir = config, scheduler, model_dir
         self.voices_dir = config.voices_dir
-        from wyoming_cosyvoice.model import family_at
+        from wyoming_cosyvoice.models.model import family_at
 
         family = family_at(model_dir)
         self.model_name = voice_model_name(config, model_dir)
@@ -224,7 +224,11 @@ class CustomVoices:
 
     async def _fetch_prompt_models(self, waiting: list[str]) -> bool:
         """Download the ONNX prompt models into the model dir; False (and logged) if impossible."""
-        from wyoming_cosyvoice.download import DownloadError, ModelNotFoundError, ensure_extra_files
+        from wyoming_cosyvoice.models.download import (
+            DownloadError,
+            ModelNotFoundError,
+            ensure_extra_files,
+        )
 
         names = ", ".join(waiting)
         failed = self._download_failed_at

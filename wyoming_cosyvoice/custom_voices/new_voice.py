@@ -1,5 +1,5 @@
 """A new voice written into the voices folder: its transcript and its two files (its name is
-checked by :mod:`wyoming_cosyvoice.voice_names`).
+checked by :mod:`wyoming_cosyvoice.voices.names`).
 
 The folder's format is the one users fill by hand (docs/custom-voices.md): ``NAME.wav`` and
 ``NAME.txt``. Each file is written to a dot-file first (scans ignore those) and then renamed into
@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 
 from engine.prompt.validate import MAX_TRANSCRIPT_CHARS
-from wyoming_cosyvoice.voice_names import name_key
+from wyoming_cosyvoice.voices.names import name_key
 
 
 class BadTranscript(ValueError):
@@ -37,7 +37,7 @@ def check_transcript(text: str) -> str:
 
 def file_of_voice(folder: Path, name: str) -> str | None:
     """A file of the folder that belongs to a voice called ``name`` (first), or to a name that
-    looks the same (:func:`~wyoming_cosyvoice.voice_names.name_key`), or None."""
+    looks the same (:func:`~wyoming_cosyvoice.voices.names.name_key`), or None."""
     wanted = name_key(name)
     try:
         names = sorted(p.name for p in folder.iterdir() if not p.name.startswith("."))

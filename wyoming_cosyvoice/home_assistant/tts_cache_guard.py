@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from wyoming_cosyvoice.config import ServerConfig
-from wyoming_cosyvoice.home_assistant import HomeAssistantApi, HomeAssistantError
+from wyoming_cosyvoice.home_assistant.supervisor import HomeAssistantApi, HomeAssistantError
 
 _LOGGER = logging.getLogger(__name__)
 

@@ -27,7 +27,7 @@ from engine.api import Engine, TakesVoices
 from engine.core.types import SynthesisOptions
 from engine.family import Family
 from wyoming_cosyvoice.config import ServerConfig
-from wyoming_cosyvoice.download import (
+from wyoming_cosyvoice.models.download import (
     DownloadError,
     ModelNotFoundError,
     ensure_extra_files,

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine.family import FAMILIES, Family
-from wyoming_cosyvoice import addon
+from wyoming_cosyvoice.home_assistant import addon
 
 _LOGGER = logging.getLogger(__name__)
 

@@ -14,12 +14,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from engine.api import Engine
-from wyoming_cosyvoice.auto_profile import AutoProfile
+from wyoming_cosyvoice.auto.profile import AutoProfile
+from wyoming_cosyvoice.auto.stage_costs import CostMeter, free_cores_now
 from wyoming_cosyvoice.config import ServerConfig
-from wyoming_cosyvoice.loudness import LEVELS_DIR, LevelStore, VoiceLevels
-from wyoming_cosyvoice.repeat_cache import RepeatCache
-from wyoming_cosyvoice.scheduler import EngineFactory, Scheduler
-from wyoming_cosyvoice.stage_costs import CostMeter, free_cores_now
+from wyoming_cosyvoice.pipeline.repeat_cache import RepeatCache
+from wyoming_cosyvoice.pipeline.scheduler import EngineFactory, Scheduler
+from wyoming_cosyvoice.voices.loudness import LEVELS_DIR, LevelStore, VoiceLevels
 
 if TYPE_CHECKING:
     from engine.family import Family
@@ -31,7 +31,7 @@ def resolve_model_dir(config: ServerConfig) -> Path:
     """--model-dir as given (checked), else found in the data dirs or downloaded."""
     from engine.core.types import ModelLoadError
     from engine.family import model_family
-    from wyoming_cosyvoice.download import ModelNotFoundError, ensure_model, missing_files
+    from wyoming_cosyvoice.models.download import ModelNotFoundError, ensure_model, missing_files
 
     if config.model_dir is not None:
         if not config.model_dir.is_dir():
@@ -149,7 +149,7 @@ def load_with_voices(
     family = family_at(model_dir)
     if family.voices_from is None:
         return load_cosyvoice(model_dir, threads, **load_options)
-    from wyoming_cosyvoice.builtin_voices import add_builtin_voices, make_missing_voices
+    from wyoming_cosyvoice.models.builtin_voices import add_builtin_voices, make_missing_voices
 
     make_missing_voices(model_dir, family, config, cache_dir=engine_cache_dir(config))
     engine = load_cosyvoice(model_dir, threads, **load_options)
@@ -205,7 +205,7 @@ def voice_levels(config: ServerConfig, model_dir: Path) -> VoiceLevels:
     custom voices folder and the folder of built-in voices made from recordings (CosyVoice2).
     What is learnt is kept per model in ``<download dir>/voice-levels/`` if that dir exists (a
     state file must not create a data dir of its own)."""
-    from wyoming_cosyvoice.builtin_voices import builtin_voices_dir
+    from wyoming_cosyvoice.models.builtin_voices import builtin_voices_dir
 
     folders = (config.voices_dir, builtin_voices_dir(config, family_at(model_dir)))
     data = config.effective_download_dir
@@ -218,7 +218,7 @@ def speakers_before_load(config: ServerConfig, model_dir: Path) -> list[str] | N
     voices already made of a family whose models ship none (CosyVoice2)."""
     family = family_at(model_dir)
     if family.voices_from is not None:
-        from wyoming_cosyvoice.builtin_voices import builtin_voices_dir, cached_voice_names
+        from wyoming_cosyvoice.models.builtin_voices import builtin_voices_dir, cached_voice_names
 
         return cached_voice_names(builtin_voices_dir(config, family), family) or None
     return peek_speakers(model_dir)

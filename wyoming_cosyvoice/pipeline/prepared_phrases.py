@@ -18,9 +18,9 @@ import logging
 from engine.core.types import EngineError, SynthesisCancelled
 from wyoming_cosyvoice.config import ServerConfig
 from wyoming_cosyvoice.errors import ClientError
-from wyoming_cosyvoice.scheduler import Scheduler
-from wyoming_cosyvoice.sentences import SplitterFactory, iter_sentences, opening_language
-from wyoming_cosyvoice.speech import Audio, Speech, SpeechSettings, VoiceChoice
+from wyoming_cosyvoice.pipeline.scheduler import Scheduler
+from wyoming_cosyvoice.pipeline.sentences import SplitterFactory, iter_sentences, opening_language
+from wyoming_cosyvoice.pipeline.speech import Audio, Speech, SpeechSettings, VoiceChoice
 
 _LOGGER = logging.getLogger(__name__)
 

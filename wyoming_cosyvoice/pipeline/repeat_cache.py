@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from engine.core.types import AudioChunk, SynthesisOptions
-from wyoming_cosyvoice.voice_catalog import Voice
+from wyoming_cosyvoice.voices.catalog import Voice
 
 REPLAY_PIECE_S = 0.5  # a stored sentence is handed out in pieces of this length
 

@@ -27,13 +27,13 @@ from engine.core.constants import SAMPLE_RATE
 from engine.core.text_feed import TextFeed
 from engine.core.types import AudioChunk, SynthesisCancelled, SynthesisOptions
 from wyoming_cosyvoice.errors import ServerBusyError
-from wyoming_cosyvoice.loudness import VoiceLevels
-from wyoming_cosyvoice.metrics import ServerMetrics
-from wyoming_cosyvoice.repeat_cache import RepeatCache
-from wyoming_cosyvoice.voice_catalog import VoiceCatalog
+from wyoming_cosyvoice.pipeline.metrics import ServerMetrics
+from wyoming_cosyvoice.pipeline.repeat_cache import RepeatCache
+from wyoming_cosyvoice.voices.catalog import VoiceCatalog
+from wyoming_cosyvoice.voices.loudness import VoiceLevels
 
 if TYPE_CHECKING:
-    from wyoming_cosyvoice.auto_profile import AutoProfile
+    from wyoming_cosyvoice.auto.profile import AutoProfile
     from wyoming_cosyvoice.config import ProfileConfig
 
 _LOGGER = logging.getLogger(__name__)

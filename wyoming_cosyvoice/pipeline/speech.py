@@ -42,12 +42,12 @@ from engine.core.types import AudioChunk, EngineError, SynthesisCancelled, Synth
 from engine.text.normalize import detect_language
 from wyoming_cosyvoice.config import AUTO_PROFILE, Limits, ProfileConfig
 from wyoming_cosyvoice.errors import LimitExceededError, VoiceNotFoundError
-from wyoming_cosyvoice.loudness import SentenceLevel
-from wyoming_cosyvoice.metrics import SpeechReport, speech_outcome
-from wyoming_cosyvoice.scheduler import Scheduler
-from wyoming_cosyvoice.sentences import Sentence
-from wyoming_cosyvoice.speaker_presets import split_preset, with_presets
-from wyoming_cosyvoice.voice_catalog import Voice, VoiceCatalog
+from wyoming_cosyvoice.pipeline.metrics import SpeechReport, speech_outcome
+from wyoming_cosyvoice.pipeline.scheduler import Scheduler
+from wyoming_cosyvoice.pipeline.sentences import Sentence
+from wyoming_cosyvoice.voices.catalog import Voice, VoiceCatalog
+from wyoming_cosyvoice.voices.loudness import SentenceLevel
+from wyoming_cosyvoice.voices.presets import split_preset, with_presets
 
 _LOGGER = logging.getLogger(__name__)
 

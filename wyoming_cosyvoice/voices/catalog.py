@@ -20,7 +20,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from wyoming_cosyvoice.errors import VoiceNotFoundError
-from wyoming_cosyvoice.voice_names import name_key
+from wyoming_cosyvoice.voices.names import name_key
 
 # prefix of an official speaker name -> (slug prefix, HA languages, English label)
 _LANGUAGE_PREFIXES = {
@@ -115,7 +115,7 @@ class VoiceCatalog:
 
     def find(self, name: str) -> Voice | None:
         """A voice by its ASCII name or by the original speaker name, or by a name that looks
-        the same (:func:`~wyoming_cosyvoice.voice_names.name_key`: any case, any Unicode form)."""
+        the same (:func:`~wyoming_cosyvoice.voices.names.name_key`: any case, any Unicode form)."""
         return self._by_key.get(name_key(name))
 
     def for_language(self, language: str) -> Voice | None:

@@ -43,7 +43,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from wyoming_cosyvoice.voice_catalog import Voice
+from wyoming_cosyvoice.voices.catalog import Voice
 
 T = TypeVar("T")
 

@@ -16,7 +16,7 @@ is how a call asks for a speed or a style:
 
 A speaker that names a preset is that preset, even where a voice has the same name; any other
 speaker keeps its meaning (a voice's name, or a free-text instruction:
-:func:`wyoming_cosyvoice.speech.split_instruction`).
+:func:`wyoming_cosyvoice.pipeline.speech.split_instruction`).
 
 Home Assistant's voice pickers (an Assist pipeline's voice, the media browser) show voices
 only, never their speakers, and it drops ``speaker`` from a call without ``voice``. So a voice
@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 from engine.family import DESCRIBED_SPEAKER, INSTRUCT2, instruct_models
 from wyoming_cosyvoice.errors import VoiceNotFoundError
-from wyoming_cosyvoice.voice_catalog import VoiceCatalog
+from wyoming_cosyvoice.voices.catalog import VoiceCatalog
 
 SPEEDS = {"slow": 0.8, "normal": 1.0, "fast": 1.25}
 # style -> instruction, in each form a model reads one (engine.api: its instruction_form)

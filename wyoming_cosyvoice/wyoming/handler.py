@@ -48,9 +48,8 @@ from wyoming_cosyvoice.errors import (
     TextError,
     VoiceNotFoundError,
 )
-from wyoming_cosyvoice.protocol import event_text, event_voice, read_event
-from wyoming_cosyvoice.scheduler import Scheduler, speaks_growing
-from wyoming_cosyvoice.sentences import (
+from wyoming_cosyvoice.pipeline.scheduler import Scheduler, speaks_growing
+from wyoming_cosyvoice.pipeline.sentences import (
     Sentence,
     SentenceStream,
     SplitterFactory,
@@ -58,12 +57,7 @@ from wyoming_cosyvoice.sentences import (
     iter_sentences,
     opening_language,
 )
-from wyoming_cosyvoice.speaker_presets import (
-    listed_presets,
-    preset_voice_name,
-    speaker_names,
-)
-from wyoming_cosyvoice.speech import (
+from wyoming_cosyvoice.pipeline.speech import (
     WIDTH,
     Audio,
     ClientStalledError,
@@ -73,7 +67,13 @@ from wyoming_cosyvoice.speech import (
     SpeechSettings,
     VoiceChoice,
 )
-from wyoming_cosyvoice.voice_catalog import VoiceCatalog
+from wyoming_cosyvoice.voices.catalog import VoiceCatalog
+from wyoming_cosyvoice.voices.presets import (
+    listed_presets,
+    preset_voice_name,
+    speaker_names,
+)
+from wyoming_cosyvoice.wyoming.protocol import event_text, event_voice, read_event
 
 _LOGGER = logging.getLogger(__name__)
 

@@ -1,5 +1,5 @@
-"""The Wyoming listener: one :class:`~wyoming_cosyvoice.handler.EventHandler` per connection,
-over the scheduler that loads the model in the background.
+"""The Wyoming listener: one :class:`~wyoming_cosyvoice.wyoming.handler.EventHandler` per
+connection, over the scheduler that loads the model in the background.
 """
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ from urllib.parse import urlparse
 
 from engine.api import Engine
 from wyoming_cosyvoice.config import ServerConfig
-from wyoming_cosyvoice.handler import ConnectionContext, EventHandler
-from wyoming_cosyvoice.model import load_cosyvoice, scheduler_for_config
-from wyoming_cosyvoice.prepared_phrases import PhrasePreparer
-from wyoming_cosyvoice.scheduler import EngineFactory, Scheduler
-from wyoming_cosyvoice.sentences import SplitterFactory, make_splitter
+from wyoming_cosyvoice.models.model import load_cosyvoice, scheduler_for_config
+from wyoming_cosyvoice.pipeline.prepared_phrases import PhrasePreparer
+from wyoming_cosyvoice.pipeline.scheduler import EngineFactory, Scheduler
+from wyoming_cosyvoice.pipeline.sentences import SplitterFactory, make_splitter
+from wyoming_cosyvoice.wyoming.handler import ConnectionContext, EventHandler
 
 _LOGGER = logging.getLogger(__name__)
 
