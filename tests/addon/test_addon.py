@@ -29,7 +29,7 @@ from typing import Any
 import jsonschema
 import pytest
 import yaml
-from conftest import wait_for_port
+from conftest import DATA, ROOT, wait_for_port
 from lint_tools import tool
 from stand_in_supervisor import StandInSupervisor
 
@@ -43,9 +43,7 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
-ROOT = Path(__file__).resolve().parents[1]
 ADDON = ROOT / "addon"
-DATA = Path(__file__).resolve().parent / "data"
 SCHEMAS = DATA / "schemas"
 HEALTHCHECK = ADDON / "rootfs/usr/local/bin/cosyvoice-healthcheck"
 LANGUAGES = ("en", "zh-Hans")  # zh-Hans: the code HA's frontend uses for Simplified Chinese

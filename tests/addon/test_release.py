@@ -26,6 +26,7 @@ from urllib.parse import quote
 
 import pytest
 import yaml
+from conftest import ROOT
 from lint_tools import tool
 
 try:
@@ -33,7 +34,6 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
-ROOT = Path(__file__).resolve().parents[1]
 ADDON = ROOT / "addon"
 DOCKERFILE = ADDON / "Dockerfile"
 DOCKERIGNORE = ADDON / "Dockerfile.dockerignore"

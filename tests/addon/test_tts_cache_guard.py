@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import TINY_MODEL, fake_server, terminate
+from conftest import ROOT, TINY_MODEL, fake_server, terminate
 from test_loudness import RecordingEngine, speechlike, write_wav
 from voice_maker_helpers import StandInHomeAssistant
 
@@ -26,7 +26,6 @@ from wyoming_cosyvoice.custom_voices.folder import CustomVoices
 from wyoming_cosyvoice.home_assistant import supervisor as home_assistant
 from wyoming_cosyvoice.home_assistant.tts_cache_guard import STATE_FILE, TtsCacheGuard
 
-ROOT = Path(__file__).resolve().parents[1]
 CLEAR = "/api/services/tts/clear_cache"
 # The server's command line, with Home Assistant's API at the stand-in's address (argv[1]) and
 # the conftest's fake engine instead of loading the model.

@@ -29,11 +29,10 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from conftest import ROOT, wait_for_port
 from conftest import event_bytes as header
-from conftest import wait_for_port
 from wyoming.event import async_read_event
 
-ROOT = Path(__file__).resolve().parent.parent
 WAIT_S = 60  # bound on each wait for a subprocess: generous for a busy machine
 LONG = "This sentence is long enough to take a good while to speak out loud, " * 3 + "really."
 

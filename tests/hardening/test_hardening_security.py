@@ -26,13 +26,12 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from conftest import terminate
+from conftest import ROOT, terminate
 from wyoming.event import Event
 
 from wyoming_cosyvoice.home_assistant.tts_cache_guard import STATE_FILE
 from wyoming_cosyvoice.voices.loudness import LEVELS_DIR
 
-ROOT = Path(__file__).resolve().parent.parent
 ZERO_SHOT_WAV = ROOT / "tests" / "data" / "zero_shot" / "prompt16k_pcm16.wav"
 
 

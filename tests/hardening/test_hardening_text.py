@@ -1,7 +1,7 @@
 """Garbage text end to end: real frontend, real engine (tiny model), real server.
 
-The frontend's own garbage list (tests/test_text_frontend.py) sent over Wyoming, whole and
-streamed: every input gives audio or a clear ``error`` event — never a crash, a hang or an
+The frontend's own garbage list (tests/engine_tests/text/test_text_frontend.py) sent over Wyoming,
+whole and streamed: every input gives audio or a clear ``error`` event — never a crash, a hang or an
 exception in the log — and the server keeps serving afterwards. The tiny model has random
 weights, so ``force_tokens`` fixes each sentence's length and keeps the run short.
 """

@@ -31,13 +31,12 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from conftest import terminate
+from conftest import ROOT, terminate
 from wyoming.event import Event
 
 pytestmark = pytest.mark.soak
 
 _LOGGER = logging.getLogger(__name__)
-ROOT = Path(__file__).resolve().parent.parent
 FORCE_TOKENS = 10
 REQUESTS = int(os.environ.get("SOAK_REQUESTS", "200"))
 CLIENTS = int(os.environ.get("SOAK_CLIENTS", "8"))

@@ -8,8 +8,8 @@ import ast
 from pathlib import Path
 
 import pytest
+from conftest import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("engine", "wyoming_cosyvoice")
 
 

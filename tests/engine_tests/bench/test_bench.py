@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import ROOT
 from torch import nn
 
 from engine.bench.__main__ import main as bench_main
@@ -32,7 +33,6 @@ from engine.bench.synthetic import (
 from engine.bench.timers import FIRST_AUDIO_PARTS, StageEvent, StageTimer
 from engine.bench.work import lm_weight_bytes_per_token
 
-ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT / "tests" / "data"
 TINY_MODEL = DATA / "tiny_model"
 

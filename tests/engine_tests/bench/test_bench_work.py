@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import copy
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import DATA
 from torch import nn
 
 from engine.bench.timers import StageTimer
@@ -19,7 +19,7 @@ from engine.bench.work import (
 from engine.core.quantize import quantize_lm_int8
 from engine.cosyvoice1.model_dir import load_model_dir
 
-TINY_MODEL = Path(__file__).resolve().parent / "data" / "tiny_model"
+TINY_MODEL = DATA / "tiny_model"
 
 
 def _read_per_token(llm: nn.Module) -> list[tuple[str, nn.Module]]:

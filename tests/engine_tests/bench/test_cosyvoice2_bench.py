@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import ROOT
 from test_bench import REQUIRED_FIELDS
 
 from engine.bench.synthetic import (
@@ -24,7 +25,6 @@ from engine.bench.timers import FIRST_AUDIO_PARTS
 from engine.bench.work import lm_weight_bytes_per_token
 from engine.cosyvoice2.model_dir import load_model_dir
 
-ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT / "tests" / "data" / "cosyvoice2"
 TINY = DATA / "tiny"
 

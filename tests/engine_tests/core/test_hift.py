@@ -7,10 +7,10 @@ cyclically repeated over the row-major shape and scaled by 1/32 (normals) or 1/2
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import pytest
 import torch
+from conftest import DATA
 from parity import F0_RTOL, HIFT_AUDIO_ATOL, SOURCE_ATOL
 from torch import Tensor
 
@@ -18,7 +18,6 @@ from engine.core.hift import _PHASE_TILE, HiFTGenerator, HiftNoise, _cumulative_
 from engine.core.weight_norm import normalize_hift_state_dict
 from engine.cosyvoice1.hparams import load_model_args
 
-DATA = Path(__file__).parent / "data"
 CASES = ("mel100", "cached_mel70")
 # Stages fed the stored inputs (4x the official spread, tests/data/README.md): the sine source
 # of a stored f0 did not move on any path (8 float32 ulps at its scale of 1), the source's STFT

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import DATA, TESTS
 from safetensors import safe_open
 from teacher_forcing import teacher_forced_logits
 from torch import nn
@@ -45,9 +46,8 @@ from engine.cosyvoice1.engine import CosyVoiceEngine
 from engine.cosyvoice1.hparams import load_model_args
 from engine.cosyvoice1.llm import TransformerLM
 
-DATA = Path(__file__).parent / "data"
 TINY_MODEL = DATA / "tiny_model"
-CPUINFO = Path(__file__).parent / "aarch64"
+CPUINFO = TESTS / "aarch64"
 ON_ARM = platform.machine().lower() in ("aarch64", "arm64")
 # The kernels that must work on this machine: KleidiAI's op (its reference where the wheel has
 # no KleidiAI) everywhere, int4pack on x86.

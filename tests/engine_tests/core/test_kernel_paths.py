@@ -14,14 +14,12 @@ import os
 import platform
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
-from conftest import PARITY_THREADS_ENV
+from conftest import PARITY_THREADS_ENV, TESTS
 from parity import parity_files
 
-TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
 X86 = platform.machine().lower() in ("x86_64", "amd64")
 
@@ -58,9 +56,11 @@ def _run_parity(env_changes: dict[str, str]) -> None:
 
 def test_the_parity_tests_collect_from_the_files_that_mark_them() -> None:
     files = _parity_files()
-    assert "tests/test_cosyvoice2_hift.py" in files and "tests/test_prompt_features.py" in files
-    assert "tests/test_streaming.py" in files  # marks one parameter only
-    assert "tests/test_kernel_paths.py" not in files  # the re-run never runs itself
+    assert "tests/engine_tests/cosyvoice2/test_cosyvoice2_hift.py" in files
+    assert "tests/engine_tests/prompt/test_prompt_features.py" in files
+    assert "tests/engine_tests/cosyvoice1/test_streaming.py" in files  # marks one parameter only
+    # the re-run never runs itself
+    assert "tests/engine_tests/core/test_kernel_paths.py" not in files
 
 
 @pytest.mark.long

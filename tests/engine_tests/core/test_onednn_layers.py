@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ONEDNN_OPS_NEEDED
+from conftest import DATA, ONEDNN_OPS_NEEDED
 from torch import nn
 
 from engine.core.estimator_blocks import TransformerBlock
@@ -22,7 +22,7 @@ from engine.core.onednn_layers import (
 )
 from engine.cosyvoice1.engine import CosyVoiceEngine
 
-TINY = Path(__file__).parent / "data" / "tiny_model"
+TINY = DATA / "tiny_model"
 
 pytestmark = pytest.mark.skipif(
     not (onednn_linear_available() and onednn_conv_available()),

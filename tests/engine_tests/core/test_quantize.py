@@ -3,17 +3,16 @@
 from __future__ import annotations
 
 import copy
-from pathlib import Path
 
 import pytest
 import torch
+from conftest import DATA
 from teacher_forcing import teacher_forced_logits
 
 from engine.core.quantize import next_token_kl, quantize_lm_int8
 from engine.cosyvoice1.hparams import load_model_args
 from engine.cosyvoice1.llm import TransformerLM
 
-DATA = Path(__file__).parent / "data"
 # Mean KL(fp32 || int8) of the next-token distribution over teacher-forced steps. The tiny
 # random model measures ~1e-4 nats; the full-size figure is printed by `python -m engine.bench`.
 MAX_MEAN_KL = 2e-3

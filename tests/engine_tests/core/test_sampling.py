@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
+from conftest import DATA
 
 from engine.core.hparams import SamplingArgs
 from engine.core.sampling import (
@@ -19,7 +19,6 @@ from engine.core.sampling import (
     top_sorted,
 )
 
-DATA = Path(__file__).parent / "data"
 SETS = ("model_step0", "peaked", "ties")
 ARGS = SamplingArgs()
 

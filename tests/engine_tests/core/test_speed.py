@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import synthesize_all
+from conftest import DATA, synthesize_all
 
 from engine.core.constants import HOP
 from engine.core.prepared import PREPARED_DIR
@@ -34,7 +34,6 @@ from engine.family import load_engine
 from engine.prompt.extract import PromptFeatures
 from engine.prompt.voices import CustomVoice
 
-DATA = Path(__file__).parent / "data"
 SPEEDS = [0.5, 0.8, 1.25, 2.0]
 # Positions are float32, as torch's own interpolation: a mel frame near 1000 is read within
 # 1e-4 of a frame of where float64 would read it.

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import DATA
 
 from engine.core import transformer
 from engine.core.transformer import (
@@ -19,7 +19,6 @@ from engine.core.transformer import (
 )
 from engine.cosyvoice1.hparams import load_model_args
 
-DATA = Path(__file__).parent / "data"
 CASES = ("sft", "zero_shot", "instruct")
 # Against the official outputs: four times its own spread (tests/data/README.md, tolerance table).
 LM_ATOL = 4.8e-6  # LM text encoder, hidden states, cache: 1.2e-6

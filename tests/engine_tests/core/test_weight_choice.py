@@ -15,7 +15,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import INT8_KERNELS_NEEDED
+from conftest import DATA, INT8_KERNELS_NEEDED
 
 from engine.core.cpu import detect
 from engine.core.lm_thread import LmTokens
@@ -28,7 +28,6 @@ from engine.family import load_engine
 from engine.prompt.extract import PromptFeatures
 from engine.prompt.voices import CustomVoice
 
-DATA = Path(__file__).parent / "data"
 TINY = DATA / "tiny_model"
 V2_TINY = DATA / "cosyvoice2" / "tiny"
 EXTRAS = ("flow.int8", "hift.bf16")

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import DATA
 
 from engine.core.hparams import ModelConfigError, read_model_yaml
 from engine.core.types import ModelLoadError
@@ -17,7 +18,6 @@ from engine.core.weights import read_state_dict
 from engine.cosyvoice1.hparams import load_model_args
 from engine.cosyvoice1.model_dir import load_model_dir, load_speakers
 
-DATA = Path(__file__).parent / "data"
 TINY = DATA / "tiny_model"
 
 

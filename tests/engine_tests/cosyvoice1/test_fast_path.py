@@ -6,11 +6,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import DATA
 
 from engine.bench.deviation import lm_int8_kl, mel_relative_l2
 from engine.cosyvoice1.model_dir import load_model_dir
-
-DATA = Path(__file__).parent / "data"
 
 
 @pytest.fixture(scope="module")

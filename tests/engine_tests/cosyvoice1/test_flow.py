@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import json
 import math
-from pathlib import Path
 
 import pytest
 import torch
-from conftest import ONEDNN_OPS_NEEDED
+from conftest import DATA, ONEDNN_OPS_NEEDED
 
 from engine.core.estimator_blocks import TransformerBlock
 from engine.core.onednn_layers import (
@@ -25,7 +24,6 @@ from engine.core.onednn_layers import (
 from engine.cosyvoice1.flow import FlowModel, empty_flow_cache
 from engine.cosyvoice1.hparams import load_model_args
 
-DATA = Path(__file__).parent / "data"
 CASES = ("tok40_noprompt", "tok60_noprompt", "tok60_prompt15")
 ENC_TOL = {"atol": 1.6e-5, "rtol": 0.0}  # encoder side and the cache: official spread 3.8e-6
 MEL_TOL = {"atol": 2.8e-5, "rtol": 0.0}  # estimator steps and mels: official spread 6.9e-6
@@ -190,7 +188,8 @@ def _flow_prompt(kwargs: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor
     return embedding, tokens, feat
 
 
-# one run in the kernel-path re-run (tests/test_kernel_paths.py): the others only add length
+# one run in the kernel-path re-run (tests/engine_tests/core/test_kernel_paths.py): the others only
+# add length
 @pytest.mark.parametrize(
     "run",
     [

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import DATA
 from torch import nn
 
 from engine.core.constants import N_MELS, tokens_to_frames
@@ -21,7 +22,7 @@ from engine.core.quantize import Int8Linear, flow_int8_layer_names, quantize_flo
 from engine.cosyvoice1.engine import CosyVoiceEngine
 from engine.cosyvoice1.model_dir import load_model_dir
 
-TINY = Path(__file__).parent / "data" / "tiny_model"
+TINY = DATA / "tiny_model"
 
 
 @pytest.fixture(autouse=True)

@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
+from conftest import DATA
 
 from engine.cosyvoice1.hparams import load_model_args
 from engine.cosyvoice1.llm import TransformerLM
 
-DATA = Path(__file__).parent / "data"
 CASES = ("sft", "zero_shot", "instruct")
 # Four times the official code's own spread (tests/data/README.md, tolerance table).
 ATOL_LOGITS = 7.6e-6  # logits and log-probs: 1.9e-6

@@ -9,11 +9,10 @@ the chunk seams are cross-faded, and the sine source restarts per chunk as upstr
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
+from conftest import DATA
 
 from engine.core.constants import HOP, MEL_CACHE, MEL_OVERLAP, SOURCE_CACHE, tokens_to_frames
 from engine.core.streaming import FlowPrompt
@@ -27,7 +26,6 @@ from engine.cosyvoice1.streaming import (
     whole_audio,
 )
 
-DATA = Path(__file__).parent / "data"
 N_TOKENS = 260
 # Log-spectrogram SNR of streamed vs whole audio. On the tiny random model the official schedule
 # reaches 11.3 dB and ours 10.5 dB: its more numerous seams may cost at most 2 dB more than the

@@ -7,10 +7,10 @@ sine phase draw, the sine noise and the discarded noise-branch draw, in that ord
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import pytest
 import torch
+from conftest import DATA
 from parity import stream_atols, waveform_atol
 
 from engine.core import thread_budget
@@ -19,11 +19,10 @@ from engine.core.types import OFFICIAL_SCHEDULE
 from engine.cosyvoice1.model_dir import load_model_dir
 from engine.cosyvoice1.streaming import ChunkVocoder, stream_audio, whole_audio
 
-DATA = Path(__file__).parent / "data"
 FIXTURES = torch.load(DATA / "stream_fixtures.pt", weights_only=True)
 SAMPLE_RATE = 22050
-# The kernel-path re-run (tests/test_kernel_paths.py) takes one scenario of the slow parity
-# tests: every kernel runs in it; the others only add length.
+# The kernel-path re-run (tests/engine_tests/core/test_kernel_paths.py) takes one scenario of the
+# slow parity tests: every kernel runs in it; the others only add length.
 SCENARIOS = ["vc250", pytest.param("vc221_prompt", marks=pytest.mark.parity), "e2e_sft_llm"]
 
 

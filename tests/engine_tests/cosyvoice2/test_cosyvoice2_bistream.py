@@ -7,10 +7,10 @@ import json
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import pytest
 import torch
+from conftest import TESTS
 
 import engine.cosyvoice2.bistream as bistream_module
 from engine.core.lm_step import StepOut
@@ -18,7 +18,7 @@ from engine.core.types import SynthesisCancelled
 from engine.cosyvoice2.bistream import BistreamSession
 from engine.cosyvoice2.lm import CosyVoice2LM, load_speech_lm, load_speech_lm_args
 
-DATA = Path(__file__).parent / "data" / "cosyvoice2"
+DATA = TESTS / "data" / "cosyvoice2"
 TINY = DATA / "tiny"
 CASES = (
     "zero_shot",

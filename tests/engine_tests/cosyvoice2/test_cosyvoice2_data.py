@@ -3,12 +3,12 @@ structure, every case file loads without pickled code, and the tiny tokenizer fi
 
 import json
 import re
-from pathlib import Path
 
 import pytest
 import torch
+from conftest import TESTS
 
-DATA = Path(__file__).parent / "data" / "cosyvoice2"
+DATA = TESTS / "data" / "cosyvoice2"
 MANIFEST = json.loads((DATA / "manifest_full.json").read_text())
 
 

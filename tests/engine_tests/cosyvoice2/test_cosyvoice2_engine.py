@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import TESTS
 from parity import stream_atols, waveform_atol
 from torch import nn
 
@@ -37,9 +38,9 @@ from engine.family import load_engine, model_family
 from engine.prompt.extract import PromptFeatures
 from engine.prompt.voices import CustomVoice
 
-DATA = Path(__file__).parent / "data" / "cosyvoice2"
+DATA = TESTS / "data" / "cosyvoice2"
 TINY = DATA / "tiny"
-V1_TINY = Path(__file__).parent / "data" / "tiny_model"
+V1_TINY = TESTS / "data" / "tiny_model"
 
 
 @pytest.fixture(autouse=True)
@@ -370,7 +371,7 @@ def test_the_default_stream_keeps_its_keys_and_values_in_half_precision(
     fresh: CosyVoice2Engine,
 ) -> None:
     """Half the stream's largest memory by default; the deviation is bounded in
-    tests/test_cosyvoice2_flow.py."""
+    tests/engine_tests/cosyvoice2/test_cosyvoice2_flow.py."""
     assert fresh.flow_cache_dtype == torch.float16
     fresh.prime_voice(SynthesisOptions(speaker="tester"))
     primed = fresh.primed.stream(("tester", 10, 0.7, 39, "fp32"))
@@ -480,8 +481,8 @@ def test_the_callers_split_and_language_are_used(fresh: CosyVoice2Engine) -> Non
 
 # --- the synthesize command --------------------------------------------------------------------
 
-ONNX = Path(__file__).parent / "data" / "zero_shot" / "onnx"
-PROMPT_16K = Path(__file__).parent / "data" / "zero_shot" / "prompt16k_pcm16.wav"
+ONNX = TESTS / "data" / "zero_shot" / "onnx"
+PROMPT_16K = TESTS / "data" / "zero_shot" / "prompt16k_pcm16.wav"
 
 
 def test_synthesize_without_a_voice_says_how_to_give_one(

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import TESTS
 
 from engine.core.hparams import ModelConfigError, read_model_yaml
 from engine.core.types import ModelLoadError
@@ -28,7 +29,7 @@ from engine.cosyvoice2.flow_args import (
 )
 from engine.cosyvoice2.flow_cache import KVBuffer
 
-DATA = Path(__file__).parent / "data" / "cosyvoice2"
+DATA = TESTS / "data" / "cosyvoice2"
 TINY = DATA / "tiny"
 FULL_YAML = DATA / "cosyvoice2_0.5b.yaml"
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import TESTS
 
 from engine.core.types import ModelLoadError
 from engine.cosyvoice2.frontend import (
@@ -22,7 +23,7 @@ from engine.text.normalize import normalize
 from engine.text.segment import split_paragraph
 from engine.text.tokenizer import get_tokenizer as whisper_tokenizer
 
-DATA = Path(__file__).parent / "data" / "cosyvoice2"
+DATA = TESTS / "data" / "cosyvoice2"
 BLANK_EN = DATA / "tiny" / "CosyVoice-BlankEN"
 N_BPE = 1000  # the tiny vocabulary: BPE ids, then Qwen2's three specials, then CosyVoice2's
 

@@ -6,9 +6,9 @@ import logging
 import random
 import re
 from collections.abc import Callable
-from pathlib import Path
 
 import pytest
+from conftest import DATA
 
 import engine.cosyvoice2.growing_text as growing_text
 from engine.cosyvoice2.frontend import CosyVoice2TextFrontend
@@ -17,7 +17,7 @@ from engine.text.errors import TextInputError
 from engine.text.frontend import MAX_TEXT_CHARS
 from engine.text.normalize import normalize, normalize_text
 
-BLANK_EN = Path(__file__).parent / "data" / "cosyvoice2" / "tiny" / "CosyVoice-BlankEN"
+BLANK_EN = DATA / "cosyvoice2" / "tiny" / "CosyVoice-BlankEN"
 
 ENGLISH = (
     "I've turned on the kitchen lights and set the thermostat to 21.5°C for you.",

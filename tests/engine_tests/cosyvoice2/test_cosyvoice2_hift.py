@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import json
 import math
-from pathlib import Path
 
 import pytest
 import torch
+from conftest import TESTS
 from parity import F0_RTOL, HIFT_AUDIO_ATOL, SOURCE_ATOL
 from torch import Tensor
 
@@ -18,7 +18,7 @@ from engine.core.types import ModelLoadError
 from engine.cosyvoice2.flow_args import load_hift_args
 from engine.cosyvoice2.hift import build_hift, load_hift
 
-DATA = Path(__file__).parent / "data" / "cosyvoice2"
+DATA = TESTS / "data" / "cosyvoice2"
 TINY = DATA / "tiny"
 FULL_YAML = DATA / "cosyvoice2_0.5b.yaml"
 

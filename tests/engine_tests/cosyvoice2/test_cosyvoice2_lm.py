@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import TESTS
 
 from engine.core.hparams import ModelConfigError, TaggedNode, read_model_yaml
 from engine.core.quantize import Int8Linear, int8_linear, next_token_kl
@@ -23,7 +24,7 @@ from engine.cosyvoice2.lm import (
 )
 from engine.cosyvoice2.qwen2 import Qwen2Config
 
-DATA = Path(__file__).parent / "data" / "cosyvoice2"
+DATA = TESTS / "data" / "cosyvoice2"
 TINY = DATA / "tiny"
 CASES = ("zero_shot", "instruct2", "cross_lingual")
 # Four times the official code's own spread (tests/data/cosyvoice2/README.md, tolerance table).

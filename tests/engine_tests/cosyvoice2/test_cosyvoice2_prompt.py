@@ -16,6 +16,7 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 import torch
+from conftest import DATA
 from parity import EMBEDDING_ATOL, PROMPT_MEL_ATOL, WHISPER_LOG_MEL_ATOL
 
 from engine.core.constants import HOP, tokens_to_frames
@@ -52,7 +53,6 @@ from engine.prompt.onnx_models import PromptModels, SpeechTokenizer
 from engine.prompt.recipe import COSYVOICE1
 from engine.prompt.voices import CACHE_SUFFIX, load_voice, to_engine_voice, voice_names
 
-DATA = Path(__file__).resolve().parent / "data"
 V2 = DATA / "cosyvoice2"
 TINY = V2 / "tiny"
 ONNX = DATA / "zero_shot" / "onnx"

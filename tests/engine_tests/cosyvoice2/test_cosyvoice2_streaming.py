@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import itertools
 import math
-from pathlib import Path
 
 import pytest
 import torch
+from conftest import TESTS
 from parity import stream_atols, waveform_atol
 
 from engine.core.hift import HiFTGenerator
@@ -25,7 +25,7 @@ from engine.cosyvoice2.streaming import (
     whole_audio,
 )
 
-DATA = Path(__file__).parent / "data" / "cosyvoice2"
+DATA = TESTS / "data" / "cosyvoice2"
 TINY = DATA / "tiny"
 
 
@@ -122,8 +122,8 @@ def test_tokens_that_end_early_give_one_final_chunk(flow: CausalFlow, hift: HiFT
 # --- the official orchestration (tests/data/cosyvoice2/stream_cases.*) ------------------------
 
 SAMPLE_RATE = 24000
-# The kernel-path re-run (tests/test_kernel_paths.py) takes one scenario of the slow parity
-# tests: every kernel runs in it; the others only add length.
+# The kernel-path re-run (tests/engine_tests/core/test_kernel_paths.py) takes one scenario of the
+# slow parity tests: every kernel runs in it; the others only add length.
 SCENARIOS = [pytest.param("prompt17", marks=pytest.mark.parity), "noprompt180"]
 CASES = torch.load(DATA / "stream_cases.pt", weights_only=True)
 

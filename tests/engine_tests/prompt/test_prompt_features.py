@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import TESTS
 from parity import FBANK_ATOL, PROMPT_MEL_ATOL, WHISPER_LOG_MEL_ATOL
 
 from engine.prompt.audio import load_prompt_16k, read_wav, resample, sinc_kernel, to_mono
@@ -23,7 +24,7 @@ from engine.prompt.features import (
     whisper_log_mel,
 )
 
-DATA = Path(__file__).resolve().parent / "data" / "zero_shot"
+DATA = TESTS / "data" / "zero_shot"
 
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import TESTS
 from parity import EMBEDDING_ATOL, PROMPT_MEL_ATOL
 
 from engine.prompt.audio import load_prompt_16k
@@ -25,7 +26,7 @@ from engine.prompt.extract import (
 from engine.prompt.onnx_models import PromptModels
 from engine.text.tokenizer import get_tokenizer
 
-DATA = Path(__file__).resolve().parent / "data" / "zero_shot"
+DATA = TESTS / "data" / "zero_shot"
 
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")

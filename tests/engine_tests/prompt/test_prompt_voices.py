@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import DATA, ROOT
 
 from engine.prompt.onnx_models import PromptModels
 from engine.prompt.voices import (
@@ -22,7 +23,6 @@ from engine.prompt.voices import (
     voice_names,
 )
 
-DATA = Path(__file__).resolve().parent / "data"
 ONNX = DATA / "zero_shot" / "onnx"
 
 
@@ -307,7 +307,7 @@ def test_cached_voices_never_import_onnxruntime(voices_dir: Path, models) -> Non
         "assert lib.scan().voices['anna'].source == 'cache'\n"
         "assert 'onnxruntime' not in sys.modules\n"
     )
-    root = Path(__file__).resolve().parent.parent
+    root = ROOT
     done = subprocess.run(
         [sys.executable, "-c", code],
         cwd=root,

@@ -11,13 +11,12 @@ import wave
 from pathlib import Path
 
 import pytest
+from conftest import DATA
 
 from engine import __main__ as cli
 from engine.__main__ import build_parser, main
 from engine.core.types import SynthesisOptions
 from wyoming_cosyvoice.config import load_config
-
-DATA = Path(__file__).parent / "data"
 
 
 @pytest.mark.parametrize("stream", [False, True])

@@ -10,13 +10,13 @@ import shutil
 from pathlib import Path
 
 import pytest
+from conftest import ROOT
 
 from engine.api import Engine, PrimesVoices, SpeaksGrowingText, StreamGeometry, TakesVoices
 from engine.cosyvoice1.engine import STREAM_GEOMETRY, CosyVoiceEngine
 from engine.cosyvoice2.engine import ChunkedStreamGeometry, CosyVoice2Engine
 from engine.family import FAMILIES, family_named, model_family
 
-ROOT = Path(__file__).resolve().parent.parent
 SERVER = ROOT / "wyoming_cosyvoice"
 DATA = ROOT / "tests" / "data"
 

@@ -6,14 +6,14 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from conftest import DATA, ROOT
 
 from engine.text.normalize import detect_language, normalize
 from engine.text.numbers import en_cardinal, zh_cardinal
 
-FIXTURE = json.loads((Path(__file__).parent / "data" / "text_frontend.json").read_text("utf-8"))
+FIXTURE = json.loads((DATA / "text_frontend.json").read_text("utf-8"))
 EXAMPLES = {e["name"]: e for e in FIXTURE["examples"]}
 REFERENCE = "head_wetext_0.1.8"
 
@@ -83,7 +83,7 @@ def test_fixture_unsplit(name: str) -> None:
 
 
 def test_improvements_listed_in_docs() -> None:
-    doc = (Path(__file__).parents[1] / "docs" / "text-normalisation.md").read_text("utf-8")
+    doc = (ROOT / "docs" / "text-normalisation.md").read_text("utf-8")
     for name in IMPROVEMENTS:
         assert name in doc
 
@@ -252,7 +252,7 @@ def test_wetext_loads_bundled_grammars_offline() -> None:
         "import wetext, sys\n"
         "assert 'modelscope' not in sys.modules\n"
     )
-    root = Path(__file__).parents[1]
+    root = ROOT
     env = {"PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1", "NO_PROXY": "*"}
     proc = subprocess.run(
         [sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=120

@@ -3,16 +3,16 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
+from conftest import DATA
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine.text.segment import IncrementalSplitter, split_paragraph, split_sentences
 from engine.text.tokenizer import get_tokenizer
 
-FIXTURE = json.loads((Path(__file__).parent / "data" / "text_frontend.json").read_text("utf-8"))
+FIXTURE = json.loads((DATA / "text_frontend.json").read_text("utf-8"))
 
 
 def _token_len(text: str) -> int:

@@ -6,13 +6,13 @@ import hashlib
 import json
 import threading
 from importlib.resources import files
-from pathlib import Path
 
 import pytest
+from conftest import DATA
 
 from engine.text.tokenizer import N_VOCAB, VOCAB_SHA256, get_tokenizer
 
-FIXTURE = json.loads((Path(__file__).parent / "data" / "text_frontend.json").read_text("utf-8"))
+FIXTURE = json.loads((DATA / "text_frontend.json").read_text("utf-8"))
 EXAMPLES = FIXTURE["examples"]
 
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import FakeEngine
+from conftest import DATA, ROOT, FakeEngine
 from fake_surface import FakeSurface
 
 from engine.api import PrimesVoices, StreamGeometry
@@ -49,7 +49,6 @@ from wyoming_cosyvoice.config import (
     load_config,
 )
 
-DATA = Path(__file__).parent / "data"
 CONFIG = load_config(None)
 CANDIDATES = CONFIG.auto_candidates  # realtime, fast, fastest
 REALTIME, FAST, FASTEST = CANDIDATES
@@ -740,7 +739,7 @@ def test_the_real_engine_measures_and_chooses(tmp_path: Path) -> None:
     import sys
 
     import httpx
-    from conftest import ROOT, free_port, synthesize, terminate, wait_for_port, wait_until
+    from conftest import free_port, synthesize, terminate, wait_for_port, wait_until
 
     model = tmp_path / "CosyVoice-300M-SFT"
     shutil.copytree(DATA / "tiny_model", model, ignore=shutil.ignore_patterns("prepared"))

@@ -13,12 +13,12 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from conftest import ROOT
 
 from wyoming_cosyvoice.bench import server as launcher
 from wyoming_cosyvoice.bench import streamed_text
 from wyoming_cosyvoice.bench.__main__ import main as bench_main
 
-ROOT = Path(__file__).resolve().parent.parent
 TINY_V1 = ROOT / "tests" / "data" / "tiny_model"
 TINY_V2 = ROOT / "tests" / "data" / "cosyvoice2" / "tiny"
 TOKENS = 30  # speech tokens per sentence, forced

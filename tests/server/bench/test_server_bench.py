@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from conftest import ROOT
 from test_bench import TINY_MODEL, run_bench_json
 
 from engine.bench.profiles import BUILTIN_PROFILES
@@ -22,7 +23,6 @@ from wyoming_cosyvoice.bench.concurrency import server_command
 from wyoming_cosyvoice.bench.profiles import server_profiles
 from wyoming_cosyvoice.config import load_config
 
-ROOT = Path(__file__).resolve().parent.parent
 TOKENS_PER_S = 50  # speech tokens per second of audio
 
 

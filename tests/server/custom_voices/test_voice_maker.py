@@ -1,9 +1,9 @@
 """The voice maker's endpoints over HTTP, against the real server with the fake engine.
 
 The server is the one the CLI runs (scheduler, Wyoming listener, Uvicorn, the voices folder's
-scans), in a background thread (tests/test_http.py ``BackgroundServer``); the voices folder is
-checked only every hour, so a voice that appears did so because saving asked for a scan. The
-speech-to-text server is a Wyoming ASR server on the wyoming library's ``AsyncServer``, Home
+scans), in a background thread (tests/server/http/test_http.py ``BackgroundServer``); the voices
+folder is checked only every hour, so a voice that appears did so because saving asked for a scan.
+The speech-to-text server is a Wyoming ASR server on the wyoming library's ``AsyncServer``, Home
 Assistant's API a stand-in HTTP server (tests/voice_maker_helpers.py).
 """
 
@@ -23,7 +23,7 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
-from conftest import free_port, terminate, wait_for_port, wait_until
+from conftest import DATA, ROOT, free_port, terminate, wait_for_port, wait_until
 from test_http import BackgroundServer
 from voice_maker_helpers import (
     WYOMING_ENTRIES,
@@ -391,7 +391,7 @@ def test_the_saved_recording_is_the_upload_byte_for_byte(
 def test_the_command_line_saves_a_voice_the_real_engine_analyses(tmp_path: Path) -> None:
     """``--voices-dir --http-port --web-voice-maker``: the CLI hands the folder's watcher to the
     page, and the tiny model's engine extracts the saved voice's prompt (tiny ONNX models)."""
-    data = Path(__file__).parent / "data"
+    data = DATA
     model = tmp_path / "tiny_model"
     shutil.copytree(data / "tiny_model", model)
     shutil.copy(data / "zero_shot/onnx/tiny_campplus.onnx", model / "campplus.onnx")
@@ -403,7 +403,7 @@ def test_the_command_line_saves_a_voice_the_real_engine_analyses(tmp_path: Path)
          "--voices-dir", str(voices), "--uri", f"tcp://127.0.0.1:{port}",
          "--http-port", str(http_port), "--http-host", "127.0.0.1", "--web-voice-maker",
          "--offline", "--no-warmup", "--threads", "1", "--profile", "realtime"],
-        cwd=Path(__file__).parent.parent, env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        cwd=ROOT, env={**os.environ, "HF_HUB_OFFLINE": "1"},
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:

@@ -1,6 +1,6 @@
 """The web page plays a voice named in Chinese, on the real server of each family, in headless
-Chromium (tests/test_http_browser.py's driver): the page reads the voice from the response's
-percent-encoded ``X-Voice`` header and names it while it plays."""
+Chromium (tests/server/http/test_http_browser.py's driver): the page reads the voice from the
+response's percent-encoded ``X-Voice`` header and names it while it plays."""
 
 from __future__ import annotations
 

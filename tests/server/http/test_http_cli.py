@@ -6,14 +6,12 @@ import os
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import httpx
 import pytest
-from conftest import free_port, terminate
+from conftest import ROOT, free_port, terminate
 from test_http import parse_wav
 
-ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "tests" / "data" / "tiny_model"
 
 

@@ -1,8 +1,8 @@
 """Home Assistant's ingress, end to end on the real server: the Supervisor's address is the
 connection's own, never a header's.
 
-The test runs itself again (``python tests/test_http_ingress_address.py``) inside a network
-namespace of its own (``unshare -n``) whose loopback also has the Supervisor's address,
+The test runs itself again (``python tests/server/http/test_http_ingress_address.py``) inside a
+network namespace of its own (``unshare -n``) whose loopback also has the Supervisor's address,
 172.30.32.2: there a client can connect *from* that address, as the Supervisor does, and the
 server process started inside sees it as the peer. Nothing leaves the namespace.
 
@@ -36,7 +36,7 @@ PAGE = {  # a browser's request as Home Assistant forwards it behind a proxy tha
 
 def _inside(workdir: Path) -> dict[str, Any]:
     """In the namespace: start the server, ask from both addresses, stop it."""
-    sys.path.insert(0, str(Path(__file__).parent))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/: the helpers
     from http_process import ServerProcess
 
     subprocess.run(["ip", "link", "set", "lo", "up"], check=True)

@@ -5,7 +5,7 @@ Assistant adds the host the browser used as ``X-Forwarded-Host``. A reverse prox
 Home Assistant may rewrite ``Host``; the page must still work there, and ``X-Forwarded-Host``
 must count only on requests that come from the Supervisor (172.30.32.2), never from anyone
 else who sends the header. (The page's own URLs under the ingress prefix are exercised in
-tests/test_voice_maker_browser.py.)
+tests/server/custom_voices/test_voice_maker_browser.py.)
 """
 
 from __future__ import annotations

@@ -22,6 +22,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from conftest import ROOT
 
 from engine.family import family_named
 from wyoming_cosyvoice.models.download import (
@@ -36,7 +37,6 @@ V1, V2 = family_named("cosyvoice"), family_named("cosyvoice2")
 MODEL_FILES, VOICE_FILES = V1.model_files, V1.prompt_model_files
 MODEL_FILES_V2, VOICE_FILES_V2 = V2.model_files, V2.prompt_model_files
 
-ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "tests" / "data" / "tiny_model"
 TINY_V2 = ROOT / "tests" / "data" / "cosyvoice2" / "tiny"
 ONNX = ROOT / "tests" / "data" / "zero_shot" / "onnx"

@@ -17,11 +17,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import ROOT
 
 from wyoming_cosyvoice import synthesize as batch
 from wyoming_cosyvoice.pipeline.sentences import split_text
 
-ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "tests" / "data" / "tiny_model"
 CHAPTER = " ".join(
     f"Sentence number {i} of this chapter is read aloud, slowly and clearly, by the model."

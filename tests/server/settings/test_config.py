@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from conftest import ROOT
 
 from engine.core.types import LOW_LATENCY_SCHEDULE, OFFICIAL_SCHEDULE
 from wyoming_cosyvoice.__main__ import build_parser, config_from_args
@@ -24,7 +25,6 @@ from wyoming_cosyvoice.config import (
     parse_override,
 )
 
-ROOT = Path(__file__).resolve().parent.parent
 REPO_CONFIG = ROOT / "config.yaml"
 
 

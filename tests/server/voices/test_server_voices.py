@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import terminate
+from conftest import ROOT, terminate
 from wyoming.info import Describe, Info
 
 from engine.family import DESCRIBED_SPEAKER
@@ -40,7 +40,6 @@ from wyoming_cosyvoice.errors import LimitExceededError
 from wyoming_cosyvoice.pipeline.speech import split_instruction
 from wyoming_cosyvoice.voices.catalog import ALL_LANGUAGES, VoiceCatalog
 
-ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT / "tests" / "data"
 ONNX = DATA / "zero_shot" / "onnx"
 FORCE_TOKENS = 10  # 0.2 s of audio per sentence: plumbing, not sound

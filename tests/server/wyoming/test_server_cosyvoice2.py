@@ -23,14 +23,13 @@ from typing import Any
 
 import httpx
 import pytest
-from conftest import wait_until
+from conftest import DATA, wait_until
 from http_process import record_voice
 from test_http import BackgroundServer, parse_wav
 
 from engine.api import PrimesVoices
 from engine.core.types import SynthesisOptions
 
-DATA = Path(__file__).parent / "data"
 TINY_V1 = DATA / "tiny_model"
 TINY_V2 = DATA / "cosyvoice2" / "tiny"
 ONNX = DATA / "zero_shot" / "onnx"

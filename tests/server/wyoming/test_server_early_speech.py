@@ -1,7 +1,8 @@
 """A streamed sentence spoken while it arrives: the handler hands the sentence in progress to an
 engine that can start early (``synthesize_growing``), through the real server with a fake
-engine. The real CosyVoice2 engine's side is tests/test_cosyvoice2_early_speech.py and the
-end-to-end run tests/test_server_cosyvoice2.py."""
+engine. The real CosyVoice2 engine's side is
+tests/engine_tests/cosyvoice2/test_cosyvoice2_early_speech.py and the end-to-end run
+tests/server/wyoming/test_server_cosyvoice2.py."""
 
 from __future__ import annotations
 

@@ -13,15 +13,13 @@ import socket
 import subprocess
 import sys
 from collections.abc import Iterator
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from conftest import wait_for_port
+from conftest import ROOT, wait_for_port
 from wyoming.event import Event
 from wyoming.info import Describe, Info
 
-ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "tests" / "data" / "tiny_model"
 
 

@@ -7,14 +7,13 @@ is NAMESPACE_LAN_ADDRESS: the multicast stays inside it, and the address to expe
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Any
 
-from conftest import NAMESPACE_LAN_ADDRESS, run_python_in_network_namespace
+from conftest import NAMESPACE_LAN_ADDRESS, TESTS, run_python_in_network_namespace
 
 from wyoming_cosyvoice.wyoming.zeroconf import advertised_address
 
-PROBE = Path(__file__).with_name("zeroconf_probe.py")
+PROBE = TESTS / "zeroconf_probe.py"
 
 
 def _in_namespace(*call: object) -> Any:
