@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Generator, Iterator
+from pathlib import Path
 from typing import cast
 
 import torch
@@ -36,10 +37,16 @@ class _Tokens:
 class _Engine(EngineBase[nn.Linear]):
     """Only what every engine inherits; it is never loaded (no load hooks)."""
 
-    sample_rate = 16000
-
     def __init__(self) -> None:
-        super().__init__(nn.Linear(1, 1), cast(HiFTGenerator, _Hift(torch.float32)))
+        super().__init__(
+            nn.Linear(1, 1),
+            cast(HiFTGenerator, _Hift(torch.float32)),
+            model_dir=Path("no-model"),
+            kind="none",
+            threads=None,
+            sample_rate=16000,
+            token_rate=25,
+        )
         self.asked: list[SynthesisOptions] = []
 
     def synthesize(
