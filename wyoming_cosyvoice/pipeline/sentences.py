@@ -37,9 +37,19 @@ class Sentence:
 
 
 class Splitter(Protocol):
+    """The text frontend's ``IncrementalSplitter`` as the pipeline uses it."""
+
+    # A sentence without an end is cut after this many characters.
+    max_chars: int
+
     def feed(self, fragment: str) -> list[str]: ...
 
     def flush(self) -> list[str]: ...
+
+    @property
+    def pending(self) -> str:
+        """The text fed but not yet released as a sentence."""
+        ...
 
 
 SplitterFactory = Callable[[], Splitter]
@@ -64,14 +74,13 @@ class SentenceStream:
 
     def __init__(self, splitter: Splitter) -> None:
         self._splitter = splitter
-        self._max_chars: int | None = getattr(splitter, "max_chars", None)
+        self._max_chars = splitter.max_chars
 
     def release_long_sentences(self, after: int | None) -> None:
         """Cut a sentence without an end after ``after`` characters instead of the splitter's
         own limit (None: that limit again). A sentence spoken while it arrives has been read up
         to its last word: a cut at an earlier comma would say those words twice."""
-        if self._max_chars is not None:
-            self._splitter.max_chars = self._max_chars if after is None else after  # type: ignore[attr-defined]
+        self._splitter.max_chars = self._max_chars if after is None else after
 
     def feed(self, fragment: str) -> list[Sentence]:
         return _sentences(self._splitter.feed(fragment))
@@ -81,8 +90,8 @@ class SentenceStream:
 
     @property
     def pending(self) -> str:
-        """The text fed but not yet released as a sentence ("" when the splitter cannot say)."""
-        return str(getattr(self._splitter, "pending", ""))
+        """The text fed but not yet released as a sentence."""
+        return self._splitter.pending
 
 
 def iter_sentences(text: str, splitter: Splitter | None = None) -> Iterator[Sentence]:
