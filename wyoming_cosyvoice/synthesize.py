@@ -1,7 +1,7 @@
 """``python -m wyoming_cosyvoice synthesize``: text (argument, file or stdin) → a WAV file.
 
-The same speech pipeline as the server (:mod:`.speech`), with a file as its client: the text is
-split into sentence segments, each is synthesized and all are written one after another into
+The same speech pipeline as the server (:mod:`.pipeline.speech`), with a file as its client: the
+text is split into sentence segments, each is synthesized and all are written one after another into
 one WAV file. Without ``--batch``: the server's default profile and one voice for the text, as
 a request to the server gets. With ``--batch`` (audiobooks, chapters): the ``batch`` profile
 (whole-sentence, best quality; no streaming), a progress bar counting segments, and without

@@ -8,7 +8,7 @@ server. What else shapes the audio is invisible to that key: the model, the defa
 call may name none), the speed, the loudness target and the volume, and a custom voice's
 recording, transcript and instruction. When one of those changed since it was last seen, the
 server asks Home Assistant to clear its TTS cache (its ``tts.clear_cache`` action, through the
-Supervisor's API inside the add-on: :mod:`.home_assistant`); outside the add-on, or when the
+Supervisor's API inside the add-on: :mod:`.supervisor`); outside the add-on, or when the
 call fails, it logs what the user can do.
 
 Why not a voice id that changes with the recording: Home Assistant stores the id the user
@@ -60,7 +60,7 @@ def voice_files_identity(
     folder: Iterable[tuple[str, int, int]], names: Iterable[str]
 ) -> dict[str, list[list[Any]]]:
     """Per custom voice, its files' (name, size, modification time) among ``folder``'s (the
-    voices folder's fingerprint: :func:`.custom_voices.folder_fingerprint`)."""
+    voices folder's fingerprint: :func:`.custom_voices.folder.folder_fingerprint`)."""
     entries = list(folder)
     return {
         name: [list(e) for e in entries

@@ -178,8 +178,8 @@ class VoiceChoice:
     request came whole) or else that sentence's, and kept. ``per_sentence`` (the synthesize
     command): each sentence gets a voice of its own language. ``speaker_instructs``: Wyoming's
     ``voice.speaker`` may name a speed or style, and so may ``voice.name`` (``en-female
-    (slow)``; :mod:`.speaker_presets`; its speed is then ``speed``), or the speaker carries an
-    instruction (:func:`split_instruction`). ``catalog``: choose
+    (slow)``; :mod:`~wyoming_cosyvoice.voices.presets`; its speed is then ``speed``), or the speaker
+    carries an instruction (:func:`split_instruction`). ``catalog``: choose
     from it instead of the loaded model's (the command checks its voices before the load).
     """
 

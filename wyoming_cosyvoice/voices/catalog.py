@@ -87,7 +87,7 @@ class VoiceCatalog:
 
     ``custom`` lists (name, transcript language) of the usable custom voices. They come after
     the built-in voices, so a language's default voice stays a built-in one; a custom voice
-    whose name is already taken (by a name that looks the same: :mod:`.voice_names`) is left
+    whose name is already taken (by a name that looks the same: :mod:`.names`) is left
     out and listed in ``skipped``.
     """
 
@@ -143,7 +143,7 @@ class VoiceCatalog:
         """The voice for a request's ``voice`` {name, language, speaker}; raises if unknown.
 
         Nothing asked for: the configured default, else a voice of ``text_language`` (the
-        text's, as :mod:`.sentences` detected it), else the first voice.
+        text's, as :mod:`~wyoming_cosyvoice.pipeline.sentences` detected it), else the first voice.
         """
         if not self.voices:
             raise VoiceNotFoundError("this model has no speakers to synthesize with")

@@ -1,8 +1,8 @@
 """One Wyoming connection: events in, audio out, within the configured limits.
 
 This module only translates the protocol; the speech itself is the shared pipeline
-(:mod:`.speech`). Three tasks per connection, so no step ever waits for another one that it
-does not need:
+(:mod:`~wyoming_cosyvoice.pipeline.speech`). Three tasks per connection, so no step ever waits for
+another one that it does not need:
 - the reader parses events; ``describe`` is answered at once, each ``synthesize`` (or stream,
   ``synthesize-start`` … ``-stop``) becomes one :class:`~.speech.Speech`, fed with sentences as
   they complete;
@@ -492,9 +492,9 @@ def build_info(
 ) -> Info:
     """The ``info`` answer to ``describe``: one TTS program with one voice per catalogue entry;
     every field Home Assistant needs is always present. ``speakers``: what every voice offers
-    per call (:mod:`.speaker_presets`); ``preset_voices``: presets each voice is also listed
-    at, as ``<voice> (<preset>)`` (its description starts with the voice's, so Home Assistant,
-    which sorts voices by it, keeps the plain voice first)."""
+    per call (:mod:`~wyoming_cosyvoice.voices.presets`); ``preset_voices``: presets each voice is
+    also listed at, as ``<voice> (<preset>)`` (its description starts with the voice's, so Home
+    Assistant, which sorts voices by it, keeps the plain voice first)."""
     voices = [
         TtsVoice(
             name=preset_voice_name(voice.name, preset) if preset else voice.name,
