@@ -38,7 +38,10 @@ if TYPE_CHECKING:
     from engine.core.types import AudioChunk, SynthesisOptions
 
 ROOT = Path(__file__).resolve().parent.parent
-TINY_MODEL = ROOT / "tests" / "data" / "tiny_model"
+# the tests' root (the helpers beside this file) and its data, for a test in any folder below
+TESTS = ROOT / "tests"
+DATA = TESTS / "data"
+TINY_MODEL = DATA / "tiny_model"
 SAMPLE_RATE = 22050
 
 
@@ -295,7 +298,7 @@ async def fake_server(
 ) -> AsyncIterator[SimpleNamespace]:
     """The real server (handler, scheduler, limits) on a free port, with a fake engine."""
     from wyoming_cosyvoice.config import load_config
-    from wyoming_cosyvoice.server import create_server
+    from wyoming_cosyvoice.wyoming.server import create_server
 
     port = free_port()
     # A data dir of its own: what the server keeps there (the voices' levels) stays in the test.
@@ -518,8 +521,8 @@ PARITY_THREADS_ENV = "COSYVOICE_TEST_THREADS"
 @pytest.fixture(autouse=True)
 def _parity_thread_count(request: pytest.FixtureRequest) -> Iterator[None]:
     """A parity test runs at the torch thread count the environment names, if it names one,
-    whatever its module set up: tests/test_kernel_paths.py re-runs the parity tests at other
-    counts, since a reduction split over more threads adds in another order."""
+    whatever its module set up: tests/engine_tests/core/test_kernel_paths.py re-runs the parity
+    tests at other counts, since a reduction split over more threads adds in another order."""
     wanted = os.environ.get(PARITY_THREADS_ENV)
     if not wanted or request.node.get_closest_marker("parity") is None:
         yield

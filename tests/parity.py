@@ -22,8 +22,8 @@ def parity_files() -> list[str]:
     """The test files that hold parity tests, relative to tests/ (the subset runs without
     collecting the rest of the suite, whose test-only packages a board may not have)."""
     return sorted(
-        path.name
-        for path in TESTS.glob("test_*.py")
+        path.relative_to(TESTS).as_posix()
+        for path in TESTS.rglob("test_*.py")
         if PARITY_MARK.search(path.read_text(encoding="utf-8"))
     )
 

@@ -53,8 +53,8 @@ class StuckEngine(FakeSurface):
 
 
 def main() -> int:
-    from wyoming_cosyvoice import model
     from wyoming_cosyvoice.__main__ import main as server_main
+    from wyoming_cosyvoice.models import model
 
     model.engine_loader = lambda config: StuckEngine  # what the real loader would return
     return server_main(sys.argv[1:])

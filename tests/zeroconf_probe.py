@@ -8,7 +8,7 @@ import json
 import socket
 import sys
 
-from wyoming_cosyvoice.zeroconf import SERVICE_TYPE, WyomingZeroconf, advertised_address
+from wyoming_cosyvoice.wyoming.zeroconf import SERVICE_TYPE, WyomingZeroconf, advertised_address
 
 
 def advertised_for_wildcards() -> list[str]:

@@ -27,8 +27,8 @@ from wyoming_cosyvoice.config import (
     load_config,
     parse_override,
 )
-from wyoming_cosyvoice.model import load_cosyvoice, resolve_model_dir
-from wyoming_cosyvoice.scheduler import EngineFactory
+from wyoming_cosyvoice.models.model import load_cosyvoice, resolve_model_dir
+from wyoming_cosyvoice.pipeline.scheduler import EngineFactory
 
 _LOGGER = logging.getLogger("wyoming_cosyvoice")
 # How long a stop waits for the engine to notice its cancelled work (it checks before every LM
@@ -178,7 +178,7 @@ async def serve(
     ``http`` = (host, port, HTTP only, allowed origins): the HTTP API on the same scheduler.
     ``engine_factory``: the config's loader unless given (the benchmark's launcher gives one).
     """
-    from wyoming_cosyvoice.server import create_server
+    from wyoming_cosyvoice.wyoming.server import create_server
 
     if http is not None and http[2]:
         from wyoming_cosyvoice.http import start_model_only
@@ -186,11 +186,11 @@ async def serve(
         running: Any = await start_model_only(config, model_dir, engine_factory=engine_factory)
     else:
         running = await create_server(config, model_dir, engine_factory=engine_factory)
-    from wyoming_cosyvoice.custom_voices import CustomVoices, custom_voice_exists
+    from wyoming_cosyvoice.custom_voices.folder import CustomVoices, custom_voice_exists
 
     # Custom voices: scanned once the model has loaded, then re-scanned when the folder changes
     # (or when the web page saves a voice).
-    from wyoming_cosyvoice.tts_cache_guard import TtsCacheGuard, settings_identity
+    from wyoming_cosyvoice.home_assistant.tts_cache_guard import TtsCacheGuard, settings_identity
 
     tts_cache = TtsCacheGuard.for_config(config)  # Home Assistant's copies of older audio
     voices = None
@@ -228,7 +228,7 @@ async def serve(
     )
     zc = None
     if config.zeroconf and not (http and http[2]):
-        from wyoming_cosyvoice.zeroconf import WyomingZeroconf
+        from wyoming_cosyvoice.wyoming.zeroconf import WyomingZeroconf
 
         url = urlparse(config.uri)
         if url.scheme != "tcp":
@@ -319,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         http = (args.http_host, args.http_port, args.http_only, origins)
 
-    from wyoming_cosyvoice.download import ModelNotFoundError
+    from wyoming_cosyvoice.models.download import ModelNotFoundError
 
     try:
         model_dir = resolve_model_dir(config)

@@ -15,7 +15,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from urllib.parse import urlparse
 
-from wyoming_cosyvoice.addon import (
+from wyoming_cosyvoice.config import packaged_settings
+from wyoming_cosyvoice.home_assistant.addon import (
     DATA_DIR,
     INGRESS_PORT,
     OPTIONS_FILE,
@@ -25,8 +26,7 @@ from wyoming_cosyvoice.addon import (
     prepare_dirs,
     read_options,
 )
-from wyoming_cosyvoice.addon_discovery import SUPERVISOR_URL, start_announcing
-from wyoming_cosyvoice.config import packaged_settings
+from wyoming_cosyvoice.home_assistant.discovery import SUPERVISOR_URL, start_announcing
 
 # Named, not __name__: run with -m, this module is __main__.
 _LOGGER = logging.getLogger("wyoming_cosyvoice.addon_start")

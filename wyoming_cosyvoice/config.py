@@ -35,13 +35,15 @@ from engine.core.types import (
     StreamSchedule,
     SynthesisOptions,
 )
-from wyoming_cosyvoice.loudness import TARGET_RANGE, VOLUME_RANGE
-from wyoming_cosyvoice.speaker_presets import SPEEDS, STYLES, is_preset_name
+from wyoming_cosyvoice.voices.presets import SPEEDS, STYLES, is_preset_name
 
 SETTINGS_FILE = "settings.yaml"  # in this package: the defaults every other layer overrides
 LM_WEIGHTS = ("int8", "int4", "fp32")
 FLOW_WEIGHTS = ("fp32", "int8", "bf16")
 HIFT_WEIGHTS = ("fp32", "bf16", "int8")
+TARGET_RANGE = (-40.0, -6.0)  # LUFS the server's loudness may aim at (server.loudness)
+# factor on the target level (server.volume, a request's volume): −20 dB … +6 dB
+VOLUME_RANGE = (0.1, 2.0)
 
 _NAMED_SCHEDULES = {"low_latency": LOW_LATENCY_SCHEDULE, "official": OFFICIAL_SCHEDULE}
 
@@ -84,7 +86,7 @@ AUTO_PROFILE = "auto"
 
 @dataclass(frozen=True)
 class AutoSettings:
-    """How the ``auto`` profile chooses (wyoming_cosyvoice.auto_profile)."""
+    """How the ``auto`` profile chooses (wyoming_cosyvoice.auto.profile)."""
 
     first_audio_s: float  # the first audio a request should get within
     profiles: tuple[str, ...]  # what it chooses from, the most exact first

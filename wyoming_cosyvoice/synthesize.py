@@ -1,7 +1,7 @@
 """``python -m wyoming_cosyvoice synthesize``: text (argument, file or stdin) → a WAV file.
 
-The same speech pipeline as the server (:mod:`.speech`), with a file as its client: the text is
-split into sentence segments, each is synthesized and all are written one after another into
+The same speech pipeline as the server (:mod:`.pipeline.speech`), with a file as its client: the
+text is split into sentence segments, each is synthesized and all are written one after another into
 one WAV file. Without ``--batch``: the server's default profile and one voice for the text, as
 a request to the server gets. With ``--batch`` (audiobooks, chapters): the ``batch`` profile
 (whole-sentence, best quality; no streaming), a progress bar counting segments, and without
@@ -29,8 +29,8 @@ from wyoming_cosyvoice.config import (
     load_config,
     parse_override,
 )
-from wyoming_cosyvoice.sentences import Sentence, split_text, text_language
-from wyoming_cosyvoice.speech import (
+from wyoming_cosyvoice.pipeline.sentences import Sentence, split_text, text_language
+from wyoming_cosyvoice.pipeline.speech import (
     WIDTH,
     Audio,
     SentenceEnd,
@@ -40,7 +40,7 @@ from wyoming_cosyvoice.speech import (
     SpeechSettings,
     VoiceChoice,
 )
-from wyoming_cosyvoice.voice_catalog import VoiceCatalog
+from wyoming_cosyvoice.voices.catalog import VoiceCatalog
 
 _LOGGER = logging.getLogger("wyoming_cosyvoice.synthesize")
 
@@ -130,9 +130,9 @@ def voice_choice(args: argparse.Namespace, config: ServerConfig, segments: list[
 
 
 def run(args: argparse.Namespace) -> int:
-    from wyoming_cosyvoice.download import ModelNotFoundError
-    from wyoming_cosyvoice.model import resolve_model_dir, speakers_before_load
-    from wyoming_cosyvoice.protocol import VoiceNotFoundError
+    from wyoming_cosyvoice.errors import VoiceNotFoundError
+    from wyoming_cosyvoice.models.download import ModelNotFoundError
+    from wyoming_cosyvoice.models.model import resolve_model_dir, speakers_before_load
 
     try:
         config = settings(args)
@@ -174,8 +174,8 @@ async def speak(config: ServerConfig, model_dir: Path, segments: list[Sentence],
                 output: FileOutput) -> int:  # fmt: skip
     """Load the model, then speak ``segments`` into ``output`` through the speech pipeline."""
     from engine.core.types import EngineError
-    from wyoming_cosyvoice.model import scheduler_for_config
-    from wyoming_cosyvoice.protocol import ClientError
+    from wyoming_cosyvoice.errors import ClientError
+    from wyoming_cosyvoice.models.model import scheduler_for_config
 
     # The profile's weight formats, as the server would load them; one synthesis, no warm-up.
     scheduler = scheduler_for_config(replace(config, warmup=False), model_dir)

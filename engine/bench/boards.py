@@ -25,7 +25,8 @@ its work needs there, at the engine's measured distance from the bound on the me
 
 The counts come from the benchmark of the full-size models (``--record`` keeps the figures the
 model needs in ``script/board-estimates.json``); a profile whose settings changed since must be
-measured again (tests/test_bench_boards.py checks them against the server's profiles).
+measured again (tests/engine_tests/bench/test_bench_boards.py checks them against the server's
+profiles).
 """
 
 from __future__ import annotations

@@ -4,9 +4,9 @@ A profile fixes what changes speed: the streaming schedule (when the first chunk
 hops grow), the flow ODE's solver and steps, the CFG rate and the weight formats of the LM, the flow
 and HiFT. The engine alone knows two, ``realtime`` and ``quality``: its own low-latency and
 official schedules at its default steps and guidance, in the weight formats a server loads for
-its profiles of those names (tests/test_bench.py holds them equal). The server's named profiles
-live in its ``config.yaml``; ``python -m wyoming_cosyvoice.bench`` reads them, with the formats
-the server loads for each, and hands them in.
+its profiles of those names (tests/engine_tests/bench/test_bench.py holds them equal). The server's
+named profiles live in its ``config.yaml``; ``python -m wyoming_cosyvoice.bench`` reads them, with
+the formats the server loads for each, and hands them in.
 """
 
 from __future__ import annotations

@@ -64,12 +64,28 @@ def by_format(
 class EngineBase(ABC, Generic[FlowT]):
     """The flow and HiFT by weight format, what the load prepared and chose for this CPU."""
 
-    sample_rate: int  # of the audio chunks, the family's
-    token_rate: int  # speech tokens a second, the family's
     # How the family's directory is prepared and loaded (its three models, its speakers).
     model_parts: ClassVar[ModelParts]
 
-    def __init__(self, flow: FlowT, hift: HiFTGenerator) -> None:
+    def __init__(
+        self,
+        flow: FlowT,
+        hift: HiFTGenerator,
+        *,
+        model_dir: Path,
+        kind: str,
+        threads: int | None,
+        sample_rate: int,
+        token_rate: int,
+        speakers: Iterable[str] = (),
+    ) -> None:
+        self.model_dir = model_dir
+        self.kind = kind  # the model's kind (engine.family: the name its directory goes by)
+        self.threads = threads  # torch's threads (None: every core)
+        self.sample_rate = sample_rate  # of the audio chunks, the family's
+        self.token_rate = token_rate  # speech tokens a second, the family's
+        # The built-in speakers (a v1-SFT model's table; voices come on top of them).
+        self.speakers: list[str] = list(speakers)
         # The prepared files load() had to prepare first (e.g. "llm.int8"; empty: none).
         self.prepared_at_load: tuple[str, ...] = ()
         # What load() chose for this CPU (int8 kernels, bfloat16, thread ceiling).

@@ -8,7 +8,7 @@ flag is set (which mobile builds do); ``unpack`` then rebuilds the weight from t
 The flag has no Python binding, so it is set here through ATen's exported C++ functions
 (``at::globalContext()`` and the setter, Itanium-mangled, as on every Linux and macOS build).
 Where they cannot be reached the original stays: a WARNING says so, and the mapping test in
-``tests/test_prepared.py`` fails.
+``tests/engine_tests/core/test_prepared.py`` fails.
 """
 
 from __future__ import annotations

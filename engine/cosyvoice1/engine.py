@@ -101,14 +101,17 @@ class CosyVoiceEngine(EngineBase["FlowModel"], OfFamily):
     ) -> None:
         from engine.text.frontend import TextFrontend
 
-        super().__init__(models.flow, models.hift)
+        super().__init__(
+            models.flow,
+            models.hift,
+            model_dir=models.model_dir,
+            kind=kind or detect_model_kind(models.model_dir),
+            threads=threads,
+            sample_rate=SAMPLE_RATE,
+            token_rate=TOKEN_RATE,
+            speakers=models.speakers,
+        )
         self.models = models
-        self.model_dir = models.model_dir
-        self.kind = kind or detect_model_kind(models.model_dir)
-        self.threads = threads
-        self.sample_rate = SAMPLE_RATE
-        self.token_rate = TOKEN_RATE
-        self.speakers: list[str] = list(models.speakers)
         self.frontend = frontend or TextFrontend()
         self.custom_voices: VoiceLibrary | None = None
 

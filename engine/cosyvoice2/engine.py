@@ -140,20 +140,22 @@ class CosyVoice2Engine(
         frontend: CosyVoice2TextFrontend | None = None,
         flow_cache_dtype: torch.dtype | None = torch.float16,
     ) -> None:
-        super().__init__(models.flow, models.hift)
+        super().__init__(
+            models.flow,
+            models.hift,
+            model_dir=models.model_dir,
+            kind=KIND,
+            threads=threads,
+            sample_rate=models.args.sample_rate,
+            token_rate=models.args.token_rate,
+        )
         self.models = models
-        self.model_dir = models.model_dir
-        self.kind = KIND
-        self.threads = threads
-        self.sample_rate = models.args.sample_rate
-        self.token_rate = models.args.token_rate
         self.frontend = frontend or CosyVoice2TextFrontend(models.model_dir / BACKBONE_DIR)
         # The type the flow keeps its keys and values in between chunks (None: float32). Half
         # precision by default: half the memory, the mel within 2e-5 (docs/dev/cosyvoice2-flow.md).
         self.flow_cache_dtype = flow_cache_dtype
         # Voices offered without a voices folder (none ship with the model).
         self.voices: dict[str, CustomVoice] = {}
-        self.speakers: list[str] = []
         self.custom_voices: VoiceLibrary | None = None
         # Where each segment's HiFT draws come from, by its seed (parity tests inject the
         # official run's draws here).

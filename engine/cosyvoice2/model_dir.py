@@ -50,7 +50,6 @@ REQUIRED_FILES = (CONFIG_FILE, *CHECKPOINT_FILES, BACKBONE_CONFIG)
 # The tokenizer: a tokenizer.json, or the vocab.json + merges.txt pair the release ships.
 TOKENIZER_FILES = (f"{BACKBONE_DIR}/vocab.json", f"{BACKBONE_DIR}/merges.txt")
 TOKENIZER_JSON = f"{BACKBONE_DIR}/tokenizer.json"
-PROMPT_MODEL_FILES = ("campplus.onnx", "speech_tokenizer_v2.onnx")
 
 
 @dataclass(frozen=True)

@@ -2,8 +2,8 @@
 
 Each rule fixes something wetext 0.1.8 leaves unspoken or reads wrongly for a smart-home /
 customer-service voice.  Every rule is listed with an example in docs/text-normalisation.md
-and pinned by tests/test_text_normalize.py.  Rules run *before* wetext (they turn the text
-into something wetext reads correctly, or verbalise it completely).
+and pinned by tests/engine_tests/text/test_text_normalize.py.  Rules run *before* wetext (they turn
+the text into something wetext reads correctly, or verbalise it completely).
 """
 
 from __future__ import annotations

@@ -40,12 +40,12 @@ PYTEST_RUNS: tuple[tuple[str, ...], ...] = (
     # The quantised path: the CPU's choices, the int8 and int4 LM and int8 flow, prepared files,
     # HiFT.
     (
-        "test_cpu.py",
-        "test_quantize.py",
-        "test_int4.py",
-        "test_flow_int8.py",
-        "test_prepared.py",
-        "test_hift.py",
+        "engine_tests/core/test_cpu.py",
+        "engine_tests/core/test_quantize.py",
+        "engine_tests/core/test_int4.py",
+        "engine_tests/cosyvoice1/test_flow_int8.py",
+        "engine_tests/core/test_prepared.py",
+        "engine_tests/core/test_hift.py",
     ),
     # Every comparison with the official reference data, within the tolerances its spread sets.
     ("-m", "parity", *parity_files()),

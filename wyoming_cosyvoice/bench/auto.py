@@ -3,7 +3,7 @@
 Each profile of ``auto.profiles`` is measured as any profile is (the engine benchmark's runs,
 each in a fresh process). Then ``auto`` itself, also in a fresh process per repeat, the way the
 server runs it: the model loaded with every weight format auto needs, the warm-up, the stage
-costs measured (:meth:`~wyoming_cosyvoice.auto_profile.AutoProfile.calibrate`), the choice for
+costs measured (:meth:`~wyoming_cosyvoice.auto.profile.AutoProfile.calibrate`), the choice for
 the benchmark's text, and that choice's streamed request: first audio, playback stalls, peak
 memory. Its deviation from the exact maths is the chosen profile's.
 
@@ -53,7 +53,7 @@ def run(config: AutoRunConfig) -> dict[str, Any]:
     from engine.bench.timers import StageTimer
     from engine.family import load_engine, model_family
     from wyoming_cosyvoice.config import AUTO_PROFILE, load_config
-    from wyoming_cosyvoice.model import auto_profile
+    from wyoming_cosyvoice.models.model import auto_profile
 
     overrides: list[tuple[str, Any]] = [
         ("server.profile", AUTO_PROFILE),

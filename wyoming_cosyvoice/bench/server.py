@@ -23,9 +23,9 @@ from typing import Any
 from engine.api import Engine
 from wyoming_cosyvoice import __main__ as server_cli
 from wyoming_cosyvoice.config import ServerConfig
-from wyoming_cosyvoice.download import ModelNotFoundError
-from wyoming_cosyvoice.model import family_at, load_cosyvoice, load_options
-from wyoming_cosyvoice.scheduler import EngineFactory
+from wyoming_cosyvoice.models.download import ModelNotFoundError
+from wyoming_cosyvoice.models.model import family_at, load_cosyvoice, load_options
+from wyoming_cosyvoice.pipeline.scheduler import EngineFactory
 
 PROG = "python -m wyoming_cosyvoice.bench.server"
 _LOGGER = logging.getLogger("wyoming_cosyvoice")

@@ -1,4 +1,5 @@
-"""The Starlette app: routes over the server's :class:`~wyoming_cosyvoice.scheduler.Scheduler`.
+"""The Starlette app: routes over the server's
+:class:`~wyoming_cosyvoice.pipeline.scheduler.Scheduler`.
 
 ``POST /tts`` and ``POST /v1/audio/speech`` validate the body (:mod:`.speech`), then wait for
 the first audio before answering: an error found before any audio is sent (unknown speaker,
@@ -24,7 +25,8 @@ from engine.core.types import EngineError
 from engine.core.types import UnknownSpeakerError as EngineUnknownSpeaker
 from engine.text.errors import TextInputError
 from wyoming_cosyvoice.config import ServerConfig
-from wyoming_cosyvoice.custom_voices import CustomVoices
+from wyoming_cosyvoice.custom_voices.folder import CustomVoices
+from wyoming_cosyvoice.errors import ClientError, ServerBusyError
 from wyoming_cosyvoice.http.errors import (
     HttpError,
     http_error_handler,
@@ -47,11 +49,10 @@ from wyoming_cosyvoice.http.stream import (
     first_piece,
 )
 from wyoming_cosyvoice.http.voice_maker import voice_maker_routes
-from wyoming_cosyvoice.protocol import ClientError, ServerBusyError
-from wyoming_cosyvoice.scheduler import Scheduler
-from wyoming_cosyvoice.sentences import SplitterFactory, make_splitter
-from wyoming_cosyvoice.speaker_presets import speaker_names
-from wyoming_cosyvoice.speech import Speech
+from wyoming_cosyvoice.pipeline.scheduler import Scheduler
+from wyoming_cosyvoice.pipeline.sentences import SplitterFactory, make_splitter
+from wyoming_cosyvoice.pipeline.speech import Speech
+from wyoming_cosyvoice.voices.presets import speaker_names
 
 _LOGGER = logging.getLogger(__name__)
 # The page's icon: a speech bubble, inline so an install without package data still has it.

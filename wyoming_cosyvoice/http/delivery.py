@@ -1,5 +1,5 @@
 """How fast and in which style an HTTP request is spoken: ``speed``, ``style`` and the preset
-speakers Wyoming offers (:mod:`wyoming_cosyvoice.speaker_presets`), checked into one speed and
+speakers Wyoming offers (:mod:`wyoming_cosyvoice.voices.presets`), checked into one speed and
 one instruction.
 
 ``speed`` on ``/tts`` is the engine's range, 0.5 to 2.0; anything else is a 400. On
@@ -14,7 +14,8 @@ from typing import Any
 
 from engine.core.types import MAX_SPEED, MIN_SPEED
 from wyoming_cosyvoice.http.errors import HttpError
-from wyoming_cosyvoice.speaker_presets import (
+from wyoming_cosyvoice.voices.catalog import VoiceCatalog
+from wyoming_cosyvoice.voices.presets import (
     INSTRUCT_MODELS,
     STYLES,
     SpeakerPreset,
@@ -22,7 +23,6 @@ from wyoming_cosyvoice.speaker_presets import (
     split_preset,
     takes_styles,
 )
-from wyoming_cosyvoice.voice_catalog import VoiceCatalog
 
 OPENAI_SPEEDS = (0.25, 4.0)
 

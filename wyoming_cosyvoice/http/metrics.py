@@ -1,5 +1,5 @@
 """``GET /metrics`` (Prometheus text format) and ``GET /stats`` (JSON for the web page and
-Home Assistant's REST sensor), read from the server's :class:`~wyoming_cosyvoice.metrics.
+Home Assistant's REST sensor), read from the server's :class:`~wyoming_cosyvoice.pipeline.metrics.
 ServerMetrics`.
 
 Counters and histograms are prometheus_client's, fed as the pipeline reports; what is read at
@@ -37,14 +37,14 @@ from starlette.routing import Route
 from wyoming_cosyvoice import __version__
 from wyoming_cosyvoice.config import ServerConfig
 from wyoming_cosyvoice.http.errors import HttpError
-from wyoming_cosyvoice.metrics import (
+from wyoming_cosyvoice.pipeline.metrics import (
     OUTCOMES,
     QUANTILES,
     ServerMetrics,
     SpeechReport,
     quantiles,
 )
-from wyoming_cosyvoice.scheduler import Scheduler
+from wyoming_cosyvoice.pipeline.scheduler import Scheduler
 
 FRONT_ENDS = ("wyoming", "http")
 # From a fast machine's first chunk to a slow one's whole sentence.

@@ -19,12 +19,12 @@ import uvicorn
 
 from engine.api import Engine
 from wyoming_cosyvoice.config import ServerConfig
-from wyoming_cosyvoice.custom_voices import CustomVoices
+from wyoming_cosyvoice.custom_voices.folder import CustomVoices
 from wyoming_cosyvoice.http.stream import BODY_CUT
-from wyoming_cosyvoice.model import load_cosyvoice, scheduler_for_config
-from wyoming_cosyvoice.prepared_phrases import PhrasePreparer
-from wyoming_cosyvoice.scheduler import EngineFactory, Scheduler
-from wyoming_cosyvoice.sentences import SplitterFactory, make_splitter
+from wyoming_cosyvoice.models.model import load_cosyvoice, scheduler_for_config
+from wyoming_cosyvoice.pipeline.prepared_phrases import PhrasePreparer
+from wyoming_cosyvoice.pipeline.scheduler import EngineFactory, Scheduler
+from wyoming_cosyvoice.pipeline.sentences import SplitterFactory, make_splitter
 
 _LOGGER = logging.getLogger(__name__)
 _GRACE_S = 3.0  # how long open streams may finish when the server stops

@@ -3,7 +3,7 @@
 Both routes end here, so ``/tts`` and ``/v1/audio/speech`` refuse the same things with the same
 status codes: 400 bad input, 404 unknown voice, 413 text (or body) too long. The text is split,
 the voice chosen and the profile's settings taken by the speech pipeline's own stages
-(:mod:`wyoming_cosyvoice.speech`), so one request speaks the same over either protocol.
+(:mod:`wyoming_cosyvoice.pipeline.speech`), so one request speaks the same over either protocol.
 """
 
 from __future__ import annotations
@@ -16,30 +16,30 @@ from typing import Any
 from starlette.requests import Request
 
 from wyoming_cosyvoice.config import (
+    VOLUME_RANGE,
     ProfileConfig,
     ProfileNotLoadedError,
     ServerConfig,
     UnknownProfileError,
 )
+from wyoming_cosyvoice.errors import LimitExceededError, VoiceNotFoundError
 from wyoming_cosyvoice.http.delivery import delivery, speaker_preset
 from wyoming_cosyvoice.http.errors import HttpError
-from wyoming_cosyvoice.loudness import VOLUME_RANGE
-from wyoming_cosyvoice.protocol import LimitExceededError, VoiceNotFoundError
-from wyoming_cosyvoice.sentences import (
+from wyoming_cosyvoice.pipeline.sentences import (
     Sentence,
     SplitterFactory,
     has_speech,
     iter_sentences,
     opening_language,
 )
-from wyoming_cosyvoice.speaker_presets import INSTRUCT_MODELS, with_presets
-from wyoming_cosyvoice.speech import (
+from wyoming_cosyvoice.pipeline.speech import (
     SpeechSettings,
     VoiceChoice,
     instruction_text,
     split_instruction,
 )
-from wyoming_cosyvoice.voice_catalog import Voice, VoiceCatalog
+from wyoming_cosyvoice.voices.catalog import Voice, VoiceCatalog
+from wyoming_cosyvoice.voices.presets import INSTRUCT_MODELS, with_presets
 
 FORMATS = ("wav", "pcm")
 _MAX_SEED = 2**32 - 1

@@ -1,6 +1,6 @@
 """One HTTP synthesis: the speech pipeline's audio → the response body.
 
-A :class:`SpeechJob` reads one :class:`~wyoming_cosyvoice.speech.Speech` (which speaks its
+A :class:`SpeechJob` reads one :class:`~wyoming_cosyvoice.pipeline.speech.Speech` (which speaks its
 sentences through the shared scheduler: HTTP and Wyoming requests take one fair queue) and
 hands its PCM to the response in order, telling the speech what was taken: the pipeline's
 backpressure and stalled-client drop then hold for HTTP as for Wyoming. A client that
@@ -30,7 +30,7 @@ from starlette.types import Receive, Scope, Send
 from engine.core.types import SynthesisCancelled
 from wyoming_cosyvoice.http.errors import error_body
 from wyoming_cosyvoice.http.speech import SpeechRequest
-from wyoming_cosyvoice.speech import WIDTH, Audio, Speech
+from wyoming_cosyvoice.pipeline.speech import WIDTH, Audio, Speech
 
 _LOGGER = logging.getLogger(__name__)
 # What a client still reading is told of a cut answer: the server is stopping (a client that

@@ -4,18 +4,19 @@ Routes (docs/http-api.md), each taking and giving JSON; audio travels as a base6
 
 * ``GET /voices/maker``: what this server offers (a voices folder, saving into it, speech-to-text,
   the reload of Home Assistant's Wyoming entry) and the recording limits;
-* ``POST /voices/check``: the quality check (:mod:`wyoming_cosyvoice.voice_check`), 422 with
-  the reason when the clip would make a poor voice;
+* ``POST /voices/check``: the quality check
+  (:mod:`wyoming_cosyvoice.custom_voices.voice_check`), 422 with the reason when the clip would
+  make a poor voice;
 * ``POST /voices/transcribe``: the clip's words from the Wyoming speech-to-text server
-  (:mod:`wyoming_cosyvoice.stt`);
+  (:mod:`wyoming_cosyvoice.custom_voices.stt`);
 * ``POST /voices/custom``: save ``NAME.wav`` + ``NAME.txt`` into the voices folder
-  (:mod:`wyoming_cosyvoice.voice_folder`), ask for a scan at once and answer with the voice's
-  state (201, or 202 while the scan is still running). Only with ``server.web_voice_maker``
+  (:mod:`wyoming_cosyvoice.custom_voices.new_voice`), ask for a scan at once and answer with the
+  voice's state (201, or 202 while the scan is still running). Only with ``server.web_voice_maker``
   (``--web-voice-maker``; the add-on's page is behind Home Assistant's login): otherwise anyone
   who can reach the port could add files to the folder;
 * ``GET /voices/custom/{name}``: a saved voice's state: offered, rejected (why) or waiting;
 * ``POST /voices/home-assistant/reload``: reload Home Assistant's Wyoming entry, so that it lists
-  the new voice (:mod:`wyoming_cosyvoice.home_assistant`).
+  the new voice (:mod:`wyoming_cosyvoice.home_assistant.supervisor`).
 
 Decoding, measuring and writing run in threads; the scan runs on the engine thread in the queue's
 turn, as every scan does. The page's script is ``static/voice-maker.js``.
@@ -36,14 +37,16 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from wyoming_cosyvoice.config import ServerConfig
-from wyoming_cosyvoice.custom_voices import CustomVoices
-from wyoming_cosyvoice.home_assistant import HomeAssistantApi, HomeAssistantError
-from wyoming_cosyvoice.http.errors import HttpError
-from wyoming_cosyvoice.http.speech import read_json, require_json
-from wyoming_cosyvoice.scheduler import Scheduler
-from wyoming_cosyvoice.stt import SpeechToTextError, transcribe
-from wyoming_cosyvoice.voice_catalog import Voice
-from wyoming_cosyvoice.voice_check import (
+from wyoming_cosyvoice.custom_voices.folder import CustomVoices
+from wyoming_cosyvoice.custom_voices.new_voice import (
+    BadTranscript,
+    VoiceExists,
+    check_transcript,
+    file_of_voice,
+    save_voice,
+)
+from wyoming_cosyvoice.custom_voices.stt import SpeechToTextError, transcribe
+from wyoming_cosyvoice.custom_voices.voice_check import (
     MAX_SECONDS,
     MIN_SECONDS,
     CheckedRecording,
@@ -51,14 +54,12 @@ from wyoming_cosyvoice.voice_check import (
     UnreadableAudio,
     check_recording,
 )
-from wyoming_cosyvoice.voice_folder import (
-    BadTranscript,
-    VoiceExists,
-    check_transcript,
-    file_of_voice,
-    save_voice,
-)
-from wyoming_cosyvoice.voice_names import BadVoiceName, check_name
+from wyoming_cosyvoice.home_assistant.supervisor import HomeAssistantApi, HomeAssistantError
+from wyoming_cosyvoice.http.errors import HttpError
+from wyoming_cosyvoice.http.speech import read_json, require_json
+from wyoming_cosyvoice.pipeline.scheduler import Scheduler
+from wyoming_cosyvoice.voices.catalog import Voice
+from wyoming_cosyvoice.voices.names import BadVoiceName, check_name
 
 _LOGGER = logging.getLogger(__name__)
 
