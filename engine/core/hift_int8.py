@@ -15,7 +15,7 @@ only their convolutions are swapped; the upsampling, the source convolutions, ``
 * The products are exact integer sums; oneDNN dequantises to float32 and adds the bias.
 
 The rounding of the two quantisations is what the format costs; the tests bound its deviation
-from the float32 vocoder on the same mel (tests/test_hift_int8.py).
+from the float32 vocoder on the same mel (tests/engine_tests/core/test_hift_int8.py).
 """
 
 from __future__ import annotations

@@ -4,10 +4,10 @@ the prompt text the official CosyVoice3 hands its LM in each mode."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
+from conftest import TESTS
 
 from engine.cosyvoice2.frontend import CosyVoice2TextFrontend
 from engine.cosyvoice3.frontend import (
@@ -20,7 +20,7 @@ from engine.cosyvoice3.frontend import (
 )
 from engine.text.errors import TextInputError
 
-DATA = Path(__file__).parent / "data" / "cosyvoice3"
+DATA = TESTS / "data" / "cosyvoice3"
 BLANK_EN = DATA / "tiny" / "CosyVoice-BlankEN"
 OFFICIAL = json.loads((DATA / "frontend_cases.json").read_text())
 SYSTEM = SYSTEM_PROMPT + "<|endofprompt|>"

@@ -6,16 +6,16 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import pytest
 import torch
+from conftest import TESTS
 
 from engine.core.lm_step import StepOut
 from engine.cosyvoice3.bistream import CosyVoice3BistreamSession
 from engine.cosyvoice3.lm import CosyVoice3LM, load_cosyvoice3_lm, load_cosyvoice3_lm_args
 
-DATA = Path(__file__).parent / "data" / "cosyvoice3"
+DATA = TESTS / "data" / "cosyvoice3"
 TINY = DATA / "tiny"
 CASES = ("zero_shot", "cross_lingual", "instruct2", "prompt_multiple_of_15")
 # Four times the official code's own spread (tests/data/cosyvoice3/README.md, tolerance table).

@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import DATA
 
 from engine.bench.flow_solvers import EXACT, v1_solve, v2_whole_solve
 from engine.core import cpu
 from engine.core.bf16_flow import Bf16Linear, bf16_layer_names, has_bf16_linears, use_bf16_linears
 
-DATA = Path(__file__).parent / "data"
 # Measured on the tiny models: 0.0035 (v1) and 0.0033 (CosyVoice2) at the exact settings;
 # the full-size models' figures are in docs/dev/flow-solver.md. A bound of a few times that.
 MAX_DEVIATION = 0.02

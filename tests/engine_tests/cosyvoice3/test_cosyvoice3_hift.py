@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import json
 import math
-from pathlib import Path
 
 import pytest
 import torch
+from conftest import TESTS
 from torch import Tensor
 
 from engine.core.hift import HiftNoise
@@ -25,7 +25,7 @@ from engine.cosyvoice3.hift import (
     load_causal_hift,
 )
 
-DATA = Path(__file__).parent / "data" / "cosyvoice3"
+DATA = TESTS / "data" / "cosyvoice3"
 META = json.loads((DATA / "hift_cases.json").read_text(encoding="utf-8"))
 UPP = 480
 

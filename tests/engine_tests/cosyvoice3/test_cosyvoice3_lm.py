@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import TESTS
 
 from engine.core.hparams import ModelConfigError, read_model_yaml
 from engine.core.quantize import Int8Linear, next_token_kl
@@ -31,9 +32,9 @@ from engine.cosyvoice3.model_dir import (
 from engine.family import model_family
 from engine.family_facts import COSYVOICE3
 
-DATA = Path(__file__).parent / "data" / "cosyvoice3"
+DATA = TESTS / "data" / "cosyvoice3"
 TINY = DATA / "tiny"
-V2_TINY = Path(__file__).parent / "data" / "cosyvoice2" / "tiny"
+V2_TINY = TESTS / "data" / "cosyvoice2" / "tiny"
 CASES = ("zero_shot", "cross_lingual", "instruct2")
 SEEDS = (11, 12, 13)
 # Four times the official code's own spread (tests/data/cosyvoice3/README.md, tolerance table).

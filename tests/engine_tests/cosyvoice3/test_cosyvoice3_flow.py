@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import TESTS
 
 from engine.core.hparams import ModelConfigError, read_model_yaml
 from engine.core.quantize import Int8Linear, quantize_int8
@@ -21,7 +22,7 @@ from engine.cosyvoice3.dit import rotary_frequencies
 from engine.cosyvoice3.flow import ROTARY_KEY, DiTFlow, build_flow, int8_layer_names, load_flow
 from engine.cosyvoice3.flow_args import DiTArgs, DiTFlowArgs, flow_args_from_doc
 
-DATA = Path(__file__).parent / "data" / "cosyvoice3"
+DATA = TESTS / "data" / "cosyvoice3"
 CASES = torch.load(DATA / "flow_cases.pt", weights_only=True)
 META = json.loads((DATA / "flow_cases.json").read_text(encoding="utf-8"))
 

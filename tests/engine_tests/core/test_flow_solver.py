@@ -4,10 +4,10 @@ on an ODE with a known solution, and the guidance rows combined at every evaluat
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import pytest
 import torch
+from conftest import DATA
 from torch import Tensor
 
 from engine.core.solver import (
@@ -19,7 +19,6 @@ from engine.core.solver import (
     solve_flow,
 )
 
-DATA = Path(__file__).parent / "data"
 X0 = torch.linspace(0.2, 1.5, 12, dtype=torch.float64).reshape(1, 1, 12)
 
 

@@ -25,6 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import DATA
 from torch import Tensor
 
 from engine.core import hift_int8
@@ -32,8 +33,6 @@ from engine.core.hift import CLConv1d, HiFTGenerator
 from engine.core.hift_int8 import Int8Conv, int8_conv_fast, quantize_activation
 from engine.core.weight_norm import normalize_hift_state_dict
 from engine.prompt.features import V1_PROMPT_MEL, V2_PROMPT_MEL, MelSpec, prompt_mel
-
-DATA = Path(__file__).parent / "data"
 
 needs_int8_here = pytest.mark.skipif(
     not int8_conv_fast(), reason="the int8 HiFT is not used on this CPU (it stays float32)"
