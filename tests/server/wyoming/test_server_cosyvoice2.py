@@ -386,6 +386,7 @@ def test_the_synthesize_command_writes_24_khz(server: SimpleNamespace, tmp_path:
 
 def test_a_fast_profile_loads_cosyvoice2_in_its_weight_formats(tmp_path: Path) -> None:
     from engine.core.cpu import detect
+    from engine.core.runtime import int8_hift_fast
     from wyoming_cosyvoice.config import load_config
     from wyoming_cosyvoice.models.model import engine_loader
 
@@ -398,8 +399,8 @@ def test_a_fast_profile_loads_cosyvoice2_in_its_weight_formats(tmp_path: Path) -
     # otherwise).
     cpu = detect()
     int8 = ("llm.int8", "flow.int8") if cpu.int8_kernels is not None else ("llm.fp32", "flow.fp32")
-    bf16 = ("hift.bf16",) if cpu.bfloat16 else ("hift.fp32",)
-    assert {*int8, *bf16} <= set(engine.prepared_at_load), cpu.describe()
+    hift = ("hift.int8",) if int8_hift_fast() else ("hift.fp32",)
+    assert {*int8, *hift} <= set(engine.prepared_at_load), cpu.describe()
 
 
 def test_the_default_voice_is_primed_for_the_server_profile(wy: SimpleNamespace) -> None:
