@@ -223,6 +223,10 @@ class CosyVoice2Engine(
         """The ids of a segment's text as the LM reads them in ``cond``'s mode."""
         return list(segment.token_ids)
 
+    def _kept_tokens(self, tokens: Iterator[int]) -> Iterator[int]:
+        """The LM's speech tokens that are spoken (CosyVoice2: all)."""
+        return tokens
+
     def _segment(
         self,
         text_ids: list[int],
@@ -268,7 +272,7 @@ class CosyVoice2Engine(
         first = next(hops) if speech is not None else 0
         inline = first + self.models.flow.args.pre_lookahead_len if speech is not None else None
         tokens = LmTokens(
-            lambda: make_tokens(lm_generator),
+            lambda: self._kept_tokens(make_tokens(lm_generator)),
             cancel,
             inline=inline,
             threads=options.threads,

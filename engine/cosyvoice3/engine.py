@@ -12,7 +12,8 @@ and primed prompt streams (:class:`~engine.cosyvoice2.engine.CosyVoice2Engine`),
   audio is made once, when the 8 frames after it are known, and nothing is cross-faded; its
   source noise is drawn in order from the request's seed (the official model draws one fixed
   table when it is built);
-* voices made with the v3 recipe (:mod:`engine.cosyvoice3.prompt`).
+* voices made with the v3 recipe (:mod:`engine.cosyvoice3.prompt`);
+* silent and breath tokens beyond five in a row dropped (:mod:`engine.cosyvoice3.silence`).
 
 Streaming schedules: ``official`` is CosyVoice3Model.tts's — the first hop 25 tokens plus the
 prompt's padding to whole 25-token chunks, then 50 and 100, each chunk once its 3 look-ahead
@@ -49,6 +50,7 @@ from engine.cosyvoice3.frontend import CosyVoice3TextFrontend
 from engine.cosyvoice3.hift import CausalHiFT, CausalHiftStream, SourceNoise, UniformSourceNoise
 from engine.cosyvoice3.model_dir import PARTS, CosyVoice3Models
 from engine.cosyvoice3.prompt import COSYVOICE3
+from engine.cosyvoice3.silence import capped_silences
 from engine.family_facts import COSYVOICE3 as COSYVOICE3_FAMILY
 
 if TYPE_CHECKING:
@@ -137,6 +139,9 @@ class CosyVoice3Engine(CosyVoice2Engine):
         if cond.mode == CROSS_LINGUAL:
             return self.frontend.cross_lingual_text_ids(segment)
         return list(segment.token_ids)
+
+    def _kept_tokens(self, tokens: Iterator[int]) -> Iterator[int]:
+        return capped_silences(tokens)
 
     def _mel_vocoder(
         self, hift: HiFTGenerator, seed: int, options: SynthesisOptions, weights: str
