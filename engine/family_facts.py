@@ -178,8 +178,6 @@ FAMILIES = (
 )
 
 
-
-
 def family_named(name: str) -> Family:
     """The family called ``name`` (KeyError if none is)."""
     for family in FAMILIES:

@@ -57,6 +57,7 @@ def test_full_size_hift_loads_the_official_keys_and_shapes_strictly() -> None:
     assert {k: tuple(v.shape) for k, v in hift.state_dict().items()} == ours
     folded = {k.replace(".parametrizations.weight.original1", ".weight") for k in official}
     assert set(ours) == {k for k in folded if not k.endswith(".original0")}
-    assert sum(v.numel() for v in hift.state_dict().values()) < (
-        MANIFEST["modules"]["hift"]["parameters"]
+    assert (
+        sum(v.numel() for v in hift.state_dict().values())
+        < (MANIFEST["modules"]["hift"]["parameters"])
     )

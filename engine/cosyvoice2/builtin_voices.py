@@ -153,8 +153,8 @@ def make_builtin_voices(
     """Turn the v1 engine's built-in speakers into voices of ``recipe``'s family (default
     CosyVoice2) in ``voices_dir``.
 
-    ``models``: that family's prompt models (:func:`engine.cosyvoice2.prompt.prompt_models`); checked
-    first (PromptModelError), so nothing is synthesised when they cannot run. ``speakers``
+    ``models``: that family's prompt models (:func:`engine.cosyvoice2.prompt.prompt_models`);
+    checked first (PromptModelError), so nothing is synthesised when they cannot run. ``speakers``
     (default: all of the engine's) need a language in ``languages`` (default
     :data:`SPEAKER_LANGUAGES`). ``options``: synthesis settings (speaker and seed are set
     here; streaming is off). Failures are logged and listed, not raised.

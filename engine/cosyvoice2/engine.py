@@ -85,10 +85,10 @@ from engine.family_facts import OfFamily, family_named
 
 if TYPE_CHECKING:
     from engine.core.hift import HiFTGenerator
-    from engine.text.frontend import Segment
     from engine.core.prepared import PreparedLoad
     from engine.cosyvoice2.flow import CausalFlow
     from engine.prompt.voices import CustomVoice, VoiceLibrary
+    from engine.text.frontend import Segment
 
 _LOGGER = logging.getLogger(__name__)
 
