@@ -27,6 +27,7 @@ import numpy as np
 
 from engine.core.types import AudioChunk, SynthesisOptions
 from engine.cosyvoice2.prompt import COSYVOICE2
+from engine.family_facts import family_named
 from engine.prompt.errors import VoiceError
 from engine.prompt.onnx_models import PromptModels
 from engine.prompt.recipe import PromptRecipe
@@ -161,7 +162,8 @@ def make_builtin_voices(
     """
     if models.kind != recipe.tokenizer:
         raise ValueError(
-            f"{models.tokenizer_path.name} is not the {recipe.family} speech tokenizer"
+            f"{models.tokenizer_path.name} is not the {family_named(recipe.family).label} "
+            "speech tokenizer"
         )
     models.check()
     voices_dir = Path(voices_dir)

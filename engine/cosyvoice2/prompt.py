@@ -71,7 +71,8 @@ def voice_library(
     """A voices folder read with the ``recipe`` (v2's by default; call ``scan()`` to load it)."""
     if models is not None and models.kind != recipe.tokenizer:
         raise ValueError(
-            f"{models.tokenizer_path.name} is not the {recipe.family} speech tokenizer"
+            f"{models.tokenizer_path.name} is not the {family_named(recipe.family).label} "
+            "speech tokenizer"
         )
     return VoiceLibrary(
         voices_dir, models, reserved=reserved, release_models=release_models, recipe=recipe
