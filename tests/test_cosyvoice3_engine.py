@@ -187,3 +187,18 @@ def test_silent_tokens_beyond_five_in_a_row_are_dropped() -> None:
     tokens = [7, *silent[:8], 9, silent[0], silent[1], 11]
     kept = list(capped_silences(tokens))
     assert kept == [7, *silent[:MAX_SILENT_RUN], 9, silent[0], silent[1], 11]
+
+
+def test_the_int8_models_load_from_their_prepared_files_and_speak(tmp_path: Path) -> None:
+    """``lm_int8`` / ``flow_int8``: the prepared int8 files are made and run (a streamed answer
+    of every planned token; close to float32 is the flow's own test)."""
+    target = tmp_path / "Fun-CosyVoice3-0.5B"
+    shutil.copytree(TINY, target, ignore=shutil.ignore_patterns(PREPARED_DIR))
+    loaded = load_engine(target, threads=1, lm_int8=True, flow_int8=True)
+    assert isinstance(loaded, CosyVoice3Engine)
+    assert {"llm.int8", "flow.int8"} <= set(loaded.prepared_at_load)
+    loaded.add_voice(_official_voice("prompt37"))
+    chunks = _speak(loaded, "prompt37", SynthesisOptions(speaker="prompt37", stream=True, seed=0))
+    (whole,) = _official("prompt37", "whole")
+    assert sum(len(c) for c in chunks) == len(whole)
+    assert all(bool(torch.isfinite(c).all()) for c in chunks)
