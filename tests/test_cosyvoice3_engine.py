@@ -7,14 +7,17 @@ from __future__ import annotations
 
 import json
 import shutil
+import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from torch import Tensor
 
 from engine.core.prepared import PREPARED_DIR
+from engine.core.text_feed import TextFeed
 from engine.core.types import LOW_LATENCY_SCHEDULE, OFFICIAL_SCHEDULE, SynthesisOptions
 from engine.cosyvoice3.engine import CosyVoice3Engine
 from engine.cosyvoice3.silence import MAX_SILENT_RUN, SILENT_TOKENS, capped_silences
@@ -202,3 +205,37 @@ def test_the_int8_models_load_from_their_prepared_files_and_speak(tmp_path: Path
     (whole,) = _official("prompt37", "whole")
     assert sum(len(c) for c in chunks) == len(whole)
     assert all(bool(torch.isfinite(c).all()) for c in chunks)
+
+
+def test_text_still_arriving_is_read_by_the_v3_bistream_session(
+    fresh: CosyVoice3Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A growing sentence goes to CosyVoice3's session, the system prompt (through
+    ``<|endofprompt|>``) in front of the transcript; the answer ends when the text does."""
+    import engine.cosyvoice3.engine as engine_module
+
+    made: list[list[int]] = []
+    started = threading.Event()
+
+    class Recording(engine_module.CosyVoice3BistreamSession):  # type: ignore[misc]
+        def __init__(self, lm: Any, prompt_text_ids: Any, *args: Any, **kwargs: Any) -> None:
+            super().__init__(lm, prompt_text_ids, *args, **kwargs)
+            made.append(list(prompt_text_ids))
+            started.set()
+
+    monkeypatch.setattr(engine_module, "CosyVoice3BistreamSession", Recording)
+    text = TextFeed("Hello there, this is a")
+    full = "Hello there, this is a sentence that keeps coming."
+
+    def finish_once_read() -> None:
+        started.wait(60)  # bounded: without a session the answer still ends
+        text.finish(full)
+
+    finisher = threading.Thread(target=finish_once_read)
+    finisher.start()
+    options = SynthesisOptions(speaker="prompt37", stream=True, seed=0, force_tokens=30)
+    chunks = list(fresh.synthesize_growing(text, options))
+    finisher.join()
+    system = fresh.frontend.system_prompt_ids()
+    assert made and made[0][: len(system)] == system
+    assert all(bool(torch.isfinite(torch.from_numpy(c.samples)).all()) for c in chunks)

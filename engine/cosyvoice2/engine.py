@@ -336,9 +336,7 @@ class CosyVoice2Engine(
         seed = self._seed(options)
 
         def make_tokens(generator: torch.Generator) -> Iterator[int]:
-            return growing_tokens(
-                self.models.llm, self.frontend, text, cond, options, generator, cancel
-            )
+            return self._growing_tokens(text, cond, options, generator, cancel)
 
         try:
             yield from self._speak(
@@ -346,6 +344,19 @@ class CosyVoice2Engine(
             )
         finally:
             give_back_free_heap()
+
+    def _growing_tokens(
+        self,
+        text: TextFeed,
+        cond: VoiceConditioning,
+        options: SynthesisOptions,
+        generator: torch.Generator,
+        cancel: threading.Event | None,
+    ) -> Iterator[int]:
+        """The LM's speech tokens for a sentence whose text is still arriving."""
+        return growing_tokens(
+            self.models.llm, self.frontend, text, cond, options, generator, cancel
+        )
 
     def _speech_stream(
         self,

@@ -22,12 +22,15 @@ same orchestration as CosyVoice2's, so the same code runs it. The incremental (d
 is CosyVoice2's: hops ending on attention chunk boundaries, the prompt cut so that the first hop
 completes its last chunk, every chunk computed once in chunk attention.
 
-A sentence whose text is still arriving is awaited whole, then spoken (the v3 bistream LM,
-:mod:`engine.cosyvoice3.bistream`, is not wired into the engine yet).
+A sentence whose text is still arriving is read by the LM as it comes, as CosyVoice2's, in the v3
+bistream layout (:class:`~engine.cosyvoice3.bistream.CosyVoice3BistreamSession`: the system prompt
+read first).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -40,12 +43,14 @@ from torch import Tensor, nn
 
 from engine.core.stage_times import StageListener, report, since
 from engine.core.text_feed import TextFeed
-from engine.core.types import AudioChunk, SynthesisOptions
+from engine.core.types import SynthesisOptions
 from engine.cosyvoice2.engine import ChunkedStreamGeometry, CosyVoice2Engine
-from engine.cosyvoice2.growing_speech import whole_text
+from engine.cosyvoice2.frontend import END_OF_PROMPT
+from engine.cosyvoice2.growing_speech import growing_tokens
 from engine.cosyvoice2.lm import BACKBONE_DIR
 from engine.cosyvoice2.prompt import CROSS_LINGUAL, VoiceConditioning
 from engine.cosyvoice2.streaming import MelVocoder
+from engine.cosyvoice3.bistream import CosyVoice3BistreamSession
 from engine.cosyvoice3.frontend import CosyVoice3TextFrontend
 from engine.cosyvoice3.hift import CausalHiFT, CausalHiftStream, SourceNoise, UniformSourceNoise
 from engine.cosyvoice3.model_dir import PARTS, CosyVoice3Models
@@ -150,15 +155,26 @@ class CosyVoice3Engine(CosyVoice2Engine):
         stream = CausalHiftStream(cast(CausalHiFT, hift), self.source_noise(seed))
         return ReportedHiftStream(stream, options.on_stage, weights)
 
-    def synthesize_growing(
+    def _growing_tokens(
         self,
         text: TextFeed,
-        options: SynthesisOptions | None = None,
-        cancel: threading.Event | None = None,
-    ) -> Iterator[AudioChunk]:
-        """Yield audio for one sentence whose text is still arriving: awaited whole, then
-        spoken as :meth:`synthesize` would."""
-        yield from self.synthesize(whole_text(text, cancel), options, cancel)
+        cond: VoiceConditioning,
+        options: SynthesisOptions,
+        generator: torch.Generator,
+        cancel: threading.Event | None,
+    ) -> Iterator[int]:
+        # The v3 session reads the system prompt first; without a transcript (cross-lingual)
+        # the system prompt alone is the prompt text.
+        if cond.mode == CROSS_LINGUAL:
+            cond = dataclasses.replace(cond, prompt_text_ids=self.frontend.system_prompt_ids())
+        session = functools.partial(
+            CosyVoice3BistreamSession,
+            end_of_prompt_id=self.frontend.tokenizer.token_id(END_OF_PROMPT),
+        )
+        llm, frontend = self.models.llm, self.frontend
+        return growing_tokens(
+            llm, frontend, text, cond, options, generator, cancel, new_session=session
+        )
 
     @property
     def stream_geometry(self) -> ChunkedStreamGeometry:
