@@ -239,3 +239,16 @@ def test_text_still_arriving_is_read_by_the_v3_bistream_session(
     system = fresh.frontend.system_prompt_ids()
     assert made and made[0][: len(system)] == system
     assert all(bool(torch.isfinite(torch.from_numpy(c.samples)).all()) for c in chunks)
+
+
+def test_forced_token_counts_are_exact(fresh: CosyVoice3Engine) -> None:
+    """``force_tokens`` (benchmarks on random weights) masks all 200 stop ids, not EOS alone:
+    the tiny LM would draw one of the others within a few tokens."""
+    text = fresh.frontend.segments("Hello there, this is a test.")[0].token_ids
+    prompt = fresh.frontend.prompt_text_ids("Hello there.")
+    for seed in range(3):
+        generator = torch.Generator().manual_seed(seed)
+        drawn = list(
+            fresh.models.llm.generate(text, prompt, [], generator=generator, max_tokens=90)
+        )
+        assert len(drawn) == 90
