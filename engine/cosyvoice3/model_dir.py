@@ -123,14 +123,7 @@ def read_args(model_dir: Path) -> CosyVoice3Args:
     check_model_dir(model_dir, missing_model_files(model_dir) if model_dir.is_dir() else [])
     try:
         doc = read_model_yaml(model_dir / CONFIG_FILE)
-        if "llm" not in doc:
-            raise ModelConfigError(f"{CONFIG_FILE}: missing top-level section 'llm'")
-        backbone = Qwen2Config.read(model_dir / BACKBONE_DIR)
-        args = CosyVoice3Args(
-            lm=cosyvoice3_lm_args(doc["llm"], backbone, CONFIG_FILE),
-            flow=flow_args_from_doc(doc, CONFIG_FILE),
-            hift=causal_hift_args_from_doc(doc, CONFIG_FILE),
-        )
+        args = args_from(doc, Qwen2Config.read(model_dir / BACKBONE_DIR))
     except ModelConfigError as err:
         raise ModelLoadError(f"{model_dir}: {err}") from err
     if args.flow.vocab_size != args.lm.speech_token_size:
@@ -139,6 +132,19 @@ def read_args(model_dir: Path) -> CosyVoice3Args:
             f"the LM writes {args.lm.speech_token_size}"
         )
     return args
+
+
+def args_from(
+    doc: dict[str, Any], backbone: Qwen2Config, source: str = CONFIG_FILE
+) -> CosyVoice3Args:
+    """The numbers of a parsed ``cosyvoice3.yaml`` and the backbone's config."""
+    if "llm" not in doc:
+        raise ModelConfigError(f"{source}: missing top-level section 'llm'")
+    return CosyVoice3Args(
+        lm=cosyvoice3_lm_args(doc["llm"], backbone, source),
+        flow=flow_args_from_doc(doc, source),
+        hift=causal_hift_args_from_doc(doc, source),
+    )
 
 
 def build_on_meta(args: CosyVoice3Args, part: str) -> nn.Module:
