@@ -5,14 +5,15 @@ config file        models                                           engine
 =================  ===============================================  =========================
 cosyvoice.yaml     CosyVoice-300M, -300M-SFT, -300M-Instruct (v1)   engine.cosyvoice1.engine
 cosyvoice2.yaml    CosyVoice2-0.5B                                   engine.cosyvoice2.engine
+cosyvoice3.yaml    Fun-CosyVoice3-0.5B                               engine.cosyvoice3.engine
 =================  ===============================================  =========================
 
 A family (:class:`~engine.family_facts.Family`) names its engine class and the
 :class:`~engine.core.prepared.ModelParts` that prepare and load its weights; both are imported
 only when used. What a caller needs to know before the engine has loaded (its official models
 and their files, its sample rate, its prompt voices' cache files, whether and how it takes
-instructions) is in :mod:`engine.family_facts`, re-exported here. Another family (e.g.
-Fun-CosyVoice3's ``cosyvoice3.yaml``) is one more entry there.
+instructions) is in :mod:`engine.family_facts`, re-exported here. Another family is one more
+entry there.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ from typing import Any
 
 from engine.core.types import ModelLoadError
 from engine.family_facts import (  # the facts, for callers that find families here
-    COSYVOICE3,
     DESCRIBED_SPEAKER,
     FAMILIES,
     INSTRUCT2,
@@ -50,9 +50,6 @@ __all__ = [
     "model_family",
 ]
 
-# Config files of families the engine knows but cannot run yet (a clearer error than "no config").
-_UNSUPPORTED = {COSYVOICE3.config_file: COSYVOICE3.label}
-
 
 def model_family(model_dir: Path | str) -> Family:
     """The family of an official model directory (ModelLoadError if it is none we know)."""
@@ -65,9 +62,6 @@ def model_family(model_dir: Path | str) -> Family:
     if len(found) > 1:
         names = ", ".join(family.config_file for family in found)
         raise ModelLoadError(f"model directory {model_dir} holds several model configs: {names}")
-    for config, name in _UNSUPPORTED.items():
-        if (model_dir / config).is_file():
-            raise ModelLoadError(f"{model_dir}: {name} models ({config}) are not supported yet")
     expected = " or ".join(f"{family.config_file} ({family.label})" for family in FAMILIES)
     raise ModelLoadError(f"model directory {model_dir} is incomplete: missing {expected}")
 

@@ -94,6 +94,37 @@ def detect_model_kind(model_dir: Path) -> str:
     return "sft"
 
 
+COSYVOICE3 = Family(
+    "cosyvoice3",
+    "Fun-CosyVoice3",
+    "cosyvoice3.yaml",
+    "engine.cosyvoice3.engine:CosyVoice3Engine",
+    "engine.cosyvoice3.model_dir:PARTS",
+    models={"Fun-CosyVoice3-0.5B": "FunAudioLLM/Fun-CosyVoice3-0.5B-2512"},
+    base_model="Fun-CosyVoice3-0.5B",
+    # As CosyVoice2's; the RL-tuned LM (llm.rl.pt) is an optional extra.
+    model_files=(
+        "cosyvoice3.yaml",
+        "llm.pt",
+        "flow.pt",
+        "hift.pt",
+        "CosyVoice-BlankEN/config.json",
+        "CosyVoice-BlankEN/vocab.json",
+        "CosyVoice-BlankEN/merges.txt",
+        "CosyVoice-BlankEN/tokenizer_config.json",
+    ),
+    prompt_model_files=("campplus.onnx", "speech_tokenizer_v3.onnx"),
+    prompt_cache_suffix=".cosyvoice3" + PROMPT_CACHE_ENDING,
+    sample_rate=24000,
+    token_rate=25,
+    # An instruction to any voice, as CosyVoice2's (its frontend adds the system prompt).
+    instruction_form=INSTRUCT2,
+    instruct_kinds=("cosyvoice3",),
+    kind="cosyvoice3",
+    voices_from="CosyVoice-300M-SFT",
+)
+
+
 FAMILIES = (
     Family(
         "cosyvoice",
@@ -143,39 +174,7 @@ FAMILIES = (
         kind="cosyvoice2",
         voices_from="CosyVoice-300M-SFT",
     ),
-)
-
-
-# Fun-CosyVoice3: its facts, ready for the day its engine class exists. Until then it is not in
-# FAMILIES: a directory holding its config is refused by name (engine.family).
-COSYVOICE3 = Family(
-    "cosyvoice3",
-    "Fun-CosyVoice3",
-    "cosyvoice3.yaml",
-    "engine.cosyvoice3.engine:CosyVoice3Engine",
-    "engine.cosyvoice3.model_dir:PARTS",
-    models={"Fun-CosyVoice3-0.5B": "FunAudioLLM/Fun-CosyVoice3-0.5B-2512"},
-    base_model="Fun-CosyVoice3-0.5B",
-    # As CosyVoice2's; the RL-tuned LM (llm.rl.pt) is an optional extra.
-    model_files=(
-        "cosyvoice3.yaml",
-        "llm.pt",
-        "flow.pt",
-        "hift.pt",
-        "CosyVoice-BlankEN/config.json",
-        "CosyVoice-BlankEN/vocab.json",
-        "CosyVoice-BlankEN/merges.txt",
-        "CosyVoice-BlankEN/tokenizer_config.json",
-    ),
-    prompt_model_files=("campplus.onnx", "speech_tokenizer_v3.onnx"),
-    prompt_cache_suffix=".cosyvoice3" + PROMPT_CACHE_ENDING,
-    sample_rate=24000,
-    token_rate=25,
-    # An instruction to any voice, as CosyVoice2's (its frontend adds the system prompt).
-    instruction_form=INSTRUCT2,
-    instruct_kinds=("cosyvoice3",),
-    kind="cosyvoice3",
-    voices_from="CosyVoice-300M-SFT",
+    COSYVOICE3,
 )
 
 

@@ -2,6 +2,7 @@
 
     python -m engine.bench --synthetic 300m                # full-size model, random weights
     python -m engine.bench --synthetic cosyvoice2          # CosyVoice2-0.5B, random weights
+    python -m engine.bench --synthetic cosyvoice3          # Fun-CosyVoice3-0.5B, random weights
     python -m engine.bench --model-dir DIR --json          # real weights, one JSON object
 
 The engine alone knows the profiles ``realtime`` and ``quality``. ``python -m
@@ -58,9 +59,9 @@ def build_parser(
     model = parser.add_mutually_exclusive_group(required=True)
     model.add_argument(
         "--synthetic",
-        choices=("300m", "cosyvoice2"),
+        choices=("300m", "cosyvoice2", "cosyvoice3"),
         help="build (once) and benchmark a full-size model with random weights: "
-        "CosyVoice-300M-SFT or CosyVoice2-0.5B",
+        "CosyVoice-300M-SFT, CosyVoice2-0.5B or Fun-CosyVoice3-0.5B",
     )
     model.add_argument("--model-dir", type=Path, help="a model directory in the official layout")
     parser.add_argument(
@@ -262,6 +263,10 @@ def measure_beside_neighbours(
         from engine.bench.synthetic import ensure_synthetic_cosyvoice2
 
         model_dir = ensure_synthetic_cosyvoice2(args.cache_dir)
+    elif args.synthetic == "cosyvoice3":
+        from engine.bench.synthetic import ensure_synthetic_cosyvoice3
+
+        model_dir = ensure_synthetic_cosyvoice3(args.cache_dir)
     elif args.synthetic:
         from engine.bench.synthetic import ensure_synthetic_model
 
@@ -285,10 +290,9 @@ def default_tokens(model_dir: Path) -> int:
     from engine.core.constants import TOKEN_RATE
     from engine.family import model_family
 
-    if model_family(model_dir).name == "cosyvoice2":
-        from engine.cosyvoice2.model_dir import read_args
-
-        return DEFAULT_AUDIO_S * read_args(model_dir).token_rate
+    family = model_family(model_dir)
+    if family.name != "cosyvoice":
+        return DEFAULT_AUDIO_S * family.token_rate
     return DEFAULT_AUDIO_S * TOKEN_RATE
 
 

@@ -53,7 +53,7 @@ def add_bench_voice(engine: CosyVoice2Engine, transcript: str) -> str:
     )
     language = detect_language(transcript)
     voice = CustomVoice(
-        VOICE, transcript, language, features, float(PROMPT_SECONDS), family="cosyvoice2"
+        VOICE, transcript, language, features, float(PROMPT_SECONDS), family=engine.recipe.family
     )
     engine.add_voice(voice)
     return VOICE

@@ -216,7 +216,9 @@ def run(config: RunConfig) -> dict[str, Any]:
     from engine.family import load_engine, model_family
 
     profile = BenchProfile.from_json(config.profile)
-    cosyvoice2 = model_family(config.model_dir).name == "cosyvoice2"
+    family = model_family(config.model_dir).name
+    # Families without built-in speakers (CosyVoice2, Fun-CosyVoice3) speak with a prompt voice.
+    cosyvoice2 = family != "cosyvoice"
     start = time.perf_counter()
     lm_int8, flow_int8 = profile.lm_weights == "int8", profile.flow_weights == "int8"
     engine = load_engine(config.model_dir, threads=config.threads, **profile.load_keywords())
@@ -292,7 +294,9 @@ def run(config: RunConfig) -> dict[str, Any]:
     if positions is not None:
         per_position = lm_cache_bytes_per_position(engine.models.llm)
         result["lm_cache_bytes_per_token"] = round(positions * per_position)
-    if config.count_flops and cosyvoice2:
+    if config.count_flops and family == "cosyvoice3":
+        _LOGGER.info("FLOPs and deviations are not counted for Fun-CosyVoice3 yet")
+    elif config.count_flops and cosyvoice2:
         from engine.bench import cosyvoice2 as v2
 
         steps, cfg = profile.n_timesteps, profile.cfg_rate

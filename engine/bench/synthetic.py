@@ -39,11 +39,15 @@ import os
 import re
 import shutil
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from engine.core.prepared import ModelParts
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -121,7 +125,8 @@ def random_tensor(
         # steps after min_len, so requests would end early at random lengths. A very negative
         # EOS bias keeps it out of the top-k: the LM runs exactly to the forced token count.
         bias = torch.zeros(shape)
-        bias[-stop_classes:] = EOS_BIAS
+        if stop_classes:
+            bias[-stop_classes:] = EOS_BIAS
         return bias
     if key.endswith("bias") or len(shape) == 0:
         return torch.zeros(shape)
@@ -218,10 +223,60 @@ _TIED_HEAD = "llm.model.lm_head.weight"  # the same tensor as the token embeddin
 _TIED_TO = "llm.model.model.embed_tokens.weight"
 
 
-def cosyvoice2_data_dir() -> Path:
-    """``tests/data/cosyvoice2`` of this repository: the official yaml, the released backbone's
+@dataclass(frozen=True)
+class QwenFamilyFiles:
+    """What a synthetic directory of a Qwen2-LM family (CosyVoice2, Fun-CosyVoice3) is made of."""
+
+    label: str
+    dir_name: str  # named like the official release
+    config_file: str  # the yaml's name in the directory
+    data_dir: str  # tests/data/<this>: the official yaml, the manifest, the tiny tokenizer
+    full_config: str  # the official full-size yaml there
+    format_version: int
+    stop_classes: int  # rows of the LM's decoder bias pushed down (0: it has no bias)
+    args_from: Callable[[dict[str, Any], Any, str], Any]  # (yaml doc, Qwen2Config, source)
+    parts: Callable[[], ModelParts]
+
+
+def _cosyvoice2_args(doc: dict[str, Any], backbone: Any, source: str) -> Any:
+    from engine.cosyvoice2.model_dir import args_from
+
+    return args_from(doc, backbone, source)
+
+
+def _cosyvoice2_parts() -> ModelParts:
+    from engine.cosyvoice2.model_dir import PARTS
+
+    return PARTS
+
+
+def _cosyvoice3_args(doc: dict[str, Any], backbone: Any, source: str) -> Any:
+    from engine.cosyvoice3.model_dir import args_from
+
+    return args_from(doc, backbone, source)
+
+
+def _cosyvoice3_parts() -> ModelParts:
+    from engine.cosyvoice3.model_dir import PARTS
+
+    return PARTS
+
+
+COSYVOICE2_FILES = QwenFamilyFiles(
+    "CosyVoice2", COSYVOICE2_DIR_NAME, "cosyvoice2.yaml", "cosyvoice2", "cosyvoice2_0.5b.yaml",
+    COSYVOICE2_FORMAT_VERSION, COSYVOICE2_STOP_CLASSES, _cosyvoice2_args, _cosyvoice2_parts,
+)  # fmt: skip
+# No decoder bias: a forced count masks every stop token instead (engine.core.lm_step).
+COSYVOICE3_FILES = QwenFamilyFiles(
+    "Fun-CosyVoice3", "Fun-CosyVoice3-0.5B", "cosyvoice3.yaml", "cosyvoice3",
+    "cosyvoice3_0.5b.yaml", 1, 0, _cosyvoice3_args, _cosyvoice3_parts,
+)  # fmt: skip
+
+
+def family_data_dir(family: QwenFamilyFiles = COSYVOICE2_FILES) -> Path:
+    """``tests/data/<family>`` of this repository: the official yaml, the released backbone's
     config (in the manifest) and the tiny tokenizer."""
-    path = Path(__file__).resolve().parents[2] / "tests" / "data" / "cosyvoice2"
+    path = Path(__file__).resolve().parents[2] / "tests" / "data" / family.data_dir
     if not (path / "manifest_full.json").is_file():
         raise FileNotFoundError(
             f"{path}/manifest_full.json not found: --synthetic needs a source checkout of "
@@ -230,25 +285,39 @@ def cosyvoice2_data_dir() -> Path:
     return path
 
 
-def cosyvoice2_specs(config: Path, backbone: dict[str, Any]) -> dict[str, dict[str, torch.Size]]:
-    """{file: {key: shape}} of the three CosyVoice2 checkpoints, as the engine expects them
+def cosyvoice2_data_dir() -> Path:
+    """``tests/data/cosyvoice2`` of this repository."""
+    return family_data_dir(COSYVOICE2_FILES)
+
+
+def family_specs(
+    family: QwenFamilyFiles, config: Path, backbone: dict[str, Any]
+) -> dict[str, dict[str, torch.Size]]:
+    """{file: {key: shape}} of the family's three checkpoints, as the engine expects them
     (both keys of the tied text head; HiFT in the released file's weight-norm layout)."""
     from engine.core.hparams import read_model_yaml
-    from engine.cosyvoice2.model_dir import PARTS, args_from
     from engine.cosyvoice2.qwen2 import Qwen2Config
 
-    args = args_from(read_model_yaml(config), Qwen2Config.from_dict(backbone), config.name)
+    args = family.args_from(read_model_yaml(config), Qwen2Config.from_dict(backbone), config.name)
+    parts = family.parts()
     specs = {}
     for part in ("llm", "flow", "hift"):
-        module = PARTS.build_on_meta(args, part)
+        module = parts.build_on_meta(args, part)
         specs[f"{part}.pt"] = {k: v.shape for k, v in module.state_dict(keep_vars=True).items()}
     specs["hift.pt"] = legacy_hift_specs(specs["hift.pt"])
     return specs
 
 
-def _cosyvoice2_marker(config_text: str, backbone: dict[str, Any]) -> dict[str, object]:
+def cosyvoice2_specs(config: Path, backbone: dict[str, Any]) -> dict[str, dict[str, torch.Size]]:
+    """:func:`family_specs` of CosyVoice2."""
+    return family_specs(COSYVOICE2_FILES, config, backbone)
+
+
+def _family_marker(
+    family: QwenFamilyFiles, config_text: str, backbone: dict[str, Any]
+) -> dict[str, object]:
     return {
-        "format_version": COSYVOICE2_FORMAT_VERSION,
+        "format_version": family.format_version,
         "seed": SEED,
         "config_sha256": hashlib.sha256(config_text.encode()).hexdigest(),
         "backbone": backbone,
@@ -262,25 +331,26 @@ def _write_backbone_folder(folder: Path, backbone: dict[str, Any], tokenizer: Pa
         shutil.copyfile(tokenizer / name, folder / name)
 
 
-def ensure_synthetic_cosyvoice2(
+def ensure_synthetic_family(
+    family: QwenFamilyFiles,
     cache_dir: Path = DEFAULT_CACHE_DIR,
     config: Path | None = None,
     backbone: dict[str, Any] | None = None,
 ) -> Path:
-    """The synthetic CosyVoice2 directory, generated first if it is missing or stale.
+    """The family's synthetic directory, generated first if it is missing or stale.
 
-    ``config`` / ``backbone`` default to the official full-size ``cosyvoice2.yaml`` and the
-    released Qwen2 ``config.json`` (tests pass the tiny model's).
+    ``config`` / ``backbone`` default to the official full-size yaml and the released Qwen2
+    ``config.json`` (tests pass the tiny model's).
     """
-    data = cosyvoice2_data_dir()
-    config = config or data / "cosyvoice2_0.5b.yaml"
+    data = family_data_dir(family)
+    config = config or data / family.full_config
     if backbone is None:
         manifest = json.loads((data / "manifest_full.json").read_text(encoding="utf-8"))
         backbone = {**manifest["qwen2_config"], "torch_dtype": "float32"}
     config_text = config.read_text(encoding="utf-8")
-    model_dir = Path(cache_dir).expanduser() / COSYVOICE2_DIR_NAME
+    model_dir = Path(cache_dir).expanduser() / family.dir_name
     marker = model_dir / MARKER_FILE
-    expected = _cosyvoice2_marker(config_text, backbone)
+    expected = _family_marker(family, config_text, backbone)
     try:
         if json.loads(marker.read_text(encoding="utf-8")) == expected:
             _LOGGER.info("Using the synthetic model in %s", model_dir)
@@ -288,22 +358,20 @@ def ensure_synthetic_cosyvoice2(
     except (OSError, ValueError):
         pass
     start = time.perf_counter()
-    _LOGGER.info(
-        "Generating a synthetic CosyVoice2 model in %s (once; full size ~2.6 GB)", model_dir
-    )
+    _LOGGER.info("Generating a synthetic %s model in %s (once)", family.label, model_dir)
     _LOGGER.info(
         "  its tokenizer is the tiny test model's (1,000 BPE ids + special tokens), not Qwen2's"
     )
     if model_dir.exists():
         shutil.rmtree(model_dir)
     model_dir.mkdir(parents=True)
-    shutil.copyfile(config, model_dir / "cosyvoice2.yaml")
+    shutil.copyfile(config, model_dir / family.config_file)
     _write_backbone_folder(model_dir / BACKBONE_DIR, backbone, data / "tiny" / BACKBONE_DIR)
     generator = torch.Generator().manual_seed(SEED)
-    for name, file_specs in cosyvoice2_specs(config, backbone).items():
+    for name, file_specs in family_specs(family, config, backbone).items():
         tied = file_specs.pop(_TIED_HEAD, None)
         # One checkpoint in memory at a time (the LM is 2 GB); freed before the next one.
-        state = dict(_random_state(file_specs, generator, COSYVOICE2_STOP_CLASSES))
+        state = dict(_random_state(file_specs, generator, family.stop_classes))
         if tied is not None:  # one storage under both keys, as in the released file
             state[_TIED_HEAD] = state[_TIED_TO]
         _save(model_dir / name, state)
@@ -313,3 +381,21 @@ def ensure_synthetic_cosyvoice2(
     marker.write_text(json.dumps(expected), encoding="utf-8")
     _LOGGER.info("Synthetic model ready after %.1f s", time.perf_counter() - start)
     return model_dir
+
+
+def ensure_synthetic_cosyvoice2(
+    cache_dir: Path = DEFAULT_CACHE_DIR,
+    config: Path | None = None,
+    backbone: dict[str, Any] | None = None,
+) -> Path:
+    """The synthetic CosyVoice2 directory (:func:`ensure_synthetic_family`)."""
+    return ensure_synthetic_family(COSYVOICE2_FILES, cache_dir, config, backbone)
+
+
+def ensure_synthetic_cosyvoice3(
+    cache_dir: Path = DEFAULT_CACHE_DIR,
+    config: Path | None = None,
+    backbone: dict[str, Any] | None = None,
+) -> Path:
+    """The synthetic Fun-CosyVoice3 directory (:func:`ensure_synthetic_family`)."""
+    return ensure_synthetic_family(COSYVOICE3_FILES, cache_dir, config, backbone)

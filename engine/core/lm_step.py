@@ -4,7 +4,7 @@ LM draws its speech tokens step by step."""
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Container, Iterable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -58,20 +58,23 @@ def speech_tokens(
     min_len: int,
     max_len: int,
     eos: int,
-    stop_tokens: Container[int],
+    stop_tokens: Collection[int],
     sampling: SamplingArgs,
     sampler: Sampler | None = None,
     generator: torch.Generator | None = None,
     cancel: threading.Event | None = None,
+    mask_every_stop: bool = False,
 ) -> Iterator[int]:
     """Speech tokens from the prefilled step ``out`` until a stop token (not yielded) or
-    ``max_len``; EOS is masked for the first ``min_len``. ``cancel`` is checked before each."""
+    ``max_len``; EOS is masked for the first ``min_len`` (``mask_every_stop``: every stop
+    token). ``cancel`` is checked before each."""
+    early = tuple(sorted(stop_tokens)) if mask_every_stop else (eos,)
     history: list[int] = []
     for step in range(max_len):
         raise_if_cancelled(cancel)
         # inference_mode blocks never span a yield: the mode is thread-local state of the caller.
         with torch.inference_mode():
-            masked = (eos,) if step < min_len else ()
+            masked = early if step < min_len else ()
             token = draw_token(out.logits[0], history, masked, sampler, sampling, generator)
         if token in stop_tokens:
             return
@@ -129,8 +132,9 @@ class SpeechTokenLM(nn.Module):
         """Yield speech tokens until a stop token or the length cap (stop tokens not yielded).
 
         ``max_tokens`` fixes the count (benchmarks, ``SynthesisOptions.force_tokens``): it
-        replaces both limits, so EOS stays masked and exactly that many tokens are drawn (fewer
-        only if another stop token, or a forced one, ends them). ``forced_tokens`` /
+        replaces both limits and masks every stop token, so exactly that many tokens are drawn
+        (fewer only if a forced one ends them; CosyVoice3's 200 stop ids would otherwise end a
+        random-weight answer within tens of tokens). ``forced_tokens`` /
         ``sampler`` replace the draw (tests; they receive the EOS-masked log-probs and the
         history). ``cancel`` is checked before each token: :class:`SynthesisCancelled` once
         it is set.
@@ -160,4 +164,5 @@ class SpeechTokenLM(nn.Module):
             sampler=sampler,
             generator=generator,
             cancel=cancel,
+            mask_every_stop=max_tokens is not None,
         )

@@ -26,9 +26,11 @@ from typing import Protocol
 import numpy as np
 
 from engine.core.types import AudioChunk, SynthesisOptions
-from engine.cosyvoice2.prompt import COSYVOICE2, V2_SPEECH_TOKENIZER
+from engine.cosyvoice2.prompt import COSYVOICE2
+from engine.family_facts import family_named
 from engine.prompt.errors import VoiceError
 from engine.prompt.onnx_models import PromptModels
+from engine.prompt.recipe import PromptRecipe
 from engine.prompt.voices import CustomVoice, load_voice, voice_names
 
 _LOGGER = logging.getLogger(__name__)
@@ -116,8 +118,10 @@ def _record(
     voices_dir: Path,
     models: PromptModels,
     options: SynthesisOptions,
+    recipe: PromptRecipe,
 ) -> CustomVoice:
-    """Say ``sentence`` as ``speaker`` and keep it as a v2 voice; VoiceError if no draw works."""
+    """Say ``sentence`` as ``speaker`` and keep it as a voice of ``recipe``'s family;
+    VoiceError if no draw works."""
     wav, txt = voices_dir / f"{speaker}.wav", voices_dir / f"{speaker}.txt"
     reason = "no attempt"
     for attempt in range(ATTEMPTS):
@@ -128,11 +132,11 @@ def _record(
         _write_atomic(txt, lambda target: target.write_text(sentence + "\n", encoding="utf-8"))
         write_pcm16(wav, audio, rate)
         try:
-            return load_voice(voices_dir, speaker, models, COSYVOICE2)
+            return load_voice(voices_dir, speaker, models, recipe)
         except VoiceError as err:
             reason = str(err)
             _LOGGER.info("Voice %r, seed %d: %s; trying again", speaker, seed, reason)
-            for path in (wav, txt, voices_dir / f"{speaker}{COSYVOICE2.cache_suffix}"):
+            for path in (wav, txt, voices_dir / f"{speaker}{recipe.cache_suffix}"):
                 path.unlink(missing_ok=True)
     raise VoiceError(f"no usable recording after {ATTEMPTS} attempts ({reason})")
 
@@ -145,17 +149,22 @@ def make_builtin_voices(
     speakers: Iterable[str] | None = None,
     languages: Mapping[str, str] | None = None,
     options: SynthesisOptions | None = None,
+    recipe: PromptRecipe = COSYVOICE2,
 ) -> BuiltinVoices:
-    """Turn the v1 engine's built-in speakers into CosyVoice2 voices in ``voices_dir``.
+    """Turn the v1 engine's built-in speakers into voices of ``recipe``'s family (default
+    CosyVoice2) in ``voices_dir``.
 
-    ``models``: the v2 prompt models (:func:`engine.cosyvoice2.prompt.prompt_models`); checked
-    first (PromptModelError), so nothing is synthesised when they cannot run. ``speakers``
+    ``models``: that family's prompt models (:func:`engine.cosyvoice2.prompt.prompt_models`);
+    checked first (PromptModelError), so nothing is synthesised when they cannot run. ``speakers``
     (default: all of the engine's) need a language in ``languages`` (default
     :data:`SPEAKER_LANGUAGES`). ``options``: synthesis settings (speaker and seed are set
     here; streaming is off). Failures are logged and listed, not raised.
     """
-    if models.kind != V2_SPEECH_TOKENIZER:
-        raise ValueError(f"{models.tokenizer_path.name} is not the CosyVoice2 speech tokenizer")
+    if models.kind != recipe.tokenizer:
+        raise ValueError(
+            f"{models.tokenizer_path.name} is not the {family_named(recipe.family).label} "
+            "speech tokenizer"
+        )
     models.check()
     voices_dir = Path(voices_dir)
     voices_dir.mkdir(parents=True, exist_ok=True)
@@ -168,12 +177,14 @@ def make_builtin_voices(
             if speaker not in engine.speakers:
                 raise VoiceError("the v1 model has no such speaker")
             if speaker in present:
-                result.voices[speaker] = load_voice(voices_dir, speaker, models, COSYVOICE2)
+                result.voices[speaker] = load_voice(voices_dir, speaker, models, recipe)
                 continue
             language = languages.get(speaker)
             if language not in SENTENCES:
                 raise VoiceError(f"no sentence for its language ({language or 'unknown'})")
-            voice = _record(engine, speaker, SENTENCES[language], voices_dir, models, options)
+            voice = _record(
+                engine, speaker, SENTENCES[language], voices_dir, models, options, recipe
+            )
             result.voices[speaker] = voice
             result.made.append(speaker)
             _LOGGER.info(

@@ -72,7 +72,9 @@ from engine.cosyvoice2.prompt import VoiceConditioning, conditioning, flow_promp
 from engine.cosyvoice2.schedule import chunk_hops, prompt_tail
 from engine.cosyvoice2.streaming import (
     MEL_CACHE,
+    MelVocoder,
     SpeechStream,
+    VocoderStream,
     chunk_aligned,
     official_hops,
     stream_audio,
@@ -82,9 +84,11 @@ from engine.cosyvoice2.voices import KIND, VoicesMixin
 from engine.family_facts import OfFamily, family_named
 
 if TYPE_CHECKING:
+    from engine.core.hift import HiFTGenerator
     from engine.core.prepared import PreparedLoad
     from engine.cosyvoice2.flow import CausalFlow
     from engine.prompt.voices import CustomVoice, VoiceLibrary
+    from engine.text.frontend import Segment
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -204,9 +208,10 @@ class CosyVoice2Engine(
                     segment.text,
                     instruct=options.instruct,
                     language=options.language,
+                    family=self.recipe.family,
                 )
                 yield from self._segment(
-                    segment.token_ids, voice, cond, options, seed + index, cancel
+                    self._lm_text_ids(segment, cond), voice, cond, options, seed + index, cancel
                 )
 
         try:
@@ -215,6 +220,14 @@ class CosyVoice2Engine(
             # The answer's flow state (hundreds of MB for a long sentence) is free by now: give
             # it back at once rather than hold it until the next request's first chunk.
             give_back_free_heap()
+
+    def _lm_text_ids(self, segment: Segment, cond: VoiceConditioning) -> list[int]:
+        """The ids of a segment's text as the LM reads them in ``cond``'s mode."""
+        return list(segment.token_ids)
+
+    def _kept_tokens(self, tokens: Iterator[int]) -> Iterator[int]:
+        """The LM's speech tokens that are spoken (CosyVoice2: all)."""
+        return tokens
 
     def _segment(
         self,
@@ -255,14 +268,13 @@ class CosyVoice2Engine(
         # Separate generators: the LM thread and the vocoder never share an RNG stream, so a
         # seed reproduces the same audio whatever the thread timing.
         lm_generator = torch.Generator().manual_seed(seed)
-        noise = self.hift_noise(seed)
-        speech, hops = self._speech_stream(voice, cond.flow_prompt, options, noise)
+        speech, hops = self._speech_stream(voice, cond.flow_prompt, options, seed)
         # The first chunk's tokens (all tokens when not streaming) come from this thread; the LM
         # thread takes over once that chunk is out (engine.core.lm_thread says why).
         first = next(hops) if speech is not None else 0
         inline = first + self.models.flow.args.pre_lookahead_len if speech is not None else None
         tokens = LmTokens(
-            lambda: make_tokens(lm_generator),
+            lambda: self._kept_tokens(make_tokens(lm_generator)),
             cancel,
             inline=inline,
             threads=options.threads,
@@ -284,13 +296,13 @@ class CosyVoice2Engine(
                         hift,
                         cond.flow_prompt,
                         received,
-                        noise,
                         n_timesteps=options.n_timesteps,
                         cfg_rate=options.cfg_rate,
                         solver=options.solver,
                         speed=options.speed,
                         on_stage=options.on_stage,
                         weights=(flow_weights, hift_weights),
+                        vocoder=self._mel_vocoder(hift, seed, options, hift_weights),
                     )
 
         yield from self._segment_audio(waves(), tokens, cancel)
@@ -322,13 +334,12 @@ class CosyVoice2Engine(
             text.now.text,
             instruct=options.instruct,
             language=options.language,
+            family=self.recipe.family,
         )
         seed = self._seed(options)
 
         def make_tokens(generator: torch.Generator) -> Iterator[int]:
-            return growing_tokens(
-                self.models.llm, self.frontend, text, cond, options, generator, cancel
-            )
+            return self._growing_tokens(text, cond, options, generator, cancel)
 
         try:
             yield from self._speak(
@@ -337,17 +348,30 @@ class CosyVoice2Engine(
         finally:
             give_back_free_heap()
 
+    def _growing_tokens(
+        self,
+        text: TextFeed,
+        cond: VoiceConditioning,
+        options: SynthesisOptions,
+        generator: torch.Generator,
+        cancel: threading.Event | None,
+    ) -> Iterator[int]:
+        """The LM's speech tokens for a sentence whose text is still arriving."""
+        return growing_tokens(
+            self.models.llm, self.frontend, text, cond, options, generator, cancel
+        )
+
     def _speech_stream(
         self,
         voice: CustomVoice,
         prompt: FlowPrompt,
         options: SynthesisOptions,
-        noise: HiftNoiseSource,
+        seed: int,
     ) -> tuple[SpeechStream | None, Iterator[int]]:
         """The flow + vocoder stream of one streamed segment and its hops (None: not streamed)."""
         if not options.stream:
             return None, iter(())
-        chunk = self.models.flow.args.encoder.static_chunk_size
+        chunk = self.models.flow.chunk_tokens
         flow_weights, flow = pick_weights(self.flows, options.flow_weights)
         hift_weights, hift = pick_weights(self.hifts, options.hift_weights)
 
@@ -358,7 +382,6 @@ class CosyVoice2Engine(
                 flow,
                 hift,
                 prompt,
-                noise,
                 n_timesteps=options.n_timesteps,
                 cfg_rate=options.cfg_rate,
                 solver=options.solver,
@@ -370,6 +393,7 @@ class CosyVoice2Engine(
                 speed=options.speed,
                 on_stage=options.on_stage,
                 weights=(flow_weights, hift_weights),
+                vocoder=self._mel_vocoder(hift, seed, options, hift_weights),
             )
 
         if options.schedule.name == OFFICIAL_SCHEDULE.name:
@@ -379,10 +403,19 @@ class CosyVoice2Engine(
         speech = speech_stream(aligned, official=False, primed=primed)
         return speech, chunk_hops(options.schedule, chunk, aligned.tokens.shape[1], self.token_rate)
 
+    def _mel_vocoder(
+        self, hift: HiFTGenerator, seed: int, options: SynthesisOptions, weights: str
+    ) -> MelVocoder:
+        """A segment's mel → audio stream: HiFT with the seed's draws (:attr:`hift_noise`)."""
+        noise = self.hift_noise(seed)
+        return VocoderStream(
+            hift, noise, threads=options.threads, on_stage=options.on_stage, weights=weights
+        )
+
     def _aligned_prompt(self, prompt: FlowPrompt, schedule: StreamSchedule) -> FlowPrompt:
         """The flow prompt cut so that the answer's first chunk holds the schedule's first hop."""
         args = self.models.flow.args
-        chunk = args.encoder.static_chunk_size
+        chunk = self.models.flow.chunk_tokens
         tail = prompt_tail(schedule, chunk, args.pre_lookahead_len, self.token_rate)
         return chunk_aligned(prompt, chunk, tail)
 
@@ -448,7 +481,7 @@ class CosyVoice2Engine(
             return
         start = time.perf_counter()
         # Two streamed chunks and a final one, in each loaded weight format.
-        tokens = 2 * self.models.flow.args.encoder.static_chunk_size + 10
+        tokens = 2 * self.models.flow.chunk_tokens + 10
         self._speak_in_each_format(voice.name, force_tokens=tokens)
         # The warm-up's steps are not the requests': a caller primes the settings it will use
         # (prime_voice), and a setting no request uses would hold its memory for nothing.
@@ -470,7 +503,7 @@ class CosyVoice2Engine(
             frames_per_token=args.token_mel_ratio,
             overlap_tokens=0,
             lookahead_tokens=args.pre_lookahead_len,
-            chunk_tokens=args.encoder.static_chunk_size,
+            chunk_tokens=self.models.flow.chunk_tokens,
             held_back_s=held_back_s,
             hift_context_s=held_back_s,
         )

@@ -5,7 +5,7 @@ session while it grows, or the usual layout when it ended before the LM could st
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 import torch
@@ -32,11 +32,15 @@ def growing_tokens(
     options: SynthesisOptions,
     generator: torch.Generator,
     cancel: threading.Event | None,
+    *,
+    new_session: Callable[..., BistreamSession] | None = None,
 ) -> Iterator[int]:
     """Speech tokens for a growing sentence: its safely cut pieces fed to a bistream
-    session while it grows; the usual layout when it ends before the LM could start."""
+    session while it grows; the usual layout when it ends before the LM could start.
+    ``new_session``: the family's session class, called as :class:`BistreamSession` (None:
+    that one)."""
     ids = GrowingTextIds(frontend)
-    session = BistreamSession(
+    session = (new_session or BistreamSession)(
         lm,
         cond.prompt_text_ids,
         cond.llm_prompt_tokens,

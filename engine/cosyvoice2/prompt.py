@@ -52,9 +52,12 @@ COSYVOICE2 = PromptRecipe(
 ZERO_SHOT, CROSS_LINGUAL, INSTRUCT2 = "zero_shot", "cross_lingual", "instruct2"
 
 
-def prompt_models(model_dir: Path | str, *, threads: int = 1) -> PromptModels:
-    """``campplus.onnx`` and ``speech_tokenizer_v2.onnx`` of a CosyVoice2 model directory."""
-    return PromptModels.from_model_dir(model_dir, threads=threads, kind=V2_SPEECH_TOKENIZER)
+def prompt_models(
+    model_dir: Path | str, *, threads: int = 1, recipe: PromptRecipe = COSYVOICE2
+) -> PromptModels:
+    """``campplus.onnx`` and the ``recipe``'s speech tokenizer (``speech_tokenizer_v2.onnx``)
+    of a model directory of its family."""
+    return PromptModels.from_model_dir(model_dir, threads=threads, kind=recipe.tokenizer)
 
 
 def voice_library(
@@ -63,12 +66,16 @@ def voice_library(
     *,
     reserved: Collection[str] = (),
     release_models: bool = True,
+    recipe: PromptRecipe = COSYVOICE2,
 ) -> VoiceLibrary:
-    """A voices folder read with the v2 recipe (call ``scan()`` to load it)."""
-    if models is not None and models.kind != V2_SPEECH_TOKENIZER:
-        raise ValueError(f"{models.tokenizer_path.name} is not the CosyVoice2 speech tokenizer")
+    """A voices folder read with the ``recipe`` (v2's by default; call ``scan()`` to load it)."""
+    if models is not None and models.kind != recipe.tokenizer:
+        raise ValueError(
+            f"{models.tokenizer_path.name} is not the {family_named(recipe.family).label} "
+            "speech tokenizer"
+        )
     return VoiceLibrary(
-        voices_dir, models, reserved=reserved, release_models=release_models, recipe=COSYVOICE2
+        voices_dir, models, reserved=reserved, release_models=release_models, recipe=recipe
     )
 
 
@@ -102,15 +109,17 @@ def conditioning(
     *,
     instruct: str | None = None,
     language: str | None = None,
+    family: str = COSYVOICE2.family,
 ) -> VoiceConditioning:
     """The conditioning for speaking ``text`` (one segment) with a v2 custom voice.
 
     ``instruct`` (else the voice's own instruction) selects instruct2; otherwise the segment's
     language (``language`` as the caller detected it, else detected here) against the
-    transcript's chooses zero-shot or cross-lingual.
+    transcript's chooses zero-shot or cross-lingual. ``family``: the voices the engine speaks
+    with (CosyVoice3 conditions its LM in the same modes, its frontend adding the system prompt).
     """
-    if voice.family != COSYVOICE2.family:
-        raise ValueError(f"voice {voice.name!r} was prepared for {voice.family}, not cosyvoice2")
+    if voice.family != family:
+        raise ValueError(f"voice {voice.name!r} was prepared for {voice.family}, not {family}")
     flow = flow_prompt(voice.prompt)
     instruction = instruct or voice.instruct
     if instruction:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import torch
@@ -32,7 +32,7 @@ from engine.core.speed import MelStretcher, stretch_mel
 from engine.core.stage_times import StageListener, report, report_flow, since
 from engine.core.streaming import FlowPrompt, HiftNoiseSource, fade_in_out
 from engine.core.thread_budget import ThreadBudget, apply_thread_budget, vocoder_busy
-from engine.cosyvoice2.flow import CausalFlow, FlowStream
+from engine.cosyvoice2.flow import ChunkCausalFlow, FlowStream
 
 if TYPE_CHECKING:
     from engine.core.hift import HiFTGenerator
@@ -41,6 +41,14 @@ TOKEN_HOP = 25  # the official first hop: one attention chunk
 MAX_TOKEN_HOP = 100  # hops double up to this (four chunks)
 MEL_CACHE = 8  # mel frames of HiFT context carried to the next chunk
 N_MELS = 80
+
+
+class MelVocoder(Protocol):
+    """Mel chunks → audio chunks of one utterance (a family's vocoder stream)."""
+
+    def push(self, mel: Tensor, *, finalize: bool) -> Tensor:
+        """Audio (1, S) for the next mel frames (1, 80, f); ``finalize`` on the last."""
+        ...
 
 
 class VocoderStream:
@@ -99,14 +107,15 @@ class SpeechStream:
     last chunk is one more incremental chunk (chunk attention, its own frames only).
     ``flow_stream``: a fork of the voice's primed prompt stream (:meth:`FlowStream.fork`) to
     go on from, instead of a fresh stream that computes the prompt's frames in its first chunk.
+    ``vocoder``: the mel → audio stream (None: CosyVoice2's, HiFT with ``noise``'s draws).
     """
 
     def __init__(
         self,
-        flow: CausalFlow,
+        flow: ChunkCausalFlow,
         hift: HiFTGenerator,
         prompt: FlowPrompt,
-        noise: HiftNoiseSource,
+        noise: HiftNoiseSource | None = None,
         *,
         n_timesteps: int = 10,
         cfg_rate: float | None = None,
@@ -118,6 +127,7 @@ class SpeechStream:
         speed: float = 1.0,
         on_stage: StageListener | None = None,
         weights: tuple[str, str] = ("fp32", "fp32"),
+        vocoder: MelVocoder | None = None,
     ) -> None:
         self.prompt, self.threads = prompt, threads
         self.full_attention_last = full_attention_last
@@ -134,9 +144,7 @@ class SpeechStream:
                 cache_dtype=cache_dtype,
             )
         self.flow: FlowStream = flow_stream
-        self.vocoder = VocoderStream(
-            hift, noise, threads=threads, on_stage=on_stage, weights=weights[1]
-        )
+        self.vocoder = vocoder or _hift_stream(hift, noise, threads, on_stage, weights[1])
         # HiFT's first chunk must hold the frames of context the next one starts with.
         self.stretcher = MelStretcher(speed, min_first=MEL_CACHE) if speed != 1.0 else None
 
@@ -193,6 +201,19 @@ class SpeechStream:
         return mel[:, :, max(0, done) :]
 
 
+def _hift_stream(
+    hift: HiFTGenerator,
+    noise: HiftNoiseSource | None,
+    threads: ThreadBudget | None,
+    on_stage: StageListener | None,
+    weights: str,
+) -> MelVocoder:
+    """CosyVoice2's vocoder stream (it needs the HiFT's draws)."""
+    if noise is None:
+        raise ValueError("CosyVoice2's vocoder needs a noise source")
+    return VocoderStream(hift, noise, threads=threads, on_stage=on_stage, weights=weights)
+
+
 def chunk_aligned(prompt: FlowPrompt, chunk: int = TOKEN_HOP, tail: int = 0) -> FlowPrompt:
     """The prompt less its first few tokens (and their mel frames), so that it ends ``tail``
     tokens into an attention chunk.
@@ -244,11 +265,11 @@ def stream_audio(
 
 
 def whole_audio(
-    flow: CausalFlow,
+    flow: ChunkCausalFlow,
     hift: HiFTGenerator,
     prompt: FlowPrompt,
     tokens: Iterable[int],
-    noise: HiftNoiseSource,
+    noise: HiftNoiseSource | None = None,
     *,
     n_timesteps: int = 10,
     cfg_rate: float | None = None,
@@ -256,9 +277,10 @@ def whole_audio(
     speed: float = 1.0,
     on_stage: StageListener | None = None,
     weights: tuple[str, str] = ("fp32", "fp32"),
+    vocoder: MelVocoder | None = None,
 ) -> Tensor:
     """Non-streaming, as upstream: one flow call in full attention, one HiFT call (the mel
-    resampled to the speed in between)."""
+    resampled to the speed in between); ``vocoder`` as :class:`SpeechStream`'s."""
     start = time.perf_counter()
     mel = flow.inference(
         torch.tensor([list(tokens)], dtype=torch.int64),
@@ -273,5 +295,5 @@ def whole_audio(
     )
     frames = prompt.feat.shape[1] + mel.shape[2]
     report_flow(on_stage, weights[0], since(start), frames, n_timesteps, cfg_rate or 0.0, solver)
-    vocoder = VocoderStream(hift, noise, on_stage=on_stage, weights=weights[1])
+    vocoder = vocoder or _hift_stream(hift, noise, None, on_stage, weights[1])
     return vocoder.push(stretch_mel(mel, speed), finalize=True)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 from engine.core.types import UnknownSpeakerError
 from engine.cosyvoice2.prompt import COSYVOICE2
@@ -14,6 +14,7 @@ from engine.cosyvoice2.prompt import COSYVOICE2
 if TYPE_CHECKING:
     from engine.api import Engine
     from engine.core.types import SynthesisOptions
+    from engine.prompt.recipe import PromptRecipe
     from engine.prompt.voices import CustomVoice, ScanResult, VoiceLibrary
 
 KIND = "cosyvoice2"
@@ -22,6 +23,8 @@ KIND = "cosyvoice2"
 class VoicesMixin:
     """The engine's voices by name: built-in ones (:meth:`add_voice`) and a voices folder's."""
 
+    # How the family's voices are made from a recording (and which voices it takes).
+    recipe: ClassVar[PromptRecipe] = COSYVOICE2
     model_dir: Path
     # Voices offered without a voices folder, and their names in the order added.
     voices: dict[str, CustomVoice]
@@ -29,9 +32,11 @@ class VoicesMixin:
     custom_voices: VoiceLibrary | None
 
     def add_voice(self, voice: CustomVoice) -> None:
-        """Offer ``voice`` (v2 prompt features) as a built-in speaker, by its name."""
-        if voice.family != COSYVOICE2.family:
-            raise ValueError(f"voice {voice.name!r} was prepared for {voice.family}, not {KIND}")
+        """Offer ``voice`` (prompt features of the family's recipe) as a built-in speaker, by
+        its name."""
+        family = self.recipe.family
+        if voice.family != family:
+            raise ValueError(f"voice {voice.name!r} was prepared for {voice.family}, not {family}")
         if voice.name not in self.voices:
             self.speakers.append(voice.name)
         self.voices[voice.name] = voice
@@ -50,20 +55,29 @@ class VoicesMixin:
         from engine.cosyvoice2.builtin_voices import make_builtin_voices
         from engine.cosyvoice2.prompt import prompt_models
 
-        models = prompt_models(model_dir)
+        models = prompt_models(model_dir, recipe=cls.recipe)
         try:
             speakers = list(source.speakers)
             for number, speaker in enumerate(speakers, 1):
                 on_speaker(number, len(speakers), speaker)
-                make_builtin_voices(source, folder, models, speakers=[speaker], options=options)
+                make_builtin_voices(
+                    source,
+                    folder,
+                    models,
+                    speakers=[speaker],
+                    options=options,
+                    recipe=cls.recipe,
+                )
         finally:
             models.close()
 
     def add_voices_from(self, folder: Path) -> ScanResult:
-        """Offer the voices of ``folder`` (v2 prompts, made once) as built-in speakers."""
+        """Offer the voices of ``folder`` (the family's prompts, made once) as built-in
+        speakers."""
         from engine.cosyvoice2.prompt import prompt_models, voice_library
 
-        result = voice_library(folder, prompt_models(self.model_dir)).scan()
+        models = prompt_models(self.model_dir, recipe=self.recipe)
+        result = voice_library(folder, models, recipe=self.recipe).scan()
         for voice in result.voices.values():
             self.add_voice(voice)
         return result
@@ -74,7 +88,10 @@ class VoicesMixin:
 
         if self.custom_voices is None or self.custom_voices.voices_dir != Path(voices_dir):
             self.custom_voices = voice_library(
-                voices_dir, prompt_models(self.model_dir), reserved=self.speakers
+                voices_dir,
+                prompt_models(self.model_dir, recipe=self.recipe),
+                reserved=self.speakers,
+                recipe=self.recipe,
             )
         return self.custom_voices.scan()
 

@@ -303,8 +303,6 @@ def test_model_dir_files_and_the_rl_lm(tmp_path: Path, fx: dict) -> None:
     assert missing_model_files(model_dir) == ["flow.pt", "CosyVoice-BlankEN/merges.txt"]
 
 
-def test_the_engine_still_refuses_a_cosyvoice3_directory() -> None:
-    """The family's facts are ready, its engine class is not: the directory is refused by name."""
+def test_a_cosyvoice3_directory_is_the_cosyvoice3_family() -> None:
     assert COSYVOICE3.config_file == "cosyvoice3.yaml" and COSYVOICE3.sample_rate == 24000
-    with pytest.raises(ModelLoadError, match="Fun-CosyVoice3 models .* not supported yet"):
-        model_family(TINY)
+    assert model_family(TINY) is COSYVOICE3

@@ -15,6 +15,7 @@ from conftest import ROOT
 from engine.api import Engine, PrimesVoices, SpeaksGrowingText, StreamGeometry, TakesVoices
 from engine.cosyvoice1.engine import STREAM_GEOMETRY, CosyVoiceEngine
 from engine.cosyvoice2.engine import ChunkedStreamGeometry, CosyVoice2Engine
+from engine.cosyvoice3.engine import CosyVoice3Engine
 from engine.family import FAMILIES, family_named, model_family
 
 SERVER = ROOT / "wyoming_cosyvoice"
@@ -123,6 +124,7 @@ def test_each_engine_declares_its_capabilities() -> None:
     assert issubclass(CosyVoice2Engine, SpeaksGrowingText)
     assert issubclass(CosyVoice2Engine, PrimesVoices)
     assert issubclass(CosyVoice2Engine, TakesVoices)
+    assert issubclass(CosyVoice3Engine, (SpeaksGrowingText, PrimesVoices, TakesVoices))
 
 
 def test_each_family_names_its_engine_and_the_engine_its_family() -> None:
@@ -135,6 +137,7 @@ def test_each_family_names_its_engine_and_the_engine_its_family() -> None:
     [
         ("tiny_model", "CosyVoice-300M-Instruct", type(STREAM_GEOMETRY)),
         ("cosyvoice2/tiny", "CosyVoice2-0.5B", ChunkedStreamGeometry),
+        ("cosyvoice3/tiny", "Fun-CosyVoice3-0.5B", ChunkedStreamGeometry),
     ],
 )
 def test_a_loaded_engine_says_what_its_family_said_before_the_load(

@@ -323,7 +323,8 @@ def test_openai_instructions_reach_an_instruct_model() -> None:
             "/v1/audio/speech",
             {"input": "Hi.", "instructions": "Whisper."},
             400,
-            "'instructions' needs the CosyVoice-300M-Instruct or CosyVoice2-0.5B model",
+            "'instructions' needs the CosyVoice-300M-Instruct or CosyVoice2-0.5B or "
+            "Fun-CosyVoice3-0.5B model",
         ),
         ("/v1/audio/speech", {"input": "Hi.", "instructions": 3}, 400, "must be a string"),
     ],

@@ -1,0 +1,50 @@
+"""``python -m engine.bench --synthetic cosyvoice3``: the synthetic Fun-CosyVoice3 directory has
+the released files' keys and shapes, loads, and speaks the forced number of tokens."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.bench.synthetic import COSYVOICE3_FILES, ensure_synthetic_cosyvoice3, family_specs
+from engine.cosyvoice3.flow import ROTARY_KEY
+from engine.cosyvoice3.model_dir import load_model_dir
+
+DATA = Path(__file__).resolve().parent / "data" / "cosyvoice3"
+TINY = DATA / "tiny"
+
+
+@pytest.fixture(autouse=True)
+def _one_thread(single_torch_thread: None) -> None:
+    """No oversubscription of the shared cores."""
+
+
+def test_synthetic_cosyvoice3_has_the_released_files_layout() -> None:
+    """Keys and shapes of the official modules (the flow without the rotary frequencies the
+    engine computes; HiFT in the legacy weight-norm layout the released files use)."""
+    manifest = json.loads((DATA / "manifest_full.json").read_text(encoding="utf-8"))
+    specs = family_specs(COSYVOICE3_FILES, DATA / "cosyvoice3_0.5b.yaml", manifest["qwen2_config"])
+    for part in ("llm", "flow"):
+        expected = {e["key"]: e["shape"] for e in manifest["modules"][part]["state_dict"]}
+        expected.pop(ROTARY_KEY, None)
+        assert {k: list(v) for k, v in specs[f"{part}.pt"].items()} == expected, part
+    legacy = manifest["modules"]["hift"]["state_dict_keys_in_legacy_weight_norm_layout"]
+    assert sorted(specs["hift.pt"]) == sorted(legacy)
+
+
+def test_synthetic_cosyvoice3_loads_and_speaks_the_forced_count(tmp_path: Path) -> None:
+    backbone = json.loads((TINY / "CosyVoice-BlankEN" / "config.json").read_text())
+    model_dir = ensure_synthetic_cosyvoice3(tmp_path, TINY / "cosyvoice3.yaml", backbone)
+    assert model_dir.name == "Fun-CosyVoice3-0.5B"
+    hift = torch.load(model_dir / "hift.pt", weights_only=True)
+    assert any(k.endswith(".weight_g") for k in hift)
+    models = load_model_dir(model_dir)
+    generator = torch.Generator().manual_seed(0)
+    tokens = list(models.llm.generate([1, 2, 3], generator=generator, max_tokens=150))
+    assert len(tokens) == 150
+    stamp = (model_dir / "llm.pt").stat().st_mtime_ns
+    again = ensure_synthetic_cosyvoice3(tmp_path, TINY / "cosyvoice3.yaml", backbone)
+    assert again == model_dir and (model_dir / "llm.pt").stat().st_mtime_ns == stamp
