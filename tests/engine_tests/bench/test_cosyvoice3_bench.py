@@ -8,12 +8,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import TESTS
 
 from engine.bench.synthetic import COSYVOICE3_FILES, ensure_synthetic_cosyvoice3, family_specs
 from engine.cosyvoice3.flow import ROTARY_KEY
 from engine.cosyvoice3.model_dir import load_model_dir
 
-DATA = Path(__file__).resolve().parent / "data" / "cosyvoice3"
+DATA = TESTS / "data" / "cosyvoice3"
 TINY = DATA / "tiny"
 
 

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import TESTS
 from torch import Tensor
 
 from engine.core.prepared import PREPARED_DIR
@@ -25,7 +26,7 @@ from engine.family import load_engine, model_family
 from engine.prompt.extract import PromptFeatures
 from engine.prompt.voices import CustomVoice
 
-DATA = Path(__file__).parent / "data" / "cosyvoice3"
+DATA = TESTS / "data" / "cosyvoice3"
 TINY = DATA / "tiny"
 CASES: dict[str, Tensor] = torch.load(DATA / "engine_cases.pt", weights_only=True)
 META = json.loads((DATA / "engine_cases.json").read_text(encoding="utf-8"))

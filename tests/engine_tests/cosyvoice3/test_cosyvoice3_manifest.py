@@ -5,10 +5,10 @@ building the official classes from that yaml), and load a state dict of those sh
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Any
 
 import torch
+from conftest import TESTS
 from torch import Tensor
 
 from engine.cosyvoice3.dit import rotary_frequencies
@@ -16,7 +16,7 @@ from engine.cosyvoice3.flow import ROTARY_KEY, build_flow, load_flow
 from engine.cosyvoice3.flow_args import load_flow_args
 from engine.cosyvoice3.hift import build_causal_hift, load_causal_hift, load_causal_hift_args
 
-DATA = Path(__file__).parent / "data" / "cosyvoice3"
+DATA = TESTS / "data" / "cosyvoice3"
 FULL_YAML = DATA / "cosyvoice3_0.5b.yaml"
 MANIFEST: dict[str, Any] = json.loads((DATA / "manifest_full.json").read_text(encoding="utf-8"))
 
