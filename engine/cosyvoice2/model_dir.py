@@ -13,9 +13,10 @@ the engine runs from the prepared files. :func:`load_model_dir` reads the checkp
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast
 
 from torch import nn
 
@@ -81,16 +82,38 @@ def missing_model_files(model_dir: Path) -> list[str]:
 
 def read_args(model_dir: Path) -> CosyVoice2Args:
     """Check that ``model_dir`` is a complete CosyVoice2 directory and read its numbers."""
+    return read_checked_args(model_dir, CONFIG_FILE, missing_model_files, args_from)
+
+
+class _FamilyArgs(Protocol):
+    @property
+    def lm(self) -> Any: ...
+    @property
+    def flow(self) -> Any: ...
+
+
+ArgsT = TypeVar("ArgsT", bound=_FamilyArgs)
+
+
+def read_checked_args(
+    model_dir: Path,
+    config_file: str,
+    missing_files: Callable[[Path], list[str]],
+    parse: Callable[[dict[str, Any], Qwen2Config], ArgsT],
+) -> ArgsT:
+    """The numbers of a Qwen2-family model directory (CosyVoice2 and the families built on it):
+    the directory checked complete, its yaml parsed with the backbone's config by ``parse``, and
+    the flow's token vocabulary checked against the LM's."""
     model_dir = Path(model_dir)
-    check_model_dir(model_dir, missing_model_files(model_dir) if model_dir.is_dir() else [])
+    check_model_dir(model_dir, missing_files(model_dir) if model_dir.is_dir() else [])
     try:
-        doc = read_model_yaml(model_dir / CONFIG_FILE)
-        args = args_from(doc, Qwen2Config.read(model_dir / BACKBONE_DIR))
+        doc = read_model_yaml(model_dir / config_file)
+        args = parse(doc, Qwen2Config.read(model_dir / BACKBONE_DIR))
     except ModelConfigError as err:
         raise ModelLoadError(f"{model_dir}: {err}") from err
     if args.flow.vocab_size != args.lm.speech_token_size:
         raise ModelLoadError(
-            f"{model_dir / CONFIG_FILE}: the flow reads {args.flow.vocab_size} speech tokens, "
+            f"{model_dir / config_file}: the flow reads {args.flow.vocab_size} speech tokens, "
             f"the LM writes {args.lm.speech_token_size}"
         )
     return args

@@ -24,13 +24,13 @@ from typing import Any, cast
 
 from torch import nn
 
-from engine.core.hparams import ModelConfigError, read_model_yaml
+from engine.core.hparams import ModelConfigError
 from engine.core.prepared import ModelParts
 from engine.core.types import ModelLoadError
 from engine.core.weights import PARTS as PART_NAMES
 from engine.core.weights import check_model_dir, read_state_dict, without_init
 from engine.cosyvoice2.lm import BACKBONE_DIR, UNUSED_KEYS, SpeechLMArgs
-from engine.cosyvoice2.model_dir import TOKENIZER_FILES, TOKENIZER_JSON
+from engine.cosyvoice2.model_dir import TOKENIZER_FILES, TOKENIZER_JSON, read_checked_args
 from engine.cosyvoice2.qwen2 import Qwen2Config
 from engine.cosyvoice3.flow import DiTFlow, build_flow, load_flow
 from engine.cosyvoice3.flow import int8_layer_names as flow_int8_layer_names
@@ -119,19 +119,7 @@ class CosyVoice3Args:
 
 def read_args(model_dir: Path) -> CosyVoice3Args:
     """Check that ``model_dir`` is a complete CosyVoice3 directory and read its numbers."""
-    model_dir = Path(model_dir)
-    check_model_dir(model_dir, missing_model_files(model_dir) if model_dir.is_dir() else [])
-    try:
-        doc = read_model_yaml(model_dir / CONFIG_FILE)
-        args = args_from(doc, Qwen2Config.read(model_dir / BACKBONE_DIR))
-    except ModelConfigError as err:
-        raise ModelLoadError(f"{model_dir}: {err}") from err
-    if args.flow.vocab_size != args.lm.speech_token_size:
-        raise ModelLoadError(
-            f"{model_dir / CONFIG_FILE}: the flow reads {args.flow.vocab_size} speech tokens, "
-            f"the LM writes {args.lm.speech_token_size}"
-        )
-    return args
+    return read_checked_args(model_dir, CONFIG_FILE, missing_model_files, args_from)
 
 
 def args_from(
