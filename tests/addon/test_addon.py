@@ -449,6 +449,7 @@ def test_main_reads_options_json(tmp_path: Path) -> None:
     assert command[3:] == addon.options_to_args(options)
 
 
+@pytest.mark.long
 def test_main_rejects_a_bad_options_file(tmp_path: Path) -> None:
     (tmp_path / "options.json").write_text('{"profile": "turbo"}')
     result = run_addon_main("--options", str(tmp_path / "options.json"), "--print")
@@ -744,6 +745,7 @@ def failing_supervisor() -> Iterator[StandInSupervisor]:
     server.server_close()
 
 
+@pytest.mark.long
 def test_addon_start_logic_serves_audio_when_discovery_fails_and_stops_on_sigterm(
     tmp_path: Path, failing_supervisor: StandInSupervisor
 ) -> None:

@@ -264,6 +264,7 @@ def fuzz_server(wy: SimpleNamespace) -> Iterator[tuple[ServerThread, _ErrorLog]]
         logger.removeHandler(log)
 
 
+@pytest.mark.long
 def test_random_event_sequences_never_hurt_the_server(
     fuzz_server: tuple[ServerThread, _ErrorLog],
 ) -> None:

@@ -201,6 +201,7 @@ def test_sigterm_while_synthesizing_exits_cleanly(wy: SimpleNamespace) -> None:
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="POSIX signals")
+@pytest.mark.long
 def test_sigterm_does_not_wait_for_an_engine_computation(
     wy: SimpleNamespace, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -202,6 +202,7 @@ def snapshot(root: Path) -> dict[str, tuple[int, int]]:
 
 
 @pytest.mark.skipif(not Path("/proc/self/net/tcp").exists(), reason="needs Linux /proc")
+@pytest.mark.long
 def test_real_server_binds_only_the_uri_and_writes_only_its_prepared_weights_and_state(
     wy: SimpleNamespace, tmp_path: Path
 ) -> None:

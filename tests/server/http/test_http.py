@@ -421,6 +421,7 @@ def test_client_leaving_a_stream_cancels_its_synthesis() -> None:
         assert not engine.calls[0].finished and engine.calls[0].chunks == 1
 
 
+@pytest.mark.long
 def test_client_that_stops_reading_is_dropped_and_frees_the_engine() -> None:
     import socket
 

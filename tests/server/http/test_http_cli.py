@@ -44,6 +44,7 @@ def stop(process: subprocess.Popen[str]) -> str:
 
 
 @pytest.mark.parametrize("only", [False, True], ids=["with-wyoming", "http-only"])
+@pytest.mark.long
 def test_cli_serves_http(only: bool) -> None:
     port, wyoming = free_port(), free_port()
     args = ["--http-port", str(port), "--http-host", "127.0.0.1"]

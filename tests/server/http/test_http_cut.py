@@ -66,6 +66,7 @@ def _after_header(size: int) -> Callable[[bytes], bool]:
 
 
 @pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.long
 def test_sigterm_cuts_every_answer_in_a_way_its_client_can_tell(family: str, tmp_path: Path
                                                                 ) -> None:  # fmt: skip
     srv = ServerProcess(family, tmp_path, tokens=TOKENS,

@@ -308,6 +308,7 @@ def run_server(args: list[str], env: dict[str, str], cwd: Path) -> subprocess.Co
     )  # fmt: skip
 
 
+@pytest.mark.long
 def test_readme_command_without_model_or_network_fails_fast(tmp_path: Path) -> None:
     """`wyoming-cosyvoice --uri tcp://0.0.0.0:10200 --data-dir ./data` with no network."""
     with hanging_up_hub() as (url, requests):

@@ -67,6 +67,7 @@ def check_book(tmp_path: Path, tokens: int | None) -> subprocess.CompletedProces
     return done
 
 
+@pytest.mark.long
 def test_batch_of_a_2000_character_chapter(tmp_path: Path) -> None:
     assert len(CHAPTER) == 2000
     check_book(tmp_path, tokens=10)

@@ -279,6 +279,7 @@ def test_http_over_the_limit_is_413_and_at_the_limit_streams(
     first_call_saw_little(progress, text)
 
 
+@pytest.mark.long
 def test_a_long_text_asked_for_as_one_wav_is_not_held_in_memory(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

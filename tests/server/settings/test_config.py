@@ -37,6 +37,7 @@ def test_the_server_reads_the_repositorys_config_yaml() -> None:
     assert load_config().limits.max_text_chars == packaged_settings()["limits"]["max_text_chars"]
 
 
+@pytest.mark.long
 def test_an_installed_package_reads_the_same_config_yaml(tmp_path: Path) -> None:
     """What the add-on image copies and pip-installs (not editable) reads the file that the
     root config.yaml is: a value changed there is the installed server's value."""

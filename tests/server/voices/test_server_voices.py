@@ -222,6 +222,7 @@ def test_voice_dropped_in_later_appears_after_a_rescan(first_run: SimpleNamespac
     assert "error" not in reply.types and reply.samples > 0
 
 
+@pytest.mark.long
 def test_restart_uses_the_cache_and_survives_missing_prompt_models(
     setup: SimpleNamespace, first_run: SimpleNamespace, wy: SimpleNamespace, capsys: Any
 ) -> None:

@@ -98,6 +98,7 @@ def test_errors_come_from_the_real_server(server: SimpleNamespace, wy: SimpleNam
     assert empty.types == ["audio-start", "audio-stop"]  # nothing to say: an empty WAV
 
 
+@pytest.mark.long
 def test_describe_answered_while_synthesizing_a_long_text(
     server: SimpleNamespace, wy: SimpleNamespace
 ) -> None:
@@ -129,6 +130,7 @@ def test_describe_answered_while_synthesizing_a_long_text(
     assert arrived.count("answered") == 5 and arrived[-1] == "audio-stop", arrived[-8:]
 
 
+@pytest.mark.long
 def test_client_leaving_mid_stream_and_four_clients_at_once(
     server: SimpleNamespace, wy: SimpleNamespace
 ) -> None:
