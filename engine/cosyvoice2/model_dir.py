@@ -165,8 +165,10 @@ def int8_names(module: nn.Module, part: str) -> list[str]:
     return []
 
 
-def _finish(module: nn.Module, part: str) -> None:
-    if part == "llm":  # the text head is the embedding again (it is not in the prepared file)
+def tie_text_head(module: nn.Module, part: str) -> None:
+    """A loaded part made whole (CosyVoice2 and the families built on its LM): the LM's text
+    head tied to its embedding again."""
+    if part == "llm":  # the head is not in the prepared file
         cast(CosyVoice2LM, module).llm.model.tie_weights()
 
 
@@ -177,7 +179,7 @@ PARTS = ModelParts(
     int8_names=int8_names,
     # The unused text head is tied to the embedding: one copy in the file, not two.
     left_out={"llm": UNUSED_KEYS},
-    finish=_finish,
+    finish=tie_text_head,
 )
 
 

@@ -30,7 +30,12 @@ from engine.core.types import ModelLoadError
 from engine.core.weights import PARTS as PART_NAMES
 from engine.core.weights import check_model_dir, read_state_dict, without_init
 from engine.cosyvoice2.lm import BACKBONE_DIR, UNUSED_KEYS, SpeechLMArgs
-from engine.cosyvoice2.model_dir import TOKENIZER_FILES, TOKENIZER_JSON, read_checked_args
+from engine.cosyvoice2.model_dir import (
+    TOKENIZER_FILES,
+    TOKENIZER_JSON,
+    read_checked_args,
+    tie_text_head,
+)
 from engine.cosyvoice2.qwen2 import Qwen2Config
 from engine.cosyvoice3.flow import DiTFlow, build_flow, load_flow
 from engine.cosyvoice3.flow import int8_layer_names as flow_int8_layer_names
@@ -166,18 +171,13 @@ def int8_names(module: nn.Module, part: str) -> list[str]:
     return []
 
 
-def _finish(module: nn.Module, part: str) -> None:
-    if part == "llm":  # the text head is the embedding again (it is not in the prepared file)
-        cast(CosyVoice3LM, module).llm.model.tie_weights()
-
-
 PARTS = ModelParts(
     read_args=read_args,
     build_on_meta=build_on_meta,
     read_part=read_part,
     int8_names=int8_names,
     left_out={"llm": UNUSED_KEYS},
-    finish=_finish,
+    finish=tie_text_head,
 )
 
 
