@@ -116,6 +116,8 @@ def _syllable_tokens(syllable: str) -> str:
         raise PronunciationError(f"pinyin {syllable!r}: more than one tone mark")
     # A marked ü keeps its mark (ǘ); an unmarked one is written v (lüè: [l][vè]).
     final = final.replace("ü", "v")
+    if not any(ch in "aeiouv" or ch in _MARKED for ch in final):
+        raise PronunciationError(f"pinyin {syllable!r}: no final (a syllable needs a vowel)")
     if not marked and tone in (1, 2, 3, 4):
         final = _with_tone_mark(final, tone)
     if not final or f"[{final}]" not in _PINYIN_TOKEN_SET:
@@ -209,15 +211,18 @@ class PronunciationCheck:
         return f"pronunciation {self.line!r} is not applied: {self.problem}"
 
 
+# Scripts written without spaces between words: kana, CJK ideographs, Hangul.
+_UNSPACED = "\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uac00-\ud7af\uf900-\ufaff"
+# A letter or digit of a script with spaces: a word must not run on into one.
+_SPACED_WORD_CHAR = f"[^\\W{_UNSPACED}]"
+_UNSPACED_CHAR = re.compile(f"[{_UNSPACED}]")
+
+
 def _edge(ch: str) -> str:
-    """A word's start or end must not run on into a letter or digit, except in scripts written
-    without spaces (a Chinese name sits between other characters)."""
-    return "" if _unspaced(ch) else r"\w"
-
-
-def _unspaced(ch: str) -> bool:
-    name = unicodedata.name(ch, "")
-    return name.startswith(("CJK", "HIRAGANA", "KATAKANA", "HANGUL"))
+    """What must not touch a word at its edge ``ch``: nothing for a character of an unspaced
+    script (a Chinese name sits between other characters), else a letter or digit of a
+    spaced one (``Li说`` holds the word Li, ``LiLi`` does not)."""
+    return "" if _UNSPACED_CHAR.match(ch) else _SPACED_WORD_CHAR
 
 
 class Pronunciations:
