@@ -680,6 +680,8 @@ def _pronunciations(value: Any) -> tuple[str, ...]:
     key = "server.pronunciations"
     if value is None:
         return ()
+    if isinstance(value, str):
+        value = [value]  # one line
     if isinstance(value, dict):
         lines = []
         for word, entry in value.items():
