@@ -441,8 +441,8 @@ _KIND_OF_TYPE = {
 # ServerConfig fields that are not server settings: the other sections and force_tokens.
 _NOT_SERVER_SETTINGS = ("limits", "profiles", "cache", "auto", "force_tokens")
 # Server settings with a check of their own in build_config.
-_CHECKED_APART = ("profile", "data_dirs", "threads", "loudness", "volume", "preset_voices")
-_CHECKED_APART += ("pronunciations",)
+_CHECKED_APART = ("profile", "data_dirs", "threads", "loudness", "volume", "preset_voices",
+                  "pronunciations")  # fmt: skip
 
 
 def _server_kinds() -> dict[str, str]:

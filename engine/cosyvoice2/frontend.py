@@ -205,9 +205,7 @@ class CosyVoice2TextFrontend(PronouncingFrontend):
         as one segment.
         """
         text = checked_text(text, "text")
-        pieces = normalize(
-            self.pronunciations.apply(text), split=split, token_len=self._token_len
-        )
+        pieces = normalize(self.pronunciations.apply(text), split=split, token_len=self._token_len)
         out = [Segment(piece, self.tokenizer.encode(piece)) for piece in pieces]
         _LOGGER.debug("frontend: %d chars -> %d segments", len(text), len(out))
         return out
