@@ -2,7 +2,8 @@
 
 A pronunciation is a line ``word = entry``; the entry is one of
 
-* CMU phones (ARPAbet, upper case, vowels with their stress digit): ``M AY1 K AH0 L``;
+* CMU phones (ARPAbet, upper case, a vowel with its stress digit as CMUdict writes it):
+  ``M AY1 K AH0 L``;
 * pinyin, a tone per syllable (a digit 1–5 or a tone mark): ``zhang1 san1`` or ``zhāng sān``;
 * a plain respelling, any other text: ``Mykul``;
 * phones or pinyin, then ``|`` and a respelling: ``SH IH0 V AO1 N | Shivawn``.
@@ -59,8 +60,7 @@ PINYIN_TOKENS: tuple[str, ...] = tuple(f"[{unit}]" for unit in sorted(_PINYIN_UN
 _CMU_SHAPED = re.compile(r"[A-Z]{1,3}\d?")
 _PINYIN_SHAPED = re.compile(r"[a-zü:]+\d")
 _TONE_MARKS = {"a": "āáǎà", "e": "ēéěè", "i": "īíǐì", "o": "ōóǒò", "u": "ūúǔù", "v": "ǖǘǚǜ"}
-_MARKED = {mark: (vowel, tone) for vowel, marks in _TONE_MARKS.items()
-           for tone, mark in enumerate(marks, 1)}  # fmt: skip
+_MARKED = frozenset("".join(_TONE_MARKS.values()))  # the vowels with a tone mark
 _INITIALS = sorted(
     "b p m f d t n l g k h j q x zh ch sh r z c s y w".split(), key=len, reverse=True
 )
