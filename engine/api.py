@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from engine.core.text_feed import TextFeed
     from engine.core.types import AudioChunk, StreamSchedule, SynthesisOptions
     from engine.prompt.voices import ScanResult
+    from engine.text.pronunciations import PronunciationCheck
 
 
 @dataclass(frozen=True)
@@ -90,6 +91,11 @@ class Engine(Protocol):
 
     def warmup(self) -> None:
         """One short synthesis per loaded weight format, so a first request is not slower."""
+
+    def use_pronunciations(self, lines: Sequence[str]) -> list[PronunciationCheck]:
+        """Say words as these ``word = entry`` lines tell (:mod:`engine.text.pronunciations`)
+        in every text from now on: as phone or pinyin tokens where the model has them, else as
+        a line's respelling. How each line fares; a line with a problem is not applied."""
 
     def enable_custom_voices(self, voices_dir: Path | str) -> ScanResult:
         """Speak NAME.wav + NAME.txt voices of ``voices_dir`` too (call again to re-scan)."""

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from engine.api import StreamGeometry
 from engine.core.types import AudioChunk, SynthesisOptions
 from engine.cosyvoice1.engine import STREAM_GEOMETRY
+from engine.text.pronunciations import PronunciationCheck, Pronunciations
 
 if TYPE_CHECKING:
     from engine.core.cpu import CpuChoices
@@ -56,6 +57,10 @@ class FakeSurface(ABC):
 
     def enable_custom_voices(self, voices_dir: Path | str) -> ScanResult:
         raise NotImplementedError("this fake engine reads no voices folder")
+
+    def use_pronunciations(self, lines: Sequence[str]) -> list[PronunciationCheck]:
+        """Checked as a v1 model checks them (no phone tokens); a fake's text is not read."""
+        return Pronunciations(lines).checks
 
     def flow_prompt_frames(self, speaker: str | None) -> int:
         return 0

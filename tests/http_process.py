@@ -37,15 +37,17 @@ MODELS = {
     "v2": (DATA / "cosyvoice2" / "tiny", {"tiny_campplus.onnx": "campplus.onnx",
                                           "tiny_speech_tokenizer_v2.onnx":
                                           "speech_tokenizer_v2.onnx"}),
+    "v3": (DATA / "cosyvoice3" / "tiny", {}),  # no prompt models: it speaks the synthetic voice
 }  # fmt: skip
-SYNTHETIC = "synthetic"  # the CosyVoice2 server's built-in voice
+MODEL_NAMES = {"v1": "tiny_model", "v2": "CosyVoice2-0.5B", "v3": "Fun-CosyVoice3-0.5B"}
+SYNTHETIC = "synthetic"  # the CosyVoice2 and 3 servers' built-in voice
 WAIT_S = 180.0  # bounds every wait: a busy machine is slow, a broken server never answers
 
 
 def model_copy(family: str, into: Path) -> Path:
     """The family's tiny model with its prompt models, in ``into`` (v1: the SFT kind)."""
     source, onnx = MODELS[family]
-    model = into / ("tiny_model" if family == "v1" else "CosyVoice2-0.5B")
+    model = into / MODEL_NAMES[family]
     shutil.copytree(source, model)
     for name, target in onnx.items():
         shutil.copy(ONNX / name, model / target)
@@ -80,7 +82,7 @@ class ServerProcess:
             "--http-host", "127.0.0.1", "--model-dir", str(model), "--threads", "1",
             "--no-warmup", "--seed", "0", "--offline", *args,
         ]  # fmt: skip
-        if family == "v2":
+        if family != "v1":  # CosyVoice2 and 3 ship no voices
             command += ["--synthetic-voice", "Hello there."]
         if voices is not None:
             command += ["--voices-dir", str(voices), "--web-voice-maker"]

@@ -227,6 +227,7 @@ class ServerConfig:
     speed: float  # speaking speed of a request that asks for none
     preset_voices: tuple[str, ...]  # presets every voice is also listed at (describe)
     early_speech: bool  # speak a streamed sentence while it arrives (engines that can)
+    pronunciations: tuple[str, ...]  # "word = entry" lines, read by the engine
     zeroconf: str | None
     seed: int | None
     warmup: bool
@@ -440,7 +441,8 @@ _KIND_OF_TYPE = {
 # ServerConfig fields that are not server settings: the other sections and force_tokens.
 _NOT_SERVER_SETTINGS = ("limits", "profiles", "cache", "auto", "force_tokens")
 # Server settings with a check of their own in build_config.
-_CHECKED_APART = ("profile", "data_dirs", "threads", "loudness", "volume", "preset_voices")
+_CHECKED_APART = ("profile", "data_dirs", "threads", "loudness", "volume", "preset_voices",
+                  "pronunciations")  # fmt: skip
 
 
 def _server_kinds() -> dict[str, str]:
@@ -639,6 +641,7 @@ def build_config(raw: dict[str, Any]) -> ServerConfig:
         loudness=_number_in("server.loudness", server.get("loudness"), TARGET_RANGE, "LUFS"),
         volume=_number_in("server.volume", server.get("volume"), VOLUME_RANGE),
         preset_voices=_preset_voices(server.get("preset_voices")),
+        pronunciations=_pronunciations(server.get("pronunciations")),
     )
 
 
@@ -668,3 +671,29 @@ def _preset_voices(value: Any) -> tuple[str, ...]:
         if (preset := name.strip().casefold()) not in presets:
             presets.append(preset)
     return tuple(presets)
+
+
+def _pronunciations(value: Any) -> tuple[str, ...]:
+    """``server.pronunciations``: a list of ``word = entry`` lines (the add-on's form) or a
+    mapping word → entry, as lines. What an entry says is the engine's to read: one it cannot
+    apply is logged at the start, and the rest apply (docs/pronunciations.md)."""
+    key = "server.pronunciations"
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        value = [value]  # one line
+    if isinstance(value, dict):
+        lines = []
+        for word, entry in value.items():
+            if not isinstance(entry, str) or not str(word).strip():
+                raise ConfigError(f"{key}.{word}", f"must be a word and its pronunciation as "
+                                  f"text, e.g. Siobhan: SH IH0 V AO1 N; not {entry!r}")  # fmt: skip
+            lines.append(f"{word} = {entry}")
+        return tuple(lines)
+    if not isinstance(value, list):
+        raise ConfigError(key, "must be a list of 'word = pronunciation' lines or a mapping "
+                          f"word: pronunciation, not {value!r}")  # fmt: skip
+    for i, line in enumerate(value):
+        if not isinstance(line, str):
+            raise ConfigError(f"{key}[{i}]", f"must be a 'word = pronunciation' line, not {line!r}")
+    return tuple(line.strip() for line in value if line.strip())

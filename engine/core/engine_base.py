@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from engine.core.hift import HiFTGenerator
     from engine.core.lm_thread import LmTokens
     from engine.core.prepared import ModelParts, PreparedLoad
+    from engine.text.pronunciations import PronouncingFrontend, PronunciationCheck
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -66,6 +67,8 @@ class EngineBase(ABC, Generic[FlowT]):
 
     # How the family's directory is prepared and loaded (its three models, its speakers).
     model_parts: ClassVar[ModelParts]
+    # The family's text frontend (each family's engine sets it).
+    frontend: PronouncingFrontend
 
     def __init__(
         self,
@@ -217,6 +220,10 @@ class EngineBase(ABC, Generic[FlowT]):
         if getattr(hift, "quantized", False):  # int8 convolutions, float32 elsewhere
             return "int8"
         return str(hift.filter_dtype).removeprefix("torch.")
+
+    def use_pronunciations(self, lines: Sequence[str]) -> list[PronunciationCheck]:
+        """Say words as these ``word = entry`` lines tell from now on; how each line fares."""
+        return self.frontend.use_pronunciations(lines)
 
     @abstractmethod
     def synthesize(

@@ -112,7 +112,7 @@ class CosyVoiceEngine(EngineBase["FlowModel"], OfFamily):
             speakers=models.speakers,
         )
         self.models = models
-        self.frontend = frontend or TextFrontend()
+        self.frontend: TextFrontend = frontend or TextFrontend()
         self.custom_voices: VoiceLibrary | None = None
 
     @classmethod

@@ -154,7 +154,9 @@ class CosyVoice2Engine(
             token_rate=models.args.token_rate,
         )
         self.models = models
-        self.frontend = frontend or CosyVoice2TextFrontend(models.model_dir / BACKBONE_DIR)
+        self.frontend: CosyVoice2TextFrontend = frontend or CosyVoice2TextFrontend(
+            models.model_dir / BACKBONE_DIR
+        )
         # The type the flow keeps its keys and values in between chunks (None: float32). Half
         # precision by default: half the memory, the mel within 2e-5 (docs/dev/cosyvoice2-flow.md).
         self.flow_cache_dtype = flow_cache_dtype

@@ -29,7 +29,8 @@ from engine.core.types import ModelLoadError
 from engine.text import rules, wetext_backend
 from engine.text.errors import TextInputError
 from engine.text.frontend import Segment, checked_text
-from engine.text.normalize import normalize
+from engine.text.normalize import normalize, normalize_text
+from engine.text.pronunciations import PronouncingFrontend
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -181,7 +182,7 @@ def get_tokenizer(
         return tokenizer
 
 
-class CosyVoice2TextFrontend:
+class CosyVoice2TextFrontend(PronouncingFrontend):
     """Normalise, split and tokenise text for CosyVoice2 (shareable between threads)."""
 
     TOKENIZER: type[Qwen2TextTokenizer] = Qwen2TextTokenizer  # which special tokens it adds
@@ -204,10 +205,16 @@ class CosyVoice2TextFrontend:
         as one segment.
         """
         text = checked_text(text, "text")
-        pieces = normalize(text, split=split, token_len=self._token_len)
+        pieces = normalize(self.pronunciations.apply(text), split=split, token_len=self._token_len)
         out = [Segment(piece, self.tokenizer.encode(piece)) for piece in pieces]
         _LOGGER.debug("frontend: %d chars -> %d segments", len(text), len(out))
         return out
+
+    def piece_text(self, piece: str, *, chinese: bool | None) -> str:
+        """A piece of a sentence still arriving, with its pronunciations, normalised alone on
+        the sentence's path (``chinese``; None: its own); a piece ends where a word does."""
+        normalized, _ = normalize_text(self.pronunciations.apply(piece), chinese=chinese)
+        return normalized
 
     def prompt_text_ids(self, text: str) -> list[int]:
         """Transcript of a zero-shot prompt, normalised without splitting."""

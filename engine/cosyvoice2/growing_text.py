@@ -31,7 +31,7 @@ import unicodedata
 
 from engine.cosyvoice2.frontend import CosyVoice2TextFrontend
 from engine.text.frontend import checked_text
-from engine.text.normalize import contains_chinese, detect_language, normalize_text
+from engine.text.normalize import contains_chinese, detect_language
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -184,7 +184,7 @@ class GrowingTextIds:
 
     def _piece_ids(self, piece: str) -> list[int]:
         """Ids of a piece normalised alone on the sentence's path."""
-        normalized, _ = normalize_text(piece, chinese=self._chinese)
+        normalized = self._frontend.piece_text(piece, chinese=self._chinese)
         if not normalized:
             return []
         # Qwen2 marks a word start by its space; normalising stripped it.

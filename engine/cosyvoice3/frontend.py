@@ -39,36 +39,12 @@ from engine.cosyvoice2.frontend import (
 from engine.text import rules
 from engine.text.errors import TextInputError
 from engine.text.frontend import Segment, checked_text
-from engine.text.normalize import normalize
+from engine.text.normalize import normalize, normalize_text
+from engine.text.pronunciations import CMU_PHONE_TOKENS, PINYIN_TOKENS
 
 END_OF_SYSTEM = "<|endofsystem|>"
 SYSTEM_PROMPT = "You are a helpful assistant."
 
-_VOWELS = ("AA", "AE", "AH", "AO", "AW", "AY", "EH", "ER", "EY", "IH", "IY", "OW", "OY", "UH", "UW")
-_CONSONANTS = (
-    "B", "CH", "D", "DH", "F", "G", "HH", "JH", "K", "L", "M", "N", "NG", "P", "R", "S", "SH",
-    "T", "TH", "V", "W", "Y", "Z", "ZH",
-)  # fmt: skip
-# The phone tokens, in the official order.
-CMU_PHONE_TOKENS: tuple[str, ...] = tuple(
-    token
-    for phone in sorted(_VOWELS + _CONSONANTS)
-    for token in (
-        (f"[{phone}]", *(f"[{phone}{stress}]" for stress in "012"))
-        if phone in _VOWELS
-        else (f"[{phone}]",)
-    )
-)
-_PINYIN_UNITS = """
-    a ai an ang ao b c ch d e ei en eng f g h i ian in ing iu ià iàn iàng iào iá ián iáng iáo iè
-    ié iòng ióng iù iú iā iān iāng iāo iē iě iōng iū iǎ iǎn iǎng iǎo iǒng iǔ j k l m n o ong ou p
-    q r s sh t u uang ue un uo uà uài uàn uàng uá uái uán uáng uè ué uì uí uò uó uā uāi uān uāng
-    uē uě uī uō uǎ uǎi uǎn uǎng uǐ uǒ vè w x y z zh à ài àn àng ào á ái án áng áo è èi èn èng èr
-    é éi én éng ér ì ìn ìng í ín íng ò òng òu ó óng óu ù ùn ú ún ā āi ān āng āo ē ēi ēn ēng ě ěi
-    ěn ěng ěr ī īn īng ō ōng ōu ū ūn ǎ ǎi ǎn ǎng ǎo ǐ ǐn ǐng ǒ ǒng ǒu ǔ ǔn ǘ ǚ ǜ
-"""
-# The pinyin tokens, in the official (code-point) order.
-PINYIN_TOKENS: tuple[str, ...] = tuple(f"[{unit}]" for unit in sorted(_PINYIN_UNITS.split()))
 PRONUNCIATION_TOKENS = CMU_PHONE_TOKENS + PINYIN_TOKENS
 SPECIAL_TOKENS: tuple[str, ...] = (
     COSYVOICE2_SPECIAL_TOKENS + (END_OF_SYSTEM,) + PRONUNCIATION_TOKENS
@@ -112,14 +88,22 @@ class CosyVoice3TextFrontend(CosyVoice2TextFrontend):
     """Normalise, split and tokenise text for CosyVoice3, and assemble the LM's prompt text."""
 
     TOKENIZER = CosyVoice3Tokenizer
+    PHONE_TOKENS = True
 
-    def _normalized(self, text: str, *, split: bool) -> list[str]:
-        """The normalised pieces of ``text`` with its pronunciation runs kept as typed."""
+    def _normalized(
+        self, text: str, *, split: bool, chinese: bool | None = None, whole: bool = True
+    ) -> list[str]:
+        """The normalised pieces of ``text`` with its pronunciation runs kept as typed
+        (``whole=False``: one piece of a growing sentence on its path, ``chinese``)."""
         masked, runs = _with_stand_ins(text)
         if len(runs) > _STAND_IN_COUNT:
             runs = []  # more runs than stand-ins: nothing is protected (never in practice)
             masked = text
-        pieces = normalize(masked, split=split, token_len=self._token_len)
+        if whole:
+            pieces = normalize(masked, split=split, token_len=self._token_len)
+        else:
+            piece, _ = normalize_text(masked, chinese=chinese)
+            pieces = [piece] if piece else []
         if not pieces and runs and not _STAND_IN.sub("", masked).strip():
             pieces = [masked.strip()]  # only pronunciation tokens: still something to say
         return [_restored(piece, runs) for piece in pieces]
@@ -127,11 +111,16 @@ class CosyVoice3TextFrontend(CosyVoice2TextFrontend):
     def segments(self, text: str, *, split: bool = True) -> list[Segment]:
         """Segments to synthesise (their ids without the system prompt); ``[]`` when nothing
         speakable is left."""
-        text = checked_text(text, "text")
+        text = self.pronunciations.apply(checked_text(text, "text"))
         return [
             Segment(piece, self.tokenizer.encode(piece))
             for piece in self._normalized(text, split=split)
         ]
+
+    def piece_text(self, piece: str, *, chinese: bool | None) -> str:
+        """A piece of a growing sentence (CosyVoice2's), its pronunciation runs kept."""
+        text = self.pronunciations.apply(piece)
+        return "".join(self._normalized(text, split=False, chinese=chinese, whole=False))
 
     def system_prompt_ids(self) -> list[int]:
         """``You are a helpful assistant.<|endofprompt|>``: what every request starts with."""

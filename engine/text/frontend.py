@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from engine.text import wetext_backend
 from engine.text.errors import TextInputError
 from engine.text.normalize import detect_language, normalize
+from engine.text.pronunciations import PronouncingFrontend
 from engine.text.tokenizer import get_tokenizer
 
 _LOGGER = logging.getLogger(__name__)
@@ -45,7 +46,7 @@ def checked_text(text: object, what: str) -> str:
     return text
 
 
-class TextFrontend:
+class TextFrontend(PronouncingFrontend):
     """Normalise, split and tokenise text for CosyVoice-300M v1.
 
     Stateless apart from the process-wide tokenizer and wetext grammars, so one instance can be
@@ -74,7 +75,7 @@ class TextFrontend:
         """
         text = checked_text(text, "text")
         out = []
-        for seg in normalize(text, split=split):
+        for seg in normalize(self.pronunciations.apply(text), split=split):
             if self.language_tags and not seg.startswith("<|"):
                 seg = f"<|{language or detect_language(seg)}|>{seg}"
             out.append(Segment(seg, self.tokenizer.encode(seg)))

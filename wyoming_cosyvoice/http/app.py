@@ -174,6 +174,16 @@ class TtsRoutes:
             "ready": self.status()[0] == "ready",
         })  # fmt: skip
 
+    async def pronunciations(self, request: Request) -> Response:
+        """The settings' pronunciations and how each fares with the loaded model."""
+        self.require_ready()
+        return JSONResponse({
+            "pronunciations": [
+                {"line": c.line, "word": c.word, "said_as": c.spoken_as, "problem": c.problem}
+                for c in self.scheduler.pronunciation_checks
+            ],
+        })  # fmt: skip
+
     async def tts(self, request: Request) -> Response:
         with counting_errors(self.scheduler.metrics):
             return await self._speak(request, self.parser.tts)
@@ -242,6 +252,7 @@ def create_app(
             Route("/favicon.ico", routes.favicon, methods=["GET"]),
             Route("/health", routes.health, methods=["GET"]),
             Route("/voices", routes.voices, methods=["GET"]),
+            Route("/pronunciations", routes.pronunciations, methods=["GET"]),
             Route("/tts", routes.tts, methods=["POST"]),
             Route("/v1/audio/speech", routes.openai_speech, methods=["POST"]),
             *metrics_routes(config, scheduler),

@@ -194,6 +194,7 @@ def scheduler_for_config(
         repeat_cache=RepeatCache(config.cache.max_bytes),
         levels=voice_levels(config, model_dir),
         auto=auto_profile(config),
+        pronunciations=config.pronunciations,
     )
 
 

@@ -33,6 +33,7 @@ from wyoming_cosyvoice.voices.catalog import VoiceCatalog
 from wyoming_cosyvoice.voices.loudness import VoiceLevels
 
 if TYPE_CHECKING:
+    from engine.text.pronunciations import PronunciationCheck
     from wyoming_cosyvoice.auto.profile import AutoProfile
     from wyoming_cosyvoice.config import ProfileConfig
 
@@ -134,6 +135,7 @@ class Scheduler:
         repeat_cache: RepeatCache | None = None,
         levels: VoiceLevels | None = None,
         auto: AutoProfile | None = None,
+        pronunciations: Sequence[str] = (),
     ) -> None:
         self.model_dir = model_dir
         # The rate of the audio the engine makes: the model family's until it has loaded.
@@ -144,6 +146,10 @@ class Scheduler:
         # The flow settings of the server's profile: an engine that primes its default voice
         # (CosyVoice2) does so with them after the warm-up, so the first request does not.
         self._prime_options = prime_options
+        # The user's ``word = entry`` lines, handed to the engine once it has loaded, and how
+        # each fared with the model (the log, the HTTP API).
+        self._pronunciations = tuple(pronunciations)
+        self.pronunciation_checks: list[PronunciationCheck] = []
         self._factory = engine_factory
         self._threads = threads
         self._shared_cores = shared_cores and parallel > 1
@@ -194,6 +200,11 @@ class Scheduler:
             _LOGGER.info("Loading model from %s", self.model_dir)
             start = loop.time()
             engine = await self._call(self._executor, self._factory, self.model_dir, self._threads)
+            if self._pronunciations:
+                self.pronunciation_checks = await self._call(
+                    self._executor, engine.use_pronunciations, self._pronunciations
+                )
+                log_pronunciation_checks(self.pronunciation_checks)
             if self._warmup:
                 await self._call(self._executor, engine.warmup)
                 await self._prime(engine)
@@ -390,6 +401,17 @@ class Scheduler:
         for executor in self._executors:
             executor.shutdown(wait=False, cancel_futures=True)
         self.levels.close()
+
+
+def log_pronunciation_checks(checks: Sequence[PronunciationCheck]) -> None:
+    """A WARNING line per pronunciation the model cannot apply, one INFO line for the rest:
+    the server speaks on with the lines it could apply."""
+    for check in checks:
+        if check.problem is not None:
+            _LOGGER.warning("%s", check.message())
+    applied = [check.word for check in checks if check.problem is None]
+    _LOGGER.info("Pronunciations applied: %d of %d%s", len(applied), len(checks),
+                 f" ({', '.join(map(repr, applied))})" if applied else "")  # fmt: skip
 
 
 def _torch_threads() -> int:

@@ -203,3 +203,17 @@ def test_missing_or_broken_tokenizer_files(tmp_path: Path) -> None:
     (folder / "tokenizer_config.json").write_text("{")
     with pytest.raises(ModelLoadError, match="not valid JSON"):
         Qwen2TextTokenizer(folder)
+
+
+def test_pronunciations_are_respellings_without_phone_tokens(
+    frontend: CosyVoice2TextFrontend,
+) -> None:
+    """CosyVoice2's tokenizer has no phone or pinyin tokens: a line with a respelling says
+    it, a line of phones alone is reported and the word left as written."""
+    other = CosyVoice2TextFrontend(BLANK_EN)
+    checks = other.use_pronunciations(["Siobhan = SH IH0 V AO1 N | Shivawn", "Niamh = N IY1 V"])
+    assert [c.spoken_as for c in checks] == ["Shivawn", None]
+    assert "no phone or pinyin tokens" in str(checks[1].problem)
+    (segment,) = other.segments("Siobhan and Niamh are home.")
+    assert segment == frontend.segments("Shivawn and Niamh are home.")[0]
+    assert other.piece_text("Tell Siobhan", chinese=False) == "Tell Shivawn"

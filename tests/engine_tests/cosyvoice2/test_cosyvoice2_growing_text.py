@@ -10,6 +10,7 @@ from collections.abc import Callable
 import pytest
 from conftest import DATA
 
+import engine.cosyvoice2.frontend as cosyvoice2_frontend
 import engine.cosyvoice2.growing_text as growing_text
 from engine.cosyvoice2.frontend import CosyVoice2TextFrontend
 from engine.cosyvoice2.growing_text import GrowingTextIds
@@ -218,7 +219,7 @@ def test_updates_normalise_only_the_new_pieces(
         wholes.append(text)
         return segments(text, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(growing_text, "normalize_text", counting_normalize_text)
+    monkeypatch.setattr(cosyvoice2_frontend, "normalize_text", counting_normalize_text)
     monkeypatch.setattr(frontend, "segments", counting_segments)
     for text in (ENGLISH[0], CHINESE[0]):
         normalised.clear()
