@@ -57,6 +57,9 @@ class Family:
     kind: str | None = None
     # Its models ship no speakers: their built-in voices are made from this model's.
     voices_from: str | None = None
+    # Its RL-tuned LM's checkpoint, an optional file of its models (downloaded when chosen);
+    # None: it has none.
+    rl_lm_file: str | None = None
 
     def engine_class(self) -> Any:
         return _resolve(self.engine)
@@ -105,7 +108,7 @@ COSYVOICE3 = Family(
     "engine.cosyvoice3.model_dir:PARTS",
     models={"Fun-CosyVoice3-0.5B": "FunAudioLLM/Fun-CosyVoice3-0.5B-2512"},
     base_model="Fun-CosyVoice3-0.5B",
-    # As CosyVoice2's; the RL-tuned LM (llm.rl.pt) is an optional extra.
+    # As CosyVoice2's; the RL-tuned LM (rl_lm_file) is an optional extra.
     model_files=(
         "cosyvoice3.yaml",
         "llm.pt",
@@ -126,6 +129,7 @@ COSYVOICE3 = Family(
     instruct_kinds=("cosyvoice3",),
     kind="cosyvoice3",
     voices_from="CosyVoice-300M-SFT",
+    rl_lm_file="llm.rl.pt",
 )
 
 

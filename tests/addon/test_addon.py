@@ -327,6 +327,7 @@ EARLIER_EVERY_ARGS = [
     "--set", "server.volume=0.5", "--set", "server.speed=1.25",
     "--set", 'server.preset_voices=["slow", "calm-fast"]', "--set", "cache.max_mb=0",
     "--set", 'cache.prepare_phrases=["Good night."]', "--debug",
+    "--set", "server.rl_tuned_lm=true",
 ]  # fmt: skip
 
 
@@ -336,7 +337,8 @@ def test_saved_options_give_the_settings_an_earlier_add_on_gave(config: dict[str
              "hub_endpoint": "https://hf-mirror.com/", "stt_uri": "tcp://core-whisper:10300",
              "volume": 0.5, "speed": 1.25, "preset_voices": ["slow", "calm-fast"],
              "repeat_cache_mb": 0, "prepared_phrases": [" Good night. ", ""],
-             "debug_logging": True}  # fmt: skip
+             "debug_logging": True,
+             "rl_tuned_lm": True}  # fmt: skip
     assert set(every) == set(config["schema"])  # every option, changed from its default
     assert [k for k in every if every[k] == config["options"].get(k)] == ["model", "profile"]
     for model in schema_choices(config, "model"):
