@@ -50,15 +50,14 @@ def server(
     family: TinyFamily = request.param
     data = data_dir(tmp_path_factory.mktemp(f"{family.name}-server"), family, with_v1=True)
     record_voice(data / "voices", "anna")
-    with (
-        server_log() as log,
-        TinyServer(
-            # these tests watch what reaches the engine: no replays from the repeat cache
-            data,
-            family,
-            {"server.voices_dir": str(data / "voices"), "cache.max_mb": 0},
-        ) as srv,
-    ):
+    settings = {
+        "server.voices_dir": str(data / "voices"),
+        # these tests watch what reaches the engine: no replays from the repeat cache
+        "cache.max_mb": 0,
+        # warmed up as the command starts it: auto measures the stage costs
+        "server.warmup": True,
+    }
+    with server_log() as log, TinyServer(data, family, settings) as srv:
         engine = srv.running.scheduler.engine
         yield SimpleNamespace(
             family=family,
@@ -198,6 +197,29 @@ def test_http_audio_is_24_khz(server: SimpleNamespace) -> None:
         raw = client.post("/tts", json={**body, "format": "pcm", "stream": True})
         assert raw.headers["content-type"].startswith("audio/pcm;rate=24000")
         assert len(raw.content) == 2 * SAMPLES
+
+
+# --- auto --------------------------------------------------------------------------------------
+
+
+def test_auto_measured_every_loaded_format_and_chooses_per_request(
+    server: SimpleNamespace, wy: SimpleNamespace
+) -> None:
+    assert "Measured the stage costs" in server.log
+    with httpx.Client(base_url=server.url, timeout=120) as client:
+        auto = client.get("/health").json()["auto"]
+    costs = auto["stage_costs"]
+    assert costs["lm_token_ms"] > 0 and costs["lm_prefill_ms"] > 0
+    loaded = server.engine.weight_formats
+    for part in ("flow", "hift"):
+        for weights in loaded[part]:
+            assert f"{part}.{weights}" not in costs["estimated"], (part, weights, costs)
+    assert all(costs["flow_us_per_frame_step"][w] > 0 for w in loaded["flow"])
+    reply = run(wy.synthesize(server.port, "Hello there.", {"name": "en-male"}))
+    assert reply.error() is None and reply.samples == SAMPLES
+    with httpx.Client(base_url=server.url, timeout=120) as client:
+        choice = client.get("/health").json()["auto"]["last_choice"]
+    assert choice["profile"] in auto["profiles"]
 
 
 # --- instructions and the inline tags ---------------------------------------------------------
