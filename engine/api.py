@@ -66,7 +66,7 @@ class Engine(Protocol):
     @property
     def instruction_form(self) -> str | None:
         """How the engine reads ``SynthesisOptions.instruct`` (``engine.family``'s
-        ``DESCRIBED_SPEAKER``, ``INSTRUCT2``); None: it takes no instruction."""
+        ``DESCRIBED_SPEAKER``, ``INSTRUCT2``, ``INSTRUCT3``); None: it takes no instruction."""
 
     @property
     def weight_formats(self) -> dict[str, tuple[str, ...]]:

@@ -10,7 +10,7 @@ its engine.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from importlib import import_module
 from pathlib import Path
@@ -22,8 +22,11 @@ if TYPE_CHECKING:
 # How a model reads a style instruction (SynthesisOptions.instruct; engine.api.Engine's
 # instruction_form): v1's -Instruct model a description of the speaker in place of the speaker ...
 DESCRIBED_SPEAKER = "described-speaker"
-# ... CosyVoice2 (instruct2) an instruction to any voice, in Chinese for emotions and dialects.
+# ... CosyVoice2 (instruct2) an instruction to any voice, in Chinese for emotions and dialects ...
 INSTRUCT2 = "instruct2"
+# ... CosyVoice3 an instruction to any voice inside its system prompt, trained on a fixed set
+# (the official ``instruct_list``: dialects, loud or soft, slow or fast, happy, sad, angry, ...).
+INSTRUCT3 = "instruct3"
 # Every voice cache a prompt recipe writes beside a voice ends with this (engine.prompt.recipe).
 PROMPT_CACHE_ENDING = ".prompt.pt"
 
@@ -54,6 +57,9 @@ class Family:
     kind: str | None = None
     # Its models ship no speakers: their built-in voices are made from this model's.
     voices_from: str | None = None
+    # Its RL-tuned LM's checkpoint, an optional file of its models (downloaded when chosen);
+    # None: it has none.
+    rl_lm_file: str | None = None
 
     def engine_class(self) -> Any:
         return _resolve(self.engine)
@@ -102,7 +108,7 @@ COSYVOICE3 = Family(
     "engine.cosyvoice3.model_dir:PARTS",
     models={"Fun-CosyVoice3-0.5B": "FunAudioLLM/Fun-CosyVoice3-0.5B-2512"},
     base_model="Fun-CosyVoice3-0.5B",
-    # As CosyVoice2's; the RL-tuned LM (llm.rl.pt) is an optional extra.
+    # As CosyVoice2's; the RL-tuned LM (rl_lm_file) is an optional extra.
     model_files=(
         "cosyvoice3.yaml",
         "llm.pt",
@@ -117,11 +123,13 @@ COSYVOICE3 = Family(
     prompt_cache_suffix=".cosyvoice3" + PROMPT_CACHE_ENDING,
     sample_rate=24000,
     token_rate=25,
-    # An instruction to any voice, as CosyVoice2's (its frontend adds the system prompt).
-    instruction_form=INSTRUCT2,
+    # An instruction to any voice, as CosyVoice2's, in the system prompt (its frontend puts it
+    # there); its own form: it was trained on other phrasings than CosyVoice2.
+    instruction_form=INSTRUCT3,
     instruct_kinds=("cosyvoice3",),
     kind="cosyvoice3",
     voices_from="CosyVoice-300M-SFT",
+    rl_lm_file="llm.rl.pt",
 )
 
 
@@ -191,13 +199,14 @@ def family_of_model(model: str) -> Family | None:
     return next((family for family in FAMILIES if model in family.models), None)
 
 
-def instruct_models() -> list[str]:
-    """The official models that take an instruction."""
+def instruct_models(forms: Collection[str] | None = None) -> list[str]:
+    """The official models that take an instruction (``forms``: in one of these forms)."""
     return [
         model
         for family in FAMILIES
         for model in family.models
-        if family.instruction_form_of(family.kind_of(model)) is not None
+        if (form := family.instruction_form_of(family.kind_of(model))) is not None
+        and (forms is None or form in forms)
     ]
 
 

@@ -219,6 +219,7 @@ class ServerConfig:
     voice: str | None
     profile: ProfileConfig
     lm_weights: str
+    rl_tuned_lm: bool  # CosyVoice3: its RL-tuned LM (llm.rl.pt) in place of llm.pt
     threads: int | None  # None: every core (settings.yaml's 0)
     parallel_sentences: int
     samples_per_chunk: int

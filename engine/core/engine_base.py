@@ -161,7 +161,8 @@ class EngineBase(ABC, Generic[FlowT]):
         model_dir = Path(model_dir)
         cache = Path(cache_dir) if cache_dir else None
         # Prepares what is missing, then packs the int8 layers in the background.
-        with prepared_loads(model_dir, setup.formats, extras, cache, cls.model_parts) as loads:
+        parts = cls._parts_for(engine_options)
+        with prepared_loads(model_dir, setup.formats, extras, cache, parts) as loads:
             modules = loads[0].modules()
             alternates = loads[1].assigned() if extras else {}
             flows = by_format("flow", (setup.formats.flow, modules[1]), alternates, extras)
@@ -179,6 +180,12 @@ class EngineBase(ABC, Generic[FlowT]):
         hifts = by_format("hift", (setup.formats.hift, hift), alternates, extras)
         engine._record_load(cast("dict[str, Any]", flows), hifts, loads, setup.choices)
         return engine
+
+    @classmethod
+    def _parts_for(cls, engine_options: dict[str, Any]) -> ModelParts:
+        """How the directory is read for a load with the family's own ``engine_options`` (e.g.
+        CosyVoice3's RL-tuned LM in place of ``llm.pt``)."""
+        return cls.model_parts
 
     @classmethod
     def _adapt_flow(cls, flow: nn.Module, weights: str) -> None:

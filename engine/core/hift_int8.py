@@ -26,6 +26,7 @@ import platform
 import warnings
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 _LOGGER = logging.getLogger(__name__)
@@ -39,8 +40,10 @@ _FAST_CAPABILITIES = ("AVX2", "AVX512")
 class Int8Conv(nn.Module):
     """A residual block's convolution with int8 weights and per-call uint8 activations.
 
-    Made from a float Conv1d of numeric padding; takes and returns (1, C, 1, L) channels-last
-    float32 tensors, as :class:`engine.core.hift.CLConv1d`. Its state (``weight`` int8
+    Made from a float Conv1d of numeric padding, or a causal one (a ``left`` pad, as
+    :class:`engine.core.hift.CausalCLConv1d`: CosyVoice3's causal HiFT), padded the same way;
+    takes and returns (1, C, 1, L) channels-last float32 tensors, as
+    :class:`engine.core.hift.CLConv1d`. Its state (``weight`` int8
     (O, I, K), ``weight_scale`` and ``bias`` float32 (O,)) is what a prepared ``hift.int8`` file
     holds; the oneDNN packing is made from it by :meth:`materialize_derived`.
     """
@@ -52,6 +55,8 @@ class Int8Conv(nn.Module):
     def __init__(self, conv: nn.Conv1d) -> None:
         super().__init__()
         self.padding = int(conv.padding[0])  # HiFT's convolutions are built with numbers
+        # A causal convolution pads its input on the left only, before a conv of no padding.
+        self.left = int(getattr(conv, "left", 0))
         self.dilation = conv.dilation[0]
         if conv.stride[0] != 1 or conv.groups != 1 or conv.bias is None:
             raise ValueError("int8 HiFT convolutions are the residual blocks': stride 1, biased")
@@ -91,6 +96,8 @@ class Int8Conv(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         if self._packed is None:
             raise RuntimeError("int8 convolution used before its weights were loaded")
+        if self.left:
+            x = F.pad(x, (self.left, 0))  # keeps the channels-last layout
         q, scale, zero_point = quantize_activation(x)
         return torch.ops.onednn.qconv2d_pointwise(
             q,

@@ -88,7 +88,8 @@ Spec = dict[str, tuple[tuple[int, ...], torch.dtype]]
 @dataclass(frozen=True)
 class ModelParts:
     """How one model family's directory becomes its three models (``llm``, ``flow``, ``hift``,
-    each in ``<part>.pt``): what preparing and loading need to know of the family."""
+    each in ``<part>.pt`` unless ``checkpoints`` names another file): what preparing and
+    loading need to know of the family."""
 
     read_args: Callable[[Path], Any]  # checks the directory, reads its config
     build_on_meta: Callable[[Any, str], nn.Module]  # (args, part)
@@ -100,6 +101,13 @@ class ModelParts:
     finish: Callable[[nn.Module, str], None] = lambda module, part: None
     # The built-in speakers' embeddings, read from the directory.
     read_speakers: Callable[[Path], dict[str, torch.Tensor]] = lambda model_dir: {}
+    # A part's checkpoint when it is not ``<part>.pt`` (CosyVoice3's RL-tuned LM, llm.rl.pt);
+    # ``read_part`` reads it, and its prepared files are named after it.
+    checkpoints: Mapping[str, str] = field(default_factory=dict)
+
+    def checkpoint(self, part: str) -> str:
+        """The file name of ``part``'s checkpoint in a model directory."""
+        return self.checkpoints.get(part, f"{part}.pt")
 
 
 @dataclass(frozen=True)
@@ -119,8 +127,11 @@ class WeightFormats:
         return str(getattr(self, part))
 
 
-def file_name(part: str, weights: str) -> str:
-    return f"{part}.{weights}.safetensors"
+def file_name(part: str, weights: str, checkpoint: str | None = None) -> str:
+    """A prepared file's name: its checkpoint's stem (``part`` unless another ``checkpoint``
+    is given) and its weight format."""
+    stem = checkpoint.removesuffix(".pt") if checkpoint is not None else part
+    return f"{stem}.{weights}.safetensors"
 
 
 def default_cache_dir() -> Path:
@@ -141,18 +152,21 @@ def prepared_dirs(model_dir: Path, cache_dir: Path | None = None) -> list[Path]:
     return [model_dir / PREPARED_DIR, cache / f"{model_dir.name}-{digest}"]
 
 
-def source_key(model_dir: Path, part: str, weights: str) -> dict[str, str]:
+def source_key(
+    model_dir: Path, part: str, weights: str, checkpoint: str | None = None
+) -> dict[str, str]:
     """What a prepared file must have been made from to be used (safetensors metadata: strings).
 
-    The checkpoint's size and modification time, not a hash of its contents: hashing the
-    full-size ``llm.pt`` (1.2 GB) would add seconds to every start.
+    The checkpoint's (``<part>.pt`` unless given) size and modification time, not a hash of its
+    contents: hashing the full-size ``llm.pt`` (1.2 GB) would add seconds to every start.
     """
-    st = (Path(model_dir) / f"{part}.pt").stat()
+    checkpoint = checkpoint or f"{part}.pt"
+    st = (Path(model_dir) / checkpoint).stat()
     key = {
         "file_format": FILE_FORMAT,
         "torch": str(torch.__version__),
         "weights": weights,
-        "source": f"{part}.pt",
+        "source": checkpoint,
         "source_size": str(st.st_size),
         "source_mtime_ns": str(st.st_mtime_ns),
     }
@@ -357,12 +371,12 @@ def _prepare(
     parts: ModelParts,
 ) -> Path:
     """Write the prepared file of one model and format to the first of ``dirs`` that takes it."""
-    name = file_name(part, weights)
+    name = file_name(part, weights, parts.checkpoint(part))
     label = name.removesuffix(".safetensors")
     _LOGGER.info("Preparing %s for %s (%s)…", label, model_dir, reason)
     start = time.perf_counter()
     # The key is taken first: a checkpoint that changes meanwhile is prepared again next time.
-    key = source_key(model_dir, part, weights)
+    key = source_key(model_dir, part, weights, parts.checkpoint(part))
     module = _in_run_dtype(parts.read_part(model_dir, args, part), part, weights)
     left_out = parts.left_out.get(part, ())
     names = _int8_names(module, part, weights, parts)
@@ -396,11 +410,11 @@ def ensure_prepared(
     module = module if module is not None else run_module_on_meta(args, part, weights, parts)
     names = _int8_names(module, part, weights, parts)
     expected = expected_tensors(module, names, parts.left_out.get(part, ()), weights)
-    key = source_key(model_dir, part, weights)
+    key = source_key(model_dir, part, weights, parts.checkpoint(part))
     dirs = prepared_dirs(model_dir, cache_dir)
     reason = "first use of this model and format"
     for directory in dirs:
-        path = directory / file_name(part, weights)
+        path = directory / file_name(part, weights, parts.checkpoint(part))
         if not path.is_file():
             continue
         try:

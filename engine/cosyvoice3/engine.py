@@ -53,14 +53,20 @@ from engine.cosyvoice2.streaming import MelVocoder
 from engine.cosyvoice3.bistream import CosyVoice3BistreamSession
 from engine.cosyvoice3.frontend import CosyVoice3TextFrontend
 from engine.cosyvoice3.hift import CausalHiFT, CausalHiftStream, SourceNoise, UniformSourceNoise
-from engine.cosyvoice3.model_dir import PARTS, CosyVoice3Models
+from engine.cosyvoice3.model_dir import (
+    LM_FILE,
+    PARTS,
+    RL_LM_FILE,
+    RL_PARTS,
+    CosyVoice3Models,
+)
 from engine.cosyvoice3.prompt import COSYVOICE3
 from engine.cosyvoice3.silence import capped_silences
 from engine.family_facts import COSYVOICE3 as COSYVOICE3_FAMILY
 
 if TYPE_CHECKING:
     from engine.core.hift import HiFTGenerator
-    from engine.core.prepared import PreparedLoad
+    from engine.core.prepared import ModelParts, PreparedLoad
     from engine.cosyvoice2.model_dir import CosyVoice2Models
     from engine.text.frontend import Segment
 
@@ -94,7 +100,8 @@ class ReportedHiftStream:
 
 class CosyVoice3Engine(CosyVoice2Engine):
     """A loaded Fun-CosyVoice3 model directory plus its text frontend and voices (``load``'s
-    own option, as CosyVoice2's: ``flow_cache_dtype``)."""
+    own options: ``flow_cache_dtype``, as CosyVoice2's, and ``rl_lm``: run the RL-tuned LM,
+    ``llm.rl.pt``, in place of ``llm.pt``)."""
 
     model_parts = PARTS
     family = COSYVOICE3_FAMILY
@@ -110,6 +117,7 @@ class CosyVoice3Engine(CosyVoice2Engine):
         threads: int | None = None,
         frontend: CosyVoice3TextFrontend | None = None,
         flow_cache_dtype: torch.dtype | None = torch.float16,
+        rl_lm: bool = False,
     ) -> None:
         frontend = frontend or CosyVoice3TextFrontend(models.model_dir / BACKBONE_DIR)
         super().__init__(
@@ -120,9 +128,15 @@ class CosyVoice3Engine(CosyVoice2Engine):
         )
         self.frontend: CosyVoice3TextFrontend = frontend
         self.kind = KIND
+        # The LM's checkpoint the models were loaded from (what ``rl_lm`` chose).
+        self.lm_file = RL_LM_FILE if rl_lm else LM_FILE
         # Where each segment's source noise comes from, by its seed (parity tests inject the
         # official model's fixed table here).
         self.source_noise: Callable[[int], SourceNoise] = seeded_source_noise
+
+    @classmethod
+    def _parts_for(cls, engine_options: dict[str, Any]) -> ModelParts:
+        return RL_PARTS if engine_options.get("rl_lm") else PARTS
 
     @classmethod
     def _adapt_flow(cls, flow: nn.Module, weights: str) -> None:

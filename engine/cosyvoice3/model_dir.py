@@ -18,6 +18,8 @@ checkpoints straight.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
@@ -57,7 +59,7 @@ from engine.cosyvoice3.lm import (
 )
 
 LM_FILE = "llm.pt"
-RL_LM_FILE = "llm.rl.pt"
+RL_LM_FILE = "llm.rl.pt"  # engine.family_facts says so too (the server downloads it)
 CHECKPOINT_FILES = (LM_FILE, "flow.pt", "hift.pt")
 BACKBONE_CONFIG = f"{BACKBONE_DIR}/config.json"
 REQUIRED_FILES = (CONFIG_FILE, *CHECKPOINT_FILES, BACKBONE_CONFIG)
@@ -127,6 +129,12 @@ def read_args(model_dir: Path) -> CosyVoice3Args:
     return read_checked_args(model_dir, CONFIG_FILE, missing_model_files, args_from)
 
 
+def read_rl_args(model_dir: Path) -> CosyVoice3Args:
+    """:func:`read_args` of a directory that must hold the RL-tuned LM too."""
+    missing = functools.partial(missing_model_files, rl_lm=True)
+    return read_checked_args(model_dir, CONFIG_FILE, missing, args_from)
+
+
 def args_from(
     doc: dict[str, Any], backbone: Qwen2Config, source: str = CONFIG_FILE
 ) -> CosyVoice3Args:
@@ -150,9 +158,12 @@ def build_on_meta(args: CosyVoice3Args, part: str) -> nn.Module:
         return build_causal_hift(args.hift)
 
 
-def read_part(model_dir: Path, args: CosyVoice3Args, part: str) -> nn.Module:
-    """One model loaded from its official checkpoint, float32 (HiFT's weight norm folded)."""
-    path = Path(model_dir) / f"{part}.pt"
+def read_part(
+    model_dir: Path, args: CosyVoice3Args, part: str, checkpoint: str | None = None
+) -> nn.Module:
+    """One model loaded from its official checkpoint (``<part>.pt`` unless another is given),
+    float32 (HiFT's weight norm folded)."""
+    path = Path(model_dir) / (checkpoint or f"{part}.pt")
     state = read_state_dict(path)
     with without_init():
         if part == "llm":
@@ -178,6 +189,15 @@ PARTS = ModelParts(
     int8_names=int8_names,
     left_out={"llm": UNUSED_KEYS},
     finish=tie_text_head,
+)
+# The same directory with the RL-tuned LM in place of llm.pt (its prepared files: llm.rl.*).
+RL_PARTS = dataclasses.replace(
+    PARTS,
+    read_args=read_rl_args,
+    read_part=lambda model_dir, args, part: read_part(
+        model_dir, args, part, RL_LM_FILE if part == "llm" else None
+    ),
+    checkpoints={"llm": RL_LM_FILE},
 )
 
 

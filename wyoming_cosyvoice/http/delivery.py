@@ -21,7 +21,7 @@ from wyoming_cosyvoice.voices.presets import (
     SpeakerPreset,
     StyleUnsupportedError,
     split_preset,
-    takes_styles,
+    style_instruction,
 )
 
 OPENAI_SPEEDS = (0.25, 4.0)
@@ -63,11 +63,14 @@ def _style(data: dict[str, Any], form: str | None) -> str | None:
     if name not in STYLES:
         raise HttpError(400, f"unknown style {style!r}; styles: {', '.join(STYLES)}",
                         code="unknown_style", param="style")  # fmt: skip
-    if form is None or not takes_styles(form):
+    if form is None:
         raise HttpError(400, f"'style' needs the {INSTRUCT_MODELS} model; the model this server "
                         "runs takes no instructions", code="style_unsupported",
                         param="style")  # fmt: skip
-    return STYLES[name][form]
+    try:
+        return style_instruction(name, form, f"'style' {style!r}")
+    except StyleUnsupportedError as err:
+        raise HttpError(400, str(err), code="style_unsupported", param="style") from err
 
 
 def delivery(

@@ -28,7 +28,16 @@ _LOGGER = logging.getLogger(__name__)
 
 
 def resolve_model_dir(config: ServerConfig) -> Path:
-    """--model-dir as given (checked), else found in the data dirs or downloaded."""
+    """--model-dir as given (checked), else found in the data dirs or downloaded; with the
+    RL-tuned LM when the settings ask for it (:mod:`~wyoming_cosyvoice.models.rl_lm`)."""
+    from wyoming_cosyvoice.models.rl_lm import ensure_rl_lm
+
+    model_dir = _model_dir(config)
+    ensure_rl_lm(config, model_dir, family_at(model_dir))
+    return model_dir
+
+
+def _model_dir(config: ServerConfig) -> Path:
     from engine.core.types import ModelLoadError
     from engine.family import model_family
     from wyoming_cosyvoice.models.download import ModelNotFoundError, ensure_model, missing_files
@@ -66,10 +75,16 @@ def load_cosyvoice(
     lm_int4: bool = False,
     flow_bf16: bool = False,
     hift_int8: bool = False,
+    rl_lm: bool = False,
 ) -> Engine:
     """The engine of the directory's model family; imported here so torch loads on the engine
-    thread, not at startup."""
+    thread, not at startup. ``rl_lm``: its RL-tuned LM, for a family that has one."""
     from engine.family import load_engine
+
+    # only a family with an RL-tuned LM takes the option (models.rl_lm)
+    own = {"rl_lm": True} if rl_lm and family_at(model_dir).rl_lm_file is not None else {}
+    if own:
+        _LOGGER.info("Loading the RL-tuned LM (%s)", family_at(model_dir).rl_lm_file)
 
     engine: Engine = load_engine(
         model_dir,
@@ -82,6 +97,7 @@ def load_cosyvoice(
         hift_int8=hift_int8,
         cache_dir=cache_dir,
         extra_formats=extra_formats,
+        **own,
     )
     return engine
 
@@ -132,7 +148,7 @@ def engine_loader(config: ServerConfig) -> EngineFactory:
 
 
 def load_options(config: ServerConfig) -> dict[str, Any]:
-    """:func:`load_cosyvoice`'s keywords for the config: its weight formats and cache."""
+    """:func:`load_cosyvoice`'s keywords for the config: its weight formats, cache and LM."""
     weights = config.load.weights
     return {
         "lm_int8": weights.lm == "int8",
@@ -143,6 +159,7 @@ def load_options(config: ServerConfig) -> dict[str, Any]:
         "hift_int8": weights.hift == "int8",
         "cache_dir": engine_cache_dir(config),
         "extra_formats": weights.extra,
+        "rl_lm": config.rl_tuned_lm,
     }
 
 

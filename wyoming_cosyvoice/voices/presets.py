@@ -7,10 +7,12 @@ is how a call asks for a speed or a style:
 
 * speeds, for every model: ``slow`` (0.8), ``normal`` (1.0), ``fast`` (1.25); 1.25 and its
   inverse 0.8 are as far as speech stays natural with the mel resampled in time (engine.core.speed);
-* styles, for the models that take an instruction (CosyVoice-300M-Instruct, CosyVoice2-0.5B):
-  ``calm``, ``cheerful``, ``sad``, ``serious``, each an instruction in the form that model was
-  trained on (v1: an English description of the speaker; CosyVoice2: a short Chinese request,
-  as the official examples' ``用四川话说这句话``);
+* styles, for the models that take an instruction: ``calm``, ``cheerful``, ``sad``,
+  ``serious``, each an instruction in the form that model was trained on (CosyVoice-300M-Instruct:
+  an English description of the speaker; CosyVoice2-0.5B: a short Chinese request, as the
+  official examples' ``用四川话说这句话``; Fun-CosyVoice3-0.5B: only the styles of the official
+  list of instructions it was trained on, ``cheerful`` and ``sad``, in its words — a style it
+  was not trained on is refused, saying which models speak it);
 * a style and a speed joined by a dash: ``calm-slow``, ``cheerful-fast`` (accepted, not listed:
   the list stays short).
 
@@ -32,12 +34,13 @@ import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from engine.family import DESCRIBED_SPEAKER, INSTRUCT2, instruct_models
+from engine.family import DESCRIBED_SPEAKER, INSTRUCT2, INSTRUCT3, instruct_models
 from wyoming_cosyvoice.errors import VoiceNotFoundError
 from wyoming_cosyvoice.voices.catalog import VoiceCatalog
 
 SPEEDS = {"slow": 0.8, "normal": 1.0, "fast": 1.25}
-# style -> instruction, in each form a model reads one (engine.api: its instruction_form)
+# style -> instruction, in each form a model reads one (engine.api: its instruction_form); a
+# form without the style: its models were not trained on such an instruction
 STYLES: dict[str, dict[str, str]] = {
     "calm": {
         DESCRIBED_SPEAKER: "A calm speaker with a gentle, even tone.",
@@ -46,10 +49,12 @@ STYLES: dict[str, dict[str, str]] = {
     "cheerful": {
         DESCRIBED_SPEAKER: "A cheerful speaker with a bright, happy tone.",
         INSTRUCT2: "用开心的语气说这句话",
+        INSTRUCT3: "请非常开心地说一句话。",
     },
     "sad": {
         DESCRIBED_SPEAKER: "A sad speaker with a low, soft tone.",
         INSTRUCT2: "用悲伤的语气说这句话",
+        INSTRUCT3: "请非常伤心地说一句话。",
     },
     "serious": {
         DESCRIBED_SPEAKER: "A serious speaker with a firm, steady tone.",
@@ -75,14 +80,37 @@ class StyleUnsupportedError(VoiceNotFoundError):
     """A speaking style asked of a model that takes no instructions."""
 
 
+def styles_of(form: str | None) -> list[str]:
+    """The styles a model reading instructions in ``form`` (None: it takes none) speaks."""
+    return [style for style, phrases in STYLES.items() if form in phrases]
+
+
 def takes_styles(form: str | None) -> bool:
     """Whether a model reading instructions in ``form`` (None: it takes none) has styles."""
-    return form is not None and all(form in phrases for phrases in STYLES.values())
+    return bool(styles_of(form))
 
 
 def speaker_names(form: str | None) -> list[str]:
     """The speakers ``describe`` lists for each voice of a model of this instruction form."""
-    return [*SPEEDS, *(STYLES if takes_styles(form) else ())]
+    return [*SPEEDS, *styles_of(form)]
+
+
+def style_instruction(style: str, form: str | None, asked_by: str) -> str:
+    """The instruction of ``style`` (one of :data:`STYLES`) for a model reading instructions in
+    ``form``; :class:`StyleUnsupportedError` saying ``asked_by`` (the field that asked) and
+    which models speak it, if this one does not."""
+    phrases = STYLES[style]
+    if form in phrases:
+        return phrases[form]
+    models = " or ".join(instruct_models(phrases))
+    mine = (
+        f"its styles are {', '.join(styles_of(form))}"
+        if takes_styles(form)
+        else f"this model's speakers are {', '.join(SPEEDS)}"
+    )
+    raise StyleUnsupportedError(
+        f"{asked_by} asks for the speaking style {style!r}, which needs the {models} model; {mine}"
+    )
 
 
 def is_preset_name(name: str) -> bool:
@@ -93,7 +121,7 @@ def is_preset_name(name: str) -> bool:
 def listed_presets(names: Iterable[str], form: str | None) -> list[str]:
     """The presets of ``server.preset_voices`` a model of this instruction form speaks: styles
     only where it takes instructions."""
-    return [n for n in names if (parts := _parts(n)) and (parts[0] is None or takes_styles(form))]
+    return [n for n in names if (parts := _parts(n)) and parts[0] in (None, *styles_of(form))]
 
 
 def preset_voice_name(voice: str, preset: str) -> str:
@@ -135,14 +163,7 @@ def find_preset(name: str, form: str | None, asked_by: str = "") -> SpeakerPrese
     style, speed = parts
     instruction = None
     if style is not None:
-        if not takes_styles(form):
-            raise StyleUnsupportedError(
-                f"{asked_by or f'speaker {name!r}'} asks for the speaking style {style!r}, "
-                f"which needs the {INSTRUCT_MODELS} model; this model's speakers are "
-                f"{', '.join(SPEEDS)}"
-            )
-        assert form is not None
-        instruction = STYLES[style][form]
+        instruction = style_instruction(style, form, asked_by or f"speaker {name!r}")
     speed_value = SPEEDS[speed] if speed is not None else None
     return SpeakerPreset(name.strip().casefold(), speed_value, style, instruction)
 

@@ -29,7 +29,7 @@ from conftest import DATA
 from torch import Tensor
 
 from engine.core import hift_int8
-from engine.core.hift import CLConv1d, HiFTGenerator
+from engine.core.hift import CausalCLConv1d, CLConv1d, HiFTGenerator
 from engine.core.hift_int8 import Int8Conv, int8_conv_fast, quantize_activation
 from engine.core.weight_norm import normalize_hift_state_dict
 from engine.prompt.features import V1_PROMPT_MEL, V2_PROMPT_MEL, MelSpec, prompt_mel
@@ -79,6 +79,24 @@ def test_int8_conv_computes_the_formats_integer_products() -> None:
         want = F.conv1d(x_deq.squeeze(2), weight, int8.bias.double(), padding=25, dilation=5)
     assert codes.dtype == torch.uint8 and int(codes.max()) == 255
     assert int8.weight.abs().max() <= 63
+    assert float((got.squeeze(2) - want).abs().max() / want.abs().max()) < 1e-5
+
+
+@needs_int8_here
+def test_a_causal_int8_conv_pads_on_the_left_as_its_float_conv() -> None:
+    # CosyVoice3's causal HiFT: output t reads inputs up to t, and as many come out as go in.
+    torch.manual_seed(0)
+    conv = CausalCLConv1d(16, 16, 5, dilation=3)
+    x = torch.randn(1, 16, 1, 200).contiguous(memory_format=torch.channels_last)
+    int8 = Int8Conv(conv)
+    with torch.inference_mode():
+        got = int8(x)
+        codes, scale, zero_point = quantize_activation(x)
+        weight = int8.weight.double() * int8.weight_scale.double().view(-1, 1, 1)
+        x_deq = F.pad((codes.double() - zero_point) * scale, (12, 0)).squeeze(2)
+        want = F.conv1d(x_deq, weight, int8.bias.double(), dilation=3)
+        floats = conv(x)
+    assert got.shape == floats.shape == x.shape
     assert float((got.squeeze(2) - want).abs().max() / want.abs().max()) < 1e-5
 
 

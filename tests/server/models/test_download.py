@@ -20,6 +20,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from conftest import ROOT
@@ -33,16 +34,18 @@ from wyoming_cosyvoice.models.download import (
     find_model,
 )
 
-V1, V2 = family_named("cosyvoice"), family_named("cosyvoice2")
+V1, V2, V3 = family_named("cosyvoice"), family_named("cosyvoice2"), family_named("cosyvoice3")
 MODEL_FILES, VOICE_FILES = V1.model_files, V1.prompt_model_files
 MODEL_FILES_V2, VOICE_FILES_V2 = V2.model_files, V2.prompt_model_files
 
 TINY = ROOT / "tests" / "data" / "tiny_model"
 TINY_V2 = ROOT / "tests" / "data" / "cosyvoice2" / "tiny"
+TINY_V3 = ROOT / "tests" / "data" / "cosyvoice3" / "tiny"
 ONNX = ROOT / "tests" / "data" / "zero_shot" / "onnx"
 REPO = "FunAudioLLM/CosyVoice-300M-SFT"
 REPO_V2 = "FunAudioLLM/CosyVoice2-0.5B"
 NAME_V2 = "CosyVoice2-0.5B"
+NAME_V3 = "Fun-CosyVoice3-0.5B"
 NAME = "CosyVoice-300M-SFT"
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
@@ -146,18 +149,39 @@ def hub() -> Iterator[Hub]:
     yield from serve(Hub(files))
 
 
-@pytest.fixture
-def hub_v2() -> Iterator[Hub]:
-    """The tiny CosyVoice2 model as its repository holds it: every file, needed or not."""
+def repository_files(tiny: Path, voice_files: tuple[str, ...]) -> dict[str, bytes]:
+    """A tiny Qwen2-family model as its repository holds it: every file, needed or not, and
+    stand-ins of its prompt models (the v2 speech tokenizer's for every family's)."""
     files = {
-        path.relative_to(TINY_V2).as_posix(): path.read_bytes()
-        for path in TINY_V2.rglob("*")
+        path.relative_to(tiny).as_posix(): path.read_bytes()
+        for path in tiny.rglob("*")
         if path.is_file() and "prepared" not in path.parts
     }
-    for name in VOICE_FILES_V2:
-        files[name] = (ONNX / f"tiny_{name}").read_bytes()
+    files["campplus.onnx"] = (ONNX / "tiny_campplus.onnx").read_bytes()
+    for name in voice_files:
+        if name.startswith("speech_tokenizer"):
+            files[name] = (ONNX / "tiny_speech_tokenizer_v2.onnx").read_bytes()
     files["README.md"] = b"not needed"
-    yield from serve(Hub(files, REPO_V2))
+    return files
+
+
+@pytest.fixture
+def hub_v2() -> Iterator[Hub]:
+    """The tiny CosyVoice2 model as its repository holds it."""
+    yield from serve(Hub(repository_files(TINY_V2, VOICE_FILES_V2), REPO_V2))
+
+
+# The tiny stand-in of CosyVoice3's RL-tuned LM: bytes of its own (the engine's tests load one).
+RL_LM_BYTES = b"a tiny stand-in of llm.rl.pt"
+
+
+@pytest.fixture
+def hub_v3() -> Iterator[Hub]:
+    """The tiny CosyVoice3 model as its repository holds it, with an RL-tuned LM."""
+    files = repository_files(TINY_V3, V3.prompt_model_files)
+    assert V3.rl_lm_file is not None
+    files[V3.rl_lm_file] = RL_LM_BYTES
+    yield from serve(Hub(files, V3.models[NAME_V3]))
 
 
 def serve(hub: Hub) -> Iterator[Hub]:
@@ -428,3 +452,116 @@ def test_a_cosyvoice2_model_dir_is_checked_for_its_own_files(tmp_path: Path) -> 
     (model_dir / "CosyVoice-BlankEN" / "merges.txt").unlink()
     with pytest.raises(ModelNotFoundError, match="CosyVoice-BlankEN/merges.txt"):
         resolve_model_dir(config)
+
+
+# --- Fun-CosyVoice3-0.5B ------------------------------------------------------------------------
+
+
+def test_cosyvoice3_downloads_only_what_the_engine_reads(hub_v3: Hub, tmp_path: Path) -> None:
+    from engine.cosyvoice3.model_dir import missing_model_files
+
+    path = ensure_model(NAME_V3, (tmp_path,), tmp_path, endpoint=endpoint(hub_v3))
+    assert path == tmp_path / NAME_V3 and _files_under(path) == set(V3.model_files)
+    fetched = {p.split("/resolve/main/")[-1] for m, p, _ in hub_v3.requests if m == "GET"}
+    # Not the backbone's weights, the prompt models (until a voice needs them) nor the RL LM.
+    assert {p.removeprefix("/cdn/") for p in fetched} == set(V3.model_files)
+    # What the engine checks a directory for is there, and the engine loads it.
+    assert missing_model_files(path) == []
+    from engine.family import load_engine
+
+    assert load_engine(path, threads=1).kind == "cosyvoice3"
+
+
+def _v3_config(data: Path, hub: Hub | None, **settings: object) -> object:
+    from wyoming_cosyvoice.config import load_config
+
+    overrides = [("server.model", NAME_V3), ("server.data_dirs", [str(data)])]
+    overrides += [("server.hub_endpoint", endpoint(hub))] if hub else [("server.offline", True)]
+    return load_config(None, overrides + [(f"server.{k}", v) for k, v in settings.items()])
+
+
+def test_the_rl_tuned_lm_is_fetched_only_when_chosen(hub_v3: Hub, tmp_path: Path) -> None:
+    from wyoming_cosyvoice.models.model import resolve_model_dir
+
+    path = resolve_model_dir(_v3_config(tmp_path, hub_v3))
+    assert not (path / "llm.rl.pt").exists()
+    hub_v3.requests.clear()
+    assert resolve_model_dir(_v3_config(tmp_path, hub_v3, rl_tuned_lm=True)) == path
+    assert (path / "llm.rl.pt").read_bytes() == RL_LM_BYTES
+    fetched = {p.split("/resolve/main/")[-1] for m, p, _ in hub_v3.requests if m == "GET"}
+    # that file alone, next to the model's
+    assert {p.removeprefix("/cdn/") for p in fetched} == {"llm.rl.pt"}
+    assert _files_under(path) == {*V3.model_files, "llm.rl.pt"}
+
+
+def test_offline_without_the_rl_tuned_lm_says_what_to_do(tmp_path: Path) -> None:
+    import shutil
+
+    from wyoming_cosyvoice.models.model import resolve_model_dir
+
+    shutil.copytree(TINY_V3, tmp_path / NAME_V3, ignore=shutil.ignore_patterns("prepared"))
+    assert resolve_model_dir(_v3_config(tmp_path, None)) == tmp_path / NAME_V3
+    with pytest.raises(ModelNotFoundError) as err:
+        resolve_model_dir(_v3_config(tmp_path, None, rl_tuned_lm=True))
+    text = str(err.value)
+    assert "server.rl_tuned_lm is on" in text and "llm.rl.pt" in text and "offline" in text
+    assert "turn server.rl_tuned_lm off" in text
+    assert f"huggingface.co/{V3.models[NAME_V3]}" in text
+
+
+def test_a_model_dir_without_the_rl_tuned_lm_is_refused_with_the_setting(tmp_path: Path) -> None:
+    import shutil
+
+    from wyoming_cosyvoice.config import load_config
+    from wyoming_cosyvoice.models.model import resolve_model_dir
+
+    model_dir = tmp_path / "v3"
+    shutil.copytree(TINY_V3, model_dir, ignore=shutil.ignore_patterns("prepared"))
+    settings = [("server.model_dir", str(model_dir)), ("server.rl_tuned_lm", True)]
+    with pytest.raises(ModelNotFoundError, match=r"--model-dir .*v3 has no llm\.rl\.pt"):
+        resolve_model_dir(load_config(None, settings))
+
+
+def test_the_setting_does_nothing_for_a_model_without_an_rl_tuned_lm(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    import shutil
+
+    from wyoming_cosyvoice.config import load_config
+    from wyoming_cosyvoice.models.model import load_cosyvoice, resolve_model_dir
+
+    model_dir = tmp_path / NAME_V2
+    shutil.copytree(TINY_V2, model_dir, ignore=shutil.ignore_patterns("prepared"))
+    settings = [("server.model_dir", str(model_dir)), ("server.rl_tuned_lm", True)]
+    assert resolve_model_dir(load_config(None, settings)) == model_dir
+    assert "CosyVoice2-0.5B has no RL-tuned LM; it runs its own" in caplog.text
+    assert load_cosyvoice(model_dir, 1, rl_lm=True).kind == "cosyvoice2"
+
+
+def test_the_server_downloads_and_speaks_with_the_rl_tuned_lm(
+    hub_v3: Hub, tmp_path: Path, wy: Any
+) -> None:
+    """``rl_tuned_lm`` through the real server: the RL LM fetched from the hub on the start,
+    loaded in place of llm.pt, and a Wyoming request spoken with it."""
+    import torch
+    from tiny_family_server import SAMPLES, V3, TinyServer, data_dir, server_log
+
+    state = torch.load(TINY_V3 / "llm.pt", weights_only=True)
+    (key,) = [k for k in state if k.endswith("layers.0.mlp.up_proj.weight")]
+    state[key] = state[key] * 2  # which LM ran shows in this layer
+    rl_path = tmp_path / "llm.rl.pt"
+    torch.save(state, rl_path)
+    hub_v3.files["llm.rl.pt"] = rl_path.read_bytes()
+    data = data_dir(tmp_path, V3, with_v1=True)
+    settings = {"server.offline": False, "server.hub_endpoint": endpoint(hub_v3),
+                "server.rl_tuned_lm": True, "server.warmup": False,
+                "server.lm_weights": "fp32"}  # fmt: skip
+    with server_log() as log, TinyServer(data, V3, settings) as srv:
+        engine = srv.running.scheduler.engine
+        reply = srv.call(wy.synthesize(srv.running.port, "Hello there.", {"name": "en-male"}))
+        weights = engine.models.llm.state_dict().items()
+        weight = next(w for k, w in weights if k.endswith("layers.0.mlp.up_proj.weight"))
+    assert (data / V3.model / "llm.rl.pt").read_bytes() == hub_v3.files["llm.rl.pt"]
+    assert engine.lm_file == "llm.rl.pt" and "Loading the RL-tuned LM (llm.rl.pt)" in log.text()
+    assert torch.equal(weight, state[key])
+    assert reply.error() is None and reply.samples == SAMPLES

@@ -94,7 +94,7 @@ def test_a_style_voice_is_the_models_instruction_and_a_free_text_speaker_wins(wy
 
 @pytest.mark.parametrize(("name", "says", "code"), [
     ("en-female (calm)", "voice 'en-female (calm)' asks for the speaking style 'calm', which "
-     "needs the CosyVoice-300M-Instruct or CosyVoice2-0.5B or Fun-CosyVoice3-0.5B model",
+     "needs the CosyVoice-300M-Instruct or CosyVoice2-0.5B model",
      "StyleUnsupportedError"),
     ("en-female (loud)", "unknown voice 'en-female (loud)'", "VoiceNotFoundError"),
     ("nobody (slow)", "unknown voice 'nobody (slow)'", "VoiceNotFoundError"),

@@ -2,7 +2,7 @@
 engine that can start early (``synthesize_growing``), through the real server with a fake
 engine. The real CosyVoice2 engine's side is
 tests/engine_tests/cosyvoice2/test_cosyvoice2_early_speech.py and the end-to-end run
-tests/server/wyoming/test_server_cosyvoice2.py."""
+tests/server/wyoming/test_server_cosyvoice2_and_3.py."""
 
 from __future__ import annotations
 

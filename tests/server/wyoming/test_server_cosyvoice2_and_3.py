@@ -1,20 +1,19 @@
-"""The server with CosyVoice2-0.5B, end to end: the tiny v2 model, its voices made on the first
-start from the tiny v1-SFT model's speakers (tiny ONNX stand-ins for the prompt models), and
-24 kHz audio over Wyoming and HTTP.
+"""The server with CosyVoice2-0.5B and with Fun-CosyVoice3-0.5B, end to end: each family's tiny
+model, its voices made on the first start from the tiny v1-SFT model's speakers (tiny ONNX
+stand-ins for the prompt models), a voice from the voices folder, and 24 kHz audio over Wyoming
+and HTTP.
 
-One server (Wyoming listener + HTTP, one scheduler, the real loader) serves the module. Random
-weights never end a sentence by themselves, so every request makes a fixed number of speech
-tokens (``force_tokens``) and the audio length is known exactly. What the engine is asked to say
-is recorded at its LM, so instruct2 and the inline tags are checked where they take effect.
+One server per family (Wyoming listener + HTTP, one scheduler, the real loader) serves the
+module's tests of both (``tiny_family_server``: every request makes a fixed number of speech
+tokens, so the audio length is known exactly). What the engine is asked to say is recorded at
+its LM, so instructions and the inline tags are checked where they take effect.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import shutil
-import threading
 import wave
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,155 +22,83 @@ from typing import Any
 
 import httpx
 import pytest
-from conftest import DATA, wait_until
 from http_process import record_voice
-from test_http import BackgroundServer, parse_wav
+from test_http import parse_wav
+from tiny_family_server import (
+    QUICK_V1,
+    SAMPLES,
+    TINY_V1,
+    TOKENS,
+    V2,
+    V3,
+    LmInputs,
+    TinyFamily,
+    TinyServer,
+    data_dir,
+    server_log,
+    wait_for_voice,
+)
 
 from engine.api import PrimesVoices
 from engine.core.types import SynthesisOptions
 
-TINY_V1 = DATA / "tiny_model"
-TINY_V2 = DATA / "cosyvoice2" / "tiny"
-ONNX = DATA / "zero_shot" / "onnx"
-V2 = "CosyVoice2-0.5B"
-TOKENS = 60  # speech tokens per sentence (25 a second)
-SAMPLES = TOKENS * 2 * 480  # two mel frames a token, 480 samples a frame at 24 kHz
-# How the tiny v1 model says each built-in voice's sentence: 4 s, cheap flow steps.
-QUICK_V1 = SynthesisOptions(force_tokens=200, n_timesteps=2)
 
-
-def wait_for_voice(srv: BackgroundServer, name: str) -> None:
-    """Until the voices folder's scan offers ``name`` (a bounded wait)."""
-    catalog = lambda: srv.running.scheduler.catalog  # noqa: E731
-    wait_until(lambda: catalog().find(name) is not None, f"voice {name!r} is offered")
-
-
-def data_dir(root: Path, *, with_v1: bool) -> Path:
-    """A data dir holding the tiny v2 model (with its prompt models) and maybe the tiny v1-SFT."""
-    data = root / "data"
-    ignore = shutil.ignore_patterns("prepared")
-    shutil.copytree(TINY_V2, data / V2, ignore=ignore)
-    for name in ("campplus.onnx", "speech_tokenizer_v2.onnx"):
-        shutil.copy(ONNX / f"tiny_{name}", data / V2 / name)
-    if with_v1:
-        shutil.copytree(TINY_V1, data / "CosyVoice-300M-SFT", ignore=ignore)
-    return data
-
-
-class V2Server(BackgroundServer):
-    """The background server with the real loader on a CosyVoice2 data dir."""
-
-    def __init__(self, data: Path, overrides: dict[str, Any] | None = None) -> None:
-        settings = {"server.model": V2, "server.data_dirs": [str(data)], "server.offline": True,
-                    "server.threads": 1, "server.seed": 0}  # fmt: skip
-        super().__init__({**settings, **(overrides or {})}, simple_splitter=False)
-
-    async def _start(self) -> None:
-        from wyoming_cosyvoice.config import load_config
-        from wyoming_cosyvoice.custom_voices.folder import CustomVoices
-        from wyoming_cosyvoice.http import start_http
-        from wyoming_cosyvoice.models.model import resolve_model_dir
-        from wyoming_cosyvoice.wyoming.server import create_server
-
-        config = load_config(None, self.settings.items())
-        self.config = dataclasses.replace(config, force_tokens=TOKENS)
-        self.running = await create_server(self.config, resolve_model_dir(self.config))
-        self.http = await start_http(self.config, self.running.scheduler, "127.0.0.1", 0)
-        self.voices = None
-        if self.config.voices_dir is not None:  # as the command starts it
-            model_dir = self.running.scheduler.model_dir
-            self.voices = CustomVoices(self.config, self.running.scheduler, model_dir).start()
-        await asyncio.wait_for(asyncio.shield(self.running.load_task), 300)
-
-    async def _stop(self) -> None:
-        if self.voices is not None:
-            await self.voices.stop()
-        await super()._stop()
-
-
-class LmInputs:
-    """What the engine's LM is asked for, request by request (wraps its ``generate``)."""
-
-    def __init__(self, engine: Any) -> None:
-        self.engine, self.lock, self.calls = engine, threading.Lock(), []
-        inner = engine.models.llm.generate
-
-        def generate(text_ids: list[int], prompt_text_ids: list[int],
-                     prompt_tokens: list[int], **kwargs: Any) -> Any:  # fmt: skip
-            with self.lock:
-                self.calls.append((list(text_ids), list(prompt_text_ids), list(prompt_tokens)))
-            return inner(text_ids, prompt_text_ids, prompt_tokens, **kwargs)
-
-        engine.models.llm.generate = generate
-
-    def take(self) -> list[tuple[list[int], list[int], list[int]]]:
-        with self.lock:
-            calls, self.calls = self.calls, []
-        return calls
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SimpleNamespace]:
-    data = data_dir(tmp_path_factory.mktemp("v2server"), with_v1=True)
+@pytest.fixture(scope="module", params=[V2, V3], ids=["cosyvoice2", "cosyvoice3"])
+def server(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[SimpleNamespace]:
+    family: TinyFamily = request.param
+    data = data_dir(tmp_path_factory.mktemp(f"{family.name}-server"), family, with_v1=True)
     record_voice(data / "voices", "anna")
-    handler, logger = _Capture(), logging.getLogger("wyoming_cosyvoice")
-    logger.addHandler(handler)
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(logger, "level", logging.INFO)
-        patch.setattr("wyoming_cosyvoice.models.builtin_voices.SPEAKING_OPTIONS", QUICK_V1)
-        try:
-            with V2Server(
-                # these tests watch what reaches the engine: no replays from the repeat cache
-                data,
-                {"server.voices_dir": str(data / "voices"), "cache.max_mb": 0},
-            ) as srv:
-                engine = srv.running.scheduler.engine
-                yield SimpleNamespace(
-                    srv=srv,
-                    data=data,
-                    engine=engine,
-                    log=handler.text(),
-                    log_threads=dict(handler.threads),
-                    lm=LmInputs(engine),
-                    port=srv.running.port,
-                    url=srv.url,
-                )
-        finally:
-            logger.removeHandler(handler)
-
-
-class _Capture(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self.lines: list[str] = []
-        self.threads: dict[str, str] = {}  # message -> the thread that logged it
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
-        self.threads[record.getMessage()] = record.threadName or ""
-
-    def text(self) -> str:
-        return "\n".join(self.lines)
+    settings = {
+        "server.voices_dir": str(data / "voices"),
+        # these tests watch what reaches the engine: no replays from the repeat cache
+        "cache.max_mb": 0,
+        # warmed up as the command starts it: auto measures the stage costs
+        "server.warmup": True,
+    }
+    with server_log() as log, TinyServer(data, family, settings) as srv:
+        engine = srv.running.scheduler.engine
+        yield SimpleNamespace(
+            family=family,
+            srv=srv,
+            data=data,
+            engine=engine,
+            log=log.text(),
+            log_threads=dict(log.threads),
+            # what auto measured after the warm-up, before any request
+            auto_at_start=srv.running.scheduler.auto.report(),
+            lm=LmInputs(engine),
+            port=srv.running.port,
+            url=srv.url,
+        )
 
 
 def run(coro: Any) -> Any:
     return asyncio.run(coro)
 
 
+async def _describe(server: SimpleNamespace, wy: SimpleNamespace) -> Any:
+    """The server's ``info``, asked over Wyoming."""
+    from wyoming.event import Event
+    from wyoming.info import Info
+
+    async with wy.connect(server.port) as client:
+        await client.write_event(Event("describe"))
+        reply = await wy.read_until(client, ("info",))
+    return Info.from_event(reply.events[-1])
+
+
 # --- voices out of the box --------------------------------------------------------------------
 
 
-# Where the voices made from v1's speakers are kept, under the download directory: existing
-# installs have it, so its name stays.
-BUILTIN_VOICES_DIR = "CosyVoice2-voices-from-CosyVoice-300M-SFT"
-
-
 def test_first_start_makes_voices_from_the_v1_speakers(server: SimpleNamespace) -> None:
-    folder = server.data / BUILTIN_VOICES_DIR
+    family = server.family
+    folder = server.data / family.builtin_voices
     for speaker in ("中文女", "英文男"):
-        for suffix in (".wav", ".txt", ".cosyvoice2.prompt.pt"):
+        for suffix in (".wav", ".txt", f".{family.name}.prompt.pt"):
             assert (folder / f"{speaker}{suffix}").is_file(), speaker + suffix
-    assert server.engine.kind == "cosyvoice2" and server.engine.speakers == ["中文女", "英文男"]
+    assert server.engine.kind == family.name and server.engine.speakers == ["中文女", "英文男"]
     assert "Built-in voice 1 of 2" in server.log and "Built-in voice 2 of 2" in server.log
     # Made on the engine thread, inside the load: the event loop stays free meanwhile.
     assert server.log_threads["Built-in voice 1 of 2: 中文女"].startswith("engine")
@@ -187,38 +114,31 @@ def test_an_unfinished_voices_folder_is_finished_on_the_next_start(
     from wyoming_cosyvoice.models.builtin_voices import make_missing_voices
 
     monkeypatch.setattr("wyoming_cosyvoice.models.builtin_voices.SPEAKING_OPTIONS", QUICK_V1)
-    data = data_dir(tmp_path, with_v1=True)
-    folder = data / BUILTIN_VOICES_DIR
-    shutil.copytree(server.data / BUILTIN_VOICES_DIR, folder)
+    data = data_dir(tmp_path, server.family, with_v1=True)
+    folder = data / server.family.builtin_voices
+    shutil.copytree(server.data / server.family.builtin_voices, folder)
     # Interrupted after the first voice: the second one and the mark are missing.
     for path in [*folder.glob("英文男*"), folder / ".finished"]:
         path.unlink()
     kept = (folder / "中文女.wav").read_bytes()
     config = load_config(None, [("server.data_dirs", [str(data)]), ("server.offline", True)])
-    family = family_named("cosyvoice2")
-    make_missing_voices(data / V2, family, config)
-    assert (folder / "英文男.cosyvoice2.prompt.pt").is_file() and (folder / ".finished").is_file()
+    family = family_named(server.family.name)
+    model_dir = data / server.family.model
+    make_missing_voices(model_dir, family, config)
+    made = folder / f"英文男.{family.name}.prompt.pt"
+    assert made.is_file() and (folder / ".finished").is_file()
     assert (folder / "中文女.wav").read_bytes() == kept
     # Finished: the v1 model is not needed any more.
     shutil.rmtree(data / "CosyVoice-300M-SFT")
-    make_missing_voices(data / V2, family, config)
+    make_missing_voices(model_dir, family, config)
 
 
 def test_describe_lists_the_voices_before_and_after_the_load(
     server: SimpleNamespace, wy: SimpleNamespace
 ) -> None:
-    from wyoming.event import Event
-    from wyoming.info import Info
-
     from wyoming_cosyvoice.models.model import speakers_before_load
 
-    async def describe() -> Info:
-        async with wy.connect(server.port) as client:
-            await client.write_event(Event("describe"))
-            reply = await wy.read_until(client, ("info",))
-        return Info.from_event(reply.events[-1])
-
-    info = run(describe())
+    info = run(_describe(server, wy))
     # The built-in voices, then the voices folder's once scanned.
     assert [v.name for v in info.tts[0].voices][:2] == ["en-male", "zh-female"]
     # The next start lists them while the model still loads (from the folder's caches).
@@ -230,10 +150,22 @@ def test_a_recorded_voice_joins_the_built_in_ones(
     server: SimpleNamespace, wy: SimpleNamespace
 ) -> None:
     wait_for_voice(server.srv, "anna")
-    assert (server.data / "voices" / "anna.cosyvoice2.prompt.pt").is_file()
+    assert (server.data / "voices" / f"anna.{server.family.name}.prompt.pt").is_file()
     assert server.srv.running.scheduler.catalog.names == ["en-male", "zh-female", "anna"]
+    server.lm.take()
     reply = run(wy.synthesize(server.port, "你好。", {"name": "anna"}))
     assert reply.error() is None and reply.samples == SAMPLES
+    # Zero-shot: the transcript as the prompt text (CosyVoice3: after its system prompt) and
+    # the recording's speech tokens.
+    ((_, prompt_text, prompt_tokens),) = server.lm.take()
+    transcript = (server.data / "voices" / "anna.txt").read_text(encoding="utf-8")
+    assert prompt_text == server.engine.frontend.prompt_text_ids(transcript)
+    if server.family is V3:
+        system = server.engine.frontend.tokenizer.encode(
+            "You are a helpful assistant.<|endofprompt|>"
+        )
+        assert prompt_text[: len(system)] == system
+    assert len(prompt_tokens) > 0
 
 
 # --- 24 kHz over Wyoming and HTTP -------------------------------------------------------------
@@ -269,33 +201,122 @@ def test_http_audio_is_24_khz(server: SimpleNamespace) -> None:
         assert len(raw.content) == 2 * SAMPLES
 
 
-# --- instruct2 and the inline tags ------------------------------------------------------------
-
-INSTRUCTION = "用四川话说这句话"
+# --- auto --------------------------------------------------------------------------------------
 
 
-def _instruct2_calls(server: SimpleNamespace) -> list[tuple[list[int], list[int], list[int]]]:
+def test_auto_measured_every_loaded_format_and_chooses_per_request(
+    server: SimpleNamespace, wy: SimpleNamespace
+) -> None:
+    costs = server.auto_at_start["stage_costs"]
+    assert costs is not None, server.auto_at_start
+    assert costs["lm_token_ms"] > 0 and costs["lm_prefill_ms"] > 0
+    loaded = server.engine.weight_formats
+    for part in ("flow", "hift"):
+        for weights in loaded[part]:
+            assert f"{part}.{weights}" not in costs["estimated"], (part, weights, costs)
+    assert all(costs["flow_us_per_frame_step"][w] > 0 for w in loaded["flow"])
+    reply = run(wy.synthesize(server.port, "Hello there.", {"name": "en-male"}))
+    assert reply.error() is None and reply.samples == SAMPLES
+    with httpx.Client(base_url=server.url, timeout=120) as client:
+        auto = client.get("/health").json()["auto"]
+    assert auto["last_choice"]["profile"] in auto["profiles"] == ["realtime", "fast", "fastest"]
+
+
+# --- instructions and the inline tags ---------------------------------------------------------
+
+# A dialect each family was trained on, in its words.
+INSTRUCTIONS = {"cosyvoice2": "用四川话说这句话", "cosyvoice3": "请用四川话表达。"}
+
+
+def _lm_prompt_of(server: SimpleNamespace, instruction: str) -> list[int]:
+    """What the family's LM must be given as its prompt text for ``instruction``: CosyVoice2
+    the instruction as typed, CosyVoice3 the instruction inside its system prompt (written out
+    here, not asked of the engine)."""
+    tokenizer = server.engine.frontend.tokenizer
+    if server.family is V3:
+        return list(tokenizer.encode(f"You are a helpful assistant. {instruction}<|endofprompt|>"))
+    return list(tokenizer.encode(f"{instruction}<|endofprompt|>"))
+
+
+def _instructed_calls(server: SimpleNamespace, instruction: str) -> None:
     calls = server.lm.take()
-    expected = server.engine.frontend.instruct_ids(INSTRUCTION)
+    expected = _lm_prompt_of(server, instruction)
     assert calls and all(prompt == expected and tokens == [] for _, prompt, tokens in calls)
-    return calls
 
 
-def test_instruct2_over_wyoming(server: SimpleNamespace, wy: SimpleNamespace) -> None:
+def test_an_instruction_over_wyoming(server: SimpleNamespace, wy: SimpleNamespace) -> None:
+    instruction = INSTRUCTIONS[server.family.name]
     server.lm.take()
-    voice = {"name": "zh-female", "speaker": INSTRUCTION}
+    voice = {"name": "zh-female", "speaker": instruction}
     reply = run(wy.synthesize(server.port, "今天天气很好。", voice))
     assert reply.error() is None and reply.samples == SAMPLES
-    _instruct2_calls(server)
+    _instructed_calls(server, instruction)
 
 
-def test_instruct2_over_http(server: SimpleNamespace) -> None:
+def test_an_instruction_over_http(server: SimpleNamespace) -> None:
+    instruction = INSTRUCTIONS[server.family.name]
     server.lm.take()
-    body = {"input": "今天天气很好。", "voice": "zh-female", "instructions": INSTRUCTION}
+    body = {"input": "今天天气很好。", "voice": "zh-female", "instructions": instruction}
     with httpx.Client(base_url=server.url, timeout=120) as client:
         reply = client.post("/v1/audio/speech", json=body)
     assert reply.status_code == 200, reply.text
-    _instruct2_calls(server)
+    _instructed_calls(server, instruction)
+
+
+def test_a_style_is_the_familys_own_instruction_or_refused_clearly(
+    server: SimpleNamespace, wy: SimpleNamespace
+) -> None:
+    """Each style a family was trained on reaches its LM in that family's words; any other is
+    refused over Wyoming and HTTP, saying which styles it has and which model speaks the one
+    asked for (CosyVoice3's official instructions hold no calm or serious one)."""
+    from wyoming_cosyvoice.voices.presets import STYLES
+
+    form = server.engine.instruction_form
+    spoken = {
+        "cosyvoice2": ["calm", "cheerful", "sad", "serious"],
+        "cosyvoice3": ["cheerful", "sad"],
+    }
+    assert (
+        STYLES["sad"].get(form)
+        == {"cosyvoice2": "用悲伤的语气说这句话", "cosyvoice3": "请非常伤心地说一句话。"}[
+            server.family.name
+        ]
+    )
+    for style in STYLES:
+        server.lm.take()
+        voice = {"name": "zh-female", "speaker": style}
+        reply = run(wy.synthesize(server.port, "今天天气很好。", voice))
+        if style in spoken[server.family.name]:
+            assert reply.error() is None and reply.samples == SAMPLES, style
+            _instructed_calls(server, STYLES[style][form])
+            continue
+        error = reply.error()
+        assert error is not None and error.code == "StyleUnsupportedError", (style, reply.types)
+        assert f"{style!r}" in error.text and "its styles are cheerful, sad" in error.text
+        assert "CosyVoice2-0.5B" in error.text and "Fun-CosyVoice3" not in error.text
+        with httpx.Client(base_url=server.url, timeout=120) as client:
+            http = client.post(
+                "/tts", json={"text": "你好。", "voice": "zh-female", "style": style}
+            )
+        assert http.status_code == 400 and "its styles are cheerful, sad" in http.text
+        assert server.lm.take() == []  # nothing reached the engine
+
+
+def test_describe_lists_the_styles_the_family_speaks(
+    server: SimpleNamespace, wy: SimpleNamespace
+) -> None:
+    info = run(_describe(server, wy))
+    speakers = {s.name for s in info.tts[0].voices[0].speakers or []}
+    styles = {"calm", "cheerful", "sad", "serious"}
+    assert speakers & styles == (styles if server.family is V2 else {"cheerful", "sad"})
+
+
+def test_a_speed_speaker_makes_the_answer_shorter(
+    server: SimpleNamespace, wy: SimpleNamespace
+) -> None:
+    reply = run(wy.synthesize(server.port, "Hello there.", {"name": "en-male", "speaker": "fast"}))
+    # the mel's 2 frames a token resampled to ⌊frames / 1.25⌋ frames (engine.core.speed)
+    assert reply.error() is None and reply.samples == int(TOKENS * 2 / 1.25) * 480
 
 
 TAGGED = "Well [laughter] that is <strong>really</strong> funny [breath] indeed."
@@ -326,17 +347,18 @@ def test_inline_tags_over_http(server: SimpleNamespace) -> None:
 # --- without voices -----------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("family", [V2, V3], ids=["cosyvoice2", "cosyvoice3"])
 def test_offline_without_the_v1_model_says_how_to_get_voices(
-    tmp_path: Path, wy: SimpleNamespace, caplog: pytest.LogCaptureFixture
+    family: TinyFamily, tmp_path: Path, wy: SimpleNamespace, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.INFO)
-    data = data_dir(tmp_path, with_v1=False)
-    with V2Server(data, {"server.warmup": False}) as srv:
+    data = data_dir(tmp_path, family, with_v1=False)
+    with TinyServer(data, family, {"server.warmup": False}) as srv:
         assert srv.running.scheduler.engine.speakers == []
         reply = srv.call(wy.synthesize(srv.running.port, "Hello."))
         with httpx.Client(base_url=srv.url, timeout=30) as client:
             voices = client.get("/voices").json()
-    assert "No built-in voices for CosyVoice2-0.5B" in caplog.text
+    assert f"No built-in voices for {family.model}" in caplog.text
     assert "allow the download of CosyVoice-300M-SFT" in caplog.text
     assert "--voices-dir" in caplog.text
     assert reply.error() is not None and "no speakers" in reply.error().text
@@ -350,14 +372,16 @@ def test_a_cached_voice_is_logged_with_its_cache_file(
     voices = tmp_path / "voices"
     shutil.copytree(server.data / "voices", voices)
     caplog.set_level(logging.INFO)
-    data = data_dir(tmp_path, with_v1=False)
-    with V2Server(data, {"server.warmup": False, "server.voices_dir": str(voices)}) as srv:
+    data = data_dir(tmp_path, server.family, with_v1=False)
+    settings = {"server.warmup": False, "server.voices_dir": str(voices)}
+    with TinyServer(data, server.family, settings) as srv:
         wait_for_voice(srv, "anna")
-    assert "prompt from anna.cosyvoice2.prompt.pt" in caplog.text
+    assert f"prompt from anna.{server.family.name}.prompt.pt" in caplog.text
 
 
 def test_voice_caches_are_named_per_family(tmp_path: Path) -> None:
     from engine.cosyvoice2.prompt import COSYVOICE2
+    from engine.cosyvoice3.prompt import COSYVOICE3
     from engine.family import family_named
     from engine.prompt.recipe import COSYVOICE1
     from wyoming_cosyvoice.config import load_config
@@ -365,12 +389,16 @@ def test_voice_caches_are_named_per_family(tmp_path: Path) -> None:
 
     assert family_named("cosyvoice").prompt_cache_suffix == COSYVOICE1.cache_suffix
     assert family_named("cosyvoice2").prompt_cache_suffix == COSYVOICE2.cache_suffix
-    assert COSYVOICE1.cache_suffix != COSYVOICE2.cache_suffix
+    assert family_named("cosyvoice3").prompt_cache_suffix == COSYVOICE3.cache_suffix
+    suffixes = {COSYVOICE1.cache_suffix, COSYVOICE2.cache_suffix, COSYVOICE3.cache_suffix}
+    assert len(suffixes) == 3
     config = load_config(None, [("server.model", "CosyVoice-300M-SFT")])
     # A --model-dir of another family than the configured model: its own prompt models.
-    assert prompt_model_files(TINY_V2) == ("campplus.onnx", "speech_tokenizer_v2.onnx")
+    assert prompt_model_files(V2.source) == ("campplus.onnx", "speech_tokenizer_v2.onnx")
+    assert prompt_model_files(V3.source) == ("campplus.onnx", "speech_tokenizer_v3.onnx")
     assert prompt_model_files(TINY_V1) == ("campplus.onnx", "speech_tokenizer_v1.onnx")
-    assert voice_model_name(config, TINY_V2) == "CosyVoice2-0.5B"
+    assert voice_model_name(config, V2.source) == "CosyVoice2-0.5B"
+    assert voice_model_name(config, V3.source) == "Fun-CosyVoice3-0.5B"
     assert voice_model_name(config, TINY_V1) == "CosyVoice-300M-SFT"
 
 
@@ -378,7 +406,8 @@ def test_the_synthesize_command_writes_24_khz(server: SimpleNamespace, tmp_path:
     from wyoming_cosyvoice.synthesize import main
 
     out = tmp_path / "hello.wav"
-    argv = ["Hello there.", "-o", str(out), "--model", V2, "--data-dir", str(server.data)]
+    argv = ["Hello there.", "-o", str(out), "--model", server.family.model,
+            "--data-dir", str(server.data)]  # fmt: skip
     assert main([*argv, "--offline", "--threads", "1", "--seed", "1", "--quiet"]) == 0
     with wave.open(str(out)) as wav:
         assert (wav.getframerate(), wav.getnchannels()) == (24000, 1) and wav.getnframes() > 0
@@ -390,10 +419,10 @@ def test_a_fast_profile_loads_cosyvoice2_in_its_weight_formats(tmp_path: Path) -
     from wyoming_cosyvoice.config import load_config
     from wyoming_cosyvoice.models.model import engine_loader
 
-    data = data_dir(tmp_path, with_v1=False)
+    data = data_dir(tmp_path, V2, with_v1=False)
     settings = [("server.profile", "fastest"), ("server.offline", True),
                 ("server.data_dirs", [str(data)])]  # fmt: skip
-    engine = engine_loader(load_config(None, settings))(data / V2, 1)
+    engine = engine_loader(load_config(None, settings))(data / V2.model, 1)
     assert engine.kind == "cosyvoice2"
     # The fast formats this CPU runs (engine.core.runtime.setup_cpu falls back to float32
     # otherwise).
