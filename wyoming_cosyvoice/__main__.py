@@ -48,8 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--uri", help="where to listen: tcp://HOST:PORT or unix://PATH")
     add(
         "--model",
-        help="CosyVoice-300M-SFT (default), CosyVoice2-0.5B, CosyVoice-300M or "
-        "CosyVoice-300M-Instruct",
+        help="CosyVoice-300M-SFT (default), CosyVoice2-0.5B, Fun-CosyVoice3-0.5B, CosyVoice-300M "
+        "or CosyVoice-300M-Instruct",
     )
     add("--model-dir", help="use this model directory instead of searching the data dirs")
     add("--data-dir", action="append", help="directory searched for models (repeatable)")

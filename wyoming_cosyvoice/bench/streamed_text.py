@@ -57,7 +57,8 @@ PROMPT_TRANSCRIPTS = {
     "en": "The meeting has moved to three this afternoon, so please be on time.",
 }
 EARLY_SPEECH = (True, False)  # the order of each repeat's runs
-COSYVOICE2 = "cosyvoice2"
+# --synthetic's choices by the family they build (the others are family names already).
+SYNTHETIC_FAMILY = {"300m": "cosyvoice"}
 
 
 def fragments(text: str) -> list[str]:
@@ -74,15 +75,22 @@ def prompt_transcript(text: str) -> str:
 
 
 def model_problem(synthetic: str | None, model_dir: Path | None) -> str | None:
-    """Why the model cannot show early speech (None: it can): only CosyVoice2 speaks a sentence
-    before it ends. Reads the directory's family without loading it."""
+    """Why the model cannot show early speech (None: it can): only a family whose engine speaks
+    growing text (CosyVoice2, Fun-CosyVoice3) speaks a sentence before it ends. Reads the
+    directory's family without loading it."""
     from engine.api import SpeaksGrowingText
     from engine.core.types import ModelLoadError
-    from engine.family import model_family
+    from engine.family import family_named, model_family
 
-    needs = "--llm-stream needs a CosyVoice2 model (only it speaks a sentence before its end)"
+    needs = (
+        "--llm-stream needs a model that speaks a sentence before its end "
+        "(CosyVoice2, Fun-CosyVoice3)"
+    )
     if synthetic is not None:
-        return None if synthetic == COSYVOICE2 else f"{needs}: --synthetic {COSYVOICE2}"
+        family = family_named(SYNTHETIC_FAMILY.get(synthetic, synthetic))
+        if issubclass(family.engine_class(), SpeaksGrowingText):
+            return None
+        return f"{needs}: --synthetic cosyvoice2 or cosyvoice3"
     assert model_dir is not None
     try:
         family = model_family(model_dir)

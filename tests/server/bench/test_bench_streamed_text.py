@@ -153,11 +153,18 @@ def test_bad_stream_arguments_get_a_usage_line(
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("synthetic", ["cosyvoice2", "cosyvoice3"])
+def test_both_families_that_speak_growing_text_can_show_early_speech(synthetic: str) -> None:
+    from wyoming_cosyvoice.bench.streamed_text import model_problem
+
+    assert model_problem(synthetic, None) is None
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--synthetic", "300m"], "--llm-stream needs a CosyVoice2 model"),
-        (["--model-dir", str(TINY_V1)], "--llm-stream needs a CosyVoice2 model (only it"),
+        (["--synthetic", "300m"], "--synthetic cosyvoice2 or cosyvoice3"),
+        (["--model-dir", str(TINY_V1)], "--llm-stream needs a model that speaks a sentence before"),
         (["--model-dir", str(TINY_V2), "--text", "  "], "--text has no words to stream"),
     ],
 )
