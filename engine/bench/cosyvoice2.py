@@ -1,5 +1,6 @@
-"""What a benchmark run needs of a CosyVoice2 engine beyond v1's: a voice, the FLOP count and the
-fast path's deviations.
+"""What a benchmark run needs of a CosyVoice2 or Fun-CosyVoice3 engine beyond v1's: a voice, the
+FLOP count and the fast path's deviations (the same code for both: the v3 engine keeps v2's
+surface, its flow v2's calls, its causal HiFT v2's ``inference``).
 
 * The voice: CosyVoice2 has no built-in speakers, so a run speaks with a synthetic 5-second
   prompt (random embedding, speech tokens and mel, a transcript in the reference text's
@@ -115,11 +116,9 @@ def deviations(
     solver: str = EXACT_SOLVER,
 ) -> dict[str, float]:
     """How far this run's fast-path options are from the exact path (0 when exact)."""
-    from engine.cosyvoice2.model_dir import load_model_dir
-
     models = engine.models
     hift_approx = engine.hift_dtype != "float32"
-    exact = load_model_dir(engine.model_dir) if lm_int8 or flow_approx or hift_approx else None
+    exact = _float32_models(engine) if lm_int8 or flow_approx or hift_approx else None
     embedding = engine.voices[VOICE].prompt.embedding
     tokens = _random_tokens(models.flow, n_tokens)
     out = {"mel_rel_l2_vs_exact": 0.0, "wave_rel_l2_vs_exact_hift": 0.0}
@@ -135,6 +134,17 @@ def deviations(
     if hift_approx and exact is not None:
         out["wave_rel_l2_vs_exact_hift"] = hift_relative_l2(models.hift, exact.hift, reference)
     return out
+
+
+def _float32_models(engine: CosyVoice2Engine) -> Any:
+    """The engine's family's three models straight from the checkpoints, float32 on torch's
+    default kernels: the exact reference (the engine's may be int8, bfloat16 or on oneDNN)."""
+    from engine.core.weights import PARTS
+
+    parts, model_dir = engine.model_parts, engine.model_dir
+    args = parts.read_args(model_dir)
+    llm, flow, hift = (parts.read_part(model_dir, args, part) for part in PARTS)
+    return type(engine.models).of(model_dir, args, (llm, flow, hift))
 
 
 def _lm_int8_kl(
