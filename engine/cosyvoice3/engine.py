@@ -41,7 +41,6 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 from torch import Tensor, nn
 
-from engine.core.onednn_layers import use_onednn_linears
 from engine.core.stage_times import StageListener, report, since
 from engine.core.text_feed import TextFeed
 from engine.core.types import SynthesisOptions
@@ -52,8 +51,6 @@ from engine.cosyvoice2.lm import BACKBONE_DIR
 from engine.cosyvoice2.prompt import CROSS_LINGUAL, VoiceConditioning
 from engine.cosyvoice2.streaming import MelVocoder
 from engine.cosyvoice3.bistream import CosyVoice3BistreamSession
-from engine.cosyvoice3.dit import DiT
-from engine.cosyvoice3.flow import DiTFlow
 from engine.cosyvoice3.frontend import CosyVoice3TextFrontend
 from engine.cosyvoice3.hift import CausalHiFT, CausalHiftStream, SourceNoise, UniformSourceNoise
 from engine.cosyvoice3.model_dir import PARTS, CosyVoice3Models
@@ -129,10 +126,9 @@ class CosyVoice3Engine(CosyVoice2Engine):
 
     @classmethod
     def _adapt_flow(cls, flow: nn.Module, weights: str) -> None:
-        """A float32 DiT's Linear layers run on oneDNN on reordered weights, as CosyVoice2's
-        estimator (engine.core.onednn_layers); int8 and bfloat16 layers stay as loaded."""
-        if weights == "fp32":
-            use_onednn_linears(cast(DiTFlow, flow).decoder.estimator, DiT)
+        """The DiT runs as loaded, on the prepared file's mapped weights: oneDNN's reordered
+        copies ran its products no faster than torch's default kernel on an AVX2 host, and
+        the copy held the flow's 1.3 GB twice while it was made (docs/dev/cosyvoice3-flow.md)."""
 
     @classmethod
     def _build_frontend(cls, model_dir: Path) -> CosyVoice3TextFrontend:
