@@ -1,5 +1,6 @@
-"""What a benchmark run needs of a CosyVoice2 engine beyond v1's: a voice, the FLOP count and the
-fast path's deviations.
+"""What a benchmark run needs of a CosyVoice2 or Fun-CosyVoice3 engine beyond v1's: a voice, the
+FLOP count and the fast path's deviations (the same code for both: the v3 engine keeps v2's
+surface, its flow v2's calls, its causal HiFT v2's ``inference``).
 
 * The voice: CosyVoice2 has no built-in speakers, so a run speaks with a synthetic 5-second
   prompt (random embedding, speech tokens and mel, a transcript in the reference text's
@@ -115,26 +116,42 @@ def deviations(
     solver: str = EXACT_SOLVER,
 ) -> dict[str, float]:
     """How far this run's fast-path options are from the exact path (0 when exact)."""
-    from engine.cosyvoice2.model_dir import load_model_dir
-
     models = engine.models
     hift_approx = engine.hift_dtype != "float32"
-    exact = load_model_dir(engine.model_dir) if lm_int8 or flow_approx or hift_approx else None
+    exact = _float32_models(engine) if lm_int8 or flow_approx or hift_approx else None
     embedding = engine.voices[VOICE].prompt.embedding
     tokens = _random_tokens(models.flow, n_tokens)
     out = {"mel_rel_l2_vs_exact": 0.0, "wave_rel_l2_vs_exact_hift": 0.0}
+    exact_maths = (n_timesteps, cfg_rate, solver) == (EXACT_STEPS, EXACT_CFG, EXACT_SOLVER)
+    flow_differs = flow_approx or not exact_maths
     with torch.inference_mode():
         exact_flow = exact.flow if exact is not None and flow_approx else models.flow
-        reference = _mel(exact_flow, tokens, embedding, EXACT_STEPS, EXACT_CFG)
-        if flow_approx or (n_timesteps, cfg_rate, solver) != (EXACT_STEPS, EXACT_CFG, EXACT_SOLVER):
+        # The exact mel only where something is compared with it (at full size it costs as
+        # much as seconds of exact speech).
+        need_reference = flow_differs or (hift_approx and exact is not None)
+        reference = (
+            _mel(exact_flow, tokens, embedding, EXACT_STEPS, EXACT_CFG) if need_reference else None
+        )
+        if flow_differs and reference is not None:
             mel = _mel(models.flow, tokens, embedding, n_timesteps, cfg_rate, solver)
             out["mel_rel_l2_vs_exact"] = float((mel - reference).norm() / reference.norm())
         if lm_int8 and exact is not None:
             text_ids = engine.frontend.segments(text)[0].token_ids
             out.update(_lm_int8_kl(exact.llm, models.llm, text_ids, n_steps))
-    if hift_approx and exact is not None:
+    if hift_approx and exact is not None and reference is not None:
         out["wave_rel_l2_vs_exact_hift"] = hift_relative_l2(models.hift, exact.hift, reference)
     return out
+
+
+def _float32_models(engine: CosyVoice2Engine) -> Any:
+    """The engine's family's three models straight from the checkpoints, float32 on torch's
+    default kernels: the exact reference (the engine's may be int8, bfloat16 or on oneDNN)."""
+    from engine.core.weights import PARTS
+
+    parts, model_dir = engine.model_parts, engine.model_dir
+    args = parts.read_args(model_dir)
+    llm, flow, hift = (parts.read_part(model_dir, args, part) for part in PARTS)
+    return type(engine.models).of(model_dir, args, (llm, flow, hift))
 
 
 def _lm_int8_kl(

@@ -259,6 +259,7 @@ def run(config: RunConfig) -> dict[str, Any]:
         cfg_rate=profile.cfg_rate,
         solver=profile.solver,
         force_tokens=config.tokens,
+        on_stage=timer.hear if timer.hears_hift else None,
     )
     if cosyvoice2:  # its prompt chunks computed at the profile's settings, before the request
         engine.prime_voice(options)
@@ -294,9 +295,7 @@ def run(config: RunConfig) -> dict[str, Any]:
     if positions is not None:
         per_position = lm_cache_bytes_per_position(engine.models.llm)
         result["lm_cache_bytes_per_token"] = round(positions * per_position)
-    if config.count_flops and family == "cosyvoice3":
-        _LOGGER.info("FLOPs and deviations are not counted for Fun-CosyVoice3 yet")
-    elif config.count_flops and cosyvoice2:
+    if config.count_flops and cosyvoice2:
         from engine.bench import cosyvoice2 as v2
 
         steps, cfg = profile.n_timesteps, profile.cfg_rate

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from engine.core.constants import HOP, SAMPLE_RATE
+from engine.core.stage_times import StageTime
 
 # The parts of a streamed request's first audio, in the order it waits for them.
 FIRST_AUDIO_PARTS = (
@@ -66,6 +67,7 @@ class StageTimer:
         self.decode_positions: list[int] = []
         self.counter: Any = None  # a torch FlopCounterMode while counting FLOPs
         self._lock = threading.Lock()  # the LM thread records concurrently
+        self.hears_hift = False  # whether HiFT's time comes to :meth:`hear` (set by install)
 
     def _flops(self) -> int:
         return int(self.counter.get_total_flops()) if self.counter is not None else 0
@@ -88,6 +90,17 @@ class StageTimer:
         models.hift.inference = self._wrap_call(
             "hift", models.hift.inference, lambda out: out.shape[-1] / self.sample_rate
         )
+        # A causal HiFT (CosyVoice3) streams every request without ``inference``: its engine
+        # reports each piece of audio to :meth:`hear` (the FLOP count still calls ``inference``).
+        self.hears_hift = hasattr(models.hift, "settle_frames")
+
+    def hear(self, stage_time: StageTime) -> None:
+        """A stage listener (``SynthesisOptions.on_stage``) that records the HiFT pieces an
+        engine reports itself; the other stages are timed by the wrapped calls."""
+        if stage_time.stage != "hift":
+            return
+        end = time.perf_counter()
+        self._record(StageEvent("hift", end - stage_time.seconds, end, audio_s=stage_time.units))
 
     def _seconds(self, frames: int) -> float:
         return frames * self.samples_per_frame / self.sample_rate

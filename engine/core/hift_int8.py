@@ -40,12 +40,13 @@ _FAST_CAPABILITIES = ("AVX2", "AVX512")
 class Int8Conv(nn.Module):
     """A residual block's convolution with int8 weights and per-call uint8 activations.
 
-    Made from a float Conv1d of numeric padding, or a causal one (a ``left`` pad, as
-    :class:`engine.core.hift.CausalCLConv1d`: CosyVoice3's causal HiFT), padded the same way;
-    takes and returns (1, C, 1, L) channels-last float32 tensors, as
-    :class:`engine.core.hift.CLConv1d`. Its state (``weight`` int8
-    (O, I, K), ``weight_scale`` and ``bias`` float32 (O,)) is what a prepared ``hift.int8`` file
-    holds; the oneDNN packing is made from it by :meth:`materialize_derived`.
+    Made from a float Conv1d of numeric padding; takes and returns (1, C, 1, L) channels-last
+    float32 tensors, as :class:`engine.core.hift.CLConv1d`. A causal convolution's ``left``
+    padding (:class:`engine.core.hift.CausalCLConv1d`, CosyVoice3) is kept: zeros on the left
+    only, added before the activation is quantised (zero is in every activation's range). Its
+    state (``weight`` int8 (O, I, K), ``weight_scale`` and ``bias`` float32 (O,)) is what a
+    prepared ``hift.int8`` file holds; the oneDNN packing is made from it by
+    :meth:`materialize_derived`.
     """
 
     weight: Tensor
@@ -55,8 +56,7 @@ class Int8Conv(nn.Module):
     def __init__(self, conv: nn.Conv1d) -> None:
         super().__init__()
         self.padding = int(conv.padding[0])  # HiFT's convolutions are built with numbers
-        # A causal convolution pads its input on the left only, before a conv of no padding.
-        self.left = int(getattr(conv, "left", 0))
+        self.left = int(getattr(conv, "left", 0))  # a causal convolution's left-only padding
         self.dilation = conv.dilation[0]
         if conv.stride[0] != 1 or conv.groups != 1 or conv.bias is None:
             raise ValueError("int8 HiFT convolutions are the residual blocks': stride 1, biased")

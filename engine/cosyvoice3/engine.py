@@ -51,6 +51,7 @@ from engine.cosyvoice2.lm import BACKBONE_DIR
 from engine.cosyvoice2.prompt import CROSS_LINGUAL, VoiceConditioning
 from engine.cosyvoice2.streaming import MelVocoder
 from engine.cosyvoice3.bistream import CosyVoice3BistreamSession
+from engine.cosyvoice3.flow import DiTFlow
 from engine.cosyvoice3.frontend import CosyVoice3TextFrontend
 from engine.cosyvoice3.hift import CausalHiFT, CausalHiftStream, SourceNoise, UniformSourceNoise
 from engine.cosyvoice3.model_dir import (
@@ -140,7 +141,11 @@ class CosyVoice3Engine(CosyVoice2Engine):
 
     @classmethod
     def _adapt_flow(cls, flow: nn.Module, weights: str) -> None:
-        """The DiT runs as loaded."""
+        """The DiT runs as loaded, on the prepared file's mapped weights: oneDNN's reordered
+        copies ran its products no faster than torch's default kernel on an AVX2 host, and
+        the copy held the flow's 1.3 GB twice while it was made (docs/dev/cosyvoice3-flow.md).
+        Its weights are final now, so it keeps each time grid's modulations."""
+        cast(DiTFlow, flow).decoder.estimator.keep_time_biases()
 
     @classmethod
     def _build_frontend(cls, model_dir: Path) -> CosyVoice3TextFrontend:

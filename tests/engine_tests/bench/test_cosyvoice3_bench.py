@@ -1,16 +1,23 @@
 """``python -m engine.bench --synthetic cosyvoice3``: the synthetic Fun-CosyVoice3 directory has
-the released files' keys and shapes, loads, and speaks the forced number of tokens."""
+the released files' keys and shapes, loads, and speaks the forced number of tokens; a run on the
+tiny model reports every stage, the work and the int8 formats' deviations (no timed
+assertions: timings are machine facts)."""
 
 from __future__ import annotations
 
 import json
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import TESTS
+from conftest import ROOT, TESTS
+from test_bench import REQUIRED_FIELDS
 
 from engine.bench.synthetic import COSYVOICE3_FILES, ensure_synthetic_cosyvoice3, family_specs
+from engine.bench.timers import FIRST_AUDIO_PARTS
 from engine.cosyvoice3.flow import ROTARY_KEY
 from engine.cosyvoice3.model_dir import load_model_dir
 
@@ -49,3 +56,32 @@ def test_synthetic_cosyvoice3_loads_and_speaks_the_forced_count(tmp_path: Path) 
     stamp = (model_dir / "llm.pt").stat().st_mtime_ns
     again = ensure_synthetic_cosyvoice3(tmp_path, TINY / "cosyvoice3.yaml", backbone)
     assert again == model_dir and (model_dir / "llm.pt").stat().st_mtime_ns == stamp
+
+
+@pytest.mark.long
+# The benchmark measures the machine's bandwidth and GEMM rates first: minutes when the cores
+# are shared.
+@pytest.mark.timeout(900)
+def test_benchmark_reports_every_stage_of_the_int8_tiny_cosyvoice3(tmp_path: Path) -> None:
+    """The int8 LM, DiT and causal HiFT load from their prepared files; the streamed HiFT is
+    timed (it makes audio without ``inference``), the work counted, each format's deviation
+    measured against the float32 models."""
+    model_dir = tmp_path / "Fun-CosyVoice3-0.5B"
+    shutil.copytree(TINY, model_dir)
+    command = [sys.executable, "-m", "engine.bench", "--model-dir", str(model_dir)]
+    command += ["--repeats", "1", "--threads", "1", "--tokens", "40", "--json"]
+    command += ["--flow-weights", "int8", "--hift-weights", "int8"]
+    done = subprocess.run(
+        command, cwd=ROOT, capture_output=True, text=True, timeout=600, check=False
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout)
+    missing = [key for key in REQUIRED_FIELDS if result.get(key) is None]
+    assert not missing, f"fields missing or null: {missing}"
+    assert (result["flow_weights"], result["hift_weights"]) == ("int8", "int8")
+    run = result["runs"][0]
+    assert sum(run[key] for key in FIRST_AUDIO_PARTS) == pytest.approx(run["first_audio_ms"])
+    assert result["hift_ms_per_audio_s"] > 0 and result["hift_gflop_per_audio_s"] > 0
+    assert result["estimator_mflop_per_frame_step"] > 0
+    assert result["mel_rel_l2_vs_exact"] > 0 and result["wave_rel_l2_vs_exact_hift"] > 0
+    assert result["lm_int8_kl_mean"] > 0
