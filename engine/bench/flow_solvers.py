@@ -185,7 +185,8 @@ def _v2_tokens(flow: ChunkCausalFlow, n_tokens: int) -> torch.Tensor:
 
 
 def v2_whole_solve(flow: ChunkCausalFlow, n_tokens: int) -> Solve:
-    """CosyVoice2's (or CosyVoice3's) mel of random tokens in one full-attention call, for a setting."""
+    """CosyVoice2's (or CosyVoice3's) mel of random tokens in one full-attention call, for a
+    setting."""
     with torch.inference_mode():
         mu = flow.encode(_v2_tokens(flow, n_tokens), None, streaming=False)
         spks = flow.speaker(_embedding())
@@ -213,7 +214,8 @@ def v2_whole_solve(flow: ChunkCausalFlow, n_tokens: int) -> Solve:
 
 
 def v2_streamed_solve(flow: ChunkCausalFlow, n_tokens: int) -> Solve:
-    """CosyVoice2's (or CosyVoice3's) mel of random tokens streamed on the official hops (no prompt)."""
+    """CosyVoice2's (or CosyVoice3's) mel of random tokens streamed on the official hops (no
+    prompt)."""
     from engine.cosyvoice2.streaming import official_hops
 
     tokens = _v2_tokens(flow, n_tokens).reshape(-1).tolist()
@@ -270,8 +272,9 @@ def measure(
 def run(
     model_dir: Path, n_tokens: int, *, streamed: bool = True, bf16: bool = False, few: bool = False
 ) -> list[Row]:
-    """Every candidate on the flow of ``model_dir`` (v1, CosyVoice2 or CosyVoice3); with ``bf16`` also the
-    bfloat16 flow (engine.core.bf16_flow) at a few settings against the float32 exact solve."""
+    """Every candidate on the flow of ``model_dir`` (v1, CosyVoice2 or CosyVoice3); with
+    ``bf16`` also the bfloat16 flow (engine.core.bf16_flow) at a few settings against the
+    float32 exact solve."""
     from engine.core.bf16_flow import use_bf16_linears
     from engine.family import model_family
 
