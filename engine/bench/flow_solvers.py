@@ -2,14 +2,15 @@
 
     python -m engine.bench.flow_solvers --synthetic 300m        # full-size v1, random weights
     python -m engine.bench.flow_solvers --synthetic cosyvoice2  # full-size CosyVoice2
+    python -m engine.bench.flow_solvers --synthetic cosyvoice3  # full-size CosyVoice3 (DiT)
     python -m engine.bench.flow_solvers --model-dir DIR [--json]
 
 For each setting (solver, ODE steps, guidance, time schedule) it prints the estimator's row
 evaluations per mel frame (an evaluation over both guidance rows counts two) and the relative L2
 distance of the mel from the exact solve's (Euler, 10 steps on the cosine grid, guidance 0.7):
-same tokens, speaker and noise. CosyVoice2 is measured twice: one call over the whole utterance,
-and streamed chunk by chunk as the server runs it (its estimator state carried per evaluation;
-each compared with the exact solve on the same path).
+same tokens, speaker and noise. CosyVoice2 and CosyVoice3 are measured twice: one call over the
+whole utterance, and streamed chunk by chunk as the server runs it (its estimator state carried
+per evaluation; each compared with the exact solve on the same path).
 
 ``--bf16``: the flow with its estimator's Linear layers in bfloat16 (engine.core.bf16_flow), at
 the exact and the fast profiles' settings, against the float32 flow's exact solve.
@@ -37,7 +38,7 @@ from engine.core.solver import EXACT_SOLVER, SOLVERS
 
 if TYPE_CHECKING:
     from engine.cosyvoice1.flow import FlowModel
-    from engine.cosyvoice2.flow import CausalFlow
+    from engine.cosyvoice2.flow import ChunkCausalFlow
 
 SEED = 0
 SPEAKER_EMBED_DIM = 192
@@ -96,8 +97,8 @@ def candidates(few: bool = False) -> list[SolverSetting]:
     guidance, Euler 4 without); ``few``: only those around the fast profiles' work."""
     if few:
         off = [("euler", 2), ("euler", 3), ("euler", 4), ("ab2", 3), ("ab2", 4), ("heun", 2)]
-        guided = [("euler", 2), ("euler", 3), ("euler", 4), ("euler", 5), ("ab2", 4), ("ab2", 5),
-                  ("heun", 2)]  # fmt: skip
+        guided = [("euler", 2), ("ab2", 2), ("heun", 1), ("midpoint", 1), ("euler", 3),
+                  ("euler", 4), ("euler", 5), ("ab2", 4), ("ab2", 5), ("heun", 2)]  # fmt: skip
         return [
             *(SolverSetting(solver, n, 0.0) for solver, n in off),
             *(SolverSetting(solver, n, EXACT_CFG) for solver, n in guided),
@@ -178,13 +179,14 @@ def v1_solve(flow: FlowModel, n_tokens: int) -> Solve:
     return solve
 
 
-def _v2_tokens(flow: CausalFlow, n_tokens: int) -> torch.Tensor:
+def _v2_tokens(flow: ChunkCausalFlow, n_tokens: int) -> torch.Tensor:
     gen = torch.Generator().manual_seed(SEED)
     return torch.randint(0, flow.args.vocab_size, (1, n_tokens), generator=gen)
 
 
-def v2_whole_solve(flow: CausalFlow, n_tokens: int) -> Solve:
-    """CosyVoice2's mel of random tokens in one full-attention call, for a setting."""
+def v2_whole_solve(flow: ChunkCausalFlow, n_tokens: int) -> Solve:
+    """CosyVoice2's (or CosyVoice3's) mel of random tokens in one full-attention call, for a
+    setting."""
     with torch.inference_mode():
         mu = flow.encode(_v2_tokens(flow, n_tokens), None, streaming=False)
         spks = flow.speaker(_embedding())
@@ -211,8 +213,9 @@ def v2_whole_solve(flow: CausalFlow, n_tokens: int) -> Solve:
     return solve
 
 
-def v2_streamed_solve(flow: CausalFlow, n_tokens: int) -> Solve:
-    """CosyVoice2's mel of random tokens streamed on the official hops (no prompt)."""
+def v2_streamed_solve(flow: ChunkCausalFlow, n_tokens: int) -> Solve:
+    """CosyVoice2's (or CosyVoice3's) mel of random tokens streamed on the official hops (no
+    prompt)."""
     from engine.cosyvoice2.streaming import official_hops
 
     tokens = _v2_tokens(flow, n_tokens).reshape(-1).tolist()
@@ -269,15 +272,20 @@ def measure(
 def run(
     model_dir: Path, n_tokens: int, *, streamed: bool = True, bf16: bool = False, few: bool = False
 ) -> list[Row]:
-    """Every candidate on the flow of ``model_dir`` (v1 or CosyVoice2); with ``bf16`` also the
-    bfloat16 flow (engine.core.bf16_flow) at a few settings against the float32 exact solve."""
+    """Every candidate on the flow of ``model_dir`` (v1, CosyVoice2 or CosyVoice3); with
+    ``bf16`` also the bfloat16 flow (engine.core.bf16_flow) at a few settings against the
+    float32 exact solve."""
     from engine.core.bf16_flow import use_bf16_linears
     from engine.family import model_family
 
     paths: list[tuple[str, Callable[[Any], Solve], list[SolverSetting]]]
     settings = candidates(few)
-    if model_family(model_dir).name == "cosyvoice2":
-        from engine.cosyvoice2 import model_dir as v2_dir
+    family = model_family(model_dir).name
+    if family in ("cosyvoice2", "cosyvoice3"):
+        if family == "cosyvoice2":
+            from engine.cosyvoice2 import model_dir as v2_dir
+        else:
+            from engine.cosyvoice3 import model_dir as v2_dir  # type: ignore[no-redef]
 
         flow = v2_dir.read_part(model_dir, v2_dir.read_args(model_dir), "flow")
         paths = [("whole", lambda f: v2_whole_solve(f, n_tokens), settings)]
@@ -317,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     model = parser.add_mutually_exclusive_group(required=True)
-    model.add_argument("--synthetic", choices=("300m", "cosyvoice2"))
+    model.add_argument("--synthetic", choices=("300m", "cosyvoice2", "cosyvoice3"))
     model.add_argument("--model-dir", type=Path)
     parser.add_argument("--tokens", type=int, default=100, help="speech tokens (default 100)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
@@ -333,11 +341,12 @@ def main(argv: list[str] | None = None) -> int:
     if model_dir is None:
         from engine.bench import synthetic
 
-        model_dir = (
-            synthetic.ensure_synthetic_model()
-            if args.synthetic == "300m"
-            else synthetic.ensure_synthetic_cosyvoice2()
-        )
+        build = {
+            "300m": synthetic.ensure_synthetic_model,
+            "cosyvoice2": synthetic.ensure_synthetic_cosyvoice2,
+            "cosyvoice3": synthetic.ensure_synthetic_cosyvoice3,
+        }[args.synthetic]
+        model_dir = build()
     rows = run(model_dir, args.tokens, streamed=not args.no_streamed, bf16=args.bf16, few=args.few)
     if args.json:
         print(json.dumps({"model_dir": str(model_dir), "rows": [asdict(r) for r in rows]}))

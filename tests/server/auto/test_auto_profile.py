@@ -383,14 +383,13 @@ def test_a_profile_without_guidance_is_predicted_from_one_with_it() -> None:
     """The flow's fit is per pass (ODE step and batch row): a profile with other steps and no
     guidance pays its own number of passes of the fixed part."""
     meter = CostMeter(lambda: 2)
-    fast, fastest = FAST, FASTEST
-    assert flow_passes(fast.n_timesteps, fast.cfg_rate) == 10
+    assert flow_passes(FAST.n_timesteps, FAST.cfg_rate) == 10
     for frames in (50, 50, 6):  # the calibration's calls: first chunk, next one, the last
-        passes = flow_passes(fast.n_timesteps, fast.cfg_rate)
+        passes = flow_passes(FAST.n_timesteps, FAST.cfg_rate)
         seconds = passes * (0.03 + 1e-3 * frames)
         meter.record(StageTime("flow", "int8", seconds, passes * frames, passes))
     costs = meter.measured()[2]["flow.int8"]
-    passes = flow_passes(fastest.n_timesteps, fastest.cfg_rate)
+    passes = flow_passes(4, 0.0)  # 4 steps without guidance: a profile of one's own
     assert passes == 4
     assert costs.seconds(passes * 50, passes) == pytest.approx(4 * (0.03 + 1e-3 * 50))
 
@@ -688,7 +687,7 @@ def test_the_server_measures_after_the_warm_up_and_chooses_per_request(
     assert all(o.stream for o in options[:2])
     short, long = options[2], options[-1]
     assert (short.n_timesteps, short.flow_weights, short.hift_weights) == (5, "int8", "int8")
-    assert (long.n_timesteps, long.cfg_rate, long.flow_weights) == (4, 0.0, "int8")  # fastest
+    assert (long.n_timesteps, long.cfg_rate, long.flow_weights) == (2, 0.7, "int8")  # fastest
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Profile auto")]
     assert len(lines) == 2  # one line per request, not per sentence
     assert "fast, first audio 0.95 s" in lines[0] and "(realtime: first audio 1.65 s)" in lines[0]
@@ -811,7 +810,7 @@ def test_a_profile_that_cannot_start_in_time_lets_go_of_its_primed_voice(
             return made
 
     engine = asyncio.run(main())
-    assert engine.primed == [(10, 0.7, "fp32"), (5, 0.7, "int8"), (4, 0.0, "int8")]
+    assert engine.primed == [(10, 0.7, "fp32"), (5, 0.7, "int8"), (2, 0.7, "int8")]
     assert engine.let_go == let_go
 
 
