@@ -200,7 +200,7 @@ def _planned_work(
     profile: Any, tokens: int, geometry: StreamGeometry
 ) -> tuple[list[float], list[float]]:
     """Each planned chunk's flow units and HiFT seconds."""
-    per_frame = flow_units(1, profile.n_timesteps, profile.cfg_rate)
+    per_frame = flow_units(1, profile.n_timesteps, profile.cfg_rate, profile.solver)
     chunks = plan_chunks(profile, tokens, geometry)
     return [c.flow_frames * per_frame for c in chunks], [c.hift_s for c in chunks]
 
@@ -219,7 +219,7 @@ def test_the_engine_reports_each_calls_work_as_the_plan_counts_it(
         tokens = calibration_tokens(profile, geometry)
         heard = _heard(engine, profile, tokens, speaker)
         flow, hift = _planned_work(profile, tokens, geometry)
-        per_frame = flow_units(1, profile.n_timesteps, profile.cfg_rate)
+        per_frame = flow_units(1, profile.n_timesteps, profile.cfg_rate, profile.solver)
         reported = [t.units for t in heard if t.stage == "flow"]
         assert reported == pytest.approx(flow, abs=per_frame), profile.name  # a frame's rounding
         fed = [t.units for t in heard if t.stage == "hift"]
@@ -292,7 +292,7 @@ class TimedEngine(FakeSurface):
                 inline = chunks[0].tokens - 1
                 report(StageTime("lm_token", "", inline * self.LM_TOKEN_S, inline))
             frames = chunk.flow_frames + extra
-            passes = flow_passes(options.n_timesteps, options.cfg_rate)
+            passes = flow_passes(options.n_timesteps, options.cfg_rate, options.solver)
             seconds = self.flow_s(flow_weights, options, frames, context)
             report(StageTime("flow", flow_weights, seconds, passes * frames, passes))
             call_s, per_s = self.HIFT[hift_weights]
@@ -687,7 +687,7 @@ def test_the_server_measures_after_the_warm_up_and_chooses_per_request(
     assert all(o.stream for o in options[:2])
     short, long = options[2], options[-1]
     assert (short.n_timesteps, short.flow_weights, short.hift_weights) == (5, "int8", "int8")
-    assert (long.n_timesteps, long.cfg_rate, long.flow_weights) == (2, 0.7, "int8")  # fastest
+    assert (long.n_timesteps, long.cfg_rate, long.flow_weights) == (1, 0.7, "int8")  # fastest
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Profile auto")]
     assert len(lines) == 2  # one line per request, not per sentence
     assert "fast, first audio 0.95 s" in lines[0] and "(realtime: first audio 1.65 s)" in lines[0]
@@ -810,7 +810,7 @@ def test_a_profile_that_cannot_start_in_time_lets_go_of_its_primed_voice(
             return made
 
     engine = asyncio.run(main())
-    assert engine.primed == [(10, 0.7, "fp32"), (5, 0.7, "int8"), (2, 0.7, "int8")]
+    assert engine.primed == [(10, 0.7, "fp32"), (5, 0.7, "int8"), (1, 0.7, "int8")]
     assert engine.let_go == let_go
 
 

@@ -60,10 +60,10 @@ def test_http_serves_a_profile_with_the_same_weights_on_a_fast_server() -> None:
     assert [o.n_timesteps for o in srv.engines[0].options] == [5]
 
 
-@pytest.mark.parametrize(("profile", "steps", "guidance"), [("realtime", 10, 0.7),
-                                                            ("fastest", 2, 0.7)])  # fmt: skip
+@pytest.mark.parametrize(("profile", "steps", "guidance", "solver"),
+                         [("realtime", 10, 0.7, "euler"), ("fastest", 1, 0.7, "heun")])  # fmt: skip
 def test_wyoming_requests_run_the_profile_the_weights_were_loaded_for(
-    wy: SimpleNamespace, profile: str, steps: int, guidance: float
+    wy: SimpleNamespace, profile: str, steps: int, guidance: float, solver: str
 ) -> None:
     from wyoming_cosyvoice.config import load_config
     from wyoming_cosyvoice.models.model import engine_loader
@@ -76,7 +76,9 @@ def test_wyoming_requests_run_the_profile_the_weights_were_loaded_for(
             return srv.engines[0].options
 
     options = asyncio.run(main())
-    assert [(o.n_timesteps, o.cfg_rate) for o in options] == [(steps, guidance)] * 2
+    assert [(o.n_timesteps, o.cfg_rate, o.solver) for o in options] == [
+        (steps, guidance, solver)
+    ] * 2
     loader = engine_loader(load_config(None, [("server.profile", profile)]))
     fast = profile == "fastest"
     assert (loader.keywords["flow_int8"], loader.keywords["hift_int8"]) == (fast, fast)

@@ -453,7 +453,7 @@ def test_the_default_voice_is_primed_for_the_server_profile(wy: SimpleNamespace)
     engine = run(start())
     ((warmed_first, options),) = engine.primed
     assert warmed_first and options.speaker is None  # after the warm-up, the default voice
-    assert (options.n_timesteps, options.cfg_rate) == (2, 0.7)  # fastest's flow settings
+    assert (options.n_timesteps, options.cfg_rate, options.solver) == (1, 0.7, "heun")  # fastest's
 
 
 def test_the_auto_profile_primes_the_default_voice_for_each_profile_it_chooses_from(
@@ -479,7 +479,7 @@ def test_the_auto_profile_primes_the_default_voice_for_each_profile_it_chooses_f
     engine = run(start())
     # realtime, fast, fastest: each one's flow steps, guidance and weights
     settings = [(o.n_timesteps, o.cfg_rate, o.flow_weights) for o in engine.primed]
-    assert settings == [(10, 0.7, "fp32"), (5, 0.7, "int8"), (2, 0.7, "int8")]
+    assert settings == [(10, 0.7, "fp32"), (5, 0.7, "int8"), (1, 0.7, "int8")]
 
 
 # --- a streamed sentence spoken while it arrives ----------------------------------------------
