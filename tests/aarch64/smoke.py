@@ -47,6 +47,23 @@ PYTEST_RUNS: tuple[tuple[str, ...], ...] = (
         "engine_tests/core/test_prepared.py",
         "engine_tests/core/test_hift.py",
     ),
+    # CosyVoice3's quantised formats as this CPU runs them (its fallbacks) and its int8 LM and flow
+    # against float32.
+    (
+        "engine_tests/cosyvoice3/test_cosyvoice3_engine.py"
+        "::test_every_quantised_format_loads_as_this_cpu_runs_it_and_speaks",
+        "engine_tests/cosyvoice3/test_cosyvoice3_engine.py"
+        "::test_the_int8_models_load_from_their_prepared_files_and_speak",
+        "engine_tests/cosyvoice3/test_cosyvoice3_lm.py::test_int8_lm_stays_close",
+        "engine_tests/cosyvoice3/test_cosyvoice3_lm.py::test_int8_load_option",
+        "engine_tests/cosyvoice3/test_cosyvoice3_flow.py"
+        "::test_int8_flow_swaps_the_dit_linears_and_stays_close",
+    ),
+    # Pronunciations: how entries read, and v3's phone and pinyin tokens reaching its LM.
+    (
+        "engine_tests/text/test_pronunciations.py",
+        "engine_tests/cosyvoice3/test_cosyvoice3_pronunciations.py",
+    ),
     # Every comparison with the official reference data, within the tolerances its spread sets.
     ("-m", "parity", *parity_files()),
 )

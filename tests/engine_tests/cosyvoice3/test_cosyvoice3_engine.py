@@ -208,6 +208,29 @@ def test_the_int8_models_load_from_their_prepared_files_and_speak(tmp_path: Path
     assert all(bool(torch.isfinite(c).all()) for c in chunks)
 
 
+def test_every_quantised_format_loads_as_this_cpu_runs_it_and_speaks(tmp_path: Path) -> None:
+    """The int4 LM, int8 flow and int8 HiFT asked for at once: each part is prepared in the format
+    this CPU runs (the int4 LM as int8 where torch's int4 kernel is missing or slower, HiFT float32
+    where its int8 convolutions are not faster: the Arm boards' fallbacks), and the real LM, flow
+    and HiFT speak a streamed answer in them."""
+    from engine.core.runtime import int4_kernel_for_lm, int8_hift_fast
+
+    target = tmp_path / "Fun-CosyVoice3-0.5B"
+    shutil.copytree(TINY, target, ignore=shutil.ignore_patterns(PREPARED_DIR))
+    loaded = load_engine(target, threads=1, lm_int4=True, flow_int8=True, hift_int8=True)
+    assert isinstance(loaded, CosyVoice3Engine)
+    lm = "int4" if int4_kernel_for_lm() else "int8"
+    hift = "int8" if int8_hift_fast() else "fp32"
+    assert loaded.weight_formats == {"flow": ("int8",), "hift": (hift,)}
+    assert loaded.hift_dtype == ("int8" if hift == "int8" else "float32")
+    assert f"llm.{lm}" in loaded.prepared_at_load and "flow.int8" in loaded.prepared_at_load
+    loaded.add_voice(_official_voice("prompt37"))
+    options = SynthesisOptions(speaker="prompt37", stream=True, seed=0, force_tokens=30)
+    chunks = [torch.from_numpy(c.samples) for c in loaded.synthesize("Hello there.", options)]
+    audio = torch.cat(chunks)
+    assert audio.numel() > 0 and bool(torch.isfinite(audio).all()) and float(audio.abs().max()) > 0
+
+
 def test_text_still_arriving_is_read_by_the_v3_bistream_session(
     fresh: CosyVoice3Engine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
