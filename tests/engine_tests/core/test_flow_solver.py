@@ -157,9 +157,11 @@ def test_a_profile_names_its_solver() -> None:
         .solver
         == "heun"
     )
-    # Every packaged profile runs the official Euler steps.
-    packaged = load_config()
-    assert {profile.solver for profile in packaged.profiles.values()} == {"euler"}
+    # Every packaged profile runs the official Euler steps but fastest, far from the exact
+    # output whichever solver, whose one Heun step keeps every family nearest it.
+    packaged = {name: profile.solver for name, profile in load_config().profiles.items()}
+    assert packaged.pop("fastest") == "heun"
+    assert set(packaged.values()) == {"euler"}
     with pytest.raises(ConfigError, match=r"profiles.fast.solver"):
         load_config(overrides=[("profiles.fast.solver", "rk4")])
 
