@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from engine.bench.timers import StageEvent, StageTimer
-from engine.core.onednn_layers import onednn_linear_available
+from engine.core.onednn_layers import onednn_conv_available, onednn_linear_available
 
 # Sub-modules of the LM that a decode step does not read as weights: ``linear_pos`` (v1: its
 # projection depends only on positions; the engine holds the projected rows, read like the K
@@ -154,12 +154,68 @@ def _packed_linear_flops(
     return 2 * math.prod(input_shape) * out_shape[-1]
 
 
-_EXTRA_FLOPS = {
+def _int8_conv_flops(
+    input_shape: tuple[int, ...],
+    x_scale: object,
+    x_zero_point: object,
+    weight_shape: tuple[int, ...],
+    *args: object,
+    out_shape: tuple[int, ...],
+    **kwargs: object,
+) -> int:
+    """oneDNN's int8 convolutions (``onednn::qconv2d_pointwise``, ``qconv_pointwise``: the int8
+    HiFT's residual blocks), which the FLOP counter does not know.
+
+    Without it a vocoder on int8 convolutions would count almost none of its work. Counted as
+    the float convolution it replaces: the packed weight keeps the float weight's shape
+    (out, in ÷ groups, kernel…), so the count is the float convolution's, product for product.
+    """
+    return _conv_flops(input_shape, weight_shape, out_shape)
+
+
+def _packed_conv_flops(
+    input_shape: tuple[int, ...], *args: tuple[int, ...], out_shape: tuple[int, ...], **kwargs: object
+) -> int:
+    """oneDNN's float convolutions on reordered weights (``mkldnn::_convolution_pointwise``: v1's
+    flow estimator), which the FLOP counter does not know either. The weight is the second
+    argument, the third in the overloads that add a second operand (``binary``: 13 arguments)."""
+    weight_shape = args[1] if len(args) == _BINARY_CONV_ARGS - 1 else args[0]
+    return _conv_flops(input_shape, weight_shape, out_shape)
+
+
+def _conv_flops(
+    input_shape: tuple[int, ...], weight_shape: tuple[int, ...], out_shape: tuple[int, ...]
+) -> int:
+    """torch's own count of a convolution (2 FLOPs a multiply-add, no bias)."""
+    from torch.utils.flop_counter import conv_flop_count
+
+    return int(conv_flop_count(list(input_shape), list(weight_shape), list(out_shape)))
+
+
+_BINARY_CONV_ARGS = 13  # mkldnn::_convolution_pointwise.binary's arguments
+
+
+def _onednn_int8_convs() -> list[object]:
+    """The int8 convolution ops this torch build has (none without oneDNN's quantised ops)."""
+    ops = []
+    for name in ("qconv2d_pointwise", "qconv_pointwise"):
+        try:
+            ops.append(getattr(torch.ops.onednn, name))
+        except (AttributeError, RuntimeError):  # a build without the op
+            continue
+    return ops
+
+
+_EXTRA_FLOPS: dict[object, Callable[..., int]] = {
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _cpu_attention_flops,
     torch.ops.quantized.linear_dynamic: _packed_linear_flops,
 }
 if onednn_linear_available():
     _EXTRA_FLOPS[torch.ops.mkldnn._linear_pointwise] = _packed_linear_flops
+if onednn_conv_available():
+    _EXTRA_FLOPS[torch.ops.mkldnn._convolution_pointwise] = _packed_conv_flops
+for _op in _onednn_int8_convs():
+    _EXTRA_FLOPS[_op] = _int8_conv_flops
 
 
 def count_stage_flops(

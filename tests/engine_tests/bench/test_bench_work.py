@@ -3,19 +3,24 @@
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from types import SimpleNamespace
 
 import pytest
 import torch
 from conftest import DATA
 from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
 
+from engine.bench import work
 from engine.bench.timers import StageTimer
 from engine.bench.work import (
     count_stage_flops,
     lm_cache_bytes_per_position,
     lm_weight_bytes_per_token,
 )
+from engine.core.hift_int8 import Int8Conv, int8_conv_fast
+from engine.core.onednn_layers import OneDnnConv1d, onednn_conv_available
 from engine.core.quantize import quantize_lm_int8
 from engine.cosyvoice1.model_dir import load_model_dir
 
@@ -121,3 +126,93 @@ def test_flow_flops_split_into_its_encoder_and_one_pass_per_frame(
     per_call = 12 * (2 * 6 * 5 + 10 * rows * 2 * 5 * 5)
     assert flops.flow_gflop_per_audio_s == pytest.approx(per_call / audio_s / 1e9)
     assert flops.hift_gflop_per_audio_s == pytest.approx(12 * 2 * 5 * 4 / audio_s / 1e9)
+
+
+class _MelFlow(nn.Module):
+    """A flow that hands on a fixed mel: only the vocoder's FLOPs are counted."""
+
+    def __init__(self, mel: torch.Tensor) -> None:
+        super().__init__()
+        self.mel = mel
+
+    def inference(self, tokens: torch.Tensor, steps: int) -> torch.Tensor:
+        return self.mel
+
+
+def _hift_gflop_per_audio_s(hift: nn.Module, mel: torch.Tensor) -> float:
+    """The benchmark's count of ``hift``'s work on ``mel``."""
+    flow = _MelFlow(mel)
+    timer = StageTimer(hift.args.sampling_rate, hift.upp)  # type: ignore[arg-type]
+    lm = SimpleNamespace(generate=iter, decode_step=lambda tokens, cache: None)
+    timer.install(SimpleNamespace(llm=lm, flow=flow, hift=hift))
+
+    def run_chunk(steps: int) -> None:
+        with torch.inference_mode():
+            hift.inference(flow.inference(mel, steps), generator=torch.Generator().manual_seed(0))
+
+    return count_stage_flops(run_chunk, timer, n_timesteps=10, cfg_rate=0.7).hift_gflop_per_audio_s
+
+
+def _tiny_hift(family: str) -> tuple[nn.Module, torch.Tensor]:
+    if family == "v1":
+        mel = torch.load(DATA / "hift_fixtures.pt", weights_only=True)["mel100/in_mel"]
+        return load_model_dir(TINY_MODEL).hift, mel
+    from engine.cosyvoice3.model_dir import read_args, read_part
+
+    tiny = DATA / "cosyvoice3" / "tiny"
+    cases = torch.load(DATA / "cosyvoice3" / "hift_cases.pt", weights_only=True)
+    return read_part(tiny, read_args(tiny), "hift"), cases["whole/in_mel"].unsqueeze(0)
+
+
+@pytest.mark.skipif(not int8_conv_fast(), reason="the int8 HiFT is not used on this CPU")
+@pytest.mark.parametrize("family", ["v1", "v3"])
+def test_the_int8_hift_counts_the_float32_hifts_flops(family: str, single_torch_thread: None) -> None:
+    # Its oneDNN int8 convolutions compute the float32 ones' products; quantising the
+    # activations costs no products. The same count, to the FLOP.
+    exact, mel = _tiny_hift(family)
+    mel = mel[..., :24]  # any length counts the same; FLOP counting is slow
+    int8 = copy.deepcopy(exact)
+    int8.use_int8()  # type: ignore[operator]
+    assert any(isinstance(m, Int8Conv) for m in int8.modules())
+    want = _hift_gflop_per_audio_s(exact, mel)
+    assert want > 0 and _hift_gflop_per_audio_s(int8, mel) == want
+
+
+def _counted(run: Callable[[], object]) -> int:
+    """FLOPs of ``run()`` as the benchmark counts them."""
+    with FlopCounterMode(display=False, custom_mapping=work._EXTRA_FLOPS) as counter:
+        with torch.inference_mode():
+            run()
+    return int(counter.get_total_flops())
+
+
+@pytest.mark.skipif(not onednn_conv_available(), reason="torch has no oneDNN convolution here")
+def test_a_onednn_float_convolution_counts_as_torchs_own() -> None:
+    # v1's flow estimator runs its convolutions on oneDNN's reordered weights.
+    conv, x = nn.Conv1d(16, 8, 5, padding=4, dilation=2), torch.randn(2, 16, 40)
+    want = _counted(lambda: conv(x))
+    assert want > 0 and _counted(lambda: OneDnnConv1d(conv)(x)) == want
+
+
+@pytest.mark.skipif(not int8_conv_fast(), reason="the int8 HiFT is not used on this CPU")
+def test_a_grouped_int8_convolution_counts_as_its_float_one() -> None:
+    # The packed weight keeps the float weight's (out, in ÷ groups, 1, kernel) shape.
+    groups, padding, dilation = 4, [0, 4], [1, 2]
+    conv, x = nn.Conv1d(16, 8, 5, padding=4, dilation=2, groups=groups), torch.randn(1, 16, 40)
+    weight = torch.randint(-63, 64, (8, 4, 1, 5), dtype=torch.int8)
+    scales, zero_points = torch.ones(8), torch.zeros(8, dtype=torch.int64)
+    packed = torch.ops.onednn.qconv_prepack(
+        weight.contiguous(memory_format=torch.channels_last),
+        scales, 1.0, 0, [1, 1], padding, dilation, groups, None,
+    )  # fmt: skip
+    q = torch.randint(0, 255, (1, 16, 1, 40), dtype=torch.uint8)
+    q = q.contiguous(memory_format=torch.channels_last)
+
+    def int8_conv() -> torch.Tensor:
+        return torch.ops.onednn.qconv2d_pointwise(
+            q, 0.1, 0, packed, scales, zero_points, None, [1, 1], padding, dilation, groups,
+            1.0, 0, torch.float32, "none", [], "",
+        )  # fmt: skip
+
+    assert int8_conv().shape == (1, 8, 1, 40)
+    assert _counted(int8_conv) == _counted(lambda: conv(x)) > 0
