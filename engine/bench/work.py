@@ -174,7 +174,10 @@ def _int8_conv_flops(
 
 
 def _packed_conv_flops(
-    input_shape: tuple[int, ...], *args: tuple[int, ...], out_shape: tuple[int, ...], **kwargs: object
+    input_shape: tuple[int, ...],
+    *args: tuple[int, ...],
+    out_shape: tuple[int, ...],
+    **kwargs: object,
 ) -> int:
     """oneDNN's float convolutions on reordered weights (``mkldnn::_convolution_pointwise``: v1's
     flow estimator), which the FLOP counter does not know either. The weight is the second

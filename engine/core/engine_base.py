@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from engine.core import cpu
     from engine.core.hift import HiFTGenerator
     from engine.core.lm_thread import LmTokens
+    from engine.core.mapped_weights import MappedWeights
     from engine.core.prepared import ModelParts, PreparedLoad
     from engine.text.pronunciations import PronouncingFrontend, PronunciationCheck
 
@@ -145,7 +146,8 @@ class EngineBase(ABC, Generic[FlowT]):
 
         The sequence is every family's; the family's hooks adapt each flow for this CPU
         (:meth:`_adapt_flow`), build its text frontend (:meth:`_build_frontend`, while the int8
-        layers are packed) and its models (:meth:`_models_of`).
+        layers are packed), see each flow once its weights are final (:meth:`_finish_flow`) and
+        make its models (:meth:`_models_of`).
         """
         setup = setup_cpu(
             threads,
@@ -171,6 +173,9 @@ class EngineBase(ABC, Generic[FlowT]):
             for weights, flow in flows.items():
                 cls._adapt_flow(flow, weights)
             frontend = cls._build_frontend(model_dir)
+        for flow in flows.values():  # the loads are finished: the weights are final
+            mapped = (load.mapped_weights(flow) for load in loads)
+            cls._finish_flow(flow, next((m for m in mapped if m is not None), None))
         _LOGGER.info("Loaded %s in %.2f s", model_dir, time.perf_counter() - start)
         # Every family's engine is made as (models, *, threads, frontend, **its options).
         make = cast("Callable[..., EngineT]", cls)
@@ -190,6 +195,11 @@ class EngineBase(ABC, Generic[FlowT]):
     @classmethod
     def _adapt_flow(cls, flow: nn.Module, weights: str) -> None:
         """Adapt a loaded flow of format ``weights`` for this CPU (e.g. layers on oneDNN)."""
+
+    @classmethod
+    def _finish_flow(cls, flow: nn.Module, mapped: MappedWeights | None) -> None:
+        """A loaded flow whose weights are final; ``mapped``: those it still reads mapped from
+        its prepared file (engine.core.mapped_weights; None: none)."""
 
     @classmethod
     def _build_frontend(cls, model_dir: Path) -> Any:

@@ -31,6 +31,9 @@ model to what it reads:
 * Once the engine has replaced what it replaces at load (oneDNN re-lays the flow estimator's
   float32 weights out as copies), the tensors the model still reads from the file are mapped
   afresh, and the load's own mapping, with every page the replacements read, goes away.
+
+What stays mapped is handed to the family's engine (:class:`PreparedLoad.mapped_weights`,
+engine.core.mapped_weights), which may map weights it reads rarely afresh later on.
 """
 
 from __future__ import annotations
@@ -54,6 +57,7 @@ from torch import nn
 
 from engine.core.bf16_flow import use_bf16_linears
 from engine.core.int4 import GROUP_SIZE, int4_format_parts, int4_format_specs, pack_int4_format
+from engine.core.mapped_weights import MappedWeights, point_at
 from engine.core.quantize import (
     Int8Packing,
     install_int8_layers,
@@ -485,6 +489,7 @@ class _PartLoad:
     weights: str = "int8"  # the format of the quantised layers ``int8_names``
     packing: Int8Packing | None = None
     mapped: dict[str, torch.Tensor] = field(default_factory=dict)
+    kept_mapped: list[str] = field(default_factory=list)  # what stays mapped once finished
 
     def start_packing(self, specs: Spec) -> None:
         """Pack the int8 layers in the background (they are not part of the state dict)."""
@@ -545,15 +550,19 @@ class _PartLoad:
             for name, tensor in mapped.items()
             if name in in_use and in_use[name].data_ptr() == tensor.data_ptr()
         ]
+        self.kept_mapped = kept
         if len(kept) == len(mapped):
             return  # nothing replaced: the load's mapping is the one to keep
-        fresh = _read(self.file.path, kept, self.file.layouts, copies=False)
-        for name, tensor in fresh.items():
-            owner, _, attr = name.rpartition(".")
-            if isinstance(in_use[name], nn.Parameter):
-                tensor = nn.Parameter(tensor, requires_grad=False)
-            # Not load_state_dict: the int8 layers in place now would want their own keys.
-            setattr(self.module.get_submodule(owner), attr, tensor)
+        point_at(self.module, _read(self.file.path, kept, self.file.layouts, copies=False))
+
+    def mapped_weights(self) -> MappedWeights:
+        """The tensors the finished model still reads from its file's mapping."""
+        path, layouts = self.file.path, self.file.layouts
+        return MappedWeights(
+            self.module,
+            frozenset(self.kept_mapped),
+            lambda names: _read(path, names, layouts, copies=False),
+        )
 
     def cancel(self) -> None:
         if self.packing is not None:
@@ -622,6 +631,14 @@ class PreparedLoad:
     def finish(self) -> None:
         for load in self._parts.values():
             load.finish()
+
+    def mapped_weights(self, module: nn.Module) -> MappedWeights | None:
+        """What ``module`` (one of this finished load's models) still reads mapped from its
+        prepared file (None: not a model of this load)."""
+        for load in self._parts.values():
+            if load.module is module:
+                return load.mapped_weights()
+        return None
 
     def cancel(self) -> None:
         """Stop the background packing (the load failed)."""

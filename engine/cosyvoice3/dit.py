@@ -22,7 +22,7 @@ Batch rows are the guidance rows of one utterance: no padding mask.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import cast
 
 import torch
@@ -240,6 +240,8 @@ class DiT(nn.Module):
         self.proj_out = nn.Linear(args.dim, args.mel_dim)
         # time_biases' results by flow times, once keep_time_biases was called (None: none).
         self._kept_biases: dict[tuple[torch.dtype, tuple[float, ...]], list[Tensor]] | None = None
+        # Lets the modulation weights' pages go once a grid is kept (keep_time_biases).
+        self._release_weights: Callable[[], None] | None = None
 
     def _blocks(self) -> Iterable[DiTBlock]:
         return cast(Iterable[DiTBlock], self.transformer_blocks)
@@ -265,18 +267,32 @@ class DiT(nn.Module):
             if len(self._kept_biases) >= _KEPT_GRIDS:
                 self._kept_biases.clear()  # a bound the profiles' few grids never reach
             self._kept_biases[key] = biases
+            if self._release_weights is not None:
+                self._release_weights()
         return biases
 
-    def keep_time_biases(self) -> None:
+    def modulation_layers(self) -> list[str]:
+        """Dotted names (from the DiT) of the Linears that make the time modulations: each
+        block's adaptive norm and the final norm."""
+        blocks = [f"transformer_blocks.{i}.attn_norm.linear" for i in range(self.args.depth)]
+        return [*blocks, "norm_out.linear"]
+
+    def keep_time_biases(self, release_weights: Callable[[], None] | None = None) -> None:
         """From now on keep :meth:`time_biases`' result for each time grid (call it once the
         weights are final: nothing tells the kept results that a weight changed).
 
         A solve asks for its whole time grid once per flow call, and a profile's grid never
-        changes: the modulation Linears hold 139 M weights (0.55 GB in float32) that each
-        chunk's call would read again (≈ 2.8 GFLOP and 0.55 GB of reads for a full-size chunk
-        at 10 steps), where a kept grid is 0.55 MB a time.
+        changes: the modulation Linears (:meth:`modulation_layers`) hold 139 M weights (0.55 GB
+        in float32) that each chunk's call would read again (≈ 2.8 GFLOP and 0.55 GB of reads
+        for a full-size chunk at 10 steps), where a kept grid is 0.55 MB a time.
+
+        ``release_weights``: called each time a grid has been computed and kept, to let the
+        memory of the modulation weights go while they stay readable for a grid not seen yet
+        (the engine maps them afresh from the prepared file: the same bytes, not resident
+        until read again).
         """
         self._kept_biases = {}
+        self._release_weights = release_weights
 
     def forward(
         self,

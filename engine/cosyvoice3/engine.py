@@ -51,7 +51,7 @@ from engine.cosyvoice2.lm import BACKBONE_DIR
 from engine.cosyvoice2.prompt import CROSS_LINGUAL, VoiceConditioning
 from engine.cosyvoice2.streaming import MelVocoder
 from engine.cosyvoice3.bistream import CosyVoice3BistreamSession
-from engine.cosyvoice3.flow import DiTFlow
+from engine.cosyvoice3.flow import DiTFlow, modulation_layer_names
 from engine.cosyvoice3.frontend import CosyVoice3TextFrontend
 from engine.cosyvoice3.hift import CausalHiFT, CausalHiftStream, SourceNoise, UniformSourceNoise
 from engine.cosyvoice3.model_dir import (
@@ -67,6 +67,7 @@ from engine.family_facts import COSYVOICE3 as COSYVOICE3_FAMILY
 
 if TYPE_CHECKING:
     from engine.core.hift import HiFTGenerator
+    from engine.core.mapped_weights import MappedWeights
     from engine.core.prepared import ModelParts, PreparedLoad
     from engine.cosyvoice2.model_dir import CosyVoice2Models
     from engine.text.frontend import Segment
@@ -140,12 +141,23 @@ class CosyVoice3Engine(CosyVoice2Engine):
         return RL_PARTS if engine_options.get("rl_lm") else PARTS
 
     @classmethod
-    def _adapt_flow(cls, flow: nn.Module, weights: str) -> None:
-        """The DiT runs as loaded, on the prepared file's mapped weights: oneDNN's reordered
-        copies ran its products no faster than torch's default kernel on an AVX2 host, and
-        the copy held the flow's 1.3 GB twice while it was made (docs/dev/cosyvoice3-flow.md).
-        Its weights are final now, so it keeps each time grid's modulations."""
-        cast(DiTFlow, flow).decoder.estimator.keep_time_biases()
+    def _finish_flow(cls, flow: nn.Module, mapped: MappedWeights | None) -> None:
+        """The DiT runs as loaded, on the prepared file's mapped weights (no ``_adapt_flow``:
+        oneDNN's reordered copies ran its products no faster than torch's default kernel on an
+        AVX2 host, and the copy held the flow's 1.3 GB twice while it was made), and keeps
+        each time grid's modulations. Where the modulation Linears are read mapped (float32,
+        bfloat16; the int8 ones are packed copies) they get a mapping of their own, mapped
+        afresh each time a grid is kept: their pages (0.55 GB in float32) are resident only
+        while a grid not seen yet is computed (docs/dev/cosyvoice3-flow.md)."""
+        dit = cast(DiTFlow, flow).decoder.estimator
+        layers = modulation_layer_names(cast(DiTFlow, flow))
+        names = mapped.under(layers) if mapped is not None else []
+        if mapped is None or not names:
+            dit.keep_time_biases()
+            return
+        release = functools.partial(mapped.map_afresh, names)
+        release()  # out of the mapping the other weights are read through
+        dit.keep_time_biases(release)
 
     @classmethod
     def _build_frontend(cls, model_dir: Path) -> CosyVoice3TextFrontend:

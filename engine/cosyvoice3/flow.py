@@ -118,3 +118,9 @@ def int8_layer_names(flow: DiTFlow) -> list[str]:
         for name, module in flow.decoder.estimator.named_modules()
         if isinstance(module, nn.Linear) and not name.startswith("time_embed.")
     ]
+
+
+def modulation_layer_names(flow: DiTFlow) -> list[str]:
+    """Dotted names (in ``flow.pt``) of the DiT's modulation Linears: read only to compute a
+    time grid's modulations (engine.cosyvoice3.dit.DiT.keep_time_biases)."""
+    return [f"decoder.estimator.{name}" for name in flow.decoder.estimator.modulation_layers()]

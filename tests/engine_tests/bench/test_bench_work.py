@@ -166,7 +166,9 @@ def _tiny_hift(family: str) -> tuple[nn.Module, torch.Tensor]:
 
 @pytest.mark.skipif(not int8_conv_fast(), reason="the int8 HiFT is not used on this CPU")
 @pytest.mark.parametrize("family", ["v1", "v3"])
-def test_the_int8_hift_counts_the_float32_hifts_flops(family: str, single_torch_thread: None) -> None:
+def test_the_int8_hift_counts_the_float32_hifts_flops(
+    family: str, single_torch_thread: None
+) -> None:
     # Its oneDNN int8 convolutions compute the float32 ones' products; quantising the
     # activations costs no products. The same count, to the FLOP.
     exact, mel = _tiny_hift(family)

@@ -1,8 +1,10 @@
 """The DiT's time modulations: computed once per time grid once the weights are final (the
-engine's load asks for it), the same values as computing them again."""
+engine's load asks for it), the same values as computing them again; the weights that made them
+let go between grids, the same speech."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from typing import cast
 
@@ -11,9 +13,13 @@ import torch
 from conftest import TESTS
 from torch import nn
 
+from engine.bench.cosyvoice2 import VOICE, add_bench_voice
+from engine.core import prepared
+from engine.core.prepared import PREPARED_DIR
+from engine.core.types import SynthesisOptions
 from engine.cosyvoice3.dit import DiT, DiTBlock
 from engine.cosyvoice3.engine import CosyVoice3Engine
-from engine.cosyvoice3.flow import DiTFlow
+from engine.cosyvoice3.flow import DiTFlow, modulation_layer_names
 from engine.cosyvoice3.model_dir import read_args, read_part
 
 TINY = TESTS / "data" / "cosyvoice3" / "tiny"
@@ -77,3 +83,40 @@ def test_the_loaded_engine_keeps_its_grids(tmp_path: Path) -> None:
         dit.time_biases(_grid(10))
         dit.time_biases(_grid(10))
     assert calls[0] == 1
+
+
+def _pointers(engine: CosyVoice3Engine, names: list[str]) -> list[int]:
+    return [engine.models.flow.get_parameter(name).data_ptr() for name in names]
+
+
+def _speech(engine: CosyVoice3Engine, steps: int, solver: str) -> torch.Tensor:
+    options = SynthesisOptions(
+        speaker=VOICE, seed=0, force_tokens=20, n_timesteps=steps, solver=solver, stream=True
+    )
+    return torch.cat([torch.from_numpy(c.samples) for c in engine.synthesize("Hello.", options)])
+
+
+def test_released_modulation_weights_give_the_same_speech(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The tiny model's weights are small enough to be read as copies, which stay resident.
+    # Mapped, as the full-size model's are, its modulation weights are mapped afresh each time
+    # a grid is kept, and a grid not seen yet (other steps, another solver) reads them again:
+    # the speech is the same, bit for bit, and the other weights stay where they were.
+    model_dir = tmp_path / "Fun-CosyVoice3-0.5B"
+    shutil.copytree(TINY, model_dir, ignore=shutil.ignore_patterns(PREPARED_DIR))
+    kept = CosyVoice3Engine.load(model_dir)
+    monkeypatch.setattr(prepared, "_COPY_BYTES", 0)  # every tensor of two dimensions mapped
+    released = CosyVoice3Engine.load(model_dir)
+    for engine in (kept, released):
+        add_bench_voice(engine, "Hello there.")
+    modulations = [f"{name}.weight" for name in modulation_layer_names(released.models.flow)]
+    others = ["decoder.estimator.transformer_blocks.0.attn.to_q.weight", "input_embedding.weight"]
+    kept_at, others_at = _pointers(kept, modulations), _pointers(released, others)
+    for steps, solver, new_grid in ((10, "euler", True), (3, "heun", True), (10, "euler", False)):
+        before = _pointers(released, modulations)
+        assert torch.equal(_speech(released, steps, solver), _speech(kept, steps, solver))
+        moved = [a != b for a, b in zip(_pointers(released, modulations), before, strict=True)]
+        assert moved == [new_grid] * len(modulations)
+    assert _pointers(kept, modulations) == kept_at  # copies: nothing to release
+    assert _pointers(released, others) == others_at
