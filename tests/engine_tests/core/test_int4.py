@@ -215,7 +215,7 @@ def test_every_int4_layer_of_the_tiny_lm_is_within_its_derived_bound(
 
 
 def test_the_int4_format_keeps_the_head_and_attention_in_int8(fp32_lm: TransformerLM) -> None:
-    from torch.ao.nn.quantized.dynamic import Linear as Int8Linear
+    from engine.core.quantize import INT8_LINEAR_TYPES as Int8Linear
 
     names = int8_layer_names(fp32_lm)
     int4_lm = quantize_lm_int4(copy.deepcopy(fp32_lm), names)
@@ -323,7 +323,7 @@ def test_the_lm_weights_setting_chooses_the_int4_lm() -> None:
 
 
 def test_the_cosyvoice2_lm_loads_in_int4(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from torch.ao.nn.quantized.dynamic import Linear as Int8Linear
+    from engine.core.quantize import INT8_LINEAR_TYPES as Int8Linear
 
     from engine.cosyvoice2.engine import CosyVoice2Engine
     from engine.cosyvoice2.model_dir import load_model_dir

@@ -40,7 +40,7 @@ def test_int8_lm_stays_close(models, case: str) -> None:
 
 
 def test_the_decoder_and_text_encoder_blocks_are_quantised(models) -> None:
-    from torch.ao.nn.quantized.dynamic import Linear as Int8Linear
+    from engine.core.quantize import INT8_LINEAR_TYPES as Int8Linear
 
     _, int8 = models
     assert isinstance(int8.llm_decoder, Int8Linear)

@@ -1,0 +1,30 @@
+"""The build's one compiled part: the engine's int8 kernel for x86-64 (engine/core/native).
+
+Everything else is declared in pyproject.toml. The kernel is compiled against the installed
+torch (pinned in pyproject.toml), so the build needs torch present: ``pip install
+--no-build-isolation`` after torch, as script/setup and addon/Dockerfile do. On other machines,
+or without a compiler's torch, the package is pure Python and the engine uses torch's own int8
+kernels.
+"""
+
+import platform
+
+from setuptools import setup
+
+X86_64 = platform.machine().lower() in ("x86_64", "amd64")
+
+
+def _native() -> dict:
+    if not X86_64:
+        return {}
+    from torch.utils.cpp_extension import BuildExtension, CppExtension
+
+    kernel = CppExtension(
+        "engine.core._int8_avx2",
+        ["engine/core/native/int8_avx2.cpp"],
+        extra_compile_args=["-O3"],
+    )
+    return {"ext_modules": [kernel], "cmdclass": {"build_ext": BuildExtension}}
+
+
+setup(**_native())
