@@ -76,7 +76,9 @@ def measure_gemv_gbps(*, int8: bool, blocks: int = GEMV_BLOCKS, repeats: int = 5
             # Constant values: these kernels' speed does not depend on them.
             weight = torch.full((out, n_in), 0.01)
             layer = (
-                lm_int8_linear(weight) if int8 else partial(torch.nn.functional.linear, weight=weight)
+                lm_int8_linear(weight)
+                if int8
+                else partial(torch.nn.functional.linear, weight=weight)
             )
             products.append((layer, torch.full((1, 1, n_in), 0.5)))
             n_bytes += weight.numel() * (1 if int8 else weight.element_size())

@@ -82,7 +82,9 @@ class Avx2Int8Linear(nn.Module):
 
     def forward_relu(self, x: torch.Tensor) -> torch.Tensor:
         """relu(forward(x)) in one kernel call."""
-        return self._linear(x, self.blocks, self.rowsum, self.scale, self.bias, self.out_features, True)
+        return self._linear(
+            x, self.blocks, self.rowsum, self.scale, self.bias, self.out_features, True
+        )
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}"
