@@ -31,7 +31,10 @@ def _native() -> dict:
     kernel = CppExtension(
         "engine.core._int8_avx2",
         ["engine/core/native/int8_avx2.cpp"],
-        extra_compile_args=["-O3"],
+        # -fopenmp: at::parallel_for is OpenMP in torch's headers (serial without it); the
+        # libgomp it links is the one torch has already loaded (same soname).
+        extra_compile_args=["-O3", "-fopenmp"],
+        extra_link_args=["-fopenmp"],
     )
     return {"ext_modules": [kernel], "cmdclass": {"build_ext": BuildExtension}}
 
