@@ -22,6 +22,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -312,11 +313,25 @@ torch::Tensor linear(const torch::Tensor& x_in, const torch::Tensor& packed,
   return y;
 }
 
+// How many of torch's threads one of the kernel's parallel loops runs on (a build without
+// OpenMP runs every loop on the caller's thread alone).
+int64_t threads_in_a_loop() {
+  std::atomic<int64_t> widest{0};
+  at::parallel_for(0, 1024, 1, [&](int64_t, int64_t) {
+    const int64_t mine = at::get_thread_num() + 1;
+    int64_t seen = widest.load();
+    while (mine > seen && !widest.compare_exchange_weak(seen, mine)) {
+    }
+  });
+  return widest.load();
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "Dynamic int8 Linear for AVX2 CPUs, bit-identical to fbgemm's (engine.core.int8_avx2)";
   m.def("supported", &supported, "Whether this CPU has AVX2 and FMA (the kernels need both)");
+  m.def("threads_in_a_loop", &threads_in_a_loop, "Threads one of the kernel's loops runs on");
   m.def("pack", &pack, "Pack an int8 (out, in) weight into 8x4 blocks; returns (blocks, rowsum)");
   m.def("linear", &linear, "Dynamic int8 Linear on packed blocks", py::arg("x"), py::arg("packed"),
         py::arg("rowsum"), py::arg("scale"), py::arg("bias"), py::arg("out_features"),

@@ -38,6 +38,19 @@ def test_the_kernel_is_built_and_runs_on_this_cpu() -> None:
     assert int8_avx2.kernel() is not None
 
 
+@needs_kernel
+def test_the_kernel_runs_on_torchs_threads() -> None:
+    # Built without OpenMP, at::parallel_for runs serially: a two-thread product on one core.
+    native = int8_avx2.kernel()
+    assert native is not None
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert native.threads_in_a_loop() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
 def _float_layer(out: int, n_in: int, bias: bool, seed: int) -> torch.nn.Linear:
     gen = torch.Generator().manual_seed(seed)
     layer = torch.nn.Linear(n_in, out, bias=bias)
