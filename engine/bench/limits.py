@@ -67,7 +67,7 @@ def measure_gemv_gbps(*, int8: bool, blocks: int = GEMV_BLOCKS, repeats: int = 5
     """GB/s of weights read by the LM's matrix-vector kernel: one row through LM-shaped layers."""
     from functools import partial
 
-    from engine.core.quantize import int8_linear
+    from engine.core.quantize import lm_int8_linear
 
     products: list[tuple[Callable[[torch.Tensor], torch.Tensor], torch.Tensor]] = []
     n_bytes = 0
@@ -76,7 +76,9 @@ def measure_gemv_gbps(*, int8: bool, blocks: int = GEMV_BLOCKS, repeats: int = 5
             # Constant values: these kernels' speed does not depend on them.
             weight = torch.full((out, n_in), 0.01)
             layer = (
-                int8_linear(weight) if int8 else partial(torch.nn.functional.linear, weight=weight)
+                lm_int8_linear(weight)
+                if int8
+                else partial(torch.nn.functional.linear, weight=weight)
             )
             products.append((layer, torch.full((1, 1, n_in), 0.5)))
             n_bytes += weight.numel() * (1 if int8 else weight.element_size())

@@ -144,7 +144,7 @@ def measure_matvec(family: str, groups: list[int], rounds: int = 7) -> list[dict
     The formats take turns, ``rounds`` times, and each keeps its fastest: on a shared machine
     a busy moment then slows every format alike."""
     from engine.core.int4 import Int4Linear, quantize_groups
-    from engine.core.quantize import int8_linear
+    from engine.core.quantize import lm_int8_linear
 
     shapes = BLOCK_SHAPES[family]
     per_block = sum(out * n_in for out, n_in in shapes)
@@ -155,7 +155,7 @@ def measure_matvec(family: str, groups: list[int], rounds: int = 7) -> list[dict
     kernel = choose_int4_kernel()
     makers: list[tuple[str, Callable[[torch.Tensor], Any], float]] = [
         ("fp32", lambda w: lambda x, w=w: nn.functional.linear(x, w), 4.0),
-        ("int8", int8_linear, 1.0),
+        ("int8", lm_int8_linear, 1.0),
     ]
     for group in groups if kernel else []:
 

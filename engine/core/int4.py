@@ -51,7 +51,7 @@ from engine.core.quantize import (
     int8_part_specs,
     int8_parts,
     layer_shape,
-    pack_int8,
+    pack_lm_int8,
 )
 
 _LOGGER = logging.getLogger(__name__)
@@ -160,7 +160,7 @@ def pack_int4_format(parts: Mapping[str, torch.Tensor], name: str) -> nn.Module:
     """Layer ``name`` of an int4 file packed for this CPU: 4-bit codes (uint8) or int8."""
     if parts[f"{name}.{WEIGHT}"].dtype == torch.uint8:
         return pack_int4(parts, name)
-    return pack_int8(parts, name)
+    return pack_lm_int8(parts, name)  # the int4 format is the LM's
 
 
 def int4_part_specs(

@@ -63,6 +63,7 @@ from engine.core.quantize import (
     install_int8_layers,
     int8_part_specs,
     int8_parts,
+    pack_lm_int8,
     replaced_float_keys,
 )
 from engine.core.transformer import store_position_rows
@@ -505,6 +506,8 @@ class _PartLoad:
             return _read(path, keys, layouts, copies=False)  # a mapping of their own
 
         pack = pack_int4_format if self.weights == "int4" else None
+        if self.weights == "int8" and self.part == "llm":
+            pack = pack_lm_int8  # the LM's decode step: the engine's own kernel where it runs
         self.packing = Int8Packing(self.int8_names, read, pack)
 
     def assign(self) -> None:

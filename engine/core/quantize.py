@@ -34,7 +34,7 @@ import torch
 from torch import nn
 from torch.ao.nn.quantized.dynamic import Linear as DynamicLinear
 
-from engine.core import qnnpack
+from engine.core import int8_avx2, qnnpack
 from engine.core.cpu import ensure_int8_engine
 
 _LOGGER = logging.getLogger(__name__)
@@ -277,6 +277,27 @@ def int8_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Int8L
         return _pack(_quantize_per_channel(weight), bias)
 
 
+def pack_lm_int8(parts: Mapping[str, torch.Tensor], name: str) -> nn.Module:
+    """An LM's int8 layer ``name`` from its plain parts: on the engine's AVX2 kernel where it
+    runs (the same products as torch's, read faster at one row: engine.core.int8_avx2), else
+    as :func:`pack_int8`."""
+    weight = parts[f"{name}.{WEIGHT}"]
+    if not int8_avx2.fits(weight.shape[1]):
+        return pack_int8(parts, name)
+    return int8_avx2.Avx2Int8Linear(weight, parts[f"{name}.{SCALE}"], parts.get(f"{name}.{BIAS}"))
+
+
+def lm_int8_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> nn.Module:
+    """One float Linear of an LM as its int8 layer (:func:`pack_lm_int8`, same recipe)."""
+    if not int8_avx2.fits(weight.shape[1]):
+        return int8_linear(weight, bias)
+    qweight = _quantize_per_channel(weight)
+    return int8_avx2.Avx2Int8Linear(qweight.int_repr(), qweight.q_per_channel_scales(), bias)
+
+
+INT8_LINEAR_TYPES = (Int8Linear, int8_avx2.Avx2Int8Linear)  # the engine's int8 Linear layers
+
+
 def install_int8_layers(model: nn.Module, layers: Mapping[str, nn.Module]) -> None:
     """Put packed int8 layers in place; a fused layer replaces the layers it stacks."""
     for name, module in layers.items():
@@ -288,22 +309,28 @@ def install_int8_layers(model: nn.Module, layers: Mapping[str, nn.Module]) -> No
             delattr(owner, source)
 
 
-def quantize_int8(model: nn.Module, names: list[str]) -> nn.Module:
+def quantize_int8(
+    model: nn.Module,
+    names: list[str],
+    pack: Callable[[Mapping[str, torch.Tensor], str], nn.Module] | None = None,
+) -> nn.Module:
     """Swap the Linear layers ``names`` of ``model`` for dynamic int8 ones, in place.
 
     The recipe of ``quantize_dynamic`` with ``per_channel_dynamic_qconfig`` (per-channel
     symmetric qint8 weights, packed for torch's quantized engine: engine.core.cpu picks one that
-    works on this CPU), through the plain parts a prepared file stores.
+    works on this CPU), through the plain parts a prepared file stores. ``pack``: how a layer is
+    packed from its parts (default :func:`pack_int8`; an LM's: :func:`pack_lm_int8`).
     """
+    pack_layer = pack or pack_int8
     for name in names:  # one layer at a time: never two float copies of the whole model
-        install_int8_layers(model, {name: pack_int8(int8_parts(model, [name]), name)})
+        install_int8_layers(model, {name: pack_layer(int8_parts(model, [name]), name)})
     _LOGGER.info("%s quantised to int8 (%d Linear layers)", type(model).__name__, len(names))
     return model
 
 
 def quantize_lm_int8(llm: nn.Module) -> nn.Module:
     """Swap the LM's block, head and text-encoder Linear layers for dynamic int8 ones, in place."""
-    return quantize_int8(llm, int8_layer_names(llm))
+    return quantize_int8(llm, int8_layer_names(llm), pack_lm_int8)
 
 
 def quantize_flow_int8(flow: nn.Module) -> nn.Module:

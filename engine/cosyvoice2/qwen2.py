@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from engine.core.hparams import ModelConfigError
-from engine.core.quantize import int8_linear
+from engine.core.quantize import lm_int8_linear
 from engine.core.transformer import KVCache
 
 CONFIG_FILE = "config.json"
@@ -441,7 +441,7 @@ def quantize_int8(model: nn.Module, names: Sequence[str]) -> nn.Module:
         weight = torch.cat([s.weight.detach() for s in sources])
         biases = [s.bias for s in sources]
         bias = None if any(b is None for b in biases) else torch.cat([b.detach() for b in biases])
-        install_int8_layer(model, name, int8_linear(weight.float(), bias))
+        install_int8_layer(model, name, lm_int8_linear(weight.float(), bias))
     return model
 
 

@@ -239,10 +239,11 @@ def test_summary_medians_bounds_and_ratios() -> None:
 @pytest.mark.parametrize("int8", [True, False])
 def test_gemv_probe_runs_the_lm_kernel(int8: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     import engine.bench.limits
+    import engine.core.int8_avx2
     import engine.core.quantize
 
     built: list[nn.Module] = []
-    real = engine.core.quantize.int8_linear
+    real = engine.core.quantize.lm_int8_linear
 
     def recording(weight: torch.Tensor, bias: torch.Tensor | None = None) -> nn.Module:
         built.append(real(weight, bias))
@@ -252,13 +253,15 @@ def test_gemv_probe_runs_the_lm_kernel(int8: bool, monkeypatch: pytest.MonkeyPat
         fn()
         return 1.0
 
-    monkeypatch.setattr(engine.core.quantize, "int8_linear", recording)
+    monkeypatch.setattr(engine.core.quantize, "lm_int8_linear", recording)
     monkeypatch.setattr(engine.bench.limits, "_best_time", one_second)
     # One decoder block's 12.6 M weights in one (pretended) second: 1 byte each in int8, 4 in fp32.
     block_bytes = (3 * 1024 * 1024 + 1024 * 1024 + 2 * 4096 * 1024) * (1 if int8 else 4)
     assert measure_gemv_gbps(int8=int8, blocks=1, repeats=1) == pytest.approx(block_bytes / 1e9)
-    # int8: the engine's int8 layer, fused q/k/v included; fp32: plain float products.
-    assert [type(m).__name__ for m in built] == (["Int8Linear"] * 4 if int8 else [])
+    # int8: the LM's int8 layer (on the engine's kernel where it runs), fused q/k/v included;
+    # fp32: plain float products.
+    lm_layer = "Avx2Int8Linear" if engine.core.int8_avx2.kernel() else "Int8Linear"
+    assert [type(m).__name__ for m in built] == ([lm_layer] * 4 if int8 else [])
 
 
 def run_bench_json(

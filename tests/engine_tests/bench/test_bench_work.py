@@ -20,8 +20,9 @@ from engine.bench.work import (
     lm_weight_bytes_per_token,
 )
 from engine.core.hift_int8 import Int8Conv, int8_conv_fast
+from engine.core.int8_avx2 import Avx2Int8Linear
 from engine.core.onednn_layers import OneDnnConv1d, onednn_conv_available
-from engine.core.quantize import quantize_lm_int8
+from engine.core.quantize import Int8Linear, quantize_lm_int8
 from engine.cosyvoice1.model_dir import load_model_dir
 
 TINY_MODEL = DATA / "tiny_model"
@@ -50,16 +51,22 @@ def test_a_float_lms_bytes_per_token_are_its_parameter_bytes() -> None:
 
 def test_an_int8_lm_is_counted_from_its_packed_tensors() -> None:
     # One byte per weight of every Linear of the blocks and the head, a float32 scale per
-    # output channel and the float32 bias; the rest (the input layer, norms, position biases)
-    # stays float32.
+    # output channel and the float32 bias (the engine's own kernel also reads an int32 weight
+    # sum per channel, every per-channel tensor padded to blocks of 8 channels); the rest (the
+    # input layer, norms, position biases) stays float32.
     float_llm = load_model_dir(TINY_MODEL).llm
+    int8 = quantize_lm_int8(copy.deepcopy(float_llm))
     by_hand = 0
-    for name, module in _read_per_token(float_llm):
-        if isinstance(module, nn.Linear) and not name.startswith("embed."):
-            by_hand += module.in_features * module.out_features + 4 * 2 * module.out_features
+    for _, module in _read_per_token(int8):
+        if isinstance(module, Avx2Int8Linear):
+            channels = -(-module.out_features // 8) * 8
+            per_channel = 4 * (3 if module.bias is not None else 2)  # rowsum, scale, bias
+            by_hand += channels * (module.in_features + per_channel)
+        elif isinstance(module, Int8Linear):
+            with_bias = module.bias() is not None
+            by_hand += module.out_features * (module.in_features + 4 * (2 if with_bias else 1))
         else:
             by_hand += sum(4 * p.numel() for p in module.parameters(recurse=False))
-    int8 = quantize_lm_int8(copy.deepcopy(float_llm))
     assert lm_weight_bytes_per_token(int8) == by_hand
     assert by_hand < lm_weight_bytes_per_token(float_llm) / 2
 

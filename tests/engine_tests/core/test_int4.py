@@ -215,17 +215,17 @@ def test_every_int4_layer_of_the_tiny_lm_is_within_its_derived_bound(
 
 
 def test_the_int4_format_keeps_the_head_and_attention_in_int8(fp32_lm: TransformerLM) -> None:
-    from torch.ao.nn.quantized.dynamic import Linear as Int8Linear
+    from engine.core.quantize import INT8_LINEAR_TYPES
 
     names = int8_layer_names(fp32_lm)
     int4_lm = quantize_lm_int4(copy.deepcopy(fp32_lm), names)
-    assert isinstance(int4_lm.llm_decoder, Int8Linear)
+    assert isinstance(int4_lm.llm_decoder, INT8_LINEAR_TYPES)
     for layer in int4_lm.llm.encoders:
-        assert isinstance(layer.self_attn.linear_qkv, Int8Linear)
-        assert isinstance(layer.self_attn.linear_out, Int8Linear)
+        assert isinstance(layer.self_attn.linear_qkv, INT8_LINEAR_TYPES)
+        assert isinstance(layer.self_attn.linear_out, INT8_LINEAR_TYPES)
         assert isinstance(layer.feed_forward.w_1, Int4Linear)  # 64 inputs: whole groups
     # 48 inputs do not split into groups of 32: int8 too
-    assert isinstance(int4_lm.text_encoder.encoders[0].feed_forward.w_1, Int8Linear)
+    assert isinstance(int4_lm.text_encoder.encoders[0].feed_forward.w_1, INT8_LINEAR_TYPES)
 
 
 @pytest.mark.parametrize("kernel", KERNELS_HERE)
@@ -323,8 +323,7 @@ def test_the_lm_weights_setting_chooses_the_int4_lm() -> None:
 
 
 def test_the_cosyvoice2_lm_loads_in_int4(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from torch.ao.nn.quantized.dynamic import Linear as Int8Linear
-
+    from engine.core.quantize import INT8_LINEAR_TYPES
     from engine.cosyvoice2.engine import CosyVoice2Engine
     from engine.cosyvoice2.model_dir import load_model_dir
 
@@ -335,9 +334,9 @@ def test_the_cosyvoice2_lm_loads_in_int4(tmp_path: Path, monkeypatch: pytest.Mon
     lm = engine.models.llm
     block = lm.backbone.layers[0]
     assert isinstance(block.mlp.gate_up_proj, Int4Linear)  # 32 inputs: whole groups
-    assert isinstance(block.mlp.down_proj, Int8Linear)  # 72 inputs: int8
-    assert isinstance(block.self_attn.qkv_proj, Int8Linear)
-    assert isinstance(lm.llm_decoder, Int8Linear)
+    assert isinstance(block.mlp.down_proj, INT8_LINEAR_TYPES)  # 72 inputs: int8
+    assert isinstance(block.self_attn.qkv_proj, INT8_LINEAR_TYPES)
+    assert isinstance(lm.llm_decoder, INT8_LINEAR_TYPES)
     # Next-token distributions of a teacher-forced prompt close to the float32 LM's.
     reference = load_model_dir(DATA / "cosyvoice2" / "tiny").llm
     ids = list(range(5, 25))

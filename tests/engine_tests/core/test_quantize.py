@@ -40,20 +40,20 @@ def test_int8_lm_stays_close(models, case: str) -> None:
 
 
 def test_the_decoder_and_text_encoder_blocks_are_quantised(models) -> None:
-    from torch.ao.nn.quantized.dynamic import Linear as Int8Linear
+    from engine.core.quantize import INT8_LINEAR_TYPES
 
     _, int8 = models
-    assert isinstance(int8.llm_decoder, Int8Linear)
+    assert isinstance(int8.llm_decoder, INT8_LINEAR_TYPES)
     for layer in int8.llm.encoders:
         # q, k and v are one int8 layer; the three float projections are gone.
-        assert isinstance(layer.self_attn.linear_qkv, Int8Linear)
+        assert isinstance(layer.self_attn.linear_qkv, INT8_LINEAR_TYPES)
         assert not hasattr(layer.self_attn, "linear_q")
-        assert isinstance(layer.feed_forward.w_1, Int8Linear)
+        assert isinstance(layer.feed_forward.w_1, INT8_LINEAR_TYPES)
         assert type(layer.self_attn.linear_pos) is torch.nn.Linear  # folded into a float table
     # The text encoder's blocks too (memory), but not its input layer or the affine after it.
     for layer in int8.text_encoder.encoders:
-        assert isinstance(layer.self_attn.linear_qkv, Int8Linear)
-        assert isinstance(layer.feed_forward.w_2, Int8Linear)
+        assert isinstance(layer.self_attn.linear_qkv, INT8_LINEAR_TYPES)
+        assert isinstance(layer.feed_forward.w_2, INT8_LINEAR_TYPES)
     assert type(int8.text_encoder.embed.out[0]) is torch.nn.Linear
     assert type(int8.text_encoder_affine_layer) is torch.nn.Linear
 

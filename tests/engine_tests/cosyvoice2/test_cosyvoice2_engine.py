@@ -21,7 +21,7 @@ from torch import nn
 
 from engine.__main__ import main
 from engine.core.prepared import PREPARED_DIR, PreparedLoad, WeightFormats, prepare_model
-from engine.core.quantize import Int8Linear
+from engine.core.quantize import INT8_LINEAR_TYPES
 from engine.core.types import (
     LOW_LATENCY_SCHEDULE,
     OFFICIAL_SCHEDULE,
@@ -102,8 +102,8 @@ def test_prepared_int8_lm_equals_quantising_the_float_lm(
 ) -> None:
     models = _loaded(model, WeightFormats(llm="int8"))
     block = models.llm.backbone.layers[0]
-    assert isinstance(block.self_attn.qkv_proj, Int8Linear)
-    assert isinstance(block.mlp.gate_up_proj, Int8Linear)
+    assert isinstance(block.self_attn.qkv_proj, INT8_LINEAR_TYPES)
+    assert isinstance(block.mlp.gate_up_proj, INT8_LINEAR_TYPES)
     assert not hasattr(block.self_attn, "q_proj") and not hasattr(block.mlp, "up_proj")
     quantised = copy.deepcopy(reference)
     quantised.llm.quantize_int8()

@@ -13,7 +13,7 @@ from conftest import TESTS
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from engine.core.hparams import ModelConfigError, TaggedNode, read_model_yaml
-from engine.core.quantize import Int8Linear, int8_linear, next_token_kl
+from engine.core.quantize import INT8_LINEAR_TYPES, int8_linear, next_token_kl
 from engine.core.sampling import argmax_draw, nucleus_candidates, ras_sampling
 from engine.core.types import ModelLoadError, SynthesisCancelled
 from engine.cosyvoice2.lm import (
@@ -276,7 +276,7 @@ def test_int8_lm_stays_close(model: CosyVoice2LM, fx: dict) -> None:
     names = model.int8_layer_names()
     assert len(names) == 4 * model.args.backbone.num_hidden_layers + 1
     for name in names:
-        assert isinstance(int8.get_submodule(name), Int8Linear), name
+        assert isinstance(int8.get_submodule(name), INT8_LINEAR_TYPES), name
     block = int8.backbone.layers[0]
     for float_layer in ("q_proj", "k_proj", "v_proj"):
         assert not hasattr(block.self_attn, float_layer)

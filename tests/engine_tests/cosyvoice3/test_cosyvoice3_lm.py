@@ -12,7 +12,7 @@ import torch
 from conftest import TESTS
 
 from engine.core.hparams import ModelConfigError, read_model_yaml
-from engine.core.quantize import Int8Linear, next_token_kl
+from engine.core.quantize import INT8_LINEAR_TYPES, next_token_kl
 from engine.core.sampling import argmax_draw, nucleus_candidates, ras_sampling
 from engine.core.types import ModelLoadError
 from engine.cosyvoice2.qwen2 import Qwen2Config
@@ -234,7 +234,7 @@ def test_int8_lm_stays_close(model: CosyVoice3LM, fx: dict) -> None:
     names = model.int8_layer_names()
     assert len(names) == 4 * model.args.backbone.num_hidden_layers + 1
     for name in names:
-        assert isinstance(int8.get_submodule(name), Int8Linear), name
+        assert isinstance(int8.get_submodule(name), INT8_LINEAR_TYPES), name
     for case in CASES:
         reference = torch.cat([o.logits for o in _teacher_forced(model, fx, case)[0]])
         candidate = torch.cat([o.logits for o in _teacher_forced(int8, fx, case)[0]])
@@ -246,7 +246,7 @@ def test_int8_lm_stays_close(model: CosyVoice3LM, fx: dict) -> None:
 
 def test_int8_load_option(state: dict) -> None:
     int8 = load_cosyvoice3_lm(state, load_cosyvoice3_lm_args(TINY), int8=True)
-    assert isinstance(int8.llm_decoder, Int8Linear)
+    assert isinstance(int8.llm_decoder, INT8_LINEAR_TYPES)
 
 
 # --- loading ------------------------------------------------------------------------------------

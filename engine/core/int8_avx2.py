@@ -1,0 +1,90 @@
+"""The LM's int8 layers on the engine's own AVX2 kernel (engine/core/native/int8_avx2.cpp).
+
+A decode step multiplies one row of activations by every LM weight once per token. torch's
+fbgemm kernel reads the weights at about half the bandwidth a core can stream at one row; this
+kernel reads them in blocks laid out for that case and computes fbgemm's arithmetic bit for bit
+(the same activation quantisation, integer sums and float epilogue), so an LM gives the same
+tokens on either kernel. Prompt and text rows (many at once) go through the same layer.
+docs/dev/int8-kernel.md has the design and its measurements.
+
+Built by setup.py on x86-64 only; elsewhere (aarch64), or on a CPU without AVX2 and FMA, the
+engine keeps torch's own int8 layer (engine.core.quantize.Int8Linear).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from types import ModuleType
+
+import torch
+from torch import nn
+
+_LOGGER = logging.getLogger(__name__)
+
+
+@functools.cache
+def kernel() -> ModuleType | None:
+    """The compiled kernel module if it is built and this CPU can run it, else None."""
+    try:
+        from engine.core import _int8_avx2  # type: ignore[attr-defined]
+    except ImportError as err:
+        _LOGGER.debug("the engine's int8 kernel is not built here: %s", err)
+        return None
+    if not _int8_avx2.supported():
+        _LOGGER.debug("the engine's int8 kernel needs AVX2 and FMA; using torch's")
+        return None
+    module: ModuleType = _int8_avx2
+    return module
+
+
+def fits(in_features: int) -> bool:
+    """Whether a layer with ``in_features`` inputs can run on the kernel here (4 inputs make
+    one step of its blocks)."""
+    return kernel() is not None and in_features % 4 == 0
+
+
+def _padded(values: torch.Tensor, size: int) -> torch.Tensor:
+    out = torch.zeros(size, dtype=torch.float32)
+    out[: values.numel()] = values.float()
+    return out
+
+
+class Avx2Int8Linear(nn.Module):
+    """A per-channel symmetric int8 Linear with dynamically quantised activations, as
+    ``Int8Linear``, on the engine's kernel.
+
+    Holds the weight re-laid in blocks of 8 output channels (``blocks``), each channel's weight
+    sum (``rowsum``, for the activations' zero point), its float32 scale and the bias, the last
+    three padded to whole blocks.
+    """
+
+    def __init__(self, weight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        native = kernel()
+        if native is None or not fits(weight.shape[1]):
+            raise RuntimeError("the engine's int8 kernel cannot run this layer here")
+        self.out_features, self.in_features = weight.shape
+        blocks, rowsum = native.pack(weight)
+        self._linear = native.linear
+        self.blocks: torch.Tensor
+        self.register_buffer("blocks", blocks)
+        self.register_buffer("rowsum", rowsum)
+        # float32 scales, as fbgemm keeps them: its products are the reference, bit for bit.
+        self.register_buffer("scale", _padded(scales, rowsum.numel()))
+        padded_bias = None if bias is None else _padded(bias.detach(), rowsum.numel())
+        self.register_buffer("bias", padded_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._linear(
+            x, self.blocks, self.rowsum, self.scale, self.bias, self.out_features, False
+        )
+
+    def forward_relu(self, x: torch.Tensor) -> torch.Tensor:
+        """relu(forward(x)) in one kernel call."""
+        return self._linear(
+            x, self.blocks, self.rowsum, self.scale, self.bias, self.out_features, True
+        )
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}"
