@@ -20,7 +20,7 @@ TINY = DATA / "tiny"
 CASES = ("zero_shot", "cross_lingual", "instruct2", "prompt_multiple_of_15")
 # Four times the official code's own spread (tests/data/cosyvoice3/README.md, tolerance table).
 ATOL_LOGITS = 5.4e-5  # logits and log-probs: 1.34e-5 (1 thread)
-ATOL_HIDDEN = 8.4e-6  # hidden states and the cache: 2.1e-6 (with the LM cases)
+ATOL_HIDDEN = 1.1e-5  # hidden states and the cache: 2.53e-6 (the LM cases on emulated Arm)
 SOS, EOS, FILL = 6561, 6562, 6564
 
 

@@ -38,9 +38,9 @@ V2_TINY = TESTS / "data" / "cosyvoice2" / "tiny"
 CASES = ("zero_shot", "cross_lingual", "instruct2")
 SEEDS = (11, 12, 13)
 # Four times the official code's own spread (tests/data/cosyvoice3/README.md, tolerance table).
-ATOL_LOGITS = 3.1e-5  # logits and log-probs: 7.6e-6
-ATOL_HIDDEN = 8.4e-6  # hidden states and the cache: 2.1e-6
-NUCLEUS_PROBS_ATOL = 3.4e-6  # softmax of the stored logits: 8.3e-7
+ATOL_LOGITS = 5.4e-5  # logits and log-probs: 1.34e-5 (emulated Arm; x86 7.6e-6)
+ATOL_HIDDEN = 1.1e-5  # hidden states and the cache: 2.53e-6 (emulated Arm; x86 2.1e-6)
+NUCLEUS_PROBS_ATOL = 7.9e-6  # softmax of the stored logits: 1.97e-6 (emulated Arm; x86 8.3e-7)
 # KL(fp32 || int8) of the next-token distribution over the teacher-forced steps; the tiny model
 # measures mean 6e-3…7.6e-3 / max 3.5e-2 nats per case (its 32-wide layers quantise coarsely);
 # the bounds are CosyVoice2's, whose tiny model measures about the same.
