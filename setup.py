@@ -29,7 +29,7 @@ def _native() -> dict:
         return {}
 
     kernel = CppExtension(
-        "engine.core._int8_avx2",
+        "engine.core.native.int8_avx2",
         ["engine/core/native/int8_avx2.cpp"],
         # -fopenmp: at::parallel_for is OpenMP in torch's headers (serial without it); the
         # libgomp it links is the one torch has already loaded (same soname).

@@ -27,14 +27,14 @@ _LOGGER = logging.getLogger(__name__)
 def kernel() -> ModuleType | None:
     """The compiled kernel module if it is built and this CPU can run it, else None."""
     try:
-        from engine.core import _int8_avx2  # type: ignore[attr-defined]
+        from engine.core.native import int8_avx2 as native  # type: ignore[attr-defined]
     except ImportError as err:
         _LOGGER.debug("the engine's int8 kernel is not built here: %s", err)
         return None
-    if not _int8_avx2.supported():
+    if not native.supported():
         _LOGGER.debug("the engine's int8 kernel needs AVX2 and FMA; using torch's")
         return None
-    module: ModuleType = _int8_avx2
+    module: ModuleType = native
     return module
 
 
