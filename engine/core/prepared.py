@@ -84,6 +84,13 @@ WEIGHT_FORMATS = {
 }
 # The formats whose quantised layers are the int8 format's layers, in their own parts.
 QUANTISED = ("int8", "int4")
+# How a part's quantised layers are packed at load, where not as pack_int8 (torch's int8 layer):
+# the LM's on the engine's own kernel where it runs (its decode step reads one row), the int4
+# format's in 4 bits where it can.
+PACKERS: dict[tuple[str, str], Callable[[Mapping[str, torch.Tensor], str], nn.Module]] = {
+    ("llm", "int8"): pack_lm_int8,
+    ("llm", "int4"): pack_int4_format,
+}
 # Tensors up to this size, and every 1-D one, are read as copies rather than mapped (see above).
 _COPY_BYTES = 64 << 10
 
@@ -505,9 +512,7 @@ class _PartLoad:
             keys = [key for name in names for key in parts_of[name]]
             return _read(path, keys, layouts, copies=False)  # a mapping of their own
 
-        pack = pack_int4_format if self.weights == "int4" else None
-        if self.weights == "int8" and self.part == "llm":
-            pack = pack_lm_int8  # the LM's decode step: the engine's own kernel where it runs
+        pack = PACKERS.get((self.part, self.weights))
         self.packing = Int8Packing(self.int8_names, read, pack)
 
     def assign(self) -> None:

@@ -265,15 +265,20 @@ def test_gemv_probe_runs_the_lm_kernel(int8: bool, monkeypatch: pytest.MonkeyPat
 
 
 def run_bench_json(
-    *args: str, timeout: float, env: dict[str, str] | None = None, module: str = "engine.bench"
+    *args: str,
+    timeout: float,
+    env: dict[str, str] | None = None,
+    module: str = "engine.bench",
+    model_dir: Path = TINY_MODEL,
 ) -> dict:
-    """``python -m MODULE --model-dir <tiny> ARGS --json`` in a subprocess; its JSON."""
+    """``python -m MODULE --model-dir MODEL_DIR ARGS --json`` in a subprocess (the tiny
+    CosyVoice-300M by default); its JSON."""
     command = [
         sys.executable,
         "-m",
         module,
         "--model-dir",
-        str(TINY_MODEL),
+        str(model_dir),
         *args,
         "--json",
     ]

@@ -6,14 +6,12 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from conftest import ROOT
-from test_bench import REQUIRED_FIELDS
+from test_bench import REQUIRED_FIELDS, run_bench_json
 
 from engine.bench.synthetic import (
     COSYVOICE2_STOP_CLASSES,
@@ -83,13 +81,8 @@ def test_benchmark_runs_on_the_tiny_cosyvoice2(tmp_path: Path) -> None:
     reported for every chunk."""
     model_dir = tmp_path / "CosyVoice2-0.5B"
     shutil.copytree(TINY, model_dir)
-    command = [sys.executable, "-m", "engine.bench", "--model-dir", str(model_dir)]
-    command += ["--repeats", "1", "--threads", "1", "--json"]  # the LM in int8, as served
-    done = subprocess.run(
-        command, cwd=ROOT, capture_output=True, text=True, timeout=600, check=False
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    result = json.loads(done.stdout)
+    # The LM in int8, as served.
+    result = run_bench_json("--repeats", "1", "--threads", "1", timeout=600, model_dir=model_dir)
     missing = [key for key in REQUIRED_FIELDS if result.get(key) is None]
     assert not missing, f"fields missing or null: {missing}"
     assert result["tokens"] == 200 and result["audio_s"] == pytest.approx(8.0)

@@ -7,14 +7,12 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, TESTS
-from test_bench import REQUIRED_FIELDS
+from conftest import TESTS
+from test_bench import REQUIRED_FIELDS, run_bench_json
 
 from engine.bench.synthetic import COSYVOICE3_FILES, ensure_synthetic_cosyvoice3, family_specs
 from engine.bench.timers import FIRST_AUDIO_PARTS
@@ -68,14 +66,12 @@ def test_benchmark_reports_every_stage_of_the_int8_tiny_cosyvoice3(tmp_path: Pat
     measured against the float32 models."""
     model_dir = tmp_path / "Fun-CosyVoice3-0.5B"
     shutil.copytree(TINY, model_dir)
-    command = [sys.executable, "-m", "engine.bench", "--model-dir", str(model_dir)]
-    command += ["--repeats", "1", "--threads", "1", "--tokens", "40", "--json"]
-    command += ["--flow-weights", "int8", "--hift-weights", "int8"]
-    done = subprocess.run(
-        command, cwd=ROOT, capture_output=True, text=True, timeout=600, check=False
+    result = run_bench_json(
+        *("--repeats", "1", "--threads", "1", "--tokens", "40"),
+        *("--flow-weights", "int8", "--hift-weights", "int8"),
+        timeout=600,
+        model_dir=model_dir,
     )
-    assert done.returncode == 0, done.stderr[-3000:]
-    result = json.loads(done.stdout)
     missing = [key for key in REQUIRED_FIELDS if result.get(key) is None]
     assert not missing, f"fields missing or null: {missing}"
     assert (result["flow_weights"], result["hift_weights"]) == ("int8", "int8")
