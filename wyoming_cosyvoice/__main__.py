@@ -70,7 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
     add(
         "--profile",
         help="auto (default: per request, the most exact profile this machine speaks in time) "
-        "or a settings profile from config.yaml: realtime, fast, fastest, quality, batch, ...",
+        "or a settings profile from config.yaml: realtime, fast, faster, fastest, quality, batch, "
+        "...",
     )
     add(
         "--lm-weights",

@@ -42,6 +42,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[2]
 COUNTS = ROOT / "script" / "board-estimates.json"
 DOCS = ROOT / "addon" / "DOCS.md"
+# A profile's settings that change its work: a recorded run stands for the profile while they hold.
+RECORDED_SETTINGS = ("n_timesteps", "cfg_rate", "solver", "first_hop", "lm_weights", "flow_weights")
 BEGIN = "<!-- board-estimates: written by script/board-estimates from its .json; edit those -->"
 END = "<!-- /board-estimates -->"
 PROFILES = ("realtime", "fast", "fastest")
@@ -128,10 +130,7 @@ def record(result: dict[str, Any]) -> dict[str, Any]:
     if len(parts) != len(COMPUTE_PARTS) + 1:
         raise ValueError(f"{result.get('model_dir')}: the result has no first-audio parts")
     return {
-        "settings": {
-            key: result["profile_settings"][key]
-            for key in ("n_timesteps", "cfg_rate", "first_hop", "lm_weights", "flow_weights")
-        },
+        "settings": {key: result["profile_settings"][key] for key in RECORDED_SETTINGS},
         "hift_ran": result["hift_weights"],
         "threads": result["threads"],
         "mem_bw_gbps": result["mem_bw_gbps"],

@@ -1,7 +1,7 @@
 """The ``auto`` profile: per request, the most exact settings this machine speaks in time.
 
 The server runs ``auto`` with every weight format its fixed profiles need loaded (settings.yaml
-``auto.profiles``, the most exact first: realtime, fast, fastest). Per request it predicts,
+``auto.profiles``, the most exact first: realtime, fast, faster, fastest). Per request it predicts,
 from this machine's measured cost of each stage (:mod:`.stage_costs`) and the text's length,
 when each profile's first audio would play and whether playback would stall, and picks:
 

@@ -123,6 +123,7 @@ def test_a_recorded_result_keeps_what_the_estimates_need() -> None:
         "profile_settings": {
             "n_timesteps": 4,
             "cfg_rate": 0.0,
+            "solver": "euler",
             "first_hop": 21,
             "lm_weights": "int8",
             "flow_weights": "int8",
@@ -149,7 +150,8 @@ def test_the_add_on_docs_say_what_the_counts_give() -> None:
 
 
 def test_every_recorded_profile_is_the_servers_profile_of_today() -> None:
-    # A profile whose steps, guidance, first chunk or formats changed must be measured again.
+    # A profile whose steps, guidance, solver, first chunk or formats changed must be measured
+    # again.
     counts = json.loads(COUNTS.read_text(encoding="utf-8"))
     assert set(counts["families"]) == set(FAMILIES)
     profiles = server_profiles()
@@ -160,6 +162,7 @@ def test_every_recorded_profile_is_the_servers_profile_of_today() -> None:
             today = {
                 "n_timesteps": profile.n_timesteps,
                 "cfg_rate": profile.cfg_rate,
+                "solver": profile.solver,
                 "first_hop": profile.schedule.first_hop,
                 "lm_weights": profile.lm_weights,
                 "flow_weights": profile.flow_weights,

@@ -50,8 +50,8 @@ from wyoming_cosyvoice.config import (
 )
 
 CONFIG = load_config(None)
-CANDIDATES = CONFIG.auto_candidates  # realtime, fast, fastest
-REALTIME, FAST, FASTEST = CANDIDATES
+CANDIDATES = CONFIG.auto_candidates  # realtime, fast, faster, fastest
+REALTIME, FAST, FASTER, FASTEST = CANDIDATES
 
 
 def costs(scale: float = 1.0, cores: int = 2, **changes: Any) -> StageCosts:
@@ -78,10 +78,11 @@ def choose(speech_s: float, stage_costs: StageCosts | None, target_s: float = 1.
 
 def test_the_prediction_reproduces_the_reference_machines_first_audio() -> None:
     """With the stage costs measured on the reference machine, the first audio it predicts
-    is the one the benchmark measured there: realtime 1.89 s, fastest 0.83 s."""
+    is the one the benchmark measured there: realtime 1.89 s, and 0.83 s for the one Heun step
+    with guidance that fastest then took (two flow evaluations)."""
     n_tokens = 400
     realtime = predict(REALTIME, costs(), n_tokens, V1_GEOMETRY)
-    fastest = predict(FASTEST, costs(), n_tokens, V1_GEOMETRY)
+    fastest = predict(FASTER, costs(), n_tokens, V1_GEOMETRY)
     assert realtime.first_audio_s == pytest.approx(1.89, abs=0.05)
     assert fastest.first_audio_s == pytest.approx(0.83, abs=0.05)
     # Slower than real time: the 8 s answer pauses, realtime's far more than fastest's.
@@ -429,7 +430,7 @@ def test_a_fast_machine_gets_the_exact_profile() -> None:
     choice = choose(3.0, costs(scale=0.1))
     assert choice.profile.name == "realtime"
     assert "within 1.5 s and no stall" in choice.reason
-    assert set(choice.predictions) == {"realtime", "fast", "fastest"}
+    assert set(choice.predictions) == {"realtime", "fast", "faster", "fastest"}
 
 
 def test_realtime_is_passed_over_when_its_first_audio_is_late() -> None:
@@ -459,10 +460,11 @@ def test_when_nothing_plays_through_the_least_stalling_in_time_wins() -> None:
 
 
 def test_stalling_alike_the_more_exact_wins() -> None:
-    """A 1 s answer on the reference machine: fast and fastest both wait 0.18 s."""
+    """A 1 s answer on the reference machine: fast waits 0.18 s, fastest 0.12 s; closer than
+    STALL_TOLERANCE_S, so they stall alike."""
     choice = choose(1.0, costs())
     stalls = [choice.predictions[name].stall_s for name in ("fast", "fastest")]
-    assert stalls == pytest.approx([0.18, 0.18], abs=0.01)
+    assert stalls == pytest.approx([0.18, 0.12], abs=0.01)
     assert choice.profile.name == "fast"
 
 
@@ -588,7 +590,7 @@ def test_a_busy_box_makes_auto_choose_a_cheaper_profile() -> None:
 def test_auto_is_the_default_and_loads_every_format_it_chooses_from() -> None:
     assert CONFIG.profile.name == AUTO_PROFILE and CONFIG.auto is not None
     assert CONFIG.auto.first_audio_s == 1.5
-    assert [p.name for p in CANDIDATES] == ["realtime", "fast", "fastest"]
+    assert [p.name for p in CANDIDATES] == ["realtime", "fast", "faster", "fastest"]
     weights = CONFIG.load.weights
     assert (weights.flow, weights.hift, weights.extra) == (
         "fp32",
@@ -597,7 +599,15 @@ def test_auto_is_the_default_and_loads_every_format_it_chooses_from() -> None:
     )
     # Until it has chosen it runs the most exact one's settings.
     assert replace(CONFIG.profile, name="realtime", streaming=True) == REALTIME
-    assert CONFIG.servable_profiles == ["auto", "realtime", "fast", "fastest", "quality", "batch"]
+    assert CONFIG.servable_profiles == [
+        "auto",
+        "realtime",
+        "fast",
+        "faster",
+        "fastest",
+        "quality",
+        "batch",
+    ]
     assert CONFIG.request_profile("fastest").name == "fastest"
     # A fixed profile loads only its own formats and cannot be asked for auto.
     fixed = load_config(None, [("server.profile", "fast")])
@@ -810,7 +820,12 @@ def test_a_profile_that_cannot_start_in_time_lets_go_of_its_primed_voice(
             return made
 
     engine = asyncio.run(main())
-    assert engine.primed == [(10, 0.7, "fp32"), (5, 0.7, "int8"), (1, 0.7, "int8")]
+    assert engine.primed == [
+        (10, 0.7, "fp32"),
+        (5, 0.7, "int8"),
+        (1, 0.7, "int8"),
+        (1, 0.7, "int8"),
+    ]
     assert engine.let_go == let_go
 
 

@@ -48,7 +48,7 @@ def test_the_profiles_are_the_server_configs(tmp_path: Path) -> None:
     assert exact_int8.source.endswith("config.yaml")
     fastest = server_profiles()["fastest"]  # the repository's own
     assert (fastest.n_timesteps, fastest.cfg_rate, fastest.flow_weights) == (1, 0.7, "int8")
-    assert fastest.solver == "heun"
+    assert fastest.solver == "euler"
 
 
 def test_the_engines_own_profiles_are_the_servers_of_those_names() -> None:

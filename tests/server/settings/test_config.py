@@ -263,6 +263,7 @@ def test_a_request_may_name_only_a_profile_whose_weights_are_loaded() -> None:
         realtime.request_profile("turbo")
     assert load_config(None, [("server.profile", "fastest")]).servable_profiles == [
         "fast",
+        "faster",
         "fastest",
     ]
 
@@ -282,6 +283,7 @@ def test_exact_profiles_keep_the_float_flow_and_fast_ones_use_int8() -> None:
     assert weights == {
         "realtime": "fp32",
         "fast": "int8",
+        "faster": "int8",
         "fastest": "int8",
         "quality": "fp32",
         "batch": "fp32",
@@ -294,6 +296,7 @@ def test_only_the_fast_profiles_run_an_int8_hift() -> None:
     assert weights == {
         "realtime": "fp32",
         "fast": "int8",
+        "faster": "int8",
         "fastest": "int8",
         "quality": "fp32",
         "batch": "fp32",
@@ -308,6 +311,7 @@ def test_only_the_fast_profiles_run_an_int8_hift() -> None:
     [
         ("realtime", False, False),
         ("fast", True, True),
+        ("faster", True, True),
         ("fastest", True, True),
         ("batch", False, False),
     ],

@@ -219,7 +219,8 @@ def test_auto_measured_every_loaded_format_and_chooses_per_request(
     assert reply.error() is None and reply.samples == SAMPLES
     with httpx.Client(base_url=server.url, timeout=120) as client:
         auto = client.get("/health").json()["auto"]
-    assert auto["last_choice"]["profile"] in auto["profiles"] == ["realtime", "fast", "fastest"]
+    profiles = ["realtime", "fast", "faster", "fastest"]
+    assert auto["last_choice"]["profile"] in auto["profiles"] == profiles
 
 
 # --- instructions and the inline tags ---------------------------------------------------------
@@ -453,7 +454,7 @@ def test_the_default_voice_is_primed_for_the_server_profile(wy: SimpleNamespace)
     engine = run(start())
     ((warmed_first, options),) = engine.primed
     assert warmed_first and options.speaker is None  # after the warm-up, the default voice
-    assert (options.n_timesteps, options.cfg_rate, options.solver) == (1, 0.7, "heun")  # fastest's
+    assert (options.n_timesteps, options.cfg_rate, options.solver) == (1, 0.7, "euler")  # fastest's
 
 
 def test_the_auto_profile_primes_the_default_voice_for_each_profile_it_chooses_from(
@@ -477,9 +478,14 @@ def test_the_auto_profile_primes_the_default_voice_for_each_profile_it_chooses_f
             return srv.engines[0]
 
     engine = run(start())
-    # realtime, fast, fastest: each one's flow steps, guidance and weights
-    settings = [(o.n_timesteps, o.cfg_rate, o.flow_weights) for o in engine.primed]
-    assert settings == [(10, 0.7, "fp32"), (5, 0.7, "int8"), (1, 0.7, "int8")]
+    # realtime, fast, faster, fastest: each one's flow steps, solver, guidance and weights
+    settings = [(o.n_timesteps, o.solver, o.cfg_rate, o.flow_weights) for o in engine.primed]
+    assert settings == [
+        (10, "euler", 0.7, "fp32"),
+        (5, "euler", 0.7, "int8"),
+        (1, "heun", 0.7, "int8"),
+        (1, "euler", 0.7, "int8"),
+    ]
 
 
 # --- a streamed sentence spoken while it arrives ----------------------------------------------
