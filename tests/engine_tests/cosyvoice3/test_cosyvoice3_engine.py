@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import torch
 from conftest import TESTS
+from growing_speech import speak_while_arriving
 from torch import Tensor
 
 from engine.core.prepared import PREPARED_DIR
@@ -251,15 +252,8 @@ def test_text_still_arriving_is_read_by_the_v3_bistream_session(
     text = TextFeed("Hello there, this is a")
     full = "Hello there, this is a sentence that keeps coming."
 
-    def finish_once_read() -> None:
-        started.wait(60)  # bounded: without a session the answer still ends
-        text.finish(full)
-
-    finisher = threading.Thread(target=finish_once_read)
-    finisher.start()
     options = SynthesisOptions(speaker="prompt37", stream=True, seed=0, force_tokens=30)
-    chunks = list(fresh.synthesize_growing(text, options))
-    finisher.join()
+    chunks = speak_while_arriving(fresh, text, full, started, options)
     system = fresh.frontend.system_prompt_ids()
     assert made and made[0][: len(system)] == system
     assert all(bool(torch.isfinite(torch.from_numpy(c.samples)).all()) for c in chunks)

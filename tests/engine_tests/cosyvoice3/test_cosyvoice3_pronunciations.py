@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import torch
 from conftest import TESTS
+from growing_speech import speak_while_arriving
 
 import engine.cosyvoice3.engine as engine_module
 from engine.core.prepared import PREPARED_DIR
@@ -128,15 +129,8 @@ def test_tokens_reach_the_lm_while_the_sentence_arrives(
     text = TextFeed(so_far)
     full = so_far + " off."
 
-    def finish_once_read() -> None:
-        started.wait(60)  # bounded: without a session the answer still ends
-        text.finish(full)
-
-    finisher = threading.Thread(target=finish_once_read)
-    finisher.start()
     options = SynthesisOptions(speaker="v", stream=True, seed=0, force_tokens=30)
-    list(engine.synthesize_growing(text, options))
-    finisher.join()
+    speak_while_arriving(engine, text, full, started, options)
     assert started.is_set()
     assert embedded.holds(_ids(engine, PHONES))
     assert not embedded.holds(engine.frontend.tokenizer.encode(" Siobhan"))
