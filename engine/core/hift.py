@@ -227,10 +227,12 @@ class ResBlock(nn.Module):
         return x
 
 
-def _conv_of_snake(conv: nn.Module, snake: Snake, x: Tensor) -> Tensor:
+def _conv_of_snake(conv: nn.Module, snake: nn.Module, x: Tensor) -> Tensor:
     """conv(snake(x)); an int8 convolution takes the Snake into its activation's quantisation
     (:meth:`engine.core.hift_int8.Int8Conv.after_snake`)."""
-    return conv.after_snake(snake, x) if isinstance(conv, Int8Conv) else conv(snake(x))
+    if isinstance(conv, Int8Conv):
+        return conv.after_snake(cast(Snake, snake), x)
+    return conv(snake(x))
 
 
 class F0Predictor(nn.Module):

@@ -42,7 +42,7 @@ needs_int8_here = pytest.mark.skipif(
 )
 
 
-def _tiny(family: str) -> tuple[HiFTGenerator, Tensor, MelSpec]:
+def tiny_vocoder(family: str) -> tuple[HiFTGenerator, Tensor, MelSpec]:
     if family == "v3":
         from engine.cosyvoice3.model_dir import read_args, read_part
 
@@ -111,7 +111,7 @@ def test_a_causal_int8_conv_pads_on_the_left_as_its_float_conv() -> None:
 
 
 def test_only_the_residual_blocks_convolutions_turn_int8() -> None:
-    model, _, _ = _tiny("v2")
+    model, _, _ = tiny_vocoder("v2")
     n_float = sum(isinstance(m, CLConv1d) for m in model.modules())
     model.use_int8()
     int8 = [m for m in model.modules() if isinstance(m, Int8Conv)]
@@ -126,7 +126,7 @@ def test_only_the_residual_blocks_convolutions_turn_int8() -> None:
 @needs_int8_here
 @pytest.mark.parametrize(("family", "bound"), [("v1", 0.04), ("v2", 0.02), ("v3", 0.018)])
 def test_the_int8_hift_stays_within_its_bound_of_float32(family: str, bound: float) -> None:
-    exact, mel, spec = _tiny(family)
+    exact, mel, spec = tiny_vocoder(family)
     approx = copy.deepcopy(exact)
     approx.use_int8()
 
