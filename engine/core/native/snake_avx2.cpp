@@ -164,12 +164,13 @@ Snake prepare(const torch::Tensor& x_in, const torch::Tensor& alpha_in) {
                   x_in.size(2) == 1,
               "a float32 (1, C, 1, L) activation");
   TORCH_CHECK(alpha_in.numel() == x_in.size(1), "one alpha per channel");
+  TORCH_CHECK(alpha_in.scalar_type() == torch::kFloat32 && alpha_in.is_contiguous(),
+              "float32 alphas");
   Snake s;
   s.x = x_in.contiguous(at::MemoryFormat::ChannelsLast);
   s.channels = x_in.size(1);
   s.steps = x_in.size(3);
-  const torch::Tensor alpha = alpha_in.detach().to(torch::kFloat32).contiguous();
-  const float* a = alpha.data_ptr<float>();
+  const float* a = alpha_in.data_ptr<float>();  // read only: no autograd view needed
   s.alpha.assign(a, a + s.channels);
   s.inverse.resize(s.channels);
   // As torch computes 1.0 / (alpha + 1e-9) on float32: the sum, then the reciprocal, rounded.
