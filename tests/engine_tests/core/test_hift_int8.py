@@ -14,9 +14,9 @@ ATEN_CPU_CAPABILITY=default and avx2, ONEDNN_MAX_CPU_ISA=SSE41 and the default A
 | v3 tiny (causal), ``whole`` | 0.00931 | 0.01075–0.01077 | 0.018 |
 | v3 tiny (causal), ``stream`` | 0.00846–0.00874 | 0.01021–0.01032 | 0.018 |
 
-The bound is 1.6× the deviation (its spread across paths is ≈ 3e-4). The same figures held to
-1e-5 on the engine's Snake kernel and on the torch path (test_snake_avx2.py). With 8-bit weights the
-AVX2 kernels saturate and the same cases measured 0.053 and 0.060: over both bounds.
+The bound is 1.6× the deviation (its spread across paths is ≈ 3e-4). The whole-mel figures held
+to 1e-5 on the engine's Snake kernel and on the torch path (test_snake_avx2.py). With 8-bit
+weights the AVX2 kernels saturate and the same cases measured 0.053 and 0.060: over both bounds.
 """
 
 from __future__ import annotations
