@@ -27,7 +27,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from engine.core.hift_int8 import Int8Conv
 from engine.core.hparams import HiFTArgs
+from engine.core.snake import Snake
 
 _PER_SAMPLE_PHASE_RATE = 22050
 # float32 constants exactly as the reference computes them (python doubles rounded to float32).
@@ -186,20 +188,6 @@ def _to_cl(x: Tensor) -> Tensor:
     return x.unsqueeze(2).contiguous(memory_format=torch.channels_last)
 
 
-class Snake(nn.Module):
-    """x + sin²(αx)/α per channel, with a linear-scale α (on (1, C, 1, L) tensors)."""
-
-    def __init__(self, channels: int) -> None:
-        super().__init__()
-        self.alpha = nn.Parameter(torch.ones(channels))
-
-    def forward(self, x: Tensor) -> Tensor:
-        alpha = self.alpha.view(1, -1, 1, 1)
-        t = x * alpha
-        t.sin_().square_()  # in place: one temporary instead of three
-        return torch.addcmul(x, t, 1.0 / (alpha + 1e-9))
-
-
 class ResBlock(nn.Module):
     """Three (Snake → dilated conv → Snake → conv) residual units sharing one kernel size.
 
@@ -235,8 +223,16 @@ class ResBlock(nn.Module):
             self.convs1, self.convs2, self.activations1, self.activations2, strict=True
         ):
             # The conv output is fresh, so accumulate into it; x itself may be shared.
-            x = c2(a2(c1(a1(x)))).add_(x)
+            x = _conv_of_snake(c2, a2, _conv_of_snake(c1, a1, x)).add_(x)
         return x
+
+
+def _conv_of_snake(conv: nn.Module, snake: nn.Module, x: Tensor) -> Tensor:
+    """conv(snake(x)); an int8 convolution takes the Snake into its activation's quantisation
+    (:meth:`engine.core.hift_int8.Int8Conv.after_snake`)."""
+    if isinstance(conv, Int8Conv):
+        return conv.after_snake(cast(Snake, snake), x)
+    return conv(snake(x))
 
 
 class F0Predictor(nn.Module):
@@ -361,8 +357,6 @@ class HiFTGenerator(nn.Module):
         Where the CPU has no native bfloat16 (AVX2), about 1.4 times as fast as float32; the
         rest of the vocoder stays float32 (engine.core.hift_int8).
         """
-        from engine.core.hift_int8 import Int8Conv
-
         for block in [*self.source_resblocks, *self.resblocks]:
             for convs in (block.convs1, block.convs2):
                 for i, conv in enumerate(convs):

@@ -14,28 +14,18 @@ engine keeps torch's own int8 layer (engine.core.quantize.Int8Linear).
 from __future__ import annotations
 
 import functools
-import logging
 from types import ModuleType
 
 import torch
 from torch import nn
 
-_LOGGER = logging.getLogger(__name__)
+from engine.core import native
 
 
 @functools.cache
 def kernel() -> ModuleType | None:
     """The compiled kernel module if it is built and this CPU can run it, else None."""
-    try:
-        from engine.core.native import int8_avx2 as native  # type: ignore[attr-defined]
-    except ImportError as err:
-        _LOGGER.debug("the engine's int8 kernel is not built here: %s", err)
-        return None
-    if not native.supported():
-        _LOGGER.debug("the engine's int8 kernel needs AVX2 and FMA; using torch's")
-        return None
-    module: ModuleType = native
-    return module
+    return native.load("int8_avx2")
 
 
 def fits(in_features: int) -> bool:

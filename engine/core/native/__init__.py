@@ -1,1 +1,26 @@
 """The engine's compiled kernels (built by setup.py on x86-64; see docs/dev/int8-kernel.md)."""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from types import ModuleType
+
+_LOGGER = logging.getLogger(__name__)
+
+
+def load(name: str) -> ModuleType | None:
+    """The compiled module ``name`` if it is built and this CPU can run it, else None.
+
+    Each module imports on any x86-64 CPU; its ``supported()`` says whether its kernels (AVX2
+    and FMA) may run here.
+    """
+    try:
+        module = importlib.import_module(f"{__name__}.{name}")
+    except ImportError as err:
+        _LOGGER.debug("the engine's kernel %s is not built here: %s", name, err)
+        return None
+    if not module.supported():
+        _LOGGER.debug("the engine's kernel %s needs AVX2 and FMA; using torch's", name)
+        return None
+    return module
