@@ -1,5 +1,6 @@
 """Full-size models with random weights, saved once in the official file layout: CosyVoice-300M
-(``--synthetic 300m``) and CosyVoice2-0.5B (``--synthetic cosyvoice2``).
+(``--synthetic 300m``), CosyVoice2-0.5B (``--synthetic cosyvoice2``) and Fun-CosyVoice3-0.5B
+(``--synthetic cosyvoice3``).
 
 Speed does not depend on weight values, so random weights give honest timings — but only if the
 engine reads them from real files exactly as it reads the released checkpoints: the load time, the
@@ -11,19 +12,23 @@ once under a cache directory and reused:
 The model directory is named like the official SFT release because the engine (and the server)
 infer the model kind from the directory name. The state-dict keys and shapes come from the
 engine's own modules built on the ``meta`` device from the official config, i.e. exactly what the
-loader checks the real checkpoints against; ``hift.pt`` uses the legacy ``weight_g``/``weight_v``
-layout of the released files. The LM's EOS logit is biased far down so that, as the benchmark
-assumes, the random model never ends an utterance before the forced number of tokens.
+loader checks the real checkpoints against; ``hift.pt`` stores its weight norm as
+``weight_g``/``weight_v``, the names ``torch.nn.utils.weight_norm`` gives, which the code of
+the release called. The LM's EOS logit is biased far down so that, as the benchmark assumes,
+the random model never ends an utterance before the forced number of tokens.
 
-CosyVoice2 (:func:`ensure_synthetic_cosyvoice2`)::
+CosyVoice2 (:func:`ensure_synthetic_cosyvoice2`; Fun-CosyVoice3 likewise)::
 
     <cache-dir>/CosyVoice2-0.5B/{cosyvoice2.yaml, llm.pt, flow.pt, hift.pt,
                                  CosyVoice-BlankEN/{config.json, vocab.json, merges.txt, ...}}
 
 Keys and shapes are the released files' (``tests/data/cosyvoice2/manifest_full.json``, made from
-the official code; ``hift.pt`` in the legacy weight-norm layout), the yaml is the official one
-and ``config.json`` the released Qwen2 backbone's. Its three stop classes are biased down like
-v1's EOS. The tokenizer is the tiny test model's (1,000 BPE ids and the special tokens): Qwen2's
+the official code). ``hift.pt`` stores its weight norm as ``parametrizations.weight.original0``
+(g) / ``original1`` (v), as the released CosyVoice2 and Fun-CosyVoice3 files do: the official
+code wraps HiFT's convs with ``torch.nn.utils.parametrizations.weight_norm`` wherever torch has
+it (≥ 2.1), and ``state_dict()`` writes those names. The yaml is the official one and
+``config.json`` the released Qwen2 backbone's. Its three stop classes are biased down like v1's
+EOS. The tokenizer is the tiny test model's (1,000 BPE ids and the special tokens): Qwen2's
 151,643-id vocabulary is not in the repository. Token ids fit the full embedding either way;
 the difference is how many ids a text makes (more, as the small vocabulary splits Chinese into
 bytes), which lengthens the LM's prefill a little, not its decode steps.
@@ -45,6 +50,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+
+from engine.core.weight_norm import (
+    LAYOUTS,
+    LEGACY_SUFFIXES,
+    PARAMETRIZATIONS_SUFFIXES,
+    split_weight_norm_key,
+)
 
 if TYPE_CHECKING:
     from engine.core.prepared import ModelParts
@@ -99,14 +111,17 @@ def state_dict_specs(config: Path) -> dict[str, dict[str, torch.Size]]:
     return specs
 
 
-def legacy_hift_specs(specs: dict[str, torch.Size]) -> dict[str, torch.Size]:
-    """Expand each weight-normed ``X.weight`` into ``X.weight_g`` (dim-0 norms) + ``X.weight_v``."""
+def weight_norm_hift_specs(
+    specs: dict[str, torch.Size], suffixes: dict[str, str]
+) -> dict[str, torch.Size]:
+    """Expand each weight-normed ``X.weight`` into its g (dim-0 norms) and v entries, named
+    ``X`` + ``suffixes["g"]`` / ``suffixes["v"]`` (``engine.core.weight_norm``'s layouts)."""
     out: dict[str, torch.Size] = {}
     for key, shape in specs.items():
         if _WEIGHT_NORMED.match(key):
             stem = key[: -len(".weight")]
-            out[f"{stem}.weight_g"] = torch.Size([shape[0], *([1] * (len(shape) - 1))])
-            out[f"{stem}.weight_v"] = shape
+            out[stem + suffixes["g"]] = torch.Size([shape[0], *([1] * (len(shape) - 1))])
+            out[stem + suffixes["v"]] = shape
         else:
             out[key] = shape
     return out
@@ -143,14 +158,16 @@ def _random_state(
 ) -> Iterator[tuple[str, torch.Tensor]]:
     values: dict[str, torch.Tensor] = {}
     for key, shape in specs.items():
-        if key.endswith(".weight_g"):
-            continue  # written together with its weight_v below
-        value = random_tensor(key.replace(".weight_v", ".weight"), shape, generator, stop_classes)
-        if key.endswith(".weight_v"):
+        split = split_weight_norm_key(key)
+        if split is not None and split[2] == "g":
+            continue  # written together with its v below
+        value = random_tensor(
+            key if split is None else f"{split[0]}.weight", shape, generator, stop_classes
+        )
+        if split is not None:
             # g = ‖v‖ per output channel makes the folded weight g·v/‖v‖ equal to v itself.
-            stem = key[: -len(".weight_v")]
-            norms = value.flatten(1).norm(dim=1)
-            values[f"{stem}.weight_g"] = norms.view(specs[f"{stem}.weight_g"])
+            g_key = split[0] + LAYOUTS[split[1]]["g"]
+            values[g_key] = value.flatten(1).norm(dim=1).view(specs[g_key])
         values[key] = value
     for key in specs:  # official key order
         yield key, values.pop(key)
@@ -194,7 +211,7 @@ def ensure_synthetic_model(cache_dir: Path = DEFAULT_CACHE_DIR, config: Path | N
     shutil.copyfile(config, model_dir / "cosyvoice.yaml")
     generator = torch.Generator().manual_seed(SEED)
     specs = state_dict_specs(config)
-    specs["hift.pt"] = legacy_hift_specs(specs["hift.pt"])
+    specs["hift.pt"] = weight_norm_hift_specs(specs["hift.pt"], LEGACY_SUFFIXES)
     for name, file_specs in specs.items():
         # One checkpoint in memory at a time (the LM is 1.24 GB); freed before the next one.
         state = dict(_random_state(file_specs, generator))
@@ -215,7 +232,9 @@ def ensure_synthetic_model(cache_dir: Path = DEFAULT_CACHE_DIR, config: Path | N
 # --- CosyVoice2-0.5B ---------------------------------------------------------------------------
 
 COSYVOICE2_DIR_NAME = "CosyVoice2-0.5B"
-COSYVOICE2_FORMAT_VERSION = 1
+# 2: hift.pt in the parametrizations weight-norm layout of the released files.
+COSYVOICE2_FORMAT_VERSION = 2
+COSYVOICE3_FORMAT_VERSION = 2
 COSYVOICE2_STOP_CLASSES = 3  # EOS and the two other stop tokens after the 6561 speech tokens
 BACKBONE_DIR = "CosyVoice-BlankEN"
 TOKENIZER_FILES = ("vocab.json", "merges.txt", "tokenizer_config.json")
@@ -269,7 +288,7 @@ COSYVOICE2_FILES = QwenFamilyFiles(
 # No decoder bias: a forced count masks every stop token instead (engine.core.lm_step).
 COSYVOICE3_FILES = QwenFamilyFiles(
     "Fun-CosyVoice3", "Fun-CosyVoice3-0.5B", "cosyvoice3.yaml", "cosyvoice3",
-    "cosyvoice3_0.5b.yaml", 1, 0, _cosyvoice3_args, _cosyvoice3_parts,
+    "cosyvoice3_0.5b.yaml", COSYVOICE3_FORMAT_VERSION, 0, _cosyvoice3_args, _cosyvoice3_parts,
 )  # fmt: skip
 
 
@@ -294,7 +313,7 @@ def family_specs(
     family: QwenFamilyFiles, config: Path, backbone: dict[str, Any]
 ) -> dict[str, dict[str, torch.Size]]:
     """{file: {key: shape}} of the family's three checkpoints, as the engine expects them
-    (both keys of the tied text head; HiFT in the released file's weight-norm layout)."""
+    (both keys of the tied text head; HiFT in the released files' parametrizations layout)."""
     from engine.core.hparams import read_model_yaml
     from engine.cosyvoice2.qwen2 import Qwen2Config
 
@@ -304,7 +323,7 @@ def family_specs(
     for part in ("llm", "flow", "hift"):
         module = parts.build_on_meta(args, part)
         specs[f"{part}.pt"] = {k: v.shape for k, v in module.state_dict(keep_vars=True).items()}
-    specs["hift.pt"] = legacy_hift_specs(specs["hift.pt"])
+    specs["hift.pt"] = weight_norm_hift_specs(specs["hift.pt"], PARAMETRIZATIONS_SUFFIXES)
     return specs
 
 

@@ -1,9 +1,11 @@
 """Fold weight-norm parameter pairs of a HiFT state dict into plain conv weights.
 
-Released ``hift.pt`` files store weight-normed convs as ``X.weight_g`` / ``X.weight_v`` (legacy
-``torch.nn.utils.weight_norm``); files written by current torch use
-``X.parametrizations.weight.original0`` / ``original1``. Both mean W = g · v / ‖v‖ with the norm
-over every dim except dim 0 (ConvTranspose1d: dim 0 is the *input*-channel axis, g is (in, 1, 1)).
+A ``hift.pt`` stores each weight-normed conv as a (g, v) pair under the names of the torch API
+that wrapped it: ``X.weight_g`` / ``X.weight_v`` (``torch.nn.utils.weight_norm``, which the code
+of the CosyVoice-300M release called) or ``X.parametrizations.weight.original0`` / ``original1``
+(``torch.nn.utils.parametrizations.weight_norm``: the CosyVoice2 and Fun-CosyVoice3 releases).
+Both mean W = g · v / ‖v‖ with the norm over every dim except dim 0 (ConvTranspose1d: dim 0 is
+the *input*-channel axis, g is (in, 1, 1)).
 Folding once at load time lets the vocoder run with plain convolutions and no per-call
 reparametrisation. HiFiGAN training checkpoints prefix every key with ``generator.``; it is dropped.
 """
@@ -18,8 +20,13 @@ from torch import Tensor
 logger = logging.getLogger(__name__)
 
 _PREFIX = "generator."
-_LEGACY = {"g": ".weight_g", "v": ".weight_v"}
-_PARAM = {"g": ".parametrizations.weight.original0", "v": ".parametrizations.weight.original1"}
+# {"g": suffix, "v": suffix} of a weight-normed ``X.weight`` in each layout, by layout name.
+LEGACY_SUFFIXES = {"g": ".weight_g", "v": ".weight_v"}
+PARAMETRIZATIONS_SUFFIXES = {
+    "g": ".parametrizations.weight.original0",
+    "v": ".parametrizations.weight.original1",
+}
+LAYOUTS = {"legacy": LEGACY_SUFFIXES, "parametrizations": PARAMETRIZATIONS_SUFFIXES}
 
 
 def fold_weight_norm(g: Tensor, v: Tensor) -> Tensor:
@@ -37,9 +44,9 @@ def fold_weight_norm(g: Tensor, v: Tensor) -> Tensor:
     return (v * (g / norm)).contiguous()
 
 
-def _split(key: str) -> tuple[str, str, str] | None:
+def split_weight_norm_key(key: str) -> tuple[str, str, str] | None:
     """(module path, layout, 'g'|'v') for a weight-norm key, else None."""
-    for layout, suffixes in (("legacy", _LEGACY), ("parametrizations", _PARAM)):
+    for layout, suffixes in LAYOUTS.items():
         for part, suffix in suffixes.items():
             if key.endswith(suffix):
                 return key[: -len(suffix)], layout, part
@@ -64,7 +71,7 @@ def normalize_hift_state_dict(sd: dict[str, Tensor]) -> dict[str, Tensor]:
     pairs: dict[str, dict[str, tuple[str, str]]] = {}  # module -> part -> (key, layout)
     out: dict[str, Tensor] = {}
     for key, value in stripped.items():
-        split = _split(key)
+        split = split_weight_norm_key(key)
         if split is None:
             out[key] = value
             continue

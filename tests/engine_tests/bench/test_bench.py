@@ -26,12 +26,13 @@ from engine.bench.synthetic import (
     EOS_BIAS,
     SFT_SPEAKERS,
     ensure_synthetic_model,
-    legacy_hift_specs,
     official_config_path,
     state_dict_specs,
+    weight_norm_hift_specs,
 )
 from engine.bench.timers import FIRST_AUDIO_PARTS, StageEvent, StageTimer
 from engine.bench.work import lm_weight_bytes_per_token
+from engine.core.weight_norm import LEGACY_SUFFIXES
 
 DATA = ROOT / "tests" / "data"
 TINY_MODEL = DATA / "tiny_model"
@@ -145,10 +146,11 @@ def test_lm_weight_bytes_skip_positional_projection() -> None:
 
 
 def test_synthetic_300m_matches_the_official_checkpoint_layout() -> None:
-    """Keys and shapes (HiFT in the legacy weight-norm layout) equal the released files'."""
+    """Keys and shapes equal the released files' (HiFT's weight norm as weight_g/weight_v, the
+    names the release's code wrote)."""
     manifest = json.loads((DATA / "manifest_300m.json").read_text(encoding="utf-8"))
     specs = state_dict_specs(official_config_path())
-    specs["hift.pt"] = legacy_hift_specs(specs["hift.pt"])
+    specs["hift.pt"] = weight_norm_hift_specs(specs["hift.pt"], LEGACY_SUFFIXES)
     official = {
         "llm.pt": {e["key"]: e["shape"] for e in manifest["llm"]["state_dict"]},
         "flow.pt": {e["key"]: e["shape"] for e in manifest["flow"]["state_dict"]},

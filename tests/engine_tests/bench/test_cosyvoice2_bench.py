@@ -33,14 +33,13 @@ def _one_thread(single_torch_thread: None) -> None:
 
 
 def test_synthetic_cosyvoice2_has_the_released_files_layout() -> None:
-    """Keys and shapes equal the released files' (HiFT in its legacy weight-norm layout)."""
+    """Keys and shapes equal the released files' (HiFT's weight norm in the parametrizations
+    layout the official code writes)."""
     manifest = json.loads((DATA / "manifest_full.json").read_text(encoding="utf-8"))
     specs = cosyvoice2_specs(DATA / "cosyvoice2_0.5b.yaml", manifest["qwen2_config"])
-    for part in ("llm", "flow"):
+    for part in ("llm", "flow", "hift"):
         expected = {e["key"]: e["shape"] for e in manifest["modules"][part]["state_dict"]}
         assert {k: list(v) for k, v in specs[f"{part}.pt"].items()} == expected, part
-    legacy = manifest["modules"]["hift"]["state_dict_keys_in_legacy_weight_norm_layout"]
-    assert sorted(specs["hift.pt"]) == sorted(legacy)
 
 
 def test_synthetic_cosyvoice2_runs_to_the_forced_token_count(tmp_path: Path) -> None:
@@ -52,7 +51,8 @@ def test_synthetic_cosyvoice2_runs_to_the_forced_token_count(tmp_path: Path) -> 
     assert (state["llm_decoder.bias"][-COSYVOICE2_STOP_CLASSES:] == EOS_BIAS).all()
     assert state["llm_decoder.bias"][-COSYVOICE2_STOP_CLASSES - 1] != EOS_BIAS
     hift = torch.load(model_dir / "hift.pt", weights_only=True)
-    assert any(k.endswith(".weight_g") for k in hift)
+    assert any(k.endswith(".parametrizations.weight.original0") for k in hift)
+    assert not any(k.endswith(".weight_g") for k in hift)
     models = load_model_dir(model_dir)
     generator = torch.Generator().manual_seed(0)
     tokens = list(models.llm.generate([1, 2, 3], generator=generator, max_tokens=150))

@@ -30,15 +30,14 @@ def _one_thread(single_torch_thread: None) -> None:
 
 def test_synthetic_cosyvoice3_has_the_released_files_layout() -> None:
     """Keys and shapes of the official modules (the flow without the rotary frequencies the
-    engine computes; HiFT in the legacy weight-norm layout the released files use)."""
+    engine computes; HiFT's weight norm in the parametrizations layout the official code
+    writes)."""
     manifest = json.loads((DATA / "manifest_full.json").read_text(encoding="utf-8"))
     specs = family_specs(COSYVOICE3_FILES, DATA / "cosyvoice3_0.5b.yaml", manifest["qwen2_config"])
-    for part in ("llm", "flow"):
+    for part in ("llm", "flow", "hift"):
         expected = {e["key"]: e["shape"] for e in manifest["modules"][part]["state_dict"]}
         expected.pop(ROTARY_KEY, None)
         assert {k: list(v) for k, v in specs[f"{part}.pt"].items()} == expected, part
-    legacy = manifest["modules"]["hift"]["state_dict_keys_in_legacy_weight_norm_layout"]
-    assert sorted(specs["hift.pt"]) == sorted(legacy)
 
 
 def test_synthetic_cosyvoice3_loads_and_speaks_the_forced_count(tmp_path: Path) -> None:
@@ -46,7 +45,8 @@ def test_synthetic_cosyvoice3_loads_and_speaks_the_forced_count(tmp_path: Path) 
     model_dir = ensure_synthetic_cosyvoice3(tmp_path, TINY / "cosyvoice3.yaml", backbone)
     assert model_dir.name == "Fun-CosyVoice3-0.5B"
     hift = torch.load(model_dir / "hift.pt", weights_only=True)
-    assert any(k.endswith(".weight_g") for k in hift)
+    assert any(k.endswith(".parametrizations.weight.original0") for k in hift)
+    assert not any(k.endswith(".weight_g") for k in hift)
     models = load_model_dir(model_dir)
     generator = torch.Generator().manual_seed(0)
     tokens = list(models.llm.generate([1, 2, 3], generator=generator, max_tokens=150))
