@@ -46,7 +46,7 @@ DOCS = ROOT / "addon" / "DOCS.md"
 RECORDED_SETTINGS = ("n_timesteps", "cfg_rate", "solver", "first_hop", "lm_weights", "flow_weights")
 BEGIN = "<!-- board-estimates: written by script/board-estimates from its .json; edit those -->"
 END = "<!-- /board-estimates -->"
-PROFILES = ("realtime", "fast", "fastest")
+PROFILES = ("realtime", "fast", "faster", "fastest")
 FAMILIES = {  # the benchmark's model directory → the table's title
     "CosyVoice-300M-SFT": "CosyVoice-300M-SFT (the default model)",
     "CosyVoice2-0.5B": "CosyVoice2-0.5B",
