@@ -27,6 +27,7 @@ from wyoming_cosyvoice.home_assistant import supervisor as home_assistant
 from wyoming_cosyvoice.home_assistant.tts_cache_guard import STATE_FILE, TtsCacheGuard
 
 CLEAR = "/api/services/tts/clear_cache"
+RECORDED = "Recorded what shapes the audio"  # the guard's debug line once its file is written
 # The server's command line, with Home Assistant's API at the stand-in's address (argv[1]) and
 # the conftest's fake engine instead of loading the model.
 LAUNCHER = """
@@ -73,15 +74,13 @@ def test_a_changed_setting_clears_home_assistants_cache_at_the_next_start(tmp_pa
     unchanged = "Nothing that shapes the audio changed since the last start"
     log = tmp_path / "server.log"
     with StandInHomeAssistant([]) as ha:
-        # The first start has nothing to compare with: it records what it runs with.
-        start_and_wait_for(ha, tmp_path, log, "Model ready")
-        deadline = time.monotonic() + 30
-        while not (tmp_path / STATE_FILE).is_file():
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+        # The first start has nothing to compare with: it records what it runs with. (Each
+        # start is stopped once its log says so: the record follows the model's readiness.)
+        start_and_wait_for(ha, tmp_path, log, RECORDED)
+        assert (tmp_path / STATE_FILE).is_file()
         start_and_wait_for(ha, tmp_path, log, unchanged)
         assert clears(ha) == []
-        said = start_and_wait_for(ha, tmp_path, log, "cleared its TTS cache",
+        said = start_and_wait_for(ha, tmp_path, log, RECORDED,
                                   "server.speed=1.25", "server.volume=0.5")  # fmt: skip
         assert "the setting(s) speed, volume changed since the last start" in said
         assert clears(ha) == [CLEAR]

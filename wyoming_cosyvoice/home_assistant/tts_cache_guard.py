@@ -150,6 +150,7 @@ class TtsCacheGuard:
         try:
             staging.write_text(json.dumps(seen, ensure_ascii=False), encoding="utf-8")
             os.replace(staging, self.state)  # a reader sees the old file or the whole new one
+            _LOGGER.debug("Recorded what shapes the audio in %s", self.state)
         except OSError as err:
             _LOGGER.warning("Cannot write %s: %s", self.state, err)
             with contextlib.suppress(OSError):
