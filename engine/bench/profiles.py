@@ -84,7 +84,11 @@ class BenchProfile:
 
 # Each part's weight formats and the engine's load keywords for them.
 LOAD_KEYWORDS: dict[str, dict[str, dict[str, bool]]] = {
-    "lm": {"fp32": {"lm_int8": False}, "int8": {"lm_int8": True}},
+    "lm": {
+        "fp32": {"lm_int8": False},
+        "int8": {"lm_int8": True},
+        "int4": {"lm_int8": False, "lm_int4": True},
+    },
     "flow": {
         "fp32": {"flow_int8": False},
         "int8": {"flow_int8": True},

@@ -1,4 +1,4 @@
-"""A 4-bit LM: group-wise int4 weights run by PyTorch's own CPU int4 matmul kernels.
+"""A 4-bit LM: group-wise int4 weights, run by the engine's AVX2 kernel or PyTorch's own.
 
 The LM decode step reads every decoder weight once per token; int4 halves what int8 reads.
 The int4 format takes the int8 format's layers (engine.core.quantize: q/k/v and gate/up fused, the
@@ -18,8 +18,11 @@ an int8 layer's are engine.core.quantize's):
 * ``NAME.weight_scale``: bfloat16 (out, in / GROUP_SIZE);
 * ``NAME.bias``: float32 (out,), where the layer has one.
 
-Two kernels of torch compute it (:func:`choose_int4_kernel`):
+Three kernels compute it (:func:`choose_int4_kernel`):
 
+* ``avx2``: the engine's own (engine/core/native/int4_avx2.cpp), x86-64 with AVX2 and FMA;
+  the activations are quantised to int8 per group of 32 inputs on the fly (w4a8) and meet the
+  codes in the same integer products as the engine's int8 kernel. Built by setup.py on x86-64.
 * ``kleidiai`` (``aten._dyn_quant_pack_4bit_weight`` / ``_dyn_quant_matmul_4bit``): Arm's
   KleidiAI micro-kernels in torch's aarch64 wheels; the activations are quantised to int8 per
   row on the fly (w4a8). Without KleidiAI or the dot-product instructions (Cortex-A72, the
@@ -38,10 +41,12 @@ import functools
 import logging
 import platform
 from collections.abc import Collection, Mapping
+from types import ModuleType
 
 import torch
 from torch import nn
 
+from engine.core import native
 from engine.core.cpu import ARM_MACHINES, arm_features, read_cpuinfo
 from engine.core.quantize import (
     BIAS,
@@ -59,7 +64,8 @@ _LOGGER = logging.getLogger(__name__)
 GROUP_SIZE = 32  # inputs per scale: docs/dev/int4.md (deviation and bytes per group size)
 KLEIDIAI = "kleidiai"
 INT4PACK = "int4pack"
-KERNELS = (KLEIDIAI, INT4PACK)
+AVX2 = "avx2"
+KERNELS = (KLEIDIAI, INT4PACK, AVX2)
 _INNER_K_TILES = 2  # int4pack's packing parameter (the CPU kernel takes 2, 4 or 8)
 _INT4PACK_ROWS = 16  # int4pack packs outputs in blocks of this many
 _ARM_DOTPROD = "asimddp"
@@ -194,8 +200,24 @@ def int4_parts(
 # --- the kernels -------------------------------------------------------------------------------
 
 
+@functools.cache
+def _avx2_kernel() -> ModuleType | None:
+    """The engine's compiled int4 kernel if it is built and this CPU can run it, else None."""
+    return native.load("int4_avx2")
+
+
+def _padded(values: torch.Tensor, size: int) -> torch.Tensor:
+    out = torch.zeros(size, dtype=torch.float32)
+    out[: values.numel()] = values.detach().float()
+    return out
+
+
 class Int4Linear(nn.Module):
-    """``y = x W^T + b`` with W in int4 groups, packed once for one of torch's kernels."""
+    """``y = x W^T + b`` with W in int4 groups, packed once for one of the kernels.
+
+    Its buffers are what a decode step reads: the packed weight (``packed``), the bias and
+    int4pack's scales (engine.bench counts them).
+    """
 
     def __init__(
         self,
@@ -211,10 +233,20 @@ class Int4Linear(nn.Module):
         self.out_features, self.in_features = codes.shape[0], 2 * codes.shape[1]
         self.group = self.in_features // scales.shape[1]
         # Packed copies: the layer keeps nothing of a loaded file's mapping.
-        self.bias: torch.Tensor | None = None
-        if kernel == KLEIDIAI:  # the bias is applied by the kernel
+        kept_bias: torch.Tensor | None = None
+        if kernel == AVX2:
+            compiled = _avx2_kernel()
+            if compiled is None or self.group % GROUP_SIZE:
+                raise RuntimeError("the engine's int4 kernel cannot run this layer here")
+            self._avx2 = compiled.linear
+            # The kernel takes a scale per 32 inputs: a coarser group repeats its scale.
+            fine = scales.repeat_interleave(self.group // GROUP_SIZE, dim=1)
+            packed = compiled.pack(codes.contiguous(), fine.contiguous())
+            blocks = -(-self.out_features // 8)  # the kernel computes whole blocks of 8 outputs
+            kept_bias = None if bias is None else _padded(bias, 8 * blocks)
+        elif kernel == KLEIDIAI:  # the bias is applied by the kernel
             fbias = None if bias is None else bias.detach().float().contiguous()
-            self.packed = torch.ops.aten._dyn_quant_pack_4bit_weight(
+            packed = torch.ops.aten._dyn_quant_pack_4bit_weight(
                 codes.contiguous(),
                 scales.contiguous(),
                 fbias,
@@ -227,16 +259,24 @@ class Int4Linear(nn.Module):
             rows = -self.out_features % _INT4PACK_ROWS
             codes = nn.functional.pad(unpack_codes(codes), (0, 0, 0, rows), value=8)
             scales = nn.functional.pad(scales, (0, 0, 0, rows))
-            self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
                 codes.to(torch.int32), _INNER_K_TILES
             )
             # (groups, out, 2): scale and zero point of each; the codes are q + 8 and the
             # kernel computes (code - 8) * scale + zero, so the zero points are 0.
             s = scales.t().to(torch.bfloat16)
-            self.scale_zeros = torch.stack((s, torch.zeros_like(s)), dim=-1).contiguous()
-            self.bias = None if bias is None else bias.detach().float().clone()
+            scale_zeros = torch.stack((s, torch.zeros_like(s)), dim=-1).contiguous()
+            self.scale_zeros: torch.Tensor
+            self.register_buffer("scale_zeros", scale_zeros)
+            kept_bias = None if bias is None else bias.detach().float().clone()
+        self.packed: torch.Tensor
+        self.bias: torch.Tensor | None
+        self.register_buffer("packed", packed)
+        self.register_buffer("bias", kept_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel == AVX2:  # any leading shape, float32, one call
+            return self._avx2(x.float(), self.packed, self.bias, self.out_features)
         rows = x.reshape(-1, self.in_features)
         if self.kernel == KLEIDIAI:
             y = torch.ops.aten._dyn_quant_matmul_4bit(
@@ -279,7 +319,7 @@ def _kernel_works(kernel: str) -> bool:
 
 
 def _candidates(machine: str) -> tuple[str, ...]:
-    return (KLEIDIAI,) if machine.lower() in ARM_MACHINES else (INT4PACK,)
+    return (KLEIDIAI,) if machine.lower() in ARM_MACHINES else (AVX2, INT4PACK)
 
 
 @functools.cache
@@ -294,11 +334,14 @@ def choose_int4_kernel() -> str | None:
 def int4_is_fast(kernel: str | None, machine: str, cpuinfo: str, capability: str) -> bool:
     """Whether ``kernel`` runs a vectorised path here that reads int4 faster than int8 does.
 
-    KleidiAI's micro-kernels need the Arm dot-product instructions (Cortex-A76 and later);
-    without them torch runs its scalar reference. On x86 the bfloat16 kernel is vectorised for
-    AVX2 and AVX-512, but measured with AVX2 it was 2-6x slower than the int8 kernels
-    (docs/dev/int4.md): only AVX-512 counts.
+    The engine's AVX2 kernel reads the LM's 4-bit layers about twice as fast as its int8
+    kernel reads them in int8. KleidiAI's micro-kernels need the Arm dot-product instructions
+    (Cortex-A76 and later); without them torch runs its scalar reference. torch's x86 bfloat16
+    kernel is vectorised for AVX2 and AVX-512, but measured with AVX2 it was 2-6x slower than the
+    int8 kernels (docs/dev/int4.md): only AVX-512 counts.
     """
+    if kernel == AVX2:
+        return True
     if kernel == KLEIDIAI:
         features = arm_features(cpuinfo)
         kleidiai = getattr(torch.backends, "kleidiai", None)

@@ -28,6 +28,7 @@ from torch import nn
 
 from engine.core import int4
 from engine.core.int4 import (
+    AVX2,
     GROUP_SIZE,
     INT4PACK,
     KLEIDIAI,
@@ -39,6 +40,7 @@ from engine.core.int4 import (
     quantize_int4,
     quantize_lm_int4,
 )
+from engine.core.cpu import read_cpuinfo
 from engine.core.prepared import PREPARED_DIR
 from engine.core.quantize import float_layer, int8_layer_names, next_token_kl
 from engine.core.runtime import setup_cpu
@@ -49,13 +51,17 @@ from engine.cosyvoice1.llm import TransformerLM
 TINY_MODEL = DATA / "tiny_model"
 CPUINFO = TESTS / "aarch64"
 ON_ARM = platform.machine().lower() in ("aarch64", "arm64")
+AVX2_FMA = not ON_ARM and {"avx2", "fma"} <= set(read_cpuinfo().split())
 # The kernels that must work on this machine: KleidiAI's op (its reference where the wheel has
-# no KleidiAI) everywhere, int4pack on x86.
-KERNELS_HERE = (KLEIDIAI,) if ON_ARM else (KLEIDIAI, INT4PACK)
+# no KleidiAI) everywhere, int4pack on x86, the engine's own on x86 with AVX2 and FMA.
+KERNELS_HERE = (
+    (KLEIDIAI,) if ON_ARM else (KLEIDIAI, INT4PACK, AVX2) if AVX2_FMA else (KLEIDIAI, INT4PACK)
+)
 # Relative error of a kernel against the stored weights computed exactly in float32: bfloat16
 # activations and output (int4pack: 2 x 2^-9 each, rounded up) or int8 activations, one scale a
-# row (KleidiAI: half a step of 1/255 of the row's range, ~0.7 % for Gaussian rows).
-KERNEL_ROUNDING = {INT4PACK: 2**-7, KLEIDIAI: 0.02}
+# row (KleidiAI: half a step of 1/255 of the row's range, ~0.7 % for Gaussian rows) or a group
+# of 32 (avx2: half a step of 1/127 of the group's peak, ~0.5 % for Gaussian rows).
+KERNEL_ROUNDING = {INT4PACK: 2**-7, KLEIDIAI: 0.02, AVX2: 0.02}
 MARGIN = 1.5  # see the module docstring
 # Next-token KL(fp32 || int4 format) of the tiny v1 LM over the fixtures' teacher-forced steps:
 # it measures 2.8e-5 to 3.0e-5 nats on average, 4e-5 at most (both kernels; int8: 2.2e-5),
@@ -152,6 +158,7 @@ def test_int4_is_fast_where_torch_has_a_vectorised_kernel() -> None:
     )
     assert int4_is_fast(KLEIDIAI, "aarch64", pi5, "DEFAULT") == kleidiai_built
     assert not int4_is_fast(KLEIDIAI, "aarch64", pi4, "DEFAULT")  # no dot product: reference
+    assert int4_is_fast(AVX2, "x86_64", "", "AVX2")  # the engine's own kernel
     assert int4_is_fast(INT4PACK, "x86_64", "", "AVX512")
     assert not int4_is_fast(INT4PACK, "x86_64", "", "AVX2")
     assert not int4_is_fast(None, "x86_64", "", "AVX512")
