@@ -27,6 +27,7 @@ from teacher_forcing import teacher_forced_logits
 from torch import nn
 
 from engine.core import int4
+from engine.core.cpu import read_cpuinfo
 from engine.core.int4 import (
     AVX2,
     GROUP_SIZE,
@@ -40,7 +41,6 @@ from engine.core.int4 import (
     quantize_int4,
     quantize_lm_int4,
 )
-from engine.core.cpu import read_cpuinfo
 from engine.core.prepared import PREPARED_DIR
 from engine.core.quantize import float_layer, int8_layer_names, next_token_kl
 from engine.core.runtime import setup_cpu
