@@ -328,7 +328,7 @@ EARLIER_EVERY_ARGS = [
     "--set", 'server.preset_voices=["slow", "calm-fast"]', "--set", "cache.max_mb=0",
     "--set", 'cache.prepare_phrases=["Good night."]', "--debug",
     "--set", 'server.pronunciations=["Niamh = Neev"]',
-    "--set", "server.rl_tuned_lm=true",
+    "--set", "server.rl_tuned_lm=true", "--set", "server.lm_weights=int4",
 ]  # fmt: skip
 
 
@@ -339,7 +339,8 @@ def test_saved_options_give_the_settings_an_earlier_add_on_gave(config: dict[str
              "volume": 0.5, "speed": 1.25, "preset_voices": ["slow", "calm-fast"],
              "repeat_cache_mb": 0, "prepared_phrases": [" Good night. ", ""],
              "debug_logging": True,
-             "pronunciations": [" Niamh = Neev", ""], "rl_tuned_lm": True}  # fmt: skip
+             "pronunciations": [" Niamh = Neev", ""], "rl_tuned_lm": True,
+             "lm_weights": "int4"}  # fmt: skip
     assert set(every) == set(config["schema"])  # every option, changed from its default
     assert [k for k in every if every[k] == config["options"].get(k)] == ["model", "profile"]
     for model in schema_choices(config, "model"):
