@@ -135,12 +135,19 @@ inline void store(const Layer& layer, int64_t block, __m256 acc, float* y) {
   }
 }
 
-// S blocks (one per stream) against R activation rows from row0.
+// R activation rows, their groups interleaved: group g of row r at codes + (g * R + r) * 32,
+// its scale and starting sum at index g * R + r (one pointer walks all R rows).
+struct Rows {
+  const int8_t* codes;
+  const int32_t* start;
+  const float* scale;
+};
+
+// S blocks (one per stream) against R activation rows, written to y's rows row0...
 // Each 32-byte load of codes is unpacked once and meets every row; each broadcast of 4 inputs
 // meets every block.
 template <int S, int R>
-inline void micro(const Layer& layer, const QuantRows& q, int64_t row0, const int64_t* blocks,
-                  float* y) {
+inline void micro(const Layer& layer, Rows x, int64_t row0, const int64_t* blocks, float* y) {
   const int64_t in = layer.in_features, groups = in / kGroup;
   const int64_t stride = groups * kGroupBytes;
   const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
@@ -153,7 +160,7 @@ inline void micro(const Layer& layer, const QuantRows& q, int64_t row0, const in
   for (int64_t g = 0; g < groups; ++g) {
     __m256i sums[S][R];
     for (int r = 0; r < R; ++r) {
-      const __m256i start = _mm256_set1_epi32(q.start[(row0 + r) * groups + g]);
+      const __m256i start = _mm256_set1_epi32(x.start[g * R + r]);
       for (int s = 0; s < S; ++s) sums[s][r] = start;
     }
     for (int p = 0; p < 4; ++p) {
@@ -164,16 +171,19 @@ inline void micro(const Layer& layer, const QuantRows& q, int64_t row0, const in
         const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
         for (int r = 0; r < R; ++r) {
           // Broadcast where used: a load each, and no register held across the rows.
-          const int8_t* xr = q.codes.data() + (row0 + r) * in + g * kGroup + 8 * p;
+          const int8_t* xr = x.codes + (g * R + r) * kGroup + 8 * p;
           sums[s][r] = _mm256_add_epi16(sums[s][r], _mm256_maddubs_epi16(lo, broadcast4(xr)));
           sums[s][r] = _mm256_add_epi16(sums[s][r], _mm256_maddubs_epi16(hi, broadcast4(xr + 4)));
+          // Keep the running sum in its register: without this GCC reorders the (associative)
+          // integer adds into a tree over all products of the group and spills them.
+          asm("" : "+x"(sums[s][r]));
         }
       }
     }
     for (int s = 0; s < S; ++s) {
       const __m256 ws = group_scales(w[s] + g * kGroupBytes);
       for (int r = 0; r < R; ++r) {
-        const __m256 scale = _mm256_mul_ps(ws, _mm256_set1_ps(q.scale[(row0 + r) * groups + g]));
+        const __m256 scale = _mm256_mul_ps(ws, _mm256_set1_ps(x.scale[g * R + r]));
         const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(sums[s][r], ones));
         acc[s][r] = _mm256_fmadd_ps(dot, scale, acc[s][r]);
       }
@@ -186,13 +196,14 @@ inline void micro(const Layer& layer, const QuantRows& q, int64_t row0, const in
 // One activation row against blocks [b0, b1): the range is cut into kStreams parts walked side
 // by side, so that the prefetchers keep several sequential reads in flight.
 void one_row(const Layer& layer, const QuantRows& q, int64_t b0, int64_t b1, float* y) {
+  const Rows x{q.codes.data(), q.start.data(), q.scale.data()};
   const int64_t per_stream = (b1 - b0) / kStreams;
   for (int64_t i = 0; i < per_stream; ++i) {
     int64_t blocks[kStreams];
     for (int s = 0; s < kStreams; ++s) blocks[s] = b0 + s * per_stream + i;
-    micro<kStreams, 1>(layer, q, 0, blocks, y);
+    micro<kStreams, 1>(layer, x, 0, blocks, y);
   }
-  for (int64_t b = b0 + kStreams * per_stream; b < b1; ++b) micro<1, 1>(layer, q, 0, &b, y);
+  for (int64_t b = b0 + kStreams * per_stream; b < b1; ++b) micro<1, 1>(layer, x, 0, &b, y);
 }
 
 // Every activation row against blocks [b0, b1), a tile of blocks at a time so that the tile's
@@ -201,15 +212,32 @@ void many_rows(const Layer& layer, const QuantRows& q, int64_t rows, int64_t b0,
                float* y) {
   const int64_t groups = layer.in_features / kGroup;
   const int64_t tile = std::max<int64_t>(1, kTileBytes / (groups * kGroupBytes));
+  // Each row group's activations interleaved by group (Rows), made once per call of a thread.
+  const int64_t row_groups = (rows + kRowGroup - 1) / kRowGroup;
+  std::vector<int8_t> codes(static_cast<size_t>(rows * groups * kGroup));
+  std::vector<int32_t> start(static_cast<size_t>(rows * groups));
+  std::vector<float> scale(static_cast<size_t>(rows * groups));
+  for (int64_t m = 0; m < row_groups; ++m) {
+    const int64_t r0 = m * kRowGroup, n = std::min<int64_t>(kRowGroup, rows - r0);
+    for (int64_t g = 0; g < groups; ++g)
+      for (int64_t r = 0; r < n; ++r) {
+        const int64_t from = (r0 + r) * groups + g, to = r0 * groups + g * n + r;
+        std::memcpy(codes.data() + to * kGroup, q.codes.data() + from * kGroup, kGroup);
+        start[to] = q.start[from];
+        scale[to] = q.scale[from];
+      }
+  }
   for (int64_t t0 = b0; t0 < b1; t0 += tile) {
     const int64_t t1 = std::min(b1, t0 + tile);
     for (int64_t m = 0; m < rows; m += kRowGroup) {
+      const Rows x{codes.data() + m * groups * kGroup, start.data() + m * groups,
+                   scale.data() + m * groups};
       for (int64_t b = t0; b < t1; ++b) {
         switch (std::min<int64_t>(kRowGroup, rows - m)) {
-          case 4: micro<1, 4>(layer, q, m, &b, y); break;
-          case 3: micro<1, 3>(layer, q, m, &b, y); break;
-          case 2: micro<1, 2>(layer, q, m, &b, y); break;
-          default: micro<1, 1>(layer, q, m, &b, y); break;
+          case 4: micro<1, 4>(layer, x, m, &b, y); break;
+          case 3: micro<1, 3>(layer, x, m, &b, y); break;
+          case 2: micro<1, 2>(layer, x, m, &b, y); break;
+          default: micro<1, 1>(layer, x, m, &b, y); break;
         }
       }
     }
