@@ -121,12 +121,16 @@ def measure_limits(threads: int | None, lm_weights: str) -> dict[str, float]:
 
     from engine.bench.limits import measure_gemm_gflops, measure_gemv_gbps, measure_mem_bw_gbps
 
+    from engine.core.int4 import int4_fast_here
+
     if threads:
         torch.set_num_threads(threads)
+    if lm_weights == "int4" and not int4_fast_here():
+        lm_weights = "int8"  # as the engine loads it (engine.core.runtime.int4_kernel_for_lm)
     _LOGGER.info("Measuring memory bandwidth, GEMV and GEMM throughput")
     return {
         "mem_bw_gbps": measure_mem_bw_gbps(),
-        "gemv_gbps": measure_gemv_gbps(int8=lm_weights == "int8"),
+        "gemv_gbps": measure_gemv_gbps(weights=lm_weights),
         "gemm_gflops": measure_gemm_gflops(),
     }
 

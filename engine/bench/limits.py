@@ -7,9 +7,9 @@ loaded model (engine.bench.work); the benchmark reports each stage's time as a m
 bound, which says how much an optimisation could still gain.
 
 * ``mem_bw_gbps``: read bandwidth of a large fp32 array (a reduction, like a GEMV's weight read).
-* ``gemv_gbps``: weight bytes per second the LM's own matrix-vector kernel reads (fbgemm int8 or
+* ``gemv_gbps``: weight bytes per second the LM's own matrix-vector kernels read (int8, int4 or
   fp32, as the LM is loaded) when one row goes through LM-shaped layers, far beyond the caches:
-  what a decode step could reach with that kernel if it did nothing but its matrix products.
+  what a decode step could reach with those kernels if it did nothing but its matrix products.
 * ``gemm_gflops``: fp32 matmul throughput at the flow estimator's Linear shapes (CFG batch 2 ×
   172 frames = 344 rows; q/k/v 256→512, out 512→256, FFN 256→1024→256), the faster of torch's
   default kernel and oneDNN on reordered weights.
@@ -32,12 +32,15 @@ from engine.core.onednn_layers import OneDnnLinear, onednn_linear_available
 _LOGGER = logging.getLogger(__name__)
 
 MEM_BW_BYTES = 720 * 10**6  # ≈ the fp32 LM weights read per token; far beyond any cache
-# One LM decoder block's matrix products as (out, in): q/k/v (one fused layer in the int8 LM,
-# three in the fp32 one), out, FFN in and out. 12.6 M weights either way.
+# One LM decoder block's matrix products as (out, in): q/k/v (one fused layer in the int8 and
+# int4 LMs, three in the fp32 one), out, FFN in and out. 12.6 M weights in each format; the
+# int4 format keeps the attention's in int8 (engine.core.int4.KEPT_INT8).
 GEMV_BLOCK_SHAPES = {
     "int8": ((3072, 1024), (1024, 1024), (4096, 1024), (1024, 4096)),
+    "int4": ((3072, 1024), (1024, 1024), (4096, 1024), (1024, 4096)),
     "fp32": ((1024, 1024),) * 4 + ((4096, 1024), (1024, 4096)),
 }
+GEMV_INT4_LAYERS = 2  # the int4 block's last two (the feed-forward ones) are 4-bit
 GEMV_BLOCKS = 8  # 100 MB of int8 (400 MB fp32): three times the 32 MB L3 of the project's VM
 GEMM_ROWS = 344  # CFG batch 2 × 172 mel frames (2 s of audio)
 GEMM_SHAPES = ((256, 512), (256, 512), (256, 512), (512, 256), (256, 1024), (1024, 256))
@@ -63,25 +66,40 @@ def measure_mem_bw_gbps(n_bytes: int = MEM_BW_BYTES, repeats: int = 5) -> float:
         del data
 
 
-def measure_gemv_gbps(*, int8: bool, blocks: int = GEMV_BLOCKS, repeats: int = 5) -> float:
-    """GB/s of weights read by the LM's matrix-vector kernel: one row through LM-shaped layers."""
+def _gemv_layer(
+    weights: str, weight: torch.Tensor
+) -> tuple[Callable[[torch.Tensor], torch.Tensor], int]:
+    """One LM layer in format ``weights`` and the weight bytes a product reads."""
     from functools import partial
 
+    from engine.core.int4 import pack_int4, quantize_groups
     from engine.core.quantize import lm_int8_linear
 
+    if weights == "int8":
+        return lm_int8_linear(weight), weight.numel()
+    if weights == "int4":
+        codes, scales = quantize_groups(weight)
+        parts = {"layer.weight": codes, "layer.weight_scale": scales}
+        return pack_int4(parts, "layer"), codes.numel() + scales.numel() * scales.element_size()
+    return partial(torch.nn.functional.linear, weight=weight), weight.numel() * 4
+
+
+def measure_gemv_gbps(*, weights: str, blocks: int = GEMV_BLOCKS, repeats: int = 5) -> float:
+    """GB/s of weights read by the LM's matrix-vector kernels (``weights``: the LM's format,
+    fp32, int8 or int4): one row through LM-shaped layers."""
     products: list[tuple[Callable[[torch.Tensor], torch.Tensor], torch.Tensor]] = []
     n_bytes = 0
+    shapes = GEMV_BLOCK_SHAPES[weights]
     for _ in range(blocks):
-        for out, n_in in GEMV_BLOCK_SHAPES["int8" if int8 else "fp32"]:
-            # Constant values: these kernels' speed does not depend on them.
-            weight = torch.full((out, n_in), 0.01)
-            layer = (
-                lm_int8_linear(weight)
-                if int8
-                else partial(torch.nn.functional.linear, weight=weight)
+        for index, (out, n_in) in enumerate(shapes):
+            four = weights == "int4" and index >= len(shapes) - GEMV_INT4_LAYERS
+            # Constant values would give int4 a single code: seeded random ones instead.
+            weight = torch.randn(out, n_in, generator=torch.Generator().manual_seed(index))
+            layer, read = _gemv_layer(
+                "int4" if four else "fp32" if weights == "fp32" else "int8", weight
             )
             products.append((layer, torch.full((1, 1, n_in), 0.5)))
-            n_bytes += weight.numel() * (1 if int8 else weight.element_size())
+            n_bytes += read
 
     def run() -> None:
         for layer, row in products:

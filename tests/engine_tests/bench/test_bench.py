@@ -238,8 +238,8 @@ def test_summary_medians_bounds_and_ratios() -> None:
     assert work["hift"]["measured_ms"] == 1000.0
 
 
-@pytest.mark.parametrize("int8", [True, False])
-def test_gemv_probe_runs_the_lm_kernel(int8: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("weights", ["int8", "int4", "fp32"])
+def test_gemv_probe_runs_the_lm_kernel(weights: str, monkeypatch: pytest.MonkeyPatch) -> None:
     import engine.bench.limits
     import engine.core.int8_avx2
     import engine.core.quantize
@@ -257,13 +257,23 @@ def test_gemv_probe_runs_the_lm_kernel(int8: bool, monkeypatch: pytest.MonkeyPat
 
     monkeypatch.setattr(engine.core.quantize, "lm_int8_linear", recording)
     monkeypatch.setattr(engine.bench.limits, "_best_time", one_second)
-    # One decoder block's 12.6 M weights in one (pretended) second: 1 byte each in int8, 4 in fp32.
-    block_bytes = (3 * 1024 * 1024 + 1024 * 1024 + 2 * 4096 * 1024) * (1 if int8 else 4)
-    assert measure_gemv_gbps(int8=int8, blocks=1, repeats=1) == pytest.approx(block_bytes / 1e9)
+    # One decoder block's 12.6 M weights in one (pretended) second: 1 byte each in int8, 4 in
+    # fp32; the int4 format's feed-forward half in 4 bits and a bfloat16 scale per 32.
+    attention, feed_forward = 4 * 1024 * 1024, 2 * 4096 * 1024
+    block_bytes = {
+        "int8": attention + feed_forward,
+        "int4": attention + feed_forward * (0.5 + 2 / 32),
+        "fp32": 4 * (attention + feed_forward),
+    }[weights]
+    assert measure_gemv_gbps(weights=weights, blocks=1, repeats=1) == pytest.approx(
+        block_bytes / 1e9
+    )
     # int8: the LM's int8 layer (on the engine's kernel where it runs), fused q/k/v included;
-    # fp32: plain float products.
+    # int4: the attention's in int8; fp32: plain float products.
     lm_layer = "Avx2Int8Linear" if engine.core.int8_avx2.kernel() else "Int8Linear"
-    assert [type(m).__name__ for m in built] == ([lm_layer] * 4 if int8 else [])
+    assert [type(m).__name__ for m in built] == [lm_layer] * {"int8": 4, "int4": 2, "fp32": 0}[
+        weights
+    ]
 
 
 def run_bench_json(
