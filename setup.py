@@ -37,8 +37,9 @@ def _native() -> dict:
             extra_compile_args=["-O3", "-fopenmp"],
             extra_link_args=["-fopenmp"],
         )
-        # the LM's int8 and int4 Linear; the int8 HiFT's Snake + activation quantisation
-        for name in ("int8_avx2", "int4_avx2", "snake_avx2")
+        # the LM's int8 and int4 Linear; the int8 HiFT's Snake + activation quantisation;
+        # the Qwen2 LM's RMS norm
+        for name in ("int8_avx2", "int4_avx2", "snake_avx2", "norm_avx2")
     ]
     return {"ext_modules": kernels, "cmdclass": {"build_ext": BuildExtension}}
 

@@ -20,18 +20,21 @@ int8 layer each (:func:`quantize_qwen2_int8`; per-output-channel scales make the
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from engine.core import native
 from engine.core.hparams import ModelConfigError
 from engine.core.quantize import lm_int8_linear
 from engine.core.transformer import KVCache
@@ -174,8 +177,20 @@ def rotate(x: Tensor, cos: Tensor, signed_sin: Tensor, out: Tensor | None = None
 # --- blocks -----------------------------------------------------------------------------------
 
 
+@functools.cache
+def _norm_kernel() -> ModuleType | None:
+    """The engine's one-operator RMS norm (engine/core/native/norm_avx2.cpp), where built and
+    this CPU runs it."""
+    return native.load("norm_avx2")
+
+
 class RMSNorm(nn.Module):
-    """x / sqrt(mean(x²) + eps) * weight, computed in float32."""
+    """x / sqrt(mean(x²) + eps) * weight, computed in float32.
+
+    In float32 without autograd it is one operator: the engine's kernel where it runs (a decode
+    step normalises 49 single rows, and torch's rms_norm spends several operators' dispatch on
+    each), else torch's rms_norm. Both compute the same formula in the same order.
+    """
 
     def __init__(self, d: int, eps: float) -> None:
         super().__init__()
@@ -183,7 +198,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
-        if x.dtype == torch.float32:  # one fused op, same formula
+        if x.dtype == torch.float32:
+            kernel = _norm_kernel()
+            if kernel is not None and x.device.type == "cpu" and not torch.is_grad_enabled():
+                return kernel.rms_norm(x, self.weight, self.eps)
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
