@@ -120,7 +120,6 @@ def measure_limits(threads: int | None, lm_weights: str) -> dict[str, float]:
     import torch
 
     from engine.bench.limits import measure_gemm_gflops, measure_gemv_gbps, measure_mem_bw_gbps
-
     from engine.core.int4 import int4_fast_here
 
     if threads:
