@@ -35,6 +35,8 @@
 #include <cstring>
 #include <vector>
 
+#include "store_rows.h"
+
 namespace {
 
 bool supported() {
@@ -126,13 +128,7 @@ inline __m256 group_scales(const uint8_t* w) {
 inline void store(const Layer& layer, int64_t block, __m256 acc, float* y) {
   const int64_t n0 = block * kRows;
   if (layer.bias != nullptr) acc = _mm256_add_ps(acc, _mm256_loadu_ps(layer.bias + n0));
-  if (n0 + kRows <= layer.out_features) {
-    _mm256_storeu_ps(y + n0, acc);
-  } else {
-    alignas(32) float t[kRows];
-    _mm256_store_ps(t, acc);
-    for (int64_t i = 0; n0 + i < layer.out_features; ++i) y[n0 + i] = t[i];
-  }
+  store_block(y, n0, layer.out_features, acc);
 }
 
 // R activation rows, their groups interleaved: group g of row r at codes + (g * R + r) * 32,

@@ -28,6 +28,8 @@
 #include <cstring>
 #include <vector>
 
+#include "store_rows.h"
+
 namespace {
 
 bool supported() {
@@ -139,13 +141,7 @@ inline void store(const Layer& layer, int64_t block, __m256i acc, QParams q, flo
                    ? _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc), scale, _mm256_loadu_ps(layer.bias + n0))
                    : _mm256_mul_ps(_mm256_cvtepi32_ps(acc), scale);
   if (layer.relu) out = _mm256_max_ps(out, _mm256_setzero_ps());
-  if (n0 + kRows <= layer.out_features) {
-    _mm256_storeu_ps(y + n0, out);
-  } else {
-    alignas(32) float t[kRows];
-    _mm256_store_ps(t, out);
-    for (int64_t i = 0; n0 + i < layer.out_features; ++i) y[n0 + i] = t[i];
-  }
+  store_block(y, n0, layer.out_features, out);
 }
 
 inline __m256i dot4(__m256i acc, __m256i x, const int8_t* w, __m256i ones) {
