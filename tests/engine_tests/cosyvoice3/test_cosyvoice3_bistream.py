@@ -18,9 +18,10 @@ from engine.cosyvoice3.lm import CosyVoice3LM, load_cosyvoice3_lm, load_cosyvoic
 DATA = TESTS / "data" / "cosyvoice3"
 TINY = DATA / "tiny"
 CASES = ("zero_shot", "cross_lingual", "instruct2", "prompt_multiple_of_15")
-# Four times the official code's own spread (tests/data/cosyvoice3/README.md, tolerance table).
-ATOL_LOGITS = 5.4e-5  # logits and log-probs: 1.34e-5 (1 thread)
-ATOL_HIDDEN = 1.1e-5  # hidden states and the cache: 2.53e-6 (the LM cases on emulated Arm)
+# Four times the official code's own spread, the largest difference between any two runs on x86
+# and the emulated Cortex-A76 (tests/data/cosyvoice3/README.md, tolerance table).
+ATOL_LOGITS = 6.2e-5  # logits and log-probs: 1.53e-5 (log-probs; Arm, and x86 at 1 thread)
+ATOL_HIDDEN = 1.2e-5  # hidden states and the cache: 2.86e-6 (Arm against x86)
 SOS, EOS, FILL = 6561, 6562, 6564
 
 

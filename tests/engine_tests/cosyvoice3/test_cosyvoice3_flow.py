@@ -26,11 +26,12 @@ DATA = TESTS / "data" / "cosyvoice3"
 CASES = torch.load(DATA / "flow_cases.pt", weights_only=True)
 META = json.loads((DATA / "flow_cases.json").read_text(encoding="utf-8"))
 
-# Four times the official code's largest spread on these cases (1/2/4 threads, ATen's default
-# and AVX2 kernels, oneDNN and MKL capped at SSE4.1), rounded up: tests/data/cosyvoice3/README.md.
-DIT_TOL = {"atol": 7.7e-6, "rtol": 0.0}  # the estimator alone and each solver step: 1.91e-6
-MEL_TOL = {"atol": 1.3e-5, "rtol": 0.0}  # mels of whole calls and stream chunks: 3.22e-6
-LOOKAHEAD_TOL = {"atol": 8.2e-6, "rtol": 0.0}  # look-ahead layer, speaker projection: 2.03e-6
+# Four times the official code's largest spread on these cases, rounded up: the largest
+# difference between any two runs (1/2/4 threads, ATen's default and AVX2 kernels, oneDNN and MKL
+# capped at SSE4.1, the emulated Cortex-A76 at 1 and 2 threads): tests/data/cosyvoice3/README.md.
+DIT_TOL = {"atol": 1.1e-5, "rtol": 0.0}  # the estimator alone and each solver step: 2.62e-6 (Arm)
+MEL_TOL = {"atol": 1.4e-5, "rtol": 0.0}  # mels of whole calls and stream chunks: 3.46e-6 (Arm)
+LOOKAHEAD_TOL = {"atol": 1.0e-5, "rtol": 0.0}  # look-ahead layer, speaker projection: 2.5e-6
 
 
 def _case_args() -> DiTFlowArgs:
