@@ -93,8 +93,13 @@ def measure_gemv_gbps(*, weights: str, blocks: int = GEMV_BLOCKS, repeats: int =
     for _ in range(blocks):
         for index, (out, n_in) in enumerate(shapes):
             four = weights == "int4" and index >= len(shapes) - GEMV_INT4_LAYERS
-            # Constant values would give int4 a single code: seeded random ones instead.
-            weight = torch.randn(out, n_in, generator=torch.Generator().manual_seed(index))
+            # Constant values (the int8 and fp32 kernels' speed does not depend on them) would
+            # give a 4-bit layer a single code: seeded random ones there.
+            weight = (
+                torch.randn(out, n_in, generator=torch.Generator().manual_seed(index))
+                if four
+                else torch.full((out, n_in), 0.01)
+            )
             layer, read = _gemv_layer(
                 "int4" if four else "fp32" if weights == "fp32" else "int8", weight
             )

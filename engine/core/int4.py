@@ -206,12 +206,6 @@ def _avx2_kernel() -> ModuleType | None:
     return native.load("int4_avx2")
 
 
-def _padded(values: torch.Tensor, size: int) -> torch.Tensor:
-    out = torch.zeros(size, dtype=torch.float32)
-    out[: values.numel()] = values.detach().float()
-    return out
-
-
 class Int4Linear(nn.Module):
     """``y = x W^T + b`` with W in int4 groups, packed once for one of the kernels.
 
@@ -243,7 +237,7 @@ class Int4Linear(nn.Module):
             fine = scales.repeat_interleave(self.group // GROUP_SIZE, dim=1)
             packed = compiled.pack(codes.contiguous(), fine.contiguous())
             blocks = -(-self.out_features // 8)  # the kernel computes whole blocks of 8 outputs
-            kept_bias = None if bias is None else _padded(bias, 8 * blocks)
+            kept_bias = None if bias is None else native.padded(bias, 8 * blocks)
         elif kernel == KLEIDIAI:  # the bias is applied by the kernel
             fbias = None if bias is None else bias.detach().float().contiguous()
             packed = torch.ops.aten._dyn_quant_pack_4bit_weight(

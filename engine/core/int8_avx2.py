@@ -34,12 +34,6 @@ def fits(in_features: int) -> bool:
     return kernel() is not None and in_features % 4 == 0
 
 
-def _padded(values: torch.Tensor, size: int) -> torch.Tensor:
-    out = torch.zeros(size, dtype=torch.float32)
-    out[: values.numel()] = values.float()
-    return out
-
-
 class Avx2Int8Linear(nn.Module):
     """A per-channel symmetric int8 Linear with dynamically quantised activations, as
     ``Int8Linear``, on the engine's kernel.
@@ -51,18 +45,18 @@ class Avx2Int8Linear(nn.Module):
 
     def __init__(self, weight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
-        native = kernel()
-        if native is None or not fits(weight.shape[1]):
+        compiled = kernel()
+        if compiled is None or not fits(weight.shape[1]):
             raise RuntimeError("the engine's int8 kernel cannot run this layer here")
         self.out_features, self.in_features = weight.shape
-        blocks, rowsum = native.pack(weight)
-        self._linear = native.linear
+        blocks, rowsum = compiled.pack(weight)
+        self._linear = compiled.linear
         self.blocks: torch.Tensor
         self.register_buffer("blocks", blocks)
         self.register_buffer("rowsum", rowsum)
         # float32 scales, as fbgemm keeps them: its products are the reference, bit for bit.
-        self.register_buffer("scale", _padded(scales, rowsum.numel()))
-        padded_bias = None if bias is None else _padded(bias.detach(), rowsum.numel())
+        self.register_buffer("scale", native.padded(scales, rowsum.numel()))
+        padded_bias = None if bias is None else native.padded(bias, rowsum.numel())
         self.register_buffer("bias", padded_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

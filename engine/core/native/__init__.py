@@ -6,6 +6,8 @@ import importlib
 import logging
 from types import ModuleType
 
+import torch
+
 _LOGGER = logging.getLogger(__name__)
 
 
@@ -24,3 +26,11 @@ def load(name: str) -> ModuleType | None:
         _LOGGER.debug("the engine's kernel %s needs AVX2 and FMA; using torch's", name)
         return None
     return module
+
+
+def padded(values: torch.Tensor, size: int) -> torch.Tensor:
+    """``values`` as float32, zero-padded to ``size``: the kernels compute whole blocks of
+    outputs, so their per-output scales and biases cover the last block's padding too."""
+    out = torch.zeros(size, dtype=torch.float32)
+    out[: values.numel()] = values.detach().float()
+    return out

@@ -202,32 +202,38 @@ void one_row(const Layer& layer, const QuantRows& q, int64_t b0, int64_t b1, flo
   for (int64_t b = b0 + kStreams * per_stream; b < b1; ++b) micro<1, 1>(layer, x, 0, &b, y);
 }
 
-// Every activation row against blocks [b0, b1), a tile of blocks at a time so that the tile's
-// weights stay in L2 while every row group passes over them.
+// The rows' activations reordered so that each group of kRowGroup rows (the last may be
+// fewer) has its groups interleaved (Rows): row group m starts at row m * kRowGroup.
+QuantRows interleave_row_groups(const QuantRows& q, int64_t rows, int64_t groups) {
+  QuantRows out;
+  out.codes.resize(q.codes.size());
+  out.start.resize(q.start.size());
+  out.scale.resize(q.scale.size());
+  for (int64_t r0 = 0; r0 < rows; r0 += kRowGroup) {
+    const int64_t n = std::min<int64_t>(kRowGroup, rows - r0);
+    for (int64_t g = 0; g < groups; ++g)
+      for (int64_t r = 0; r < n; ++r) {
+        const int64_t from = (r0 + r) * groups + g, to = r0 * groups + g * n + r;
+        std::memcpy(out.codes.data() + to * kGroup, q.codes.data() + from * kGroup, kGroup);
+        out.start[to] = q.start[from];
+        out.scale[to] = q.scale[from];
+      }
+  }
+  return out;
+}
+
+// Every activation row (``q`` as interleave_row_groups leaves it) against blocks [b0, b1), a
+// tile of blocks at a time so that the tile's weights stay in L2 while every row group passes
+// over them.
 void many_rows(const Layer& layer, const QuantRows& q, int64_t rows, int64_t b0, int64_t b1,
                float* y) {
   const int64_t groups = layer.in_features / kGroup;
   const int64_t tile = std::max<int64_t>(1, kTileBytes / (groups * kGroupBytes));
-  // Each row group's activations interleaved by group (Rows), made once per call of a thread.
-  const int64_t row_groups = (rows + kRowGroup - 1) / kRowGroup;
-  std::vector<int8_t> codes(static_cast<size_t>(rows * groups * kGroup));
-  std::vector<int32_t> start(static_cast<size_t>(rows * groups));
-  std::vector<float> scale(static_cast<size_t>(rows * groups));
-  for (int64_t m = 0; m < row_groups; ++m) {
-    const int64_t r0 = m * kRowGroup, n = std::min<int64_t>(kRowGroup, rows - r0);
-    for (int64_t g = 0; g < groups; ++g)
-      for (int64_t r = 0; r < n; ++r) {
-        const int64_t from = (r0 + r) * groups + g, to = r0 * groups + g * n + r;
-        std::memcpy(codes.data() + to * kGroup, q.codes.data() + from * kGroup, kGroup);
-        start[to] = q.start[from];
-        scale[to] = q.scale[from];
-      }
-  }
   for (int64_t t0 = b0; t0 < b1; t0 += tile) {
     const int64_t t1 = std::min(b1, t0 + tile);
     for (int64_t m = 0; m < rows; m += kRowGroup) {
-      const Rows x{codes.data() + m * groups * kGroup, start.data() + m * groups,
-                   scale.data() + m * groups};
+      const Rows x{q.codes.data() + m * groups * kGroup, q.start.data() + m * groups,
+                   q.scale.data() + m * groups};
       for (int64_t b = t0; b < t1; ++b) {
         switch (std::min<int64_t>(kRowGroup, rows - m)) {
           case 4: micro<1, 4>(layer, x, m, &b, y); break;
@@ -311,8 +317,9 @@ torch::Tensor linear(const torch::Tensor& x_in, const torch::Tensor& packed,
       one_row(layer, q, b0, b1, yp);
     });
   } else {
+    const QuantRows interleaved = interleave_row_groups(q, rows, in / kGroup);
     at::parallel_for(0, blocks, 8, [&](int64_t b0, int64_t b1) {
-      many_rows(layer, q, rows, b0, b1, yp);
+      many_rows(layer, interleaved, rows, b0, b1, yp);
     });
   }
   return y;
