@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from engine.core.decode_attention import attend_one
 from engine.core.hparams import EncoderArgs
 
 # The official table has 5000 rows; each row is computed on its own, so a shorter table holds the
@@ -344,13 +345,9 @@ class RelPosAttention(nn.Module):
             new_kv[0].copy_(self.linear_k(x).view(h, d_k))
             new_kv[1].copy_(self.linear_v(x).view(h, d_k))
         qu, qv = (q + self._uv_biases()).view(2, h, 1, d_k).unbind(0)  # (h, 1, d_k) each
-        # (h, L, d_k) @ (h, d_k, 1): the rows are pre-scaled by 1/sqrt(d_k)
-        query = qv.transpose(1, 2)
-        pos_scores = _joined([torch.bmm(rows, query) for rows in self._pos_rows(length)], 1)
-        scores = torch.baddbmm(
-            pos_scores.view(h, 1, length), qu, keys.transpose(1, 2), alpha=1.0 / math.sqrt(d_k)
-        )  # (h, 1, L)
-        out = torch.bmm(scores.softmax(dim=-1), values)  # (h, 1, d_k)
+        # The positional rows are pre-scaled by 1/sqrt(d_k).
+        rows = self._pos_rows(length)
+        out = attend_one(qu, keys, values, 1.0 / math.sqrt(d_k), qv, rows)  # (h, 1, d_k)
         return self.linear_out(out.view(1, 1, h * d_k))
 
 

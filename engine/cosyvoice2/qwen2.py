@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from engine.core import native
+from engine.core.decode_attention import attend_one
 from engine.core.hparams import ModelConfigError
 from engine.core.quantize import lm_int8_linear
 from engine.core.transformer import KVCache
@@ -279,8 +280,7 @@ class Qwen2Attention(nn.Module):
         slot.copy_(qkv[q_dim:].view(2, self.kv_heads, self.head_dim))
         group = self.heads // self.kv_heads
         q = qkv[:q_dim].view(self.kv_heads, group, self.head_dim)
-        scores = torch.bmm(q, keys.transpose(1, 2)).mul_(self.scale)  # (kv_heads, group, L)
-        out = torch.bmm(scores.softmax(dim=-1), values)  # (kv_heads, group, hd)
+        out = attend_one(q, keys, values, self.scale)  # (kv_heads, group, hd)
         return self.o_proj(out.view(1, 1, -1))
 
 
