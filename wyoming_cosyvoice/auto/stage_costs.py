@@ -36,13 +36,14 @@ from engine.core.stage_times import StageTime
 # much, and the fit keeps calls of several sizes (the last requests' first and last chunks).
 ALPHA = 0.3
 CALL_ALPHA = 0.1
-# A format that has not run yet, relative to a measured format of its part: the int4 LM's
+# A format that has not run yet, relative to a measured format of its part (the first measured
+# in this order, the reference first): the int4 LM's
 # tokens take about 0.72 times the int8 LM's and the float32 LM's about 3 times (its prefill
 # taken alike), the int8 flow's passes are about 25 % faster than float32's, the bfloat16 HiFT
 # about twice as fast (docs/performance.md), the int8 HiFT about 1.4 times
 # (docs/dev/performance-notes.md).
 PRIOR_RATIOS: Mapping[str, Mapping[str, float]] = {
-    "llm": {"fp32": 3.0, "int8": 1.0, "int4": 0.75},
+    "llm": {"int8": 1.0, "int4": 0.75, "fp32": 3.0},
     "flow": {"fp32": 1.0, "int8": 0.75},
     "hift": {"fp32": 1.0, "bf16": 0.5, "int8": 0.7},
 }
@@ -273,7 +274,7 @@ def _by_format(figures: Mapping[str, LineCost], stage: str) -> dict[str, LineCos
 def _from_prior(part: str, weights: str, known: Mapping[str, LineCost]) -> LineCost:
     """A format's cost guessed from a measured format of its part and the prior ratios."""
     ratios = PRIOR_RATIOS[part]
-    other = next((k for k in known if k in ratios), None)
+    other = next((k for k in ratios if k in known), None)
     if other is None:  # only formats without a prior measured: taken as costing the same
         return next(iter(known.values()))
     return known[other].scaled(ratios[weights] / ratios[other])

@@ -209,7 +209,7 @@ def test_auto_measured_every_loaded_format_and_chooses_per_request(
 ) -> None:
     costs = server.auto_at_start["stage_costs"]
     assert costs is not None, server.auto_at_start
-    assert costs["lm_token_ms"] > 0 and costs["lm_prefill_ms"] > 0
+    assert min(costs["lm_token_ms"].values()) > 0 and min(costs["lm_prefill_ms"].values()) > 0
     loaded = server.engine.weight_formats
     for part in ("flow", "hift"):
         for weights in loaded[part]:
