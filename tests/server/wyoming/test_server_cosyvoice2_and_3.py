@@ -214,6 +214,9 @@ def test_auto_measured_every_loaded_format_and_chooses_per_request(
     for part in ("flow", "hift"):
         for weights in loaded[part]:
             assert f"{part}.{weights}" not in costs["estimated"], (part, weights, costs)
+    for weights in loaded["llm"]:  # every loaded LM measured in its own format
+        for stage in ("lm_prefill", "lm_token"):
+            assert f"{stage}.{weights}" not in costs["estimated"], (weights, costs)
     assert all(costs["flow_us_per_frame_step"][w] > 0 for w in loaded["flow"])
     reply = run(wy.synthesize(server.port, "Hello there.", {"name": "en-male"}))
     assert reply.error() is None and reply.samples == SAMPLES
