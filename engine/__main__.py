@@ -160,8 +160,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--lm-weights",
         choices=("int8", "int4", "fp32"),
         default="int8",
-        help="LM decoder weights: int8 (default, as the server's), int4 (engine.core.int4) or fp32 "
-        "(the official maths)",
+        help="LM decoder weights: int8 (default, as the server's exact profiles), int4 "
+        "(engine.core.int4, as its fast ones) or fp32 (the official maths)",
     )
 
     prep = sub.add_parser(

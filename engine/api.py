@@ -70,7 +70,7 @@ class Engine(Protocol):
 
     @property
     def weight_formats(self) -> dict[str, tuple[str, ...]]:
-        """The loaded formats of the flow and HiFT, the primary one first."""
+        """The loaded formats of the LM ("llm"), flow and HiFT, the primary one first."""
 
     @property
     def hift_dtype(self) -> str:

@@ -1,4 +1,4 @@
-"""What every engine class keeps of its load: the flow and HiFT in each loaded weight format,
+"""What every engine class keeps of its load: the LM, flow and HiFT in each loaded weight format,
 the prepared files the load had to prepare and the CPU choices; the load itself, one sequence
 with the family's hooks; how a segment's waves become audio chunks; and its warm-up's runs, one
 per weight format. Each model family's engine inherits :class:`EngineBase`."""
@@ -24,8 +24,9 @@ from engine.core.runtime import (
     pick_weights,
     prepared_loads,
     setup_cpu,
-    weight_pairs,
+    weight_combinations,
 )
+from engine.core.shared_layers import share_unchanged_layers
 from engine.core.start_policy import GAPLESS, estimate_speech_seconds, hold_until_gapless
 from engine.core.types import AudioChunk, SynthesisOptions
 
@@ -64,7 +65,7 @@ def by_format(
 
 
 class EngineBase(ABC, Generic[FlowT]):
-    """The flow and HiFT by weight format, what the load prepared and chose for this CPU."""
+    """The LM, flow and HiFT by weight format, what the load prepared and chose for this CPU."""
 
     # How the family's directory is prepared and loaded (its three models, its speakers).
     model_parts: ClassVar[ModelParts]
@@ -76,6 +77,7 @@ class EngineBase(ABC, Generic[FlowT]):
         flow: FlowT,
         hift: HiFTGenerator,
         *,
+        lm: nn.Module,
         model_dir: Path,
         kind: str,
         threads: int | None,
@@ -94,8 +96,9 @@ class EngineBase(ABC, Generic[FlowT]):
         self.prepared_at_load: tuple[str, ...] = ()
         # What load() chose for this CPU (int8 kernels, bfloat16, thread ceiling).
         self.cpu_choices: cpu.CpuChoices | None = None
-        # The flow and HiFT by weight format: the primary ones, and any loaded beside them
-        # (``extra_formats``) for a request to choose (SynthesisOptions.flow_weights).
+        # The LM, flow and HiFT by weight format: the primary ones, and any loaded beside them
+        # (``extra_formats``) for a request to choose (SynthesisOptions.lm_weights, ...).
+        self.lms: dict[str, nn.Module] = {loaded_format(lm): lm}
         self.flows: dict[str, FlowT] = {loaded_format(flow): flow}
         self.hifts: dict[str, HiFTGenerator] = {loaded_format(hift): hift}
 
@@ -138,11 +141,12 @@ class EngineBase(ABC, Generic[FlowT]):
         written (None: ``$XDG_CACHE_HOME/cosyvoice-engine``). A file missing or out of date is
         prepared first, which takes seconds; ``prepared_at_load`` on the engine names those.
 
-        ``extra_formats`` ("flow.int8", "hift.bf16", ...) loads the flow and HiFT in these
-        formats too, beside the primary ones, so that each request may choose
-        (``SynthesisOptions.flow_weights``, ``hift_weights``); those this CPU cannot run are
-        left out, as the primary ones fall back. ``engine_options``: the family's own (its
-        engine class says which).
+        ``extra_formats`` ("llm.int4", "flow.int8", "hift.bf16", ...) loads the LM, flow and
+        HiFT in these formats too, beside the primary ones, so that each request may choose
+        (``SynthesisOptions.lm_weights``, ``flow_weights``, ``hift_weights``); those this CPU
+        cannot run are left out, as the primary ones fall back. A second LM holds only the
+        layers its format changes: the rest are the primary LM's (engine.core.shared_layers).
+        ``engine_options``: the family's own (its engine class says which).
 
         The sequence is every family's; the family's hooks adapt each flow for this CPU
         (:meth:`_adapt_flow`), build its text frontend (:meth:`_build_frontend`, while the int8
@@ -183,7 +187,10 @@ class EngineBase(ABC, Generic[FlowT]):
         engine = make(models, threads=setup.threads, frontend=frontend, **engine_options)
         hift = cast("HiFTGenerator", modules[2])
         hifts = by_format("hift", (setup.formats.hift, hift), alternates, extras)
-        engine._record_load(cast("dict[str, Any]", flows), hifts, loads, setup.choices)
+        lms = by_format("llm", (setup.formats.llm, modules[0]), alternates, extras)
+        for other in list(lms.values())[1:]:
+            share_unchanged_layers(modules[0], other)
+        engine._record_load(lms, cast("dict[str, Any]", flows), hifts, loads, setup.choices)
         return engine
 
     @classmethod
@@ -213,13 +220,15 @@ class EngineBase(ABC, Generic[FlowT]):
 
     def _record_load(
         self,
+        lms: dict[str, nn.Module],
         flows: dict[str, FlowT],
         hifts: dict[str, HiFTGenerator],
         loads: Sequence[PreparedLoad],
         choices: cpu.CpuChoices,
     ) -> None:
-        """Keep what load() made beside the models: the flows and HiFTs by format (primary
+        """Keep what load() made beside the models: the LMs, flows and HiFTs by format (primary
         first), the names of the files ``loads`` prepared, and ``choices``."""
+        self.lms = lms
         self.flows = flows
         self.hifts = hifts
         self.prepared_at_load = tuple(name for load in loads for name in load.prepared_now)
@@ -227,8 +236,12 @@ class EngineBase(ABC, Generic[FlowT]):
 
     @property
     def weight_formats(self) -> dict[str, tuple[str, ...]]:
-        """The loaded formats of the flow and HiFT, the primary one first."""
-        return {"flow": tuple(self.flows), "hift": tuple(self.hifts)}
+        """The loaded formats of the LM, flow and HiFT, the primary one first."""
+        return {"llm": tuple(self.lms), "flow": tuple(self.flows), "hift": tuple(self.hifts)}
+
+    def _lm(self, options: SynthesisOptions) -> tuple[str, Any]:
+        """(format, LM) a request runs: the one it asks for if loaded, else the primary."""
+        return pick_weights(self.lms, options.lm_weights)
 
     @property
     def hift_dtype(self) -> str:
@@ -284,13 +297,16 @@ class EngineBase(ABC, Generic[FlowT]):
     def _speak_in_each_format(self, speaker: str | None, force_tokens: int) -> None:
         """The warm-up's runs: a short streamed synthesis of ``force_tokens`` speech tokens in
         ``speaker``'s voice, once in each loaded weight format."""
-        for flow_weights, hift_weights in weight_pairs(self.flows, self.hifts):
+        for lm_weights, flow_weights, hift_weights in weight_combinations(
+            self.lms, self.flows, self.hifts
+        ):
             options = SynthesisOptions(
                 speaker=speaker,
                 stream=True,
                 seed=0,
                 force_tokens=force_tokens,
                 n_timesteps=_WARMUP_STEPS,
+                lm_weights=lm_weights,
                 flow_weights=flow_weights,
                 hift_weights=hift_weights,
             )

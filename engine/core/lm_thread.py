@@ -51,7 +51,8 @@ class LmTokens:
     ``inline``: how many tokens to generate in the consumer's thread before a background thread
     takes over; ``None`` generates all of them inline (no thread at all). ``threads``: the
     caller's thread budget, applied before each token. ``on_stage``: told what the inline
-    tokens cost (engine.core.stage_times: the way to the first token, then the rest per token).
+    tokens cost (engine.core.stage_times: the way to the first token, then the rest per token),
+    named with the LM's format ``weights``.
     """
 
     def __init__(
@@ -62,8 +63,10 @@ class LmTokens:
         inline: int | None,
         threads: ThreadBudget | None = None,
         on_stage: StageListener | None = None,
+        weights: str = "",
     ) -> None:
         self._make_tokens = make_tokens
+        self._weights = weights  # the LM's format, for its stage times
         self._cancel = cancel or threading.Event()
         self._inline = inline
         self._budget = threads
@@ -83,16 +86,16 @@ class LmTokens:
             token = next(source, None)
             seconds = time.perf_counter() - start
             if token is None:
-                report(self._on_stage, "lm_token", "", sampling, count - 1)
+                report(self._on_stage, "lm_token", self._weights, sampling, count - 1)
                 return
             self._check_cancel()
             count += 1
             if count == 1:  # the generator's first step encodes the text and the prompt
-                report(self._on_stage, "lm_prefill", "", seconds, 1)
+                report(self._on_stage, "lm_prefill", self._weights, seconds, 1)
             else:
                 sampling += seconds
             yield token
-        report(self._on_stage, "lm_token", "", sampling, count - 1)
+        report(self._on_stage, "lm_token", self._weights, sampling, count - 1)
         # The consumer wants more: the first chunk is out, so overlapping now pays.
         self._thread = threading.Thread(
             target=self._produce, args=(source,), name="cosyvoice-lm", daemon=True

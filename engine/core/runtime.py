@@ -126,32 +126,40 @@ def int4_kernel_for_lm() -> bool:
 
 
 def extra_weight_formats(extra: Iterable[str], setup: CpuSetup) -> dict[str, str]:
-    """The formats of ``extra`` ("flow.int8", "hift.bf16", ...) a load adds beside its primary
-    ones, by part: those this CPU runs (as ``setup_cpu`` falls back) that are not primary.
+    """The formats of ``extra`` ("llm.int4", "flow.int8", "hift.bf16", ...) a load adds beside
+    its primary ones, by part: those this CPU runs (as ``setup_cpu`` falls back) that are not
+    primary.
 
-    Only the flow and HiFT have extras (a request chooses between them, engine.core.types'
-    ``SynthesisOptions.flow_weights``); ValueError names any other. Each part has two formats,
-    so one extra at most.
+    A request chooses between a part's formats (engine.core.types' ``SynthesisOptions``
+    ``lm_weights``, ``flow_weights``, ``hift_weights``); ValueError names a format no part has.
+    Each part gets one extra at most (the last one named).
     """
     from engine.core.prepared import WEIGHT_FORMATS
 
+    known = [f"{part}.{weights}" for part, formats in WEIGHT_FORMATS.items() for weights in formats]
     chosen: dict[str, str] = {}
     for name in extra:
         part, _, weights = name.partition(".")
-        if part not in ("flow", "hift") or weights not in WEIGHT_FORMATS[part]:
-            raise ValueError(
-                f"extra weight format {name!r}: not one of flow.fp32, flow.int8, flow.bf16, "
-                "hift.fp32, hift.bf16, hift.int8"
-            )
-        if part == "hift" and weights == "int8" and not int8_hift_fast():
-            continue
-        if weights == "int8" and setup.choices.int8_kernels is None:
-            continue  # as the primary formats: no int8 kernel, float32 only
-        if weights == "bf16" and not setup.choices.bfloat16:
+        if name not in known:
+            raise ValueError(f"extra weight format {name!r}: not one of {', '.join(known)}")
+        if not _runs_here(part, weights, setup):
             continue
         if weights != setup.formats.of(part):
             chosen[part] = weights
     return chosen
+
+
+def _runs_here(part: str, weights: str, setup: CpuSetup) -> bool:
+    """Whether this CPU runs ``part`` in ``weights``, as the primary formats fall back."""
+    if part == "llm" and weights == "int4":
+        return setup.choices.int8_kernels is not None and int4_kernel_for_lm()
+    if part == "hift" and weights == "int8" and not int8_hift_fast():
+        return False
+    if weights == "int8":
+        return setup.choices.int8_kernels is not None  # no int8 kernel: float32 only
+    if weights == "bf16":
+        return setup.choices.bfloat16
+    return True
 
 
 @contextlib.contextmanager
@@ -176,7 +184,8 @@ def prepared_loads(
     if extras:
         extra = WeightFormats(**extras)
         loads.append(PreparedLoad(model_dir, extra, cache_dir, parts, only=tuple(extras)))
-    packing = bool({"int8", "int4"} & {formats.llm, formats.flow, extras.get("flow")})
+    quantised = {formats.llm, formats.flow, extras.get("llm"), extras.get("flow")}
+    packing = bool({"int8", "int4"} & quantised)
     try:
         with one_torch_thread() if packing else contextlib.nullcontext():
             yield loads
@@ -196,30 +205,32 @@ def pick_weights(loaded: Mapping[str, T], wanted: str | None) -> tuple[str, T]:
 
 
 def loaded_format(module: torch.nn.Module) -> str:
-    """The weight format a loaded flow or HiFT runs in: int8 (int8 layers or convolutions),
-    bf16 (a bfloat16 filter or bfloat16 estimator layers) or fp32."""
+    """The weight format a loaded model runs in: int4 (an LM's 4-bit layers), int8 (int8
+    layers or convolutions), bf16 (a bfloat16 filter or bfloat16 estimator layers) or fp32."""
     from engine.core.bf16_flow import has_bf16_linears
-    from engine.core.quantize import Int8Linear
+    from engine.core.int4 import Int4Linear
+    from engine.core.quantize import INT8_LINEAR_TYPES
 
+    if any(isinstance(sub, Int4Linear) for sub in module.modules()):
+        return "int4"
     if getattr(module, "quantized", False):
         return "int8"
-    if any(isinstance(sub, Int8Linear) for sub in module.modules()):
+    if any(isinstance(sub, INT8_LINEAR_TYPES) for sub in module.modules()):
         return "int8"
     if has_bf16_linears(module):
         return "bf16"
     return "bf16" if getattr(module, "filter_dtype", None) == torch.bfloat16 else "fp32"
 
 
-def weight_pairs(flows: Iterable[str], hifts: Iterable[str]) -> list[tuple[str, str]]:
-    """(flow, HiFT) formats that run each loaded format at least once: the primary pair, then
-    each part's other format (beside the other part's, or its primary)."""
-    flow_list, hift_list = list(flows), list(hifts)
-    pairs = [(flow_list[0], hift_list[0])]
-    for index in range(1, max(len(flow_list), len(hift_list))):
-        flow = flow_list[index] if index < len(flow_list) else flow_list[0]
-        hift = hift_list[index] if index < len(hift_list) else hift_list[0]
-        pairs.append((flow, hift))
-    return pairs
+def weight_combinations(*loaded: Iterable[str]) -> list[tuple[str, ...]]:
+    """One format per part (``loaded``: each part's formats, the primary first) for each run
+    that together run every loaded format at least once: the primary ones, then each part's
+    other formats (beside the other parts' same-numbered ones, or their primary)."""
+    lists = [list(formats) for formats in loaded]
+    return [
+        tuple(formats[index] if index < len(formats) else formats[0] for formats in lists)
+        for index in range(max(len(formats) for formats in lists))
+    ]
 
 
 def bound_onednn_cache() -> None:

@@ -95,9 +95,11 @@ class SynthesisOptions:
     # Asked before each LM token and flow step: torch threads from then on (None: leave the
     # calling thread's count). engine.core.thread_budget says why.
     threads: Callable[[], int] | None = field(default=None, compare=False, repr=False)
-    # The loaded weight format the flow ('fp32', 'int8') and HiFT ('fp32', 'bf16') run in; an
-    # engine loaded with several formats (``extra_formats``) holds each. None, or a format the
-    # engine did not load (a CPU without the kernels for it): its primary format.
+    # The loaded weight format the LM ('int8', 'int4', 'fp32'), flow ('fp32', 'int8', 'bf16')
+    # and HiFT ('fp32', 'bf16', 'int8') run in; an engine loaded with several formats
+    # (``extra_formats``) holds each. None, or a format the engine did not load (a CPU without
+    # the kernels for it): its primary format.
+    lm_weights: str | None = None
     flow_weights: str | None = None
     hift_weights: str | None = None
     # Hears what each stage cost (engine.core.stage_times), on the thread that ran it.

@@ -104,6 +104,7 @@ class CosyVoiceEngine(EngineBase["FlowModel"], OfFamily):
         super().__init__(
             models.flow,
             models.hift,
+            lm=models.llm,
             model_dir=models.model_dir,
             kind=kind or detect_model_kind(models.model_dir),
             threads=threads,
@@ -242,8 +243,10 @@ class CosyVoiceEngine(EngineBase["FlowModel"], OfFamily):
             weights=(flow_weights, hift_weights),
         )
 
+        lm_weights, llm = self._lm(options)
+
         def make_tokens() -> Iterator[int]:
-            return self.models.llm.generate(
+            return llm.generate(
                 text_ids,
                 voice.prompt_text_ids,
                 voice.llm_prompt_tokens,
@@ -261,6 +264,7 @@ class CosyVoiceEngine(EngineBase["FlowModel"], OfFamily):
             inline=first_chunk if options.stream else None,
             threads=options.threads,
             on_stage=options.on_stage,
+            weights=lm_weights,
         )
 
         def waves() -> Generator[torch.Tensor, None, None]:

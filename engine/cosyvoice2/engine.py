@@ -147,6 +147,7 @@ class CosyVoice2Engine(
         super().__init__(
             models.flow,
             models.hift,
+            lm=models.llm,
             model_dir=models.model_dir,
             kind=KIND,
             threads=threads,
@@ -240,8 +241,10 @@ class CosyVoice2Engine(
         seed: int,
         cancel: threading.Event | None,
     ) -> Iterator[AudioChunk]:
+        _, llm = self._lm(options)
+
         def make_tokens(generator: torch.Generator) -> Iterator[int]:
-            return self.models.llm.generate(
+            return llm.generate(
                 text_ids,
                 cond.prompt_text_ids,
                 cond.llm_prompt_tokens,
@@ -281,6 +284,7 @@ class CosyVoice2Engine(
             inline=inline,
             threads=options.threads,
             on_stage=options.on_stage if lm_stage_times else None,
+            weights=self._lm(options)[0],
         )
 
         def waves() -> Generator[torch.Tensor, None, None]:
@@ -359,9 +363,8 @@ class CosyVoice2Engine(
         cancel: threading.Event | None,
     ) -> Iterator[int]:
         """The LM's speech tokens for a sentence whose text is still arriving."""
-        return growing_tokens(
-            self.models.llm, self.frontend, text, cond, options, generator, cancel
-        )
+        _, llm = self._lm(options)
+        return growing_tokens(llm, self.frontend, text, cond, options, generator, cancel)
 
     def _speech_stream(
         self,

@@ -202,7 +202,8 @@ class CosyVoice3Engine(CosyVoice2Engine):
             CosyVoice3BistreamSession,
             end_of_prompt_id=self.frontend.tokenizer.token_id(END_OF_PROMPT),
         )
-        llm, frontend = self.models.llm, self.frontend
+        _, llm = self._lm(options)
+        frontend = self.frontend
         return growing_tokens(
             llm, frontend, text, cond, options, generator, cancel, new_session=session
         )

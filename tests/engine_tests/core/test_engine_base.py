@@ -41,6 +41,7 @@ class _Engine(EngineBase[nn.Linear]):
         super().__init__(
             nn.Linear(1, 1),
             cast(HiFTGenerator, _Hift(torch.float32)),
+            lm=nn.Linear(1, 1),
             model_dir=Path("no-model"),
             kind="none",
             threads=None,
@@ -72,7 +73,7 @@ def test_a_part_lists_its_primary_format_first_then_its_extra_one() -> None:
 def test_hift_dtype_is_the_primary_hifts_beside_an_extra_format() -> None:
     engine = _Engine()
     engine.hifts["bf16"] = cast(HiFTGenerator, _Hift(torch.bfloat16))
-    assert engine.weight_formats == {"flow": ("fp32",), "hift": ("fp32", "bf16")}
+    assert engine.weight_formats == {"llm": ("fp32",), "flow": ("fp32",), "hift": ("fp32", "bf16")}
     assert engine.hift_dtype == "float32"
 
 
@@ -94,11 +95,12 @@ def test_a_dropped_segment_closes_its_waves_and_stops_the_lm() -> None:
     assert waves_closed.is_set() and tokens.closed
 
 
-def test_the_warm_up_speaks_once_per_weight_pair_in_the_voice_given() -> None:
+def test_the_warm_up_speaks_once_per_weight_format_in_the_voice_given() -> None:
     engine = _Engine()
+    engine.lms["int4"] = nn.Linear(1, 1)
     engine.flows["int8"] = nn.Linear(1, 1)
     engine.hifts["bf16"] = cast(HiFTGenerator, _Hift(torch.bfloat16))
     engine._speak_in_each_format("anna", force_tokens=60)
-    ran = [(o.flow_weights, o.hift_weights) for o in engine.asked]
-    assert ran == [("fp32", "fp32"), ("int8", "bf16")]
+    ran = [(o.lm_weights, o.flow_weights, o.hift_weights) for o in engine.asked]
+    assert ran == [("fp32", "fp32", "fp32"), ("int4", "int8", "bf16")]
     assert all(o.speaker == "anna" and o.force_tokens == 60 and o.stream for o in engine.asked)

@@ -17,10 +17,12 @@ import pytest
 import torch
 from conftest import DATA, INT8_KERNELS_NEEDED
 
+from engine.core import int4
 from engine.core.cpu import detect
+from engine.core.int4 import Int4Linear
 from engine.core.lm_thread import LmTokens
 from engine.core.prepared import PREPARED_DIR
-from engine.core.runtime import weight_pairs
+from engine.core.runtime import weight_combinations
 from engine.core.stage_times import StageTime
 from engine.core.types import SynthesisOptions
 from engine.cosyvoice1.engine import CosyVoiceEngine
@@ -55,7 +57,7 @@ def _audio(engine: object, options: SynthesisOptions, text: str = "Hello there."
 def test_the_extra_formats_are_loaded_beside_the_primary_ones(both: CosyVoiceEngine) -> None:
     flows = ("fp32", "int8") if CPU.int8_kernels is not None else ("fp32",)
     hifts = ("fp32", "bf16") if CPU.bfloat16 else ("fp32",)
-    assert both.weight_formats == {"flow": flows, "hift": hifts}
+    assert both.weight_formats == {"llm": ("fp32",), "flow": flows, "hift": hifts}
     assert both.models.flow is both.flows["fp32"]  # the primary ones stay the models'
 
 
@@ -85,6 +87,7 @@ def test_each_stage_reports_its_cost_in_the_format_it_ran(both: CosyVoiceEngine)
     assert all(t.seconds >= 0 for t in heard)
     assert {t.weights for t in heard if t.stage == "flow"} == {flow}
     assert {t.weights for t in heard if t.stage == "hift"} == {hift}
+    assert {t.weights for t in heard if t.stage.startswith("lm")} == {"fp32"}
     # The first chunk's 41 tokens are sampled in the caller's thread: the first one is the
     # prefill, the 40 others are timed per token (the LM thread beside the vocoder is not).
     assert [t.units for t in heard if t.stage.startswith("lm")] == [1, 40]
@@ -110,12 +113,12 @@ def test_without_guidance_the_flow_counts_one_row(both: CosyVoiceEngine) -> None
 
 
 def test_the_warm_up_runs_every_loaded_format(both: CosyVoiceEngine) -> None:
-    ran: list[tuple[str | None, str | None]] = []
+    ran: list[tuple[str | None, ...]] = []
     synthesize = both.synthesize
 
     def recording(text: str, options: SynthesisOptions | None = None, cancel=None):  # type: ignore[no-untyped-def]
         assert options is not None
-        ran.append((options.flow_weights, options.hift_weights))
+        ran.append((options.lm_weights, options.flow_weights, options.hift_weights))
         return synthesize(text, options, cancel)
 
     both.synthesize = recording  # type: ignore[method-assign]
@@ -123,19 +126,74 @@ def test_the_warm_up_runs_every_loaded_format(both: CosyVoiceEngine) -> None:
         both.warmup()
     finally:
         del both.synthesize
-    assert ran == weight_pairs(both.flows, both.hifts)
-    assert {f for f, _ in ran} == set(both.flows) and {h for _, h in ran} == set(both.hifts)
+    assert ran == weight_combinations(both.lms, both.flows, both.hifts)
+    for index, loaded in enumerate((both.lms, both.flows, both.hifts)):
+        assert {formats[index] for formats in ran} == set(loaded)
 
 
-def test_weight_pairs_cover_each_format_once_beside_a_primary() -> None:
-    assert weight_pairs(["fp32"], ["fp32"]) == [("fp32", "fp32")]
-    assert weight_pairs(["fp32", "int8"], ["fp32", "bf16"]) == [("fp32", "fp32"), ("int8", "bf16")]
-    assert weight_pairs(["int8", "fp32"], ["bf16"]) == [("int8", "bf16"), ("fp32", "bf16")]
+def test_weight_combinations_cover_each_format_once_beside_a_primary() -> None:
+    assert weight_combinations(["fp32"], ["fp32"]) == [("fp32", "fp32")]
+    assert weight_combinations(["fp32", "int8"], ["fp32", "bf16"]) == [
+        ("fp32", "fp32"),
+        ("int8", "bf16"),
+    ]
+    assert weight_combinations(["int8", "int4"], ["int8", "fp32"], ["bf16"]) == [
+        ("int8", "int8", "bf16"),
+        ("int4", "fp32", "bf16"),
+    ]
 
 
-def test_an_unknown_extra_format_is_refused(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="'llm.int8'"):
-        CosyVoiceEngine.load(_copy(TINY, tmp_path / "m"), extra_formats=["llm.int8"])
+@pytest.mark.parametrize("extra", ["llm.int2", "vocoder.int8"])
+def test_an_unknown_extra_format_is_refused(tmp_path: Path, extra: str) -> None:
+    with pytest.raises(ValueError, match=f"'{extra}'"):
+        CosyVoiceEngine.load(_copy(TINY, tmp_path / "m"), extra_formats=[extra])
+
+
+@pytest.fixture
+def int4_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The int4 LM loads whether or not it beats int8 on this CPU (another test's question)."""
+    if CPU.int8_kernels is None or int4.choose_int4_kernel() is None:
+        pytest.skip("no int8 or int4 kernel on this CPU")
+    monkeypatch.setattr(int4, "int4_fast_here", lambda: True)
+
+
+def _load_tiny(family: str, target: Path, **weights: object) -> object:
+    """The tiny model of ``family`` (v2: with a random voice, ``tester``)."""
+    source, name = (TINY, "CosyVoice-300M-SFT") if family == "v1" else (V2_TINY, "CosyVoice2-0.5B")
+    model = target / name
+    if not model.exists():
+        _copy(source, model)
+    engine = load_engine(model, threads=1, cache_dir=target / "cache", **weights)
+    if family == "v2":
+        engine.add_voice(_v2_voice())
+    return engine
+
+
+@pytest.mark.usefixtures("int4_runs")
+@pytest.mark.parametrize("family", ["v1", "v2"])
+def test_a_request_runs_the_lm_format_it_asks_for(family: str, tmp_path: Path) -> None:
+    """An int8 LM with the int4 one beside it: a request asking for int4 gets the audio an
+    int4-only engine makes, and the two LMs hold their common layers once."""
+    both = _load_tiny(family, tmp_path, lm_int8=True, extra_formats=["llm.int4"])
+    assert both.weight_formats["llm"] == ("int8", "int4")  # type: ignore[attr-defined]
+    heard: list[StageTime] = []
+    speaker = None if family == "v1" else "tester"
+    options = SynthesisOptions(speaker=speaker, seed=5, force_tokens=40, stream=False)
+    asking = SynthesisOptions(
+        **{**options.__dict__, "lm_weights": "int4", "on_stage": heard.append}
+    )
+    int4_only = _load_tiny(family, tmp_path, lm_int4=True)
+    asked = _audio(both, asking)
+    torch.testing.assert_close(asked, _audio(int4_only, options), rtol=0, atol=0)
+    assert not torch.equal(asked, _audio(both, options))  # the default is the primary int8
+    assert {t.weights for t in heard if t.stage.startswith("lm")} == {"int4"}
+    # Shared: every layer but the 4-bit ones is the int8 LM's own object.
+    lms = both.lms  # type: ignore[attr-defined]
+    int8_layers = dict(lms["int8"].named_modules())
+    leaves = [(n, m) for n, m in lms["int4"].named_modules() if n and not list(m.children())]
+    four = [n for n, m in leaves if isinstance(m, Int4Linear)]
+    assert four and all(not isinstance(int8_layers[n], Int4Linear) for n in four)
+    assert all(m is int8_layers[n] for n, m in leaves if n not in four)
 
 
 def test_a_custom_voice_counts_its_prompt_frames(both: CosyVoiceEngine) -> None:

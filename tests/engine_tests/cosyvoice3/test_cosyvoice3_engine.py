@@ -222,7 +222,7 @@ def test_every_quantised_format_loads_as_this_cpu_runs_it_and_speaks(tmp_path: P
     assert isinstance(loaded, CosyVoice3Engine)
     lm = "int4" if int4_kernel_for_lm() else "int8"
     hift = "int8" if int8_hift_fast() else "fp32"
-    assert loaded.weight_formats == {"flow": ("int8",), "hift": (hift,)}
+    assert loaded.weight_formats == {"llm": (lm,), "flow": ("int8",), "hift": (hift,)}
     assert loaded.hift_dtype == ("int8" if hift == "int8" else "float32")
     assert f"llm.{lm}" in loaded.prepared_at_load and "flow.int8" in loaded.prepared_at_load
     loaded.add_voice(_official_voice("prompt37"))
