@@ -94,10 +94,12 @@ def run(config: AutoRunConfig) -> dict[str, Any]:
     options = profile.options(speaker=speaker, seed=SEED, instruct=None, force_tokens=config.tokens)
     if isinstance(engine, PrimesVoices):  # the chosen settings' prompt chunks, before the request
         engine.prime_voice(options)
+    # The chosen profile's models (its format where loaded, else the primary: as the engine runs)
+    llm = engine.lms.get(profile.lm_weights, engine.models.llm)
     flow = engine.flows.get(profile.flow_weights, engine.models.flow)
     hift = engine.hifts.get(profile.hift_weights, engine.models.hift)
     timer = StageTimer(engine.sample_rate, engine.models.hift.upp)
-    timer.install(SimpleNamespace(llm=engine.models.llm, flow=flow, hift=hift))
+    timer.install(SimpleNamespace(llm=llm, flow=flow, hift=hift))
     result.update(stream_request(engine, config.text, options, timer))
     result["peak_rss_mb"] = peak_rss_mb()
     return result
