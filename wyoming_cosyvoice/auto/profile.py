@@ -17,11 +17,12 @@ most exact one. :func:`choose_profile` is that rule, a pure function; :class:`Au
 the server's side of it: it measures the costs after the warm-up (:meth:`AutoProfile.calibrate`),
 keeps them up to date from every request, logs each choice with its reason and reports it.
 
-The prediction follows one request through its chunks (:func:`plan_chunks`, the engine's own
-hop sizes), with the stages one after the other: the LM's tokens up to a chunk, then its flow and
-HiFT, each at its cost in the format the profile runs it in. The LM thread beside the vocoder shares the same cores, so that is close on a small box
-and errs slow on a big one. The text's spoken length is the engine's rough estimate from its
-words and characters (engine.core.start_policy).
+The prediction follows one request through its chunks (:func:`plan_chunks`, the engine's own hop
+sizes), with the stages one after the other: the LM's tokens up to a chunk, then its flow and
+HiFT, each at its cost in the format the profile runs it in. The LM thread beside the vocoder
+shares the same cores, so that is close on a small box and errs slow on a big one. The text's
+spoken length is the engine's rough estimate from its words and characters
+(engine.core.start_policy).
 """
 
 from __future__ import annotations

@@ -2,10 +2,10 @@
 
 The engine times each piece of work it does (engine.core.stage_times): the LM's way to its first
 token and each token after it in each weight format, each flow call (its units: mel frames·ODE
-steps·batch rows) in each format, each HiFT call (seconds of audio) in each format. :class:`CostMeter` keeps
-a running fit of each (an exponentially weighted one: recent calls count most, one odd call
-does not swing it) per number of free cores at the time, because a busy box is a slower box:
-with a neighbour on one of two cores a stage takes up to twice as long.
+steps·batch rows) in each format, each HiFT call (seconds of audio) in each format.
+:class:`CostMeter` keeps a running fit of each (an exponentially weighted one: recent calls
+count most, one odd call does not swing it) per number of free cores at the time, because a busy
+box is a slower box: with a neighbour on one of two cores a stage takes up to twice as long.
 
 The LM's figures are per unit. A flow or HiFT call costs a fixed part per pass and a part per
 unit (:class:`LineCost`), fitted through the calls of streamed requests: a streamed answer's

@@ -291,8 +291,9 @@ def test_auto_loads_the_int4_lm_beside_its_own_int8_one() -> None:
     assert weights.holds("llm", "int8") and weights.holds("llm", "int4")
     assert not weights.holds("llm", "fp32")
     # Its candidates all int8: one LM.
-    int8 = load_config(None, [(f"profiles.{n}.lm_weights", "int8") for n in ("fast", "faster",
-                                                                              "fastest")])
+    int8 = load_config(
+        None, [(f"profiles.{n}.lm_weights", "int8") for n in ("fast", "faster", "fastest")]
+    )
     assert int8.load.weights.extra == ("flow.int8", "hift.int8")
     # The fast ones first: int4 primary, int8 the extra.
     fast_first = load_config(None, [("auto.profiles", ["fastest", "realtime"])]).load.weights
