@@ -1,10 +1,10 @@
 """The ``auto`` profile: per request, the most exact settings this machine speaks in time.
 
-The server runs ``auto`` with every weight format its fixed profiles need loaded, the LM's,
-the flow's and HiFT's (settings.yaml ``auto.profiles``, the most exact first: realtime, fast,
-faster, fastest). Per request it predicts,
-from this machine's measured cost of each stage (:mod:`.stage_costs`) and the text's length,
-when each profile's first audio would play and whether playback would stall, and picks:
+The server runs ``auto`` with every weight format its fixed profiles need loaded, the LM's, the
+flow's and HiFT's (settings.yaml ``auto.profiles``, the most exact first: realtime, fast,
+faster, fastest). Per request it predicts, from this machine's measured cost of each stage
+(:mod:`.stage_costs`) and the text's length, when each profile's first audio would play and
+whether playback would stall, and picks:
 
 1. the most exact profile whose first audio comes within ``auto.first_audio_s`` and whose
    audio never makes a real-time player wait;

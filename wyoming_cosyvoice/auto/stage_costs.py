@@ -37,10 +37,10 @@ from engine.core.stage_times import StageTime
 ALPHA = 0.3
 CALL_ALPHA = 0.1
 # A format that has not run yet, relative to a measured format of its part (the first measured
-# in this order, the reference first): the int4 LM's
-# tokens take about 0.72 times the int8 LM's and the float32 LM's about 3 times (its prefill
-# taken alike), the int8 flow's passes are about 25 % faster than float32's, the bfloat16 HiFT
-# about twice as fast (docs/performance.md), the int8 HiFT about 1.4 times
+# in this order, the reference first): the int4 LM's tokens take about 0.72 times the int8 LM's
+# end to end (0.75: a guess that errs slow) and the float32 LM's about 3 times (the prefill taken
+# alike), the int8 flow's passes are about 25 % faster than float32's, the bfloat16 HiFT about
+# twice as fast (docs/performance.md), the int8 HiFT about 1.4 times
 # (docs/dev/performance-notes.md).
 PRIOR_RATIOS: Mapping[str, Mapping[str, float]] = {
     "llm": {"int8": 1.0, "int4": 0.75, "fp32": 3.0},

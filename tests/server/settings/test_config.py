@@ -284,6 +284,12 @@ def test_the_server_lm_weights_apply_to_every_profile(lm: str) -> None:
         assert options.lm_weights == lm
 
 
+def test_the_lm_weights_flag_is_the_override() -> None:
+    assert {p.lm_weights for p in cli("--lm-weights", "int8").profiles.values()} == {"int8"}
+    own = cli("--lm-weights", "profile").profiles
+    assert (own["realtime"].lm_weights, own["faster"].lm_weights) == ("int8", "int4")
+
+
 def test_auto_loads_the_int4_lm_beside_its_own_int8_one() -> None:
     weights = load_config(None).load.weights  # auto: realtime's formats first
     assert (weights.lm, weights.flow, weights.hift) == ("int8", "fp32", "fp32")
