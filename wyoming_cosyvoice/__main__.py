@@ -22,6 +22,8 @@ from urllib.parse import urlparse
 from wyoming_cosyvoice import __version__
 from wyoming_cosyvoice.config import (
     AUTO_PROFILE,
+    LM_OWN,
+    LM_WEIGHTS,
     ConfigError,
     ServerConfig,
     load_config,
@@ -75,9 +77,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add(
         "--lm-weights",
-        choices=("int8", "int4", "fp32"),
-        help="LM decoder weights: int8 (default, 3x faster), int4 (half int8's bytes where the "
-        "CPU has a fast int4 kernel; docs/dev/int4.md) or fp32 (exact official maths)",
+        choices=(LM_OWN, *LM_WEIGHTS),
+        help="LM decoder weights: profile (default: each profile's own, int4 in the fast ones, "
+        "int8 in the others), or for every profile int8 (3x faster than fp32), int4 (fewer "
+        "bytes where the CPU has a fast int4 kernel; docs/dev/int4.md) or fp32 (exact official "
+        "maths)",
     )
     add("--threads", type=int, help="CPU threads for the engine at most (0: all cores)")
     add(

@@ -39,6 +39,8 @@ from wyoming_cosyvoice.voices.presets import SPEEDS, STYLES, is_preset_name
 
 SETTINGS_FILE = "settings.yaml"  # in this package: the defaults every other layer overrides
 LM_WEIGHTS = ("int8", "int4", "fp32")
+# server.lm_weights: each profile's own LM format, or one of LM_WEIGHTS for every profile.
+LM_OWN = "profile"
 FLOW_WEIGHTS = ("fp32", "int8", "bf16")
 HIFT_WEIGHTS = ("fp32", "bf16", "int8")
 TARGET_RANGE = (-40.0, -6.0)  # LUFS the server's loudness may aim at (server.loudness)
@@ -69,15 +71,29 @@ class ConfigError(ValueError):
 class WeightFormats:
     """The formats the model's weights are loaded in: fixed for the life of the process."""
 
-    lm: str  # int8, int4 or fp32 (server.lm_weights)
+    lm: str  # int8, int4 or fp32 (the server profile's lm_weights)
     flow: str  # fp32, int8 or bf16 (the server profile's flow_weights)
-    hift: str  # fp32 or bf16 (the server profile's hift_weights)
-    # Loaded beside those for a request to choose (``auto``): "flow.int8", "hift.bf16", ...
+    hift: str  # fp32, bf16 or int8 (the server profile's hift_weights)
+    # Loaded beside those for a request to choose (``auto``): "llm.int4", "flow.int8", ...
     extra: tuple[str, ...] = ()
 
+    def primary(self, part: str) -> str:
+        """The format ``part`` ("llm", "flow" or "hift", as the engine names them) loads in."""
+        return {"llm": self.lm, "flow": self.flow, "hift": self.hift}[part]
+
     def holds(self, part: str, weights: str) -> bool:
-        """Whether ``part`` ("flow" or "hift") is loaded in ``weights``."""
-        return getattr(self, part) == weights or f"{part}.{weights}" in self.extra
+        """Whether ``part`` ("llm", "flow" or "hift") is loaded in ``weights``."""
+        return self.primary(part) == weights or f"{part}.{weights}" in self.extra
+
+
+# The parts whose weight formats a profile chooses, as a message names them.
+PART_NAMES = {"llm": "the LM", "flow": "the flow", "hift": "HiFT"}
+
+
+def _listed(items: Iterable[str]) -> str:
+    """``a, b and c``."""
+    *rest, last = items
+    return f"{', '.join(rest)} and {last}" if rest else last
 
 
 # The profile that chooses, per request, among fixed profiles (``auto:`` in settings.yaml).
@@ -116,8 +132,10 @@ class ProfileConfig:
     n_timesteps: int
     cfg_rate: float
     start_policy: str
-    # At load time (the server's profile): the flow (int8: approximation) and HiFT's filter
-    # (bf16: approximation) are loaded in these formats; another profile needs the same ones.
+    # At load time (the server's profile): the LM (int8, int4: approximations), the flow
+    # (int8: approximation) and HiFT's filter (bf16: approximation) are loaded in these
+    # formats; a request may name another profile only if its formats are loaded too.
+    lm_weights: str
     flow_weights: str
     hift_weights: str
     # Per request: the flow ODE's solver (euler: the official maths).
@@ -143,9 +161,14 @@ class ProfileConfig:
             instruct=instruct,
             force_tokens=force_tokens,
             start_policy=self.start_policy,
+            lm_weights=self.lm_weights,
             flow_weights=self.flow_weights,
             hift_weights=self.hift_weights,
         )
+
+    def weight_formats(self) -> dict[str, str]:
+        """The format each part runs in under this profile, by the engine's part names."""
+        return {"llm": self.lm_weights, "flow": self.flow_weights, "hift": self.hift_weights}
 
     def unservable_by(self, loaded: WeightFormats, server_profile: str) -> str | None:
         """Why a server whose weights are ``loaded`` cannot speak this profile, or None.
@@ -153,12 +176,11 @@ class ProfileConfig:
         Its per-request settings alone on other weights would be neither this profile nor the
         server's, and nothing would tell the client: refused, with what to change.
         """
-        wanted = {"the flow": self.flow_weights, "HiFT": self.hift_weights}
-        have = {"the flow": loaded.flow, "HiFT": loaded.hift}
-        if loaded.holds("flow", self.flow_weights) and loaded.holds("hift", self.hift_weights):
+        wanted = self.weight_formats()
+        if all(loaded.holds(part, weights) for part, weights in wanted.items()):
             return None
-        needs = " and ".join(f"{part} in {fmt}" for part, fmt in wanted.items())
-        runs = " and ".join(f"{part} in {fmt}" for part, fmt in have.items())
+        needs = _listed(f"{PART_NAMES[part]} in {fmt}" for part, fmt in wanted.items())
+        runs = _listed(f"{PART_NAMES[part]} in {loaded.primary(part)}" for part in wanted)
         return (
             f"profile {self.name!r} needs {needs}; this server loaded {runs} for its profile "
             f"{server_profile!r}: start it with --profile {self.name} to use {self.name!r}"
@@ -218,7 +240,7 @@ class ServerConfig:
     web_voice_maker: bool  # the web page may save new voices into voices_dir
     voice: str | None
     profile: ProfileConfig
-    lm_weights: str
+    lm_weights: str  # "profile" (each profile's own) or the one LM format of every profile
     rl_tuned_lm: bool  # CosyVoice3: its RL-tuned LM (llm.rl.pt) in place of llm.pt
     threads: int | None  # None: every core (settings.yaml's 0)
     parallel_sentences: int
@@ -253,20 +275,19 @@ class ServerConfig:
 
     @property
     def load(self) -> LoadSettings:
-        """The load-time settings: the server's own profile chooses the flow and HiFT formats
-        (``auto``: those of every profile it chooses from)."""
+        """The load-time settings: the server's own profile chooses the LM, flow and HiFT
+        formats (``auto``: those of every profile it chooses from, its most exact one's
+        primary)."""
         own = self.profile
+        primary = own.weight_formats()
         extra = {
             f"{part}.{weights}"
             for candidate in self.auto_candidates
-            for part, weights in (
-                ("flow", candidate.flow_weights),
-                ("hift", candidate.hift_weights),
-            )
-            if weights != getattr(own, f"{part}_weights")
+            for part, weights in candidate.weight_formats().items()
+            if weights != primary[part]
         }
         weights = WeightFormats(
-            lm=self.lm_weights,
+            lm=own.lm_weights,
             flow=own.flow_weights,
             hift=own.hift_weights,
             extra=tuple(sorted(extra)),
@@ -514,10 +535,21 @@ def _profile(name: str, raw: Any) -> ProfileConfig:
         n_timesteps=_check(f"{key}.n_timesteps", raw["n_timesteps"], "int+"),
         cfg_rate=float(cfg_rate),
         start_policy=_one_of(f"{key}.start_policy", raw["start_policy"], START_POLICIES),
+        lm_weights=_one_of(f"{key}.lm_weights", raw["lm_weights"], LM_WEIGHTS),
         flow_weights=_one_of(f"{key}.flow_weights", raw["flow_weights"], FLOW_WEIGHTS),
         hift_weights=_one_of(f"{key}.hift_weights", raw["hift_weights"], HIFT_WEIGHTS),
         solver=_one_of(f"{key}.solver", raw["solver"], tuple(SOLVERS)),
     )
+
+
+def _with_lm_weights(
+    profiles: dict[str, ProfileConfig], lm_weights: str
+) -> dict[str, ProfileConfig]:
+    """The profiles as they run: with ``server.lm_weights`` other than ``profile``, every
+    one's LM in that format."""
+    if lm_weights == LM_OWN:
+        return profiles
+    return {name: replace(p, lm_weights=lm_weights) for name, p in profiles.items()}
 
 
 def _one_of(key: str, value: Any, allowed: tuple[str, ...]) -> str:
@@ -617,7 +649,8 @@ def build_config(raw: dict[str, Any]) -> ServerConfig:
     if AUTO_PROFILE in profiles_raw:
         raise ConfigError(f"profiles.{AUTO_PROFILE}", "is reserved: the auto: section sets it")
     profiles = {str(name): _profile(str(name), prof) for name, prof in profiles_raw.items()}
-    _one_of("server.lm_weights", values["lm_weights"], LM_WEIGHTS)
+    lm_weights = _one_of("server.lm_weights", values["lm_weights"], (LM_OWN, *LM_WEIGHTS))
+    profiles = _with_lm_weights(profiles, lm_weights)
     auto = _auto(raw, profiles)
     profile_name = _check("server.profile", server.get("profile"), "str")
     profile = _server_profile(profile_name, profiles, auto)

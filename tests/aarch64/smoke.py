@@ -166,7 +166,8 @@ def check_profiles(cache: Path) -> None:
         start = time.perf_counter()
         engine = CosyVoiceEngine.load(
             TINY,
-            lm_int8=config.lm_weights == "int8",
+            lm_int8=profile.lm_weights == "int8",
+            lm_int4=profile.lm_weights == "int4",
             flow_int8=profile.flow_weights == "int8",
             hift_bf16=profile.hift_weights == "bf16",
             cache_dir=cache,

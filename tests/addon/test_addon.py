@@ -381,6 +381,28 @@ def test_each_option_maps_to_its_setting() -> None:
     assert server_config_of(args).cache.prepare_phrases == ("yes",)
 
 
+def test_lm_weights_is_each_profiles_own_unless_one_format_is_chosen(
+    config: dict[str, Any],
+) -> None:
+    assert schema_choices(config, "lm_weights") == ["profile", "int8", "int4", "fp32"]
+    default = addon.options_to_args(config["options"])
+    assert not [arg for arg in default if "lm_weights" in arg]  # the server's own default
+    own = server_config_of(default)
+    assert (own.profiles["realtime"].lm_weights, own.profiles["fastest"].lm_weights) == (
+        "int8",
+        "int4",
+    )
+    assert "llm.int4" in own.load.weights.extra  # auto loads both LMs
+    for lm in ("int8", "int4", "fp32"):
+        args = addon.options_to_args({**config["options"], "lm_weights": lm})
+        assert args[-2:] == ["--set", f"server.lm_weights={lm}"]
+        chosen = server_config_of(args)
+        assert {p.lm_weights for p in chosen.profiles.values()} == {lm}
+        assert chosen.load.weights.lm == lm and not [
+            e for e in chosen.load.weights.extra if e.startswith("llm.")
+        ]
+
+
 def test_texts_that_read_as_other_yaml_values_stay_texts() -> None:
     for voice in ("yes", "7", "null", "a: b", "# x", "[x]", "dîner 晚安 🙂", 'say "hi"'):
         assert server_config_of(addon.options_to_args({"voice": voice})).voice == voice

@@ -244,7 +244,7 @@ def test_real_server_binds_only_the_uri_and_writes_only_its_prepared_weights_and
     after = snapshot(tmp_path)
     # The deliberate writes: the weights the engine runs from, prepared beside the model files
     # on first use (engine.core.prepared), one file per model and weight format the server loads
-    # (the default auto profile: the flow and HiFT in two each). Nothing else, not even in the
+    # (the default auto profile: the LM, flow and HiFT in two each). Nothing else, not even in the
     # model directory (whose mtime changes with the new folder).
     prepared = Path("data", "CosyVoice-300M-SFT", "prepared")
     written = [k for k in set(after) - set(before) if Path(k).parent == prepared]

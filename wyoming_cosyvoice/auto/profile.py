@@ -1,9 +1,10 @@
 """The ``auto`` profile: per request, the most exact settings this machine speaks in time.
 
-The server runs ``auto`` with every weight format its fixed profiles need loaded (settings.yaml
-``auto.profiles``, the most exact first: realtime, fast, faster, fastest). Per request it predicts,
-from this machine's measured cost of each stage (:mod:`.stage_costs`) and the text's length,
-when each profile's first audio would play and whether playback would stall, and picks:
+The server runs ``auto`` with every weight format its fixed profiles need loaded, the LM's, the
+flow's and HiFT's (settings.yaml ``auto.profiles``, the most exact first: realtime, fast,
+faster, fastest). Per request it predicts, from this machine's measured cost of each stage
+(:mod:`.stage_costs`) and the text's length, when each profile's first audio would play and
+whether playback would stall, and picks:
 
 1. the most exact profile whose first audio comes within ``auto.first_audio_s`` and whose
    audio never makes a real-time player wait;
@@ -16,11 +17,12 @@ most exact one. :func:`choose_profile` is that rule, a pure function; :class:`Au
 the server's side of it: it measures the costs after the warm-up (:meth:`AutoProfile.calibrate`),
 keeps them up to date from every request, logs each choice with its reason and reports it.
 
-The prediction follows one request through its chunks (:func:`plan_chunks`, the engine's own
-hop sizes), with the stages one after the other: the LM's tokens up to a chunk, then its flow and
-HiFT. The LM thread beside the vocoder shares the same cores, so that is close on a small box
-and errs slow on a big one. The text's spoken length is the engine's rough estimate from its
-words and characters (engine.core.start_policy).
+The prediction follows one request through its chunks (:func:`plan_chunks`, the engine's own hop
+sizes), with the stages one after the other: the LM's tokens up to a chunk, then its flow and
+HiFT, each at its cost in the format the profile runs it in. The LM thread beside the vocoder
+shares the same cores, so that is close on a small box and errs slow on a big one. The text's
+spoken length is the engine's rough estimate from its words and characters
+(engine.core.start_policy).
 """
 
 from __future__ import annotations
@@ -175,12 +177,13 @@ def predict(
     loaded: Mapping[str, Sequence[str]] | None = None,
 ) -> Prediction:
     """When ``profile``'s chunks of ``n_tokens`` tokens would be ready, stage after stage."""
+    lm = costs.lm(loaded_format("llm", profile.lm_weights, loaded))
     flow = costs.flow(loaded_format("flow", profile.flow_weights, loaded))
     hift = costs.hift(loaded_format("hift", profile.hift_weights, loaded))
-    clock, made = costs.lm_prefill_s, 1  # the prefill gives the first token
+    clock, made = lm.prefill_s, 1  # the prefill gives the first token
     ready, durations = [], []
     for chunk in plan_chunks(profile, n_tokens, geometry, prompt_frames):
-        clock += max(0, chunk.tokens - made) * costs.lm_token_s
+        clock += max(0, chunk.tokens - made) * lm.token_s
         made = max(made, chunk.tokens)
         passes = flow_passes(profile.n_timesteps, profile.cfg_rate, profile.solver)
         clock += flow.seconds(passes * chunk.flow_frames, passes) + hift.seconds(chunk.hift_s)
@@ -391,14 +394,14 @@ class AutoProfile:
         )
 
     def _one_per_format(self, loaded: Mapping[str, Sequence[str]] | None) -> list[ProfileConfig]:
-        """The first candidate of each distinct pair of (flow, HiFT) formats it runs in."""
-        seen: dict[tuple[str, str], ProfileConfig] = {}
+        """The first candidate of each distinct (LM, flow, HiFT) triple of formats it runs in."""
+        seen: dict[tuple[str, ...], ProfileConfig] = {}
         for profile in self.candidates:
-            pair = (
-                loaded_format("flow", profile.flow_weights, loaded),
-                loaded_format("hift", profile.hift_weights, loaded),
+            formats = tuple(
+                loaded_format(part, weights, loaded)
+                for part, weights in profile.weight_formats().items()
             )
-            seen.setdefault(pair, profile)
+            seen.setdefault(formats, profile)
         return list(seen.values())
 
     def report(self) -> dict[str, Any]:

@@ -1,11 +1,11 @@
 """This machine's cost per stage of synthesis, measured by the engine and kept up to date.
 
 The engine times each piece of work it does (engine.core.stage_times): the LM's way to its first
-token and each token after it, each flow call (its units: mel frames·ODE steps·batch rows) in
-each weight format, each HiFT call (seconds of audio) in each format. :class:`CostMeter` keeps
-a running fit of each (an exponentially weighted one: recent calls count most, one odd call
-does not swing it) per number of free cores at the time, because a busy box is a slower box:
-with a neighbour on one of two cores a stage takes up to twice as long.
+token and each token after it in each weight format, each flow call (its units: mel frames·ODE
+steps·batch rows) in each format, each HiFT call (seconds of audio) in each format.
+:class:`CostMeter` keeps a running fit of each (an exponentially weighted one: recent calls
+count most, one odd call does not swing it) per number of free cores at the time, because a busy
+box is a slower box: with a neighbour on one of two cores a stage takes up to twice as long.
 
 The LM's figures are per unit. A flow or HiFT call costs a fixed part per pass and a part per
 unit (:class:`LineCost`), fitted through the calls of streamed requests: a streamed answer's
@@ -18,7 +18,7 @@ is predicted from the calls of another (docs/dev/auto-profile.md has the measure
 :meth:`CostMeter.costs` answers for the cores free now. A figure measured with another number
 of free cores stands in, scaled by the ratio of cores when fewer are free now (a conservative
 guess; the first request on the busier box measures the real figure), and a format that has
-not run yet is guessed from the other format of its part by the ratio measured on the
+not run yet is guessed from a measured format of its part by the ratio measured on the
 reference machine (``PRIOR_RATIOS``). Every guessed figure is named in ``estimated``.
 """
 
@@ -36,13 +36,18 @@ from engine.core.stage_times import StageTime
 # much, and the fit keeps calls of several sizes (the last requests' first and last chunks).
 ALPHA = 0.3
 CALL_ALPHA = 0.1
-# A format that has not run yet, relative to its part's other format: the int8 flow's passes
-# are about 25 % faster than float32's, the bfloat16 HiFT about twice as fast (docs/performance.md),
-# the int8 HiFT about 1.4 times (docs/dev/performance-notes.md).
+# A format that has not run yet, relative to a measured format of its part (the first measured
+# in this order, the reference first): the int4 LM's tokens take about 0.72 times the int8 LM's
+# end to end (0.75: a guess that errs slow) and the float32 LM's about 3 times (the prefill taken
+# alike), the int8 flow's passes are about 25 % faster than float32's, the bfloat16 HiFT about
+# twice as fast (docs/performance.md), the int8 HiFT about 1.4 times
+# (docs/dev/performance-notes.md).
 PRIOR_RATIOS: Mapping[str, Mapping[str, float]] = {
+    "llm": {"int8": 1.0, "int4": 0.75, "fp32": 3.0},
     "flow": {"fp32": 1.0, "int8": 0.75},
     "hift": {"fp32": 1.0, "bf16": 0.5, "int8": 0.7},
 }
+# The LM's stages, each timed in the LM's format (part "llm").
 LM_STAGES = ("lm_prefill", "lm_token")
 # Stages whose calls have a fixed part: the vocoder's, one call per chunk.
 CALL_STAGES = ("flow", "hift")
@@ -52,7 +57,7 @@ MIN_SIZE_SPREAD = 0.05
 
 
 def stage_key(time: StageTime) -> str:
-    """``lm_prefill``, ``lm_token``, ``flow.int8``, ``hift.fp32``, ..."""
+    """``lm_prefill.int8``, ``lm_token.int4``, ``flow.int8``, ``hift.fp32``, ..."""
     return f"{time.stage}.{time.weights}" if time.weights else time.stage
 
 
@@ -73,6 +78,13 @@ class LineCost(NamedTuple):
 
     def scaled(self, factor: float) -> LineCost:
         return LineCost(self.call_s * factor, self.unit_s * factor)
+
+
+class LmCost(NamedTuple):
+    """The LM's seconds in one weight format: to its first token, and per token after it."""
+
+    prefill_s: float
+    token_s: float
 
 
 @dataclass
@@ -111,8 +123,8 @@ class RunningFit:
 class StageCosts:
     """What each stage costs on this machine with ``cores`` free cores."""
 
-    lm_prefill_s: float  # per text segment: the LM's way to its first token
-    lm_token_s: float  # per speech token after the first
+    lm_prefill_s: Mapping[str, float]  # per text segment (the way to the first token), by format
+    lm_token_s: Mapping[str, float]  # per speech token after the first, by weight format
     flow_s: Mapping[str, float]  # per mel frame·ODE step·batch row, by weight format
     hift_s: Mapping[str, float]  # per second of audio, by weight format
     cores: int
@@ -121,6 +133,9 @@ class StageCosts:
     # format (absent: none).
     flow_call_s: Mapping[str, float] = field(default_factory=dict)
     hift_call_s: Mapping[str, float] = field(default_factory=dict)
+
+    def lm(self, weights: str) -> LmCost:
+        return LmCost(self.lm_prefill_s[weights], self.lm_token_s[weights])
 
     def flow(self, weights: str) -> LineCost:
         return LineCost(self.flow_call_s.get(weights, 0.0), self.flow_s[weights])
@@ -132,8 +147,8 @@ class StageCosts:
         """For /health: milliseconds per unit, per flow pass and per HiFT call, rounded."""
         return {
             "cores": self.cores,
-            "lm_prefill_ms": round(self.lm_prefill_s * 1000, 2),
-            "lm_token_ms": round(self.lm_token_s * 1000, 3),
+            "lm_prefill_ms": {k: round(v * 1000, 2) for k, v in self.lm_prefill_s.items()},
+            "lm_token_ms": {k: round(v * 1000, 3) for k, v in self.lm_token_s.items()},
             "flow_us_per_frame_step": {k: round(v * 1e6, 2) for k, v in self.flow_s.items()},
             "flow_ms_per_pass": {k: round(v * 1000, 1) for k, v in self.flow_call_s.items()},
             "hift_ms_per_audio_s": {k: round(v * 1000, 1) for k, v in self.hift_s.items()},
@@ -198,30 +213,31 @@ class CostMeter:
 
     def costs(self, cores: int | None = None) -> StageCosts | None:
         """The costs with ``cores`` free cores (None: as many as are free now); None until the
-        LM, a flow and a HiFT have each been measured."""
+        LM (its prefill and tokens in one format), a flow and a HiFT have each been measured."""
         cores = max(1, cores if cores is not None else self._cores_now())
         figures, estimated = _at_cores(self.measured(), cores)
-        if not all(stage in figures for stage in LM_STAGES):
+        stages = {stage: _by_format(figures, stage) for stage in (*LM_STAGES, *CALL_STAGES)}
+        # An LM format counts as measured once both its stages are.
+        lm_formats = set(stages["lm_prefill"]) & set(stages["lm_token"])
+        for stage in LM_STAGES:
+            stages[stage] = {k: v for k, v in stages[stage].items() if k in lm_formats}
+        if not all(stages.values()):
             return None
-        parts: dict[str, dict[str, LineCost]] = {}
-        for part in CALL_STAGES:
-            by_format = {k.partition(".")[2]: v for k, v in figures.items() if k.startswith(part)}
-            if not by_format:
-                return None
+        for stage, by_format in stages.items():
+            part = "llm" if stage in LM_STAGES else stage
             for weights in PRIOR_RATIOS[part]:
                 if weights not in by_format:
                     by_format[weights] = _from_prior(part, weights, by_format)
-                    estimated.add(f"{part}.{weights}")
-            parts[part] = by_format
+                    estimated.add(f"{stage}.{weights}")
         return StageCosts(
-            lm_prefill_s=figures["lm_prefill"].unit_s,
-            lm_token_s=figures["lm_token"].unit_s,
-            flow_s={k: v.unit_s for k, v in parts["flow"].items()},
-            hift_s={k: v.unit_s for k, v in parts["hift"].items()},
+            lm_prefill_s={k: v.unit_s for k, v in stages["lm_prefill"].items()},
+            lm_token_s={k: v.unit_s for k, v in stages["lm_token"].items()},
+            flow_s={k: v.unit_s for k, v in stages["flow"].items()},
+            hift_s={k: v.unit_s for k, v in stages["hift"].items()},
             cores=cores,
             estimated=tuple(sorted(estimated)),
-            flow_call_s={k: v.call_s for k, v in parts["flow"].items()},
-            hift_call_s={k: v.call_s for k, v in parts["hift"].items()},
+            flow_call_s={k: v.call_s for k, v in stages["flow"].items()},
+            hift_call_s={k: v.call_s for k, v in stages["hift"].items()},
         )
 
 
@@ -245,8 +261,20 @@ def _at_cores(
     return figures, estimated
 
 
+def _by_format(figures: Mapping[str, LineCost], stage: str) -> dict[str, LineCost]:
+    """``stage``'s costs by the weight format they were measured in."""
+    return {
+        weights: cost
+        for key, cost in figures.items()
+        for name, _, weights in [key.partition(".")]
+        if name == stage and weights
+    }
+
+
 def _from_prior(part: str, weights: str, known: Mapping[str, LineCost]) -> LineCost:
     """A format's cost guessed from a measured format of its part and the prior ratios."""
     ratios = PRIOR_RATIOS[part]
-    other, cost = next(iter(known.items()))
-    return cost.scaled(ratios[weights] / ratios[other])
+    other = next((k for k in ratios if k in known), None)
+    if other is None:  # only formats without a prior measured: taken as costing the same
+        return next(iter(known.values()))
+    return known[other].scaled(ratios[weights] / ratios[other])

@@ -53,7 +53,7 @@ def run(config: AutoRunConfig) -> dict[str, Any]:
     from engine.bench.timers import StageTimer
     from engine.family import load_engine, model_family
     from wyoming_cosyvoice.config import AUTO_PROFILE, load_config
-    from wyoming_cosyvoice.models.model import auto_profile
+    from wyoming_cosyvoice.models.model import auto_profile, weight_options
 
     overrides: list[tuple[str, Any]] = [
         ("server.profile", AUTO_PROFILE),
@@ -66,16 +66,7 @@ def run(config: AutoRunConfig) -> dict[str, Any]:
     assert auto is not None  # server.profile is auto
     weights = settings.load.weights
     start = time.perf_counter()
-    engine = load_engine(
-        config.model_dir,
-        threads=config.threads,
-        lm_int8=weights.lm == "int8",
-        flow_int8=weights.flow == "int8",
-        flow_bf16=weights.flow == "bf16",
-        hift_bf16=weights.hift == "bf16",
-        hift_int8=weights.hift == "int8",
-        extra_formats=weights.extra,
-    )
+    engine = load_engine(config.model_dir, threads=config.threads, **weight_options(weights))
     result: dict[str, Any] = {"load_s": time.perf_counter() - start}
     speaker = None
     if model_family(config.model_dir).voices_from is not None:  # a prompt voice, as a server has
@@ -103,10 +94,12 @@ def run(config: AutoRunConfig) -> dict[str, Any]:
     options = profile.options(speaker=speaker, seed=SEED, instruct=None, force_tokens=config.tokens)
     if isinstance(engine, PrimesVoices):  # the chosen settings' prompt chunks, before the request
         engine.prime_voice(options)
+    # The chosen profile's models (its format where loaded, else the primary: as the engine runs)
+    llm = engine.lms.get(profile.lm_weights, engine.models.llm)
     flow = engine.flows.get(profile.flow_weights, engine.models.flow)
     hift = engine.hifts.get(profile.hift_weights, engine.models.hift)
     timer = StageTimer(engine.sample_rate, engine.models.hift.upp)
-    timer.install(SimpleNamespace(llm=engine.models.llm, flow=flow, hift=hift))
+    timer.install(SimpleNamespace(llm=llm, flow=flow, hift=hift))
     result.update(stream_request(engine, config.text, options, timer))
     result["peak_rss_mb"] = peak_rss_mb()
     return result

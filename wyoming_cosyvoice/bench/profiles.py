@@ -1,5 +1,7 @@
 """The server's profiles (config.yaml) as the engine benchmark's profiles, each with the weight
-formats a server started with that profile loads (``ServerConfig.load``)."""
+formats a server started with that profile loads (``ServerConfig.load``): its LM's (its own
+``lm_weights``, or ``server.lm_weights`` where that names one for every profile), its flow's
+and its HiFT's."""
 
 from __future__ import annotations
 

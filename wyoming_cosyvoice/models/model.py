@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from engine.api import Engine
 from wyoming_cosyvoice.auto.profile import AutoProfile
 from wyoming_cosyvoice.auto.stage_costs import CostMeter, free_cores_now
-from wyoming_cosyvoice.config import ServerConfig
+from wyoming_cosyvoice.config import ServerConfig, WeightFormats
 from wyoming_cosyvoice.pipeline.repeat_cache import RepeatCache
 from wyoming_cosyvoice.pipeline.scheduler import EngineFactory, Scheduler
 from wyoming_cosyvoice.voices.loudness import LEVELS_DIR, LevelStore, VoiceLevels
@@ -140,16 +140,25 @@ def engine_cache_dir(config: ServerConfig) -> Path | None:
 
 
 def engine_loader(config: ServerConfig) -> EngineFactory:
-    """The real loader with the config's load-time weight formats (LM: a server setting, flow
-    and HiFT: the server profile's, ``auto``: those of every profile it chooses from) and
-    cache directory; a model without built-in speakers (CosyVoice2) gets the built-in voices
+    """The real loader with the config's load-time weight formats (the LM's, the flow's and
+    HiFT's: the server profile's, ``auto``: those of every profile it chooses from) and cache
+    directory; a model without built-in speakers (CosyVoice2) gets the built-in voices
     folder's voices."""
     return partial(load_with_voices, config=config, **load_options(config))
 
 
 def load_options(config: ServerConfig) -> dict[str, Any]:
     """:func:`load_cosyvoice`'s keywords for the config: its weight formats, cache and LM."""
-    weights = config.load.weights
+    return {
+        **weight_options(config.load.weights),
+        "cache_dir": engine_cache_dir(config),
+        "rl_lm": config.rl_tuned_lm,
+    }
+
+
+def weight_options(weights: WeightFormats) -> dict[str, Any]:
+    """The engine loader's keywords for ``weights``: the primary formats as flags, the others
+    as extras ("llm.int4", "flow.int8", ...)."""
     return {
         "lm_int8": weights.lm == "int8",
         "lm_int4": weights.lm == "int4",
@@ -157,9 +166,7 @@ def load_options(config: ServerConfig) -> dict[str, Any]:
         "flow_bf16": weights.flow == "bf16",
         "hift_bf16": weights.hift == "bf16",
         "hift_int8": weights.hift == "int8",
-        "cache_dir": engine_cache_dir(config),
         "extra_formats": weights.extra,
-        "rl_lm": config.rl_tuned_lm,
     }
 
 

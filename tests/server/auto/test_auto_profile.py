@@ -33,6 +33,7 @@ from engine.cosyvoice2.engine import ChunkedStreamGeometry
 from wyoming_cosyvoice.auto.profile import (
     CALIBRATION_TEXT,
     GROWING_SPEECH_S,
+    STALL_TOLERANCE_S,
     AutoProfile,
     calibration_tokens,
     choose_profile,
@@ -41,7 +42,7 @@ from wyoming_cosyvoice.auto.profile import (
     predict,
     speech_seconds,
 )
-from wyoming_cosyvoice.auto.stage_costs import CostMeter, StageCosts
+from wyoming_cosyvoice.auto.stage_costs import LM_STAGES, CostMeter, StageCosts
 from wyoming_cosyvoice.config import (
     AUTO_PROFILE,
     ConfigError,
@@ -54,13 +55,18 @@ CANDIDATES = CONFIG.auto_candidates  # realtime, fast, faster, fastest
 REALTIME, FAST, FASTER, FASTEST = CANDIDATES
 
 
+# The LM formats' costs relative to the int8 LM's (the meter's prior ratios).
+LM_RATIOS = {"int8": 1.0, "int4": 0.75, "fp32": 3.0}
+
+
 def costs(scale: float = 1.0, cores: int = 2, **changes: Any) -> StageCosts:
     """The full-size model's stage costs on the reference machine (docs/performance.md:
-    12.8 ms a token, the flow 1.45 s and HiFT 0.32 s per audio second with realtime), times
-    ``scale`` (2: a machine half as fast)."""
+    12.8 ms a token with the int8 LM, the flow 1.45 s and HiFT 0.32 s per audio second with
+    realtime), times ``scale`` (2: a machine half as fast); the other LM formats by
+    ``LM_RATIOS``."""
     base = StageCosts(
-        lm_prefill_s=0.074 * scale,
-        lm_token_s=0.0128 * scale,
+        lm_prefill_s={lm: 0.074 * scale * ratio for lm, ratio in LM_RATIOS.items()},
+        lm_token_s={lm: 0.0128 * scale * ratio for lm, ratio in LM_RATIOS.items()},
         flow_s={"fp32": 0.00084 * scale, "int8": 0.00063 * scale},
         # HiFT 0.16 s in bf16 there; the int8 HiFT the fast profiles now run is given as much.
         hift_s={"fp32": 0.32 * scale, "bf16": 0.16 * scale, "int8": 0.16 * scale},
@@ -69,8 +75,18 @@ def costs(scale: float = 1.0, cores: int = 2, **changes: Any) -> StageCosts:
     return replace(base, **changes)
 
 
-def choose(speech_s: float, stage_costs: StageCosts | None, target_s: float = 1.5) -> Any:
-    return choose_profile(CANDIDATES, stage_costs, speech_s, target_s, V1_GEOMETRY)
+# The candidates on the int8 LM, as the reference machine's figures were measured: the rule's
+# tests below are about the rule, not the LM's format.
+INT8_LM_CANDIDATES = [replace(c, lm_weights="int8") for c in CANDIDATES]
+
+
+def choose(
+    speech_s: float,
+    stage_costs: StageCosts | None,
+    target_s: float = 1.5,
+    candidates: list[Any] = INT8_LM_CANDIDATES,
+) -> Any:
+    return choose_profile(candidates, stage_costs, speech_s, target_s, V1_GEOMETRY)
 
 
 # --- the prediction ---------------------------------------------------------------------------
@@ -79,10 +95,10 @@ def choose(speech_s: float, stage_costs: StageCosts | None, target_s: float = 1.
 def test_the_prediction_reproduces_the_reference_machines_first_audio() -> None:
     """With the stage costs measured on the reference machine, the first audio it predicts
     is the one the benchmark measured there: realtime 1.89 s, and 0.83 s for the one Heun step
-    with guidance that fastest then took (two flow evaluations)."""
+    with guidance that fastest then took (two flow evaluations), both with the int8 LM."""
     n_tokens = 400
     realtime = predict(REALTIME, costs(), n_tokens, V1_GEOMETRY)
-    fastest = predict(FASTER, costs(), n_tokens, V1_GEOMETRY)
+    fastest = predict(replace(FASTER, lm_weights="int8"), costs(), n_tokens, V1_GEOMETRY)
     assert realtime.first_audio_s == pytest.approx(1.89, abs=0.05)
     assert fastest.first_audio_s == pytest.approx(0.83, abs=0.05)
     # Slower than real time: the 8 s answer pauses, realtime's far more than fastest's.
@@ -112,11 +128,28 @@ def test_a_custom_voices_prompt_makes_every_v1_chunk_dearer() -> None:
 
 
 def test_a_format_the_cpu_lacks_costs_what_the_engine_runs_instead() -> None:
-    """A CPU without fast int8 convolutions runs HiFT in float32 whatever the profile asks."""
-    without_int8 = {"flow": ("fp32", "int8"), "hift": ("fp32",)}
+    """A CPU without fast int8 convolutions runs HiFT in float32 whatever the profile asks,
+    one without a fast int4 kernel the LM in int8."""
+    without_int8 = {"llm": ("int8", "int4"), "flow": ("fp32", "int8"), "hift": ("fp32",)}
     asked = predict(FASTEST, costs(), 200, V1_GEOMETRY, loaded=without_int8)
     as_fp32 = predict(replace(FASTEST, hift_weights="fp32"), costs(), 200, V1_GEOMETRY)
     assert asked == as_fp32
+    without_int4 = {"llm": ("int8",), "flow": ("fp32", "int8"), "hift": ("fp32", "int8")}
+    asked = predict(FASTEST, costs(), 200, V1_GEOMETRY, loaded=without_int4)
+    as_int8 = predict(replace(FASTEST, lm_weights="int8"), costs(), 200, V1_GEOMETRY)
+    assert asked == as_int8
+
+
+def test_a_profile_is_predicted_with_its_lm_formats_costs() -> None:
+    """fastest's tokens cost the int4 LM's, realtime's the int8 LM's: the same profile on the
+    int8 LM is later by the difference of their tokens' costs."""
+    c = costs()
+    int4 = predict(FASTEST, c, 200, V1_GEOMETRY)
+    int8 = predict(replace(FASTEST, lm_weights="int8"), c, 200, V1_GEOMETRY)
+    first_tokens = plan_chunks(FASTEST, 200, V1_GEOMETRY)[0].tokens - 1
+    saved = 0.074 * 0.25 + first_tokens * 0.0128 * 0.25
+    assert int8.first_audio_s - int4.first_audio_s == pytest.approx(saved)
+    assert int4.compute_s < int8.compute_s
 
 
 # --- the plan follows the engine's chunks -----------------------------------------------------
@@ -250,11 +283,15 @@ class TimedEngine(FakeSurface):
     frames it attends to (CosyVoice2: the prompt's and the earlier chunks'). Its chunks are the
     engine's (the test above ties the plan to them). Keeps each request's text and options."""
 
-    weight_formats = {"flow": ("fp32", "int8"), "hift": ("fp32", "int8")}
+    weight_formats = {
+        "llm": ("int8", "int4"),
+        "flow": ("fp32", "int8"),
+        "hift": ("fp32", "int8"),
+    }
     FLOW_PASS_S = 0.01  # per ODE step and batch row
     FLOW_FRAME_S = {"fp32": 0.9e-3, "int8": 0.65e-3}  # per frame and pass
     HIFT = {"fp32": (0.03, 0.3), "int8": (0.02, 0.15)}  # per call, per second fed
-    LM_TOKEN_S = 0.03
+    LM_TOKEN_S = {"int8": 0.03, "int4": 0.022}
 
     def __init__(self, geometry: StreamGeometry) -> None:
         self.geometry = geometry
@@ -266,8 +303,8 @@ class TimedEngine(FakeSurface):
     def stream_geometry(self) -> StreamGeometry:
         return self.geometry
 
-    def prefill_s(self, text: str) -> float:
-        return 0.25 + 0.005 * len(text)
+    def prefill_s(self, text: str, lm: str = "int8") -> float:
+        return (0.25 + 0.005 * len(text)) * (0.8 if lm == "int4" else 1.0)
 
     def flow_s(
         self, weights: str, options: SynthesisOptions, frames: float, context: float
@@ -280,6 +317,7 @@ class TimedEngine(FakeSurface):
         self.requests.append((text, options))
         report = options.on_stage or (lambda time: None)
         flow_weights, hift_weights = options.flow_weights or "fp32", options.hift_weights or "fp32"
+        lm = options.lm_weights or "int8"
         profile = replace(REALTIME, stream_audio=options.stream, schedule=options.schedule)
         assert options.force_tokens is not None
         chunks = plan_chunks(profile, options.force_tokens, self.geometry)
@@ -287,11 +325,11 @@ class TimedEngine(FakeSurface):
         v2 = self.kind == "cosyvoice2"
         context = PROMPT_FRAMES if v2 and options.stream else 0.0
         extra = PROMPT_FRAMES if v2 and not options.stream else 0
-        report(StageTime("lm_prefill", "", self.prefill_s(text), 1))
+        report(StageTime("lm_prefill", lm, self.prefill_s(text, lm), 1))
         for index, chunk in enumerate(chunks):
             if index == 1 or len(chunks) == 1:  # the first chunk's tokens, sampled inline
                 inline = chunks[0].tokens - 1
-                report(StageTime("lm_token", "", inline * self.LM_TOKEN_S, inline))
+                report(StageTime("lm_token", lm, inline * self.LM_TOKEN_S[lm], inline))
             frames = chunk.flow_frames + extra
             passes = flow_passes(options.n_timesteps, options.cfg_rate, options.solver)
             seconds = self.flow_s(flow_weights, options, frames, context)
@@ -314,13 +352,13 @@ def _calibrated(geometry: StreamGeometry) -> tuple[TimedEngine, AutoProfile]:
 
 @pytest.mark.parametrize("family", GEOMETRIES)
 def test_the_calibration_is_a_streamed_request_of_an_answers_length(family: str) -> None:
-    """Per pair of formats, the first profile's streamed request: its schedule and steps, the
-    default voice, a sentence of an answer's length, its first chunk and the next."""
+    """Per combination of formats, the first profile's streamed request: its schedule and
+    steps, the default voice, a sentence of an answer's length, its first chunk and the next."""
     geometry = GEOMETRIES[family]
     engine, _ = _calibrated(geometry)
-    assert [(o.flow_weights, o.hift_weights) for _, o in engine.requests] == [
-        ("fp32", "fp32"),
-        ("int8", "int8"),
+    assert [(o.lm_weights, o.flow_weights, o.hift_weights) for _, o in engine.requests] == [
+        ("int8", "fp32", "fp32"),
+        ("int4", "int8", "int8"),
     ]
     for (text, options), profile in zip(engine.requests, (REALTIME, FAST), strict=True):
         assert text == CALIBRATION_TEXT and len(text) >= 30
@@ -340,10 +378,15 @@ def test_the_first_audio_predicted_is_what_a_streamed_request_pays(family: str) 
     geometry = GEOMETRIES[family]
     engine, auto = _calibrated(geometry)
     costs = auto.meter.costs()
-    assert costs is not None and costs.estimated == ("hift.bf16",)  # no candidate runs bf16
-    assert costs.lm_prefill_s == pytest.approx(engine.prefill_s(CALIBRATION_TEXT))
-    assert costs.lm_prefill_s > engine.prefill_s("Hello.") + 0.1
-    for profile in (REALTIME, FAST):  # the first of each pair of formats
+    # No candidate runs the bfloat16 HiFT or the float32 LM.
+    assert costs is not None
+    assert costs.estimated == ("hift.bf16", "lm_prefill.fp32", "lm_token.fp32")
+    assert costs.lm_prefill_s["int8"] == pytest.approx(engine.prefill_s(CALIBRATION_TEXT))
+    assert costs.lm_prefill_s["int8"] > engine.prefill_s("Hello.") + 0.1
+    assert costs.lm_token_s == pytest.approx(
+        {**engine.LM_TOKEN_S, "fp32": 3.0 * engine.LM_TOKEN_S["int8"]}
+    )
+    for profile in (REALTIME, FAST):  # the first of each combination of formats
         heard: list[StageTime] = []
         options = profile.options(speaker=None, seed=0, instruct=None, force_tokens=200)
         for _ in engine.synthesize(CALIBRATION_TEXT, replace(options, on_stage=heard.append)):
@@ -359,8 +402,8 @@ def test_a_calls_cost_is_a_fixed_part_and_a_part_per_unit() -> None:
     """The flow and HiFT calls of a streamed request, small and large, fit a line (the flow's
     per pass); calls of one size cannot tell its parts apart and cost per unit."""
     meter = CostMeter(lambda: 2)
-    meter.record(StageTime("lm_prefill", "", 0.4, 1))
-    meter.record(StageTime("lm_token", "", 0.3, 10))
+    meter.record(StageTime("lm_prefill", "int8", 0.4, 1))
+    meter.record(StageTime("lm_token", "int8", 0.3, 10))
     for units, hift_s in ((1000, 0.44), (1000, 1.16), (120, 0.28)):  # 20 passes: realtime's
         meter.record(StageTime("flow", "fp32", 20 * 0.01 + 1e-3 * units, units, 20))
         meter.record(StageTime("hift", "fp32", 0.03 + 0.3 * hift_s, hift_s))
@@ -419,7 +462,10 @@ def test_without_a_voice_the_calibration_is_skipped_until_one_is_added(
     auto.calibrate(engine)
     measured = auto.meter.costs()
     assert measured is not None and "Measured the stage costs" in caplog.text
-    assert measured.estimated == ("flow.int8", "hift.bf16", "hift.int8")  # only fp32 is loaded
+    # Only the float32 flow and HiFT are loaded, and one LM.
+    lm = engine.weight_formats["llm"][0]
+    unrun_lm = [f"{stage}.{f}" for stage in LM_STAGES for f in ("int8", "int4", "fp32") if f != lm]
+    assert measured.estimated == tuple(sorted(["flow.int8", "hift.bf16", "hift.int8", *unrun_lm]))
 
 
 # --- the rule ---------------------------------------------------------------------------------
@@ -451,6 +497,15 @@ def test_a_longer_answer_on_the_same_machine_takes_a_cheaper_profile() -> None:
     """The same machine keeps pace with a short answer at fast's cost, not with a long one."""
     short, long = choose(1.0, costs(scale=0.3)), choose(3.0, costs(scale=0.3))
     assert (short.profile.name, long.profile.name) == ("fast", "fastest")
+
+
+def test_the_int4_lm_lets_a_more_exact_profile_keep_pace() -> None:
+    """With the fast profiles' own int4 LM (0.75× the int8 LM's costs) faster keeps pace with
+    the 3 s answer that needed fastest on the int8 LM."""
+    long = choose(3.0, costs(scale=0.3), candidates=CANDIDATES)
+    assert [c.lm_weights for c in CANDIDATES] == ["int8", "int4", "int4", "int4"]
+    assert long.profile.name == "faster", long.reason
+    assert long.predictions["faster"].stall_s <= STALL_TOLERANCE_S
 
 
 def test_when_nothing_plays_through_the_least_stalling_in_time_wins() -> None:
@@ -493,9 +548,11 @@ def test_the_texts_length_is_its_estimated_speech() -> None:
 # --- the measured costs -----------------------------------------------------------------------
 
 
-def _feed(meter: CostMeter, scale: float = 1.0, flow: str = "fp32", hift: str = "fp32") -> None:
-    meter.record(StageTime("lm_prefill", "", 0.07 * scale, 1))
-    meter.record(StageTime("lm_token", "", 0.5 * scale, 40))
+def _feed(
+    meter: CostMeter, scale: float = 1.0, flow: str = "fp32", hift: str = "fp32", lm: str = "int8"
+) -> None:
+    meter.record(StageTime("lm_prefill", lm, 0.07 * scale, 1))
+    meter.record(StageTime("lm_token", lm, 0.5 * scale, 40))
     meter.record(StageTime("flow", flow, 1.0 * scale, 1000))
     meter.record(StageTime("hift", hift, 0.3 * scale, 1.0))
 
@@ -503,14 +560,46 @@ def _feed(meter: CostMeter, scale: float = 1.0, flow: str = "fp32", hift: str = 
 def test_costs_are_unknown_until_every_stage_ran() -> None:
     meter = CostMeter(lambda: 2)
     assert meter.costs() is None
-    meter.record(StageTime("lm_prefill", "", 0.07, 1))
+    meter.record(StageTime("lm_prefill", "int8", 0.07, 1))
     meter.record(StageTime("flow", "fp32", 1.0, 1000))
     assert meter.costs() is None
-    meter.record(StageTime("lm_token", "", 0.5, 40))
+    meter.record(StageTime("lm_token", "int8", 0.5, 40))
     meter.record(StageTime("hift", "fp32", 0.3, 1.0))
     measured = meter.costs()
-    assert measured is not None and measured.lm_token_s == pytest.approx(0.0125)
+    assert measured is not None and measured.lm_token_s["int8"] == pytest.approx(0.0125)
     assert measured.flow_s["fp32"] == pytest.approx(0.001)
+
+
+def test_the_lm_is_measured_once_a_format_has_both_its_stages() -> None:
+    meter = CostMeter(lambda: 2)
+    meter.record(StageTime("flow", "fp32", 1.0, 1000))
+    meter.record(StageTime("hift", "fp32", 0.3, 1.0))
+    meter.record(StageTime("lm_prefill", "int8", 0.07, 1))
+    meter.record(StageTime("lm_token", "int4", 0.4, 40))
+    assert meter.costs() is None  # the prefill of one format, the tokens of another
+    meter.record(StageTime("lm_token", "int8", 0.5, 40))
+    measured = meter.costs()
+    assert measured is not None
+    # The int4 LM's own tokens measured, but not its prefill: both guessed from the int8 LM's.
+    assert measured.lm("int4") == pytest.approx((0.07 * 0.75, 0.0125 * 0.75))
+    assert {"lm_prefill.int4", "lm_token.int4"} <= set(measured.estimated)
+
+
+def test_the_lm_costs_are_kept_per_format() -> None:
+    meter = CostMeter(lambda: 2)
+    _feed(meter, lm="int8")
+    _feed(meter, lm="int4", scale=0.72)
+    measured = meter.costs()
+    assert measured is not None
+    assert measured.lm("int8") == pytest.approx((0.07, 0.0125))
+    assert measured.lm("int4") == pytest.approx((0.07 * 0.72, 0.0125 * 0.72))
+    assert measured.lm("fp32") == pytest.approx((0.07 * 3, 0.0125 * 3))  # the prior
+    assert measured.estimated == (
+        "flow.int8", "hift.bf16", "hift.int8", "lm_prefill.fp32", "lm_token.fp32"
+    )  # fmt: skip
+    shown = measured.as_dict()
+    assert shown["lm_token_ms"] == pytest.approx({"int8": 12.5, "int4": 9.0, "fp32": 37.5})
+    assert shown["lm_prefill_ms"] == pytest.approx({"int8": 70.0, "int4": 50.4, "fp32": 210.0})
 
 
 def test_a_running_average_follows_the_machine() -> None:
@@ -519,7 +608,7 @@ def test_a_running_average_follows_the_machine() -> None:
     _feed(meter, scale=3.0)
     measured = meter.costs()
     assert measured is not None
-    assert measured.lm_token_s == pytest.approx(0.0125 * 2)  # halfway from 1x to 3x
+    assert measured.lm_token_s["int8"] == pytest.approx(0.0125 * 2)  # halfway from 1x to 3x
 
 
 def test_an_unrun_format_is_guessed_from_its_parts_other() -> None:
@@ -530,9 +619,13 @@ def test_an_unrun_format_is_guessed_from_its_parts_other() -> None:
     assert measured.flow_s["int8"] == pytest.approx(0.001 * 0.75)
     assert measured.hift_s["bf16"] == pytest.approx(0.3 * 0.5)
     assert measured.hift_s["int8"] == pytest.approx(0.3 * 0.7)
-    assert measured.estimated == ("flow.int8", "hift.bf16", "hift.int8")
-    _feed(meter, flow="int8", hift="bf16")  # measured once it runs
-    _feed(meter, flow="int8", hift="int8")
+    assert measured.lm_token_s["int4"] == pytest.approx(0.0125 * 0.75)
+    assert measured.lm_token_s["fp32"] == pytest.approx(0.0125 * 3.0)
+    assert measured.lm_prefill_s["int4"] == pytest.approx(0.07 * 0.75)
+    assert measured.estimated == ("flow.int8", "hift.bf16", "hift.int8", "lm_prefill.fp32",
+                                  "lm_prefill.int4", "lm_token.fp32", "lm_token.int4")  # fmt: skip
+    _feed(meter, flow="int8", hift="bf16", lm="int4")  # measured once it runs
+    _feed(meter, flow="int8", hift="int8", lm="fp32")
     assert meter.costs().estimated == ()  # type: ignore[union-attr]
 
 
@@ -543,12 +636,12 @@ def test_fewer_free_cores_scale_the_costs_until_measured() -> None:
     free[0] = 1  # a neighbour takes a core
     busy = meter.costs()
     assert busy is not None and busy.cores == 1
-    assert busy.lm_token_s == pytest.approx(0.0125 * 2)  # twice the cost: a guess
-    assert "lm_token" in busy.estimated
+    assert busy.lm_token_s["int8"] == pytest.approx(0.0125 * 2)  # twice the cost: a guess
+    assert "lm_token.int8" in busy.estimated
     _feed(meter, scale=1.5)  # the busy box measures its own
-    assert meter.costs().lm_token_s == pytest.approx(0.0125 * 1.5)  # type: ignore[union-attr]
+    assert meter.costs().lm_token_s["int8"] == pytest.approx(0.0125 * 1.5)  # type: ignore[union-attr]
     free[0] = 2
-    assert meter.costs().lm_token_s == pytest.approx(0.0125)  # type: ignore[union-attr]
+    assert meter.costs().lm_token_s["int8"] == pytest.approx(0.0125)  # type: ignore[union-attr]
 
 
 def _measure_every_format(meter: CostMeter, reference: StageCosts) -> None:
@@ -557,15 +650,20 @@ def _measure_every_format(meter: CostMeter, reference: StageCosts) -> None:
         meter.record(StageTime("flow", weights, reference.flow_s[weights] * 1000, 1000))
     for weights in ("fp32", "bf16", "int8"):
         meter.record(StageTime("hift", weights, reference.hift_s[weights], 1))
-    meter.record(StageTime("lm_prefill", "", reference.lm_prefill_s, 1))
-    meter.record(StageTime("lm_token", "", reference.lm_token_s * 40, 40))
+    for weights in ("int8", "int4", "fp32"):
+        meter.record(StageTime("lm_prefill", weights, reference.lm_prefill_s[weights], 1))
+        meter.record(StageTime("lm_token", weights, reference.lm_token_s[weights] * 40, 40))
 
 
 class ChoosingEngine(FakeSurface):
     """What auto's choice reads of an engine: v1's, with every weight format loaded."""
 
     speakers = ["tester"]
-    weight_formats = {"flow": ("fp32", "int8"), "hift": ("fp32", "int8")}
+    weight_formats = {
+        "llm": ("int8", "int4"),
+        "flow": ("fp32", "int8"),
+        "hift": ("fp32", "int8"),
+    }
 
     def synthesize(self, text: str, options: Any = None, cancel: Any = None) -> Iterator[Any]:
         raise AssertionError("auto's choice speaks nothing")
@@ -592,10 +690,11 @@ def test_auto_is_the_default_and_loads_every_format_it_chooses_from() -> None:
     assert CONFIG.auto.first_audio_s == 1.5
     assert [p.name for p in CANDIDATES] == ["realtime", "fast", "faster", "fastest"]
     weights = CONFIG.load.weights
-    assert (weights.flow, weights.hift, weights.extra) == (
+    assert (weights.lm, weights.flow, weights.hift, weights.extra) == (
+        "int8",
         "fp32",
         "fp32",
-        ("flow.int8", "hift.int8"),
+        ("flow.int8", "hift.int8", "llm.int4"),
     )
     # Until it has chosen it runs the most exact one's settings.
     assert replace(CONFIG.profile, name="realtime", streaming=True) == REALTIME
@@ -654,7 +753,11 @@ class CostEngine(FakeEngine):
     """The fake engine, reporting made-up stage costs as the real one measures them: those
     of the reference machine times ``scale``. Keeps each request's options."""
 
-    weight_formats = {"flow": ("fp32", "int8"), "hift": ("fp32", "int8")}
+    weight_formats = {
+        "llm": ("int8", "int4"),
+        "flow": ("fp32", "int8"),
+        "hift": ("fp32", "int8"),
+    }
 
     def __init__(self, model_dir: Path, threads: int | None = None, *, scale: float) -> None:
         super().__init__(model_dir, threads)
@@ -664,8 +767,9 @@ class CostEngine(FakeEngine):
     def synthesize(self, text: str, options: Any, cancel: Any = None) -> Iterator[Any]:
         self.options.append(options)
         report = options.on_stage or (lambda time: None)
-        report(StageTime("lm_prefill", "", self.costs.lm_prefill_s, 1))
-        report(StageTime("lm_token", "", self.costs.lm_token_s * 40, 40))
+        lm = options.lm_weights or "int8"
+        report(StageTime("lm_prefill", lm, self.costs.lm_prefill_s[lm], 1))
+        report(StageTime("lm_token", lm, self.costs.lm_token_s[lm] * 40, 40))
         flow, hift = options.flow_weights or "fp32", options.hift_weights or "fp32"
         report(StageTime("flow", flow, self.costs.flow_s[flow] * 1000, 1000))
         report(StageTime("hift", hift, self.costs.hift_s[hift], 1.0))
@@ -691,19 +795,22 @@ def test_the_server_measures_after_the_warm_up_and_chooses_per_request(
 ) -> None:
     caplog.set_level(logging.INFO, logger="wyoming_cosyvoice.auto.profile")
     options, auto = _serve(wy, 1.0, ["Hello there.", "A long announcement. " * 12])
-    # The calibration: one streamed request per distinct pair of formats, then the two requests.
-    calibration = [(o.flow_weights, o.hift_weights) for o in options[:2]]
-    assert calibration == [("fp32", "fp32"), ("int8", "int8")]
+    # The calibration: one streamed request per distinct combination of formats, then the two
+    # requests.
+    calibration = [(o.lm_weights, o.flow_weights, o.hift_weights) for o in options[:2]]
+    assert calibration == [("int8", "fp32", "fp32"), ("int4", "int8", "int8")]
     assert all(o.stream for o in options[:2])
     short, long = options[2], options[-1]
-    assert (short.n_timesteps, short.flow_weights, short.hift_weights) == (5, "int8", "int8")
+    assert (short.n_timesteps, short.lm_weights, short.flow_weights) == (5, "int4", "int8")
+    assert short.hift_weights == "int8"
     assert (long.n_timesteps, long.cfg_rate, long.flow_weights) == (1, 0.7, "int8")  # fastest
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Profile auto")]
     assert len(lines) == 2  # one line per request, not per sentence
-    assert "fast, first audio 0.95 s" in lines[0] and "(realtime: first audio 1.65 s)" in lines[0]
+    assert "fast, first audio 0.83 s" in lines[0] and "(realtime: first audio 1.65 s)" in lines[0]
     assert "fastest, no profile plays 11.9 s of speech without a stall" in lines[1]
     report = auto.report()
-    assert report["stage_costs"]["estimated"] == ["hift.bf16"]  # the loaded formats measured
+    # The loaded formats measured: the float32 LM's figures and bfloat16 HiFT's guessed.
+    assert report["stage_costs"]["estimated"] == ["hift.bf16", "lm_prefill.fp32", "lm_token.fp32"]
     assert report["last_choice"]["profile"] == "fastest"
 
 
@@ -730,7 +837,11 @@ def test_health_shows_the_costs_and_the_last_choice() -> None:
                           wyoming=False) as srv, srv.client() as http:  # fmt: skip
         before = http.get("/health").json()["auto"]
         assert before["last_choice"] is None and before["first_audio_target_s"] == 1.5
-        assert before["stage_costs"]["lm_token_ms"] == pytest.approx(12.8)
+        assert before["stage_costs"]["lm_token_ms"] == pytest.approx(
+            {"int8": 12.8, "int4": 9.6, "fp32": 38.4}
+        )
+        assert before["stage_costs"]["estimated"] == ["hift.bf16", "lm_prefill.fp32",
+                                                      "lm_token.fp32"]  # fmt: skip
         assert set(before["stage_costs"]["flow_us_per_frame_step"]) == {"fp32", "int8"}
         spoken = http.post("/tts", json={"text": "Hello there."})
         assert spoken.status_code == 200 and spoken.headers["x-profile"] == "auto"
@@ -773,7 +884,9 @@ def test_the_real_engine_measures_and_chooses(tmp_path: Path) -> None:
         health = httpx.get(url, timeout=10).json()
         assert health["status"] == "ready", health
         measured = health["auto"]["stage_costs"]
-        assert measured["lm_token_ms"] > 0 and measured["lm_prefill_ms"] > 0
+        for stage in ("lm_token_ms", "lm_prefill_ms"):
+            assert set(measured[stage]) == {"int8", "int4", "fp32"}
+            assert all(ms > 0 for ms in measured[stage].values()), measured
         assert sorted(measured["flow_us_per_frame_step"]) == ["fp32", "int8"]
         # Both flows ran in the measurement (a CPU without int8 kernels loads only fp32's).
         unmeasured = [] if detect().int8_kernels is not None else ["flow.int8"]
@@ -834,7 +947,7 @@ def test_a_sentence_still_arriving_is_chosen_for_as_a_long_one() -> None:
     starts early only then), so a machine that keeps pace with a short answer only at fast's
     cost takes fastest for it, as for a long answer."""
     meter = CostMeter(lambda: 2)
-    auto = AutoProfile(CONFIG.auto, CANDIDATES, meter)  # type: ignore[arg-type]
+    auto = AutoProfile(CONFIG.auto, INT8_LM_CANDIDATES, meter)  # type: ignore[arg-type]
     _measure_every_format(meter, costs(scale=0.3))
     engine = ChoosingEngine()
     opening = "Sure, I have"

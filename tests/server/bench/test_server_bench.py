@@ -62,13 +62,21 @@ def test_the_engines_own_profiles_are_the_servers_of_those_names() -> None:
 def test_each_profile_is_measured_in_the_formats_its_server_loads(tmp_path: Path) -> None:
     config = config_with_exact_int8(tmp_path)
     fp32_lm = tmp_path / "fp32_lm.yaml"
-    fp32_lm.write_text(config.read_text().replace("lm_weights: int8", "lm_weights: fp32"))
+    fp32_lm.write_text(yaml.safe_dump({"server": {"lm_weights": "fp32"}}))
     for source in (None, config, fp32_lm):
         for name, profile in server_profiles(source).items():
             loaded = load_config(source, [("server.profile", name)]).load.weights
             formats = {"lm": loaded.lm, "flow": loaded.flow, "hift": loaded.hift}
             assert profile.weight_formats() == formats, name
-    assert {p.lm_weights for p in server_profiles().values()} == {"int8"}  # the default
+    # The default: each profile's own LM format; the server's override: one for all.
+    assert {n: p.lm_weights for n, p in server_profiles().items()} == {
+        "realtime": "int8",
+        "fast": "int4",
+        "faster": "int4",
+        "fastest": "int4",
+        "quality": "int8",
+        "batch": "int8",
+    }
     assert {p.lm_weights for p in server_profiles(fp32_lm).values()} == {"fp32"}
 
 

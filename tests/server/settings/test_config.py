@@ -146,6 +146,11 @@ def test_a_new_profile_names_every_setting(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as err:
         load_config(path)
     assert err.value.key == "profiles.mine" and "missing: streaming" in str(err.value)
+    without_lm = {k: v for k, v in packaged_settings()["profiles"]["fast"].items()
+                  if k != "lm_weights"}  # fmt: skip
+    path.write_text(yaml.safe_dump({"profiles": {"mine": without_lm}}))
+    with pytest.raises(ConfigError, match="missing: lm_weights"):
+        load_config(path)
     realtime = packaged_settings()["profiles"]["realtime"]
     path.write_text(yaml.safe_dump({"profiles": {"mine": {**realtime, "n_timesteps": 3}}}))
     assert load_config(path).profiles["mine"].n_timesteps == 3
@@ -176,6 +181,7 @@ def test_a_new_profile_names_every_setting(tmp_path: Path) -> None:
         ("profiles.realtime.speed", 2, "profiles.realtime.speed"),
         ("profiles.realtime.start_policy", "later", "profiles.realtime.start_policy"),
         ("server.lm_weights", "int2", "server.lm_weights"),
+        ("profiles.fast.lm_weights", "profile", "profiles.fast.lm_weights"),
         ("profiles.fast.flow_weights", "int4", "profiles.fast.flow_weights"),
         ("profiles.batch", 3, "profiles.batch"),
         ("extras", 1, "extras"),
@@ -248,6 +254,82 @@ def test_load_settings_come_from_the_servers_own_profile() -> None:
     load = config.load
     assert (load.weights.lm, load.weights.flow, load.weights.hift) == ("fp32", "int8", "int8")
     assert (load.threads, load.parallel_sentences, load.warmup) == (None, 1, True)
+    own = load_config(None, [("server.profile", "fast")]).load.weights
+    assert (own.lm, own.extra) == ("int4", ())
+
+
+def test_the_fast_profiles_run_the_int4_lm_and_the_exact_ones_int8() -> None:
+    config = load_config(None)
+    assert config.lm_weights == "profile"  # the default: each profile's own
+    assert {name: p.lm_weights for name, p in config.profiles.items()} == {
+        "realtime": "int8",
+        "fast": "int4",
+        "faster": "int4",
+        "fastest": "int4",
+        "quality": "int8",
+        "batch": "int8",
+    }
+
+
+@pytest.mark.parametrize("lm", ["int8", "int4", "fp32"])
+def test_the_server_lm_weights_apply_to_every_profile(lm: str) -> None:
+    for profile in ("auto", "realtime", "fastest"):
+        config = load_config(None, [("server.lm_weights", lm), ("server.profile", profile)])
+        assert {p.lm_weights for p in config.profiles.values()} == {lm}
+        assert config.profile.lm_weights == config.load.weights.lm == lm
+        assert not [e for e in config.load.weights.extra if e.startswith("llm.")]
+        options = config.profiles["fast"].options(
+            speaker=None, seed=None, instruct=None, force_tokens=None
+        )
+        assert options.lm_weights == lm
+
+
+def test_the_lm_weights_flag_is_the_override() -> None:
+    assert {p.lm_weights for p in cli("--lm-weights", "int8").profiles.values()} == {"int8"}
+    own = cli("--lm-weights", "profile").profiles
+    assert (own["realtime"].lm_weights, own["faster"].lm_weights) == ("int8", "int4")
+
+
+def test_auto_loads_the_int4_lm_beside_its_own_int8_one() -> None:
+    weights = load_config(None).load.weights  # auto: realtime's formats first
+    assert (weights.lm, weights.flow, weights.hift) == ("int8", "fp32", "fp32")
+    assert weights.extra == ("flow.int8", "hift.int8", "llm.int4")
+    assert weights.holds("llm", "int8") and weights.holds("llm", "int4")
+    assert not weights.holds("llm", "fp32")
+    # Its candidates all int8: one LM.
+    int8 = load_config(
+        None, [(f"profiles.{n}.lm_weights", "int8") for n in ("fast", "faster", "fastest")]
+    )
+    assert int8.load.weights.extra == ("flow.int8", "hift.int8")
+    # The fast ones first: int4 primary, int8 the extra.
+    fast_first = load_config(None, [("auto.profiles", ["fastest", "realtime"])]).load.weights
+    assert (fast_first.lm, fast_first.extra) == ("int4", ("flow.fp32", "hift.fp32", "llm.int8"))
+
+
+def test_the_engine_loader_gets_autos_lm_formats() -> None:
+    from wyoming_cosyvoice.models.model import engine_loader
+
+    keywords = engine_loader(load_config(None)).keywords
+    assert (keywords["lm_int8"], keywords["lm_int4"]) == (True, False)
+    assert "llm.int4" in keywords["extra_formats"]
+
+
+def test_a_requests_options_carry_its_profiles_lm_format() -> None:
+    config = load_config(None)
+    for name, lm in (("realtime", "int8"), ("fastest", "int4"), ("quality", "int8")):
+        profile = config.request_profile(name)
+        options = profile.options(speaker=None, seed=None, instruct=None, force_tokens=None)
+        assert options.lm_weights == lm, name
+
+
+def test_a_profile_whose_lm_is_not_loaded_is_refused() -> None:
+    """Same flow and HiFT formats, another LM: refused, naming the LM."""
+    config = load_config(None, [("server.profile", "fast"), ("profiles.faster.lm_weights", "fp32")])
+    assert config.servable_profiles == ["fast", "fastest"]
+    with pytest.raises(ProfileNotLoadedError) as err:
+        config.request_profile("faster")
+    assert "'faster' needs the LM in fp32, the flow in int8 and HiFT in int8" in str(err.value)
+    assert "this server loaded the LM in int4, the flow in int8" in str(err.value)
 
 
 def test_a_request_may_name_only_a_profile_whose_weights_are_loaded() -> None:
@@ -257,7 +339,7 @@ def test_a_request_may_name_only_a_profile_whose_weights_are_loaded() -> None:
     assert realtime.request_profile("batch").name == "batch"
     with pytest.raises(ProfileNotLoadedError) as err:
         realtime.request_profile("fastest")
-    assert "'fastest' needs the flow in int8 and HiFT in int8" in str(err.value)
+    assert "'fastest' needs the LM in int4, the flow in int8 and HiFT in int8" in str(err.value)
     assert "start it with --profile fastest" in str(err.value)
     with pytest.raises(UnknownProfileError, match="unknown profile 'turbo'"):
         realtime.request_profile("turbo")
@@ -270,10 +352,14 @@ def test_a_request_may_name_only_a_profile_whose_weights_are_loaded() -> None:
 
 def test_profile_options_carry_every_setting() -> None:
     config = load_config(None, [("profiles.fast.start_policy", "gapless")])
-    assert config.lm_weights == "int8"
     fast = config.profiles["fast"]
     options = fast.options(speaker="x", seed=3, instruct=None, force_tokens=7)
     assert (options.n_timesteps, options.start_policy, options.seed) == (5, "gapless", 3)
+    assert (options.lm_weights, options.flow_weights, options.hift_weights) == (
+        "int4",
+        "int8",
+        "int8",
+    )
     assert options.schedule == fast.schedule and options.stream is fast.stream_audio
 
 
@@ -325,4 +411,5 @@ def test_the_server_loads_the_weight_formats_its_profile_names(
     assert loader.keywords["flow_int8"] is flow_int8
     assert loader.keywords["hift_int8"] is hift_int8
     assert loader.keywords["hift_bf16"] is False
-    assert loader.keywords["lm_int8"] is True  # the server's own setting, int8 by default
+    assert loader.keywords["lm_int8"] is (profile in ("realtime", "batch"))  # its own format
+    assert loader.keywords["lm_int4"] is (profile not in ("realtime", "batch"))

@@ -37,7 +37,7 @@ def test_http_refuses_a_profile_whose_weights_are_not_loaded() -> None:
         error = refused.json()["error"]
         assert refused.status_code == 400, refused.text
         assert (error["code"], error["param"]) == ("profile_not_loaded", "profile")
-        assert "needs the flow in int8 and HiFT in int8" in error["message"]
+        assert "needs the LM in int4, the flow in int8 and HiFT in int8" in error["message"]
         assert "start it with --profile fastest" in error["message"]
         openai = http.post("/v1/audio/speech", json={"input": "Hi.", "profile": "fast"})
         assert openai.status_code == 400 and openai.json()["error"]["code"] == "profile_not_loaded"
@@ -57,7 +57,7 @@ def test_http_serves_a_profile_with_the_same_weights_on_a_fast_server() -> None:
         refused = http.post("/tts", json={"text": "Hi.", "profile": "realtime"})
         assert refused.status_code == 400 and "--profile realtime" in refused.text
         assert http.get("/voices").json()["profiles"] == ["fast", "faster", "fastest"]
-    assert [o.n_timesteps for o in srv.engines[0].options] == [5]
+    assert [(o.n_timesteps, o.lm_weights) for o in srv.engines[0].options] == [(5, "int4")]
 
 
 @pytest.mark.parametrize(

@@ -209,11 +209,14 @@ def test_auto_measured_every_loaded_format_and_chooses_per_request(
 ) -> None:
     costs = server.auto_at_start["stage_costs"]
     assert costs is not None, server.auto_at_start
-    assert costs["lm_token_ms"] > 0 and costs["lm_prefill_ms"] > 0
+    assert min(costs["lm_token_ms"].values()) > 0 and min(costs["lm_prefill_ms"].values()) > 0
     loaded = server.engine.weight_formats
     for part in ("flow", "hift"):
         for weights in loaded[part]:
             assert f"{part}.{weights}" not in costs["estimated"], (part, weights, costs)
+    for weights in loaded["llm"]:  # every loaded LM measured in its own format
+        for stage in ("lm_prefill", "lm_token"):
+            assert f"{stage}.{weights}" not in costs["estimated"], (weights, costs)
     assert all(costs["flow_us_per_frame_step"][w] > 0 for w in loaded["flow"])
     reply = run(wy.synthesize(server.port, "Hello there.", {"name": "en-male"}))
     assert reply.error() is None and reply.samples == SAMPLES
@@ -416,7 +419,7 @@ def test_the_synthesize_command_writes_24_khz(server: SimpleNamespace, tmp_path:
 
 def test_a_fast_profile_loads_cosyvoice2_in_its_weight_formats(tmp_path: Path) -> None:
     from engine.core.cpu import detect
-    from engine.core.runtime import int8_hift_fast
+    from engine.core.runtime import int4_kernel_for_lm, int8_hift_fast
     from wyoming_cosyvoice.config import load_config
     from wyoming_cosyvoice.models.model import engine_loader
 
@@ -425,12 +428,15 @@ def test_a_fast_profile_loads_cosyvoice2_in_its_weight_formats(tmp_path: Path) -
                 ("server.data_dirs", [str(data)])]  # fmt: skip
     engine = engine_loader(load_config(None, settings))(data / V2.model, 1)
     assert engine.kind == "cosyvoice2"
-    # The fast formats this CPU runs (engine.core.runtime.setup_cpu falls back to float32
-    # otherwise).
+    # The fast formats this CPU runs (engine.core.runtime.setup_cpu falls back to int8 for the
+    # int4 LM, to float32 for int8).
     cpu = detect()
-    int8 = ("llm.int8", "flow.int8") if cpu.int8_kernels is not None else ("llm.fp32", "flow.fp32")
-    hift = ("hift.int8",) if int8_hift_fast() else ("hift.fp32",)
-    assert {*int8, *hift} <= set(engine.prepared_at_load), cpu.describe()
+    int8 = cpu.int8_kernels is not None
+    lm = "int4" if int4_kernel_for_lm() else "int8" if int8 else "fp32"
+    formats = {f"llm.{lm}", "flow.int8" if int8 else "flow.fp32"}
+    formats.add("hift.int8" if int8_hift_fast() else "hift.fp32")
+    assert formats <= set(engine.prepared_at_load), cpu.describe()
+    assert engine.weight_formats["llm"] == (lm,)  # fastest's own LM, and no other
 
 
 def test_the_default_voice_is_primed_for_the_server_profile(wy: SimpleNamespace) -> None:
