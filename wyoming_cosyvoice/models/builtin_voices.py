@@ -118,8 +118,7 @@ def _make_voices(
     source: Engine = load_engine(
         source_dir,
         threads=config.load.threads,
-        lm_int8=config.load.weights.lm == "int8",
-        lm_int4=config.load.weights.lm == "int4",
+        lm_int8=_voice_making_lm(config) == "int8",
         cache_dir=cache_dir,
     )
     try:
@@ -130,6 +129,13 @@ def _make_voices(
         give_back_free_heap()
     (folder / FINISHED_MARK).write_text(f"every speaker of {source_model} was tried\n")
     _LOGGER.info("Built-in voices made in %.0f s", time.monotonic() - start)
+
+
+def _voice_making_lm(config: ServerConfig) -> str:
+    """The source model's LM format: the exact profiles' int8 (fp32 when the server runs fp32
+    throughout), whatever the server's own profile: the voices are made once and kept, so they
+    do not depend on the profile of the start that made them."""
+    return "fp32" if config.lm_weights == "fp32" else "int8"
 
 
 def _log_speaker(number: int, count: int, speaker: str) -> None:

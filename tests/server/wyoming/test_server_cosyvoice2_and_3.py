@@ -133,6 +133,24 @@ def test_an_unfinished_voices_folder_is_finished_on_the_next_start(
     make_missing_voices(model_dir, family, config)
 
 
+@pytest.mark.parametrize(
+    ("overrides", "lm"),
+    [
+        ([("server.profile", "fastest")], "int8"),  # the profile's int4 is not the voices'
+        ([("server.lm_weights", "int4")], "int8"),
+        ([("server.lm_weights", "fp32")], "fp32"),
+    ],
+)
+def test_the_voices_are_made_with_the_exact_profiles_lm(
+    overrides: list[tuple[str, str]], lm: str
+) -> None:
+    """Made once and kept, so the start that makes them must not leave its profile in them."""
+    from wyoming_cosyvoice.config import load_config
+    from wyoming_cosyvoice.models.builtin_voices import _voice_making_lm
+
+    assert _voice_making_lm(load_config(None, overrides)) == lm
+
+
 def test_describe_lists_the_voices_before_and_after_the_load(
     server: SimpleNamespace, wy: SimpleNamespace
 ) -> None:
