@@ -68,15 +68,11 @@ def test_each_profile_is_measured_in_the_formats_its_server_loads(tmp_path: Path
             loaded = load_config(source, [("server.profile", name)]).load.weights
             formats = {"lm": loaded.lm, "flow": loaded.flow, "hift": loaded.hift}
             assert profile.weight_formats() == formats, name
-    # The default: each profile's own LM format; the server's override: one for all.
-    assert {n: p.lm_weights for n, p in server_profiles().items()} == {
-        "realtime": "int8",
-        "fast": "int4",
-        "faster": "int4",
-        "fastest": "int4",
-        "quality": "int8",
-        "batch": "int8",
-    }
+    # The default: each profile's own LM format (test_config holds which); the server's
+    # override: one for all.
+    own = {name: p.lm_weights for name, p in load_config(None).profiles.items()}
+    assert {n: p.lm_weights for n, p in server_profiles().items()} == own
+    assert set(own.values()) == {"int8", "int4"}
     assert {p.lm_weights for p in server_profiles(fp32_lm).values()} == {"fp32"}
 
 
