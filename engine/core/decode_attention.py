@@ -17,8 +17,8 @@ from torch import Tensor
 
 from engine.core import native
 
-# The head sizes the kernel is compiled for.
-KERNEL_HEAD_SIZES = (64, 128)
+# The head sizes the kernel is compiled for: multiples of 8 up to 128.
+KERNEL_HEAD_SIZES = tuple(range(8, 129, 8))
 
 
 @functools.cache

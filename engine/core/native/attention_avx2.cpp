@@ -12,7 +12,9 @@
 // contiguous. CosyVoice-300M's relative positions add qp[h] . P[h, l], where P is the layer's
 // pre-scaled positional rows given as consecutive pieces (H, n_i, D) with sum n_i = L.
 // The softmax is torch's (at::_softmax over the scores), so only the two products'
-// summation order differs from the bmm path: results agree to float32 rounding.
+// summation order differs from the bmm path: results agree to float32 rounding. Head sizes:
+// multiples of 8 up to 128 (the released models' is 64; the tiny test models' smaller, so that
+// the parity tests run through this kernel too).
 //
 // The kernel is compiled for AVX2 and FMA only (the pragma below), the module itself for any
 // x86-64: it imports on every x86-64 CPU, and ``supported()`` says whether it may run.
@@ -143,6 +145,20 @@ void combine(const float* probs, const float* v, int64_t heads, int64_t group, i
 
 #pragma GCC pop_options
 
+// Head sizes are compiled in, 8 floats a block, so that a row's blocks stay in registers.
+constexpr int kMaxBlocks = 16;
+
+template <int D8 = 1, typename Run>
+void dispatch_blocks(int blocks, Run& run) {
+  if constexpr (D8 <= kMaxBlocks) {
+    if (blocks == D8) {
+      run(std::integral_constant<int, D8>{});
+    } else {
+      dispatch_blocks<D8 + 1>(blocks, run);
+    }
+  }
+}
+
 void check_rows(const torch::Tensor& t, const char* what, int64_t heads, int64_t d) {
   TORCH_CHECK(t.scalar_type() == torch::kFloat32 && t.dim() == 3, what, ": float32 (H, L, D)");
   TORCH_CHECK(t.size(0) == heads && t.size(2) == d, what, ": (H, L, D) of the query's H and D");
@@ -158,7 +174,8 @@ torch::Tensor decode_attention(const torch::Tensor& q_in, const torch::Tensor& k
   TORCH_CHECK(q_in.scalar_type() == torch::kFloat32 && q_in.dim() == 3, "q: float32 (H, G, D)");
   const torch::Tensor q = q_in.contiguous();
   const int64_t heads = q.size(0), group = q.size(1), d = q.size(2);
-  TORCH_CHECK(d == 64 || d == 128, "head size 64 or 128");
+  TORCH_CHECK(d % 8 == 0 && d >= 8 && d <= 8 * kMaxBlocks, "head size a multiple of 8 up to ",
+              8 * kMaxBlocks);
   check_rows(keys, "keys", heads, d);
   check_rows(values, "values", heads, d);
   const int64_t length = keys.size(1);
@@ -191,11 +208,7 @@ torch::Tensor decode_attention(const torch::Tensor& q_in, const torch::Tensor& k
     combine<D8>(probs.data_ptr<float>(), values.data_ptr<float>(), heads, group, length,
                 values.stride(0), values.stride(1), out.data_ptr<float>());
   };
-  if (d == 64) {
-    run(std::integral_constant<int, 8>{});
-  } else {
-    run(std::integral_constant<int, 16>{});
-  }
+  dispatch_blocks(d / 8, run);
   return out;
 }
 

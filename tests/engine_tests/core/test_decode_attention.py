@@ -34,7 +34,15 @@ def test_the_kernel_is_built_on_this_cpu() -> None:
 
 @pytest.mark.parametrize(
     ("heads", "group", "length", "d"),
-    [(2, 7, 1, 64), (2, 7, 203, 64), (16, 1, 130, 64), (4, 2, 9, 128), (1, 1, 1000, 64)],
+    [
+        (2, 7, 1, 64),
+        (2, 7, 203, 64),
+        (16, 1, 130, 64),
+        (4, 2, 9, 128),
+        (1, 1, 1000, 64),
+        (2, 2, 17, 8),
+        (3, 1, 6, 24),
+    ],  # fmt: skip
 )
 def test_grouped_queries_match_torchs_products(heads: int, group: int, length: int, d: int) -> None:
     gen = torch.Generator().manual_seed(length + heads)
@@ -75,14 +83,36 @@ def test_inputs_it_cannot_take_are_refused_with_a_reason() -> None:
     with pytest.raises(RuntimeError, match="5 rows for 10 positions"):
         kernel.decode_attention(q, keys, keys, 1.0, q.view(2, 64), [torch.randn(2, 5, 64)])
     with pytest.raises(RuntimeError, match="head size"):
-        kernel.decode_attention(torch.randn(2, 1, 48), keys, keys, 1.0)
+        kernel.decode_attention(torch.randn(2, 1, 20), keys, keys, 1.0)
     with pytest.raises(RuntimeError, match="rows must be contiguous"):
         kernel.decode_attention(q, keys.transpose(1, 2).contiguous().transpose(1, 2), keys, 1.0)
 
 
 def test_other_head_sizes_take_torchs_products() -> None:
     gen = torch.Generator().manual_seed(3)
-    q, keys = torch.randn(2, 3, 48, generator=gen), torch.randn(2, 11, 48, generator=gen)
+    q, keys = torch.randn(2, 3, 20, generator=gen), torch.randn(2, 11, 20, generator=gen)
     with torch.inference_mode():
         out = attend_one(q, keys, keys, 0.5)
         assert torch.equal(out, reference_attend_one(q, keys, keys, 0.5))
+
+
+@pytest.mark.parametrize("family", ["cosyvoice1", "cosyvoice2", "cosyvoice3"])
+def test_the_parity_tests_tiny_lms_decode_through_the_kernel(family: str) -> None:
+    """The parity tests hold the kernel only if their tiny models' heads are sizes it takes."""
+    import importlib
+
+    from conftest import DATA
+
+    from engine.core.transformer import RelPosAttention
+    from engine.cosyvoice2.qwen2 import Qwen2Attention
+
+    directory = {"cosyvoice1": "tiny_model", "cosyvoice2": "cosyvoice2/tiny"}
+    model_dir = DATA / directory.get(family, "cosyvoice3/tiny")
+    load = importlib.import_module(f"engine.{family}.model_dir").load_model_dir
+    sizes = set()
+    for layer in load(model_dir).llm.llm.modules():  # the decoder (not v1's text encoder)
+        if isinstance(layer, RelPosAttention):
+            sizes.add(layer.d_k)
+        elif isinstance(layer, Qwen2Attention):
+            sizes.add(layer.head_dim)
+    assert sizes and all(decode_attention.kernel_runs(size) for size in sizes), sizes
