@@ -1,10 +1,13 @@
-"""Speech tokens from the LM: the first ones in the consumer's thread, the rest in a thread.
+"""Speech tokens from the LM: the first ones in the consumer's thread, the rest in the
+consumer's thread too (taking turns with the vocoder) or in a thread beside it.
 
-The LM is memory-bandwidth bound and the flow/HiFT are compute bound, so once audio is flowing
-a background LM thread pays: while the vocoder turns chunk *k* into audio, the LM is already
-sampling the tokens of chunk *k + 1*.
+On a few cores the LM takes turns with the vocoder: the consumer asks for tokens when the next
+chunk needs them, and each part runs with every thread while the other waits
+(engine.core.thread_budget.lm_takes_turns says why). On more cores, once audio is flowing, a
+background LM thread samples the tokens of chunk *k + 1* while the vocoder turns chunk *k* into
+audio.
 
-Until then it does not. The first chunk's tokens are all needed before anything can be
+Until the first chunk is out a background thread does not pay on any machine. The first chunk's tokens are all needed before anything can be
 vocoded, and a non-streaming request needs every token first. A second thread there only
 costs: each thread drives its own OpenMP team, and with more OpenMP threads than cores libgomp
 cuts its spin-wait short, so every parallel op wakes a sleeping worker (on the 2-core reference
@@ -33,7 +36,12 @@ from collections.abc import Callable, Iterator
 import torch
 
 from engine.core.stage_times import StageListener, report
-from engine.core.thread_budget import ThreadBudget, apply_thread_budget, lm_beside_vocoder
+from engine.core.thread_budget import (
+    ThreadBudget,
+    apply_thread_budget,
+    lm_beside_vocoder,
+    lm_takes_turns,
+)
 from engine.core.types import SynthesisCancelled
 
 _LOGGER = logging.getLogger(__name__)
@@ -49,7 +57,8 @@ class LmTokens:
     """Iterate over the tokens of ``make_tokens()``.
 
     ``inline``: how many tokens to generate in the consumer's thread before a background thread
-    takes over; ``None`` generates all of them inline (no thread at all). ``threads``: the
+    may take over (it does only on machines where the LM and the vocoder do not take turns);
+    ``None`` generates all of them inline (no thread at all). ``threads``: the
     caller's thread budget, applied before each token. ``on_stage``: told what the inline
     tokens cost (engine.core.stage_times: the way to the first token, then the rest per token),
     named with the LM's format ``weights``.
@@ -96,6 +105,9 @@ class LmTokens:
                 sampling += seconds
             yield token
         report(self._on_stage, "lm_token", self._weights, sampling, count - 1)
+        if lm_takes_turns(self._budget):
+            yield from self._in_turns(source)
+            return
         # The consumer wants more: the first chunk is out, so overlapping now pays.
         self._thread = threading.Thread(
             target=self._produce, args=(source,), name="cosyvoice-lm", daemon=True
@@ -109,6 +121,16 @@ class LmTokens:
             if isinstance(item, _Failure):
                 raise item.error
             yield item  # type: ignore[misc]
+
+    def _in_turns(self, source: Iterator[int]) -> Iterator[int]:
+        """The rest of the tokens in the consumer's thread, when it asks for them."""
+        while True:
+            apply_thread_budget(self._budget)
+            token = next(source, None)
+            if token is None:
+                return
+            self._check_cancel()
+            yield token
 
     def _check_cancel(self) -> None:
         if self._cancel.is_set():

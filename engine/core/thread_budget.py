@@ -5,12 +5,15 @@ server's ``parallel_sentences``) gives a sentence running alone every core and s
 side one each; without a budget, the process's configured count (``configure_threads``). And the
 cores other processes leave free (engine.core.cpu_share): never more threads than that, because a
 multi-thread OpenMP team sharing its cores with a busy neighbour waits on its descheduled member
-at every operation. And one OpenMP team at a time inside this process: once the first chunk is
-out, the LM runs in a thread beside the vocoder (engine.core.lm_thread), and two teams of N threads
-on N cores wait on each other's descheduled members the same way. While the vocoder computes a
-chunk, the LM thread beside it runs one thread and the vocoder the rest; while the vocoder waits for
-tokens, the LM takes every free core. Asking between steps, not only between audio chunks,
-matters at a change: a first chunk takes seconds.
+at every operation. And one OpenMP team at a time inside this process.
+
+On up to ``TURNS_UP_TO_THREADS`` threads the LM and the vocoder take turns in one thread, each
+with every thread (``lm_takes_turns``). Beyond, once the first chunk is out, the LM runs in a
+thread beside the vocoder (engine.core.lm_thread), and two teams of N threads on N cores wait on
+each other's descheduled members the same way: while the vocoder computes a chunk, the LM thread
+beside it runs one thread and the vocoder the rest; while the vocoder waits for tokens, the LM
+takes every free core. Asking between steps, not only between audio chunks, matters at a change:
+a first chunk takes seconds.
 
 torch's thread count belongs to each thread (a new thread starts from the last count set
 anywhere in the process), so the budget is applied in whichever thread does the work.
@@ -27,6 +30,14 @@ import torch
 from engine.core.cpu_share import process_monitor
 
 ThreadBudget = Callable[[], int]
+
+# The LM reads all its weights from memory for every token. Beside it on two cores a chunk's
+# flow and HiFT took several times as long as alone (one thread instead of two, and the memory
+# bus shared), and the LM's own OpenMP team slowed it too: the answer finished no sooner and its
+# early chunks came late. Taking turns, each with every thread, the answer finished sooner and
+# paused far less (docs/dev/performance-notes.md, "The LM beside the vocoder"). A four-core
+# board shares a slower memory bus; beyond four threads taking turns is not measured.
+TURNS_UP_TO_THREADS = 4
 
 _configured: int | None = None
 _follow_free_cores = True
@@ -97,6 +108,12 @@ def threads_now(budget: ThreadBudget | None, *, beside_vocoder: bool = False) ->
     if beside_vocoder:
         return 1 if _vocoders_busy else max(1, wanted)
     return max(1, wanted - _lm_threads_beside)
+
+
+def lm_takes_turns(budget: ThreadBudget | None) -> bool:
+    """Whether a streamed answer's LM, once its first chunk is out, should take turns with the
+    vocoder in the consumer's thread (True) rather than decode beside it in a thread of its own."""
+    return threads_now(budget) <= TURNS_UP_TO_THREADS
 
 
 def thread_report() -> dict[str, float | int | None]:
