@@ -7,14 +7,14 @@ chunk needs them, and each part runs with every thread while the other waits
 background LM thread samples the tokens of chunk *k + 1* while the vocoder turns chunk *k* into
 audio.
 
-Until the first chunk is out a background thread does not pay on any machine. The first chunk's tokens are all needed before anything can be
-vocoded, and a non-streaming request needs every token first. A second thread there only
-costs: each thread drives its own OpenMP team, and with more OpenMP threads than cores libgomp
-cuts its spin-wait short, so every parallel op wakes a sleeping worker (on the 2-core reference
-machine an int8 LM step took 26–28 ms with one team and 33–40 ms with two). So the first
-``inline`` tokens are generated in the consumer's thread, and the background thread takes the
-same generator over only when the consumer asks for the next token, i.e. after the first chunk
-has been vocoded.
+Until the first chunk is out a background thread does not pay on any machine: the first chunk's
+tokens are all needed before anything can be vocoded, and a non-streaming request needs every
+token first. A second thread there only costs: each thread drives its own OpenMP team, and with
+more OpenMP threads than cores libgomp cuts its spin-wait short, so every parallel op wakes a
+sleeping worker (on a 2-core machine an int8 LM step took 26–28 ms with one team and 33–40 ms
+with two). So the first ``inline`` tokens are generated in the consumer's thread, and a
+background thread takes the same generator over only when the consumer asks for the next token,
+i.e. after the first chunk has been vocoded.
 
 Before each token the producing thread applies the caller's thread budget
 (engine.core.thread_budget: the configured count without one, never more than the cores other

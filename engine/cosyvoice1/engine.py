@@ -4,8 +4,9 @@ CosyVoice2 has its own engine with the same surface (engine.cosyvoice2.engine);
 ``engine.load_engine`` picks one by the model directory.
 
 The engine is a plain synchronous generator API (no asyncio, no wyoming). Callers drive
-``synthesize()`` from any thread; once a streamed segment's first chunk is out, the LM goes on
-in a helper thread so it overlaps with the flow and vocoder (engine.core.lm_thread).
+``synthesize()`` from any thread; once a streamed segment's first chunk is out, the LM takes turns
+with the flow and vocoder on a few cores, or goes on in a thread beside them on more
+(engine.core.lm_thread).
 """
 
 from __future__ import annotations

@@ -5,9 +5,9 @@ The same public surface as v1's :class:`engine.cosyvoice1.engine.CosyVoiceEngine
 picks the engine by the model directory (:func:`engine.family.load_engine`) and drives either.
 
 Per text segment: the v2 frontend's ids → the speech LM (the first chunk's tokens in the
-caller's thread, the rest in the LM thread of :mod:`engine.core.lm_thread`) → the incremental flow
-(:class:`~engine.cosyvoice2.flow.FlowStream`: each chunk's frames computed once) → HiFT at 24 kHz
-→ :class:`~engine.core.types.AudioChunk`.
+caller's thread, the rest taking turns with the vocoder or beside it: :mod:`engine.core.lm_thread`)
+→ the incremental flow (:class:`~engine.cosyvoice2.flow.FlowStream`: each chunk's frames
+computed once) → HiFT at 24 kHz → :class:`~engine.core.types.AudioChunk`.
 
 v2 ships no built-in speakers: it speaks in the voice of a prompt recording. A voice is a
 :class:`~engine.prompt.voices.CustomVoice` with v2 features — from a voices folder
@@ -274,8 +274,8 @@ class CosyVoice2Engine(
         # seed reproduces the same audio whatever the thread timing.
         lm_generator = torch.Generator().manual_seed(seed)
         speech, hops = self._speech_stream(voice, cond.flow_prompt, options, seed)
-        # The first chunk's tokens (all tokens when not streaming) come from this thread; the LM
-        # thread takes over once that chunk is out (engine.core.lm_thread says why).
+        # The first chunk's tokens (all tokens when not streaming) come from this thread; after
+        # that chunk the LM takes turns with the vocoder or runs beside it (engine.core.lm_thread).
         first = next(hops) if speech is not None else 0
         inline = first + self.models.flow.args.pre_lookahead_len if speech is not None else None
         tokens = LmTokens(
