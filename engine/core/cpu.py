@@ -174,6 +174,15 @@ def bf16_native() -> bool:
         return False
 
 
+def has_amx() -> bool:
+    """Whether the CPU has AMX tiles (torch's cpuinfo probe: it leaves oneDNN unqueried)."""
+    probe = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    try:
+        return bool(probe is not None and probe())
+    except RuntimeError:
+        return False
+
+
 # --- threads -------------------------------------------------------------------------------
 
 

@@ -153,6 +153,7 @@ class EngineBase(ABC, Generic[FlowT]):
         layers are packed), see each flow once its weights are final (:meth:`_finish_flow`) and
         make its models (:meth:`_models_of`).
         """
+        extra_formats = tuple(extra_formats)  # read twice: for the CPU and for the loads
         setup = setup_cpu(
             threads,
             lm_int8=lm_int8,
@@ -161,6 +162,7 @@ class EngineBase(ABC, Generic[FlowT]):
             lm_int4=lm_int4,
             flow_bf16=flow_bf16,
             hift_int8=hift_int8,
+            extra_formats=extra_formats,
         )
         extras = extra_weight_formats(extra_formats, setup)
         start = time.perf_counter()

@@ -34,6 +34,12 @@ T = TypeVar("T")
 # HiFT's memory in use grew by 156 MB, by 73 MB with 256 (50 MB with no cache, but 10-15 %
 # slower passes); 256 is as fast as the default when a length repeats.
 _ONEDNN_CACHE_CAPACITY = "256"
+# On a CPU with AMX oneDNN runs the int8 HiFT's convolutions on AMX, and JIT-compiles each one
+# for every new input length in ≈ 50 ms (1 ms below AMX; a run 25 % faster does not repay it):
+# a streamed answer's vocoder took five times as long and the process held 2.7 GB instead of
+# 0.95. Capped below AMX they take AVX-512 VNNI. The bfloat16 formats want AMX (the flow's
+# products 1.8×, HiFT 3× as fast), so the cap is applied only to loads without them.
+_ONEDNN_ISA_BELOW_AMX = "AVX512_CORE_BF16"
 
 
 @dataclass(frozen=True)
@@ -54,14 +60,22 @@ def setup_cpu(
     lm_int4: bool = False,
     flow_bf16: bool = False,
     hift_int8: bool = False,
+    extra_formats: Iterable[str] = (),
 ) -> CpuSetup:
     """Cap the threads, pick the int8 kernels and fall back to float32 where the CPU lacks them
-    (an int4 LM: to int8 where no int4 kernel works).
+    (an int4 LM: to int8 where no int4 kernel works). ``extra_formats`` ("hift.int8", ...): what
+    the load adds beside these, for the oneDNN settings the whole process shares.
 
-    Called before any torch op: past the ceiling the first multi-threaded op would crash.
+    Called before any torch op: past the ceiling the first multi-threaded op would crash, and
+    oneDNN reads its settings once, at its first query or primitive.
     """
     from engine.core.prepared import WeightFormats
 
+    extra = set(extra_formats)
+    configure_onednn(
+        int8_hift=hift_int8 or "hift.int8" in extra,
+        bf16=hift_bf16 or flow_bf16 or any(name.endswith(".bf16") for name in extra),
+    )
     threads = cpu.capped_threads(threads, cpu.thread_ceiling())
     configure_threads(threads)
     choices = cpu.detect()
@@ -92,7 +106,6 @@ def setup_cpu(
         flow="int8" if flow_int8 else "bf16" if flow_bf16 else "fp32",
         hift="bf16" if hift_bf16 else "int8" if hift_int8 else "fp32",
     )
-    bound_onednn_cache()
     return CpuSetup(threads, choices, formats)
 
 
@@ -233,14 +246,27 @@ def weight_combinations(*loaded: Iterable[str]) -> list[tuple[str, ...]]:
     ]
 
 
-def bound_onednn_cache() -> None:
-    """Cap oneDNN's primitive cache unless the user set it (either of oneDNN's two names).
+def configure_onednn(*, int8_hift: bool, bf16: bool) -> None:
+    """oneDNN's settings for this process, unless the user set them (either of oneDNN's names):
+    its primitive cache capped, and on a CPU with AMX, for a load with the int8 HiFT and no
+    bfloat16 format, its instructions capped below AMX.
 
-    oneDNN reads the setting when it creates its first primitive: this only takes effect in a
-    process that has not run a convolution yet (the server, the benchmark, the batch CLI).
+    oneDNN reads the cache's size at its first primitive and its instruction set at its first
+    query (torch's bfloat16 probe is one): this only takes effect in a process that has used
+    neither yet (the server, the benchmark, the batch CLI), hence before the CPU's probes.
     """
     if "DNNL_PRIMITIVE_CACHE_CAPACITY" not in os.environ:
         os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", _ONEDNN_CACHE_CAPACITY)
+    if onednn_isa_cap(int8_hift=int8_hift, bf16=bf16, amx=cpu.has_amx()) is None:
+        return
+    if "DNNL_MAX_CPU_ISA" not in os.environ and "ONEDNN_MAX_CPU_ISA" not in os.environ:
+        os.environ["ONEDNN_MAX_CPU_ISA"] = _ONEDNN_ISA_BELOW_AMX
+        _LOGGER.info("oneDNN below AMX (%s): the int8 HiFT compiles faster", _ONEDNN_ISA_BELOW_AMX)
+
+
+def onednn_isa_cap(*, int8_hift: bool, bf16: bool, amx: bool) -> str | None:
+    """The instruction set oneDNN is capped to for a load (None: as it chooses)."""
+    return _ONEDNN_ISA_BELOW_AMX if amx and int8_hift and not bf16 else None
 
 
 @functools.cache
