@@ -12,7 +12,9 @@ only their convolutions are swapped; the upsampling, the source convolutions, ``
 * Activations: asymmetric uint8 per call over the whole input (scale and zero point from its
   minimum and maximum, zero included): the input of a residual convolution is a Snake output
   whose range follows the mel, so no fixed range fits every answer.
-* The products are exact integer sums; oneDNN dequantises to float32 and adds the bias.
+* The products are exact integer sums; oneDNN dequantises to float32 and adds the bias. On a
+  CPU with AMX a load with these convolutions keeps oneDNN below AMX, where it compiled each
+  one anew for every input length (engine.core.runtime.configure_onednn).
 * Every residual convolution reads a Snake output: on x86-64 with AVX2 the Snake, the causal
   left padding and the activation's quantisation are one native kernel
   (engine/core/native/snake_avx2.cpp, :meth:`Int8Conv.after_snake`): torch's seven passes
