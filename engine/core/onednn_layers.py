@@ -17,7 +17,8 @@ Where torch was built without oneDNN the layers stay ``nn.Linear`` and ``nn.Conv
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
+from typing import cast
 
 import torch
 from torch import nn
@@ -51,6 +52,13 @@ def onednn_linear_available() -> bool:
 def onednn_conv_available() -> bool:
     """Whether this torch build has oneDNN's convolution on reordered weights."""
     return _has_mkldnn_ops("_reorder_convolution_weight", "_convolution_pointwise")
+
+
+def onednn_linears_faster() -> bool:
+    """Whether oneDNN's matmul beats torch's default float32 Linear on this CPU: with AVX-512
+    (a 2-core Zen 4: 1.5x on the CosyVoice3 DiT's products), where an AVX2 Zen 3 measured
+    the same rate on both paths."""
+    return onednn_linear_available() and torch.backends.cpu.get_cpu_capability() == "AVX512"
 
 
 class OneDnnLinear(nn.Module):
@@ -109,6 +117,35 @@ def use_onednn_linears(root: nn.Module, block_type: type[nn.Module]) -> int:
         for owner in block.modules()
     )
     return _swap_children(owners, replace)
+
+
+def use_onednn_linears_in_groups(
+    root: nn.Module,
+    groups: Iterable[Sequence[str]],
+    reread: Callable[[Sequence[str]], None] | None = None,
+) -> int:
+    """Swap the float32 ``nn.Linear`` layers named in ``groups`` (dotted names from ``root``)
+    for :class:`OneDnnLinear` ones, a group at a time. ``reread(names)`` is called first for
+    each group's layers, to point their weights at a mapping of their own: the pages the
+    reordering reads then go with that mapping, and a load never holds every weight twice.
+    Returns how many were swapped (0 without oneDNN)."""
+    if not onednn_linear_available():
+        return 0
+    swapped = 0
+    with torch.no_grad():
+        for group in groups:
+            names = [name for name in group if _float_linear(root.get_submodule(name))]
+            if reread is not None and names:
+                reread(names)
+            for name in names:
+                layer = cast(nn.Linear, root.get_submodule(name))
+                root.set_submodule(name, OneDnnLinear(layer.weight, layer.bias))
+                swapped += 1
+    return swapped
+
+
+def _float_linear(module: nn.Module) -> bool:
+    return type(module) is nn.Linear and module.weight.dtype == torch.float32
 
 
 class OneDnnConv1d(nn.Module):

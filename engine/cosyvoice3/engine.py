@@ -33,7 +33,7 @@ import dataclasses
 import functools
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 from torch import Tensor, nn
 
+from engine.core.onednn_layers import onednn_linears_faster, use_onednn_linears_in_groups
 from engine.core.stage_times import StageListener, report, since
 from engine.core.text_feed import TextFeed
 from engine.core.types import SynthesisOptions
@@ -51,7 +52,7 @@ from engine.cosyvoice2.lm import BACKBONE_DIR
 from engine.cosyvoice2.prompt import CROSS_LINGUAL, VoiceConditioning
 from engine.cosyvoice2.streaming import MelVocoder
 from engine.cosyvoice3.bistream import CosyVoice3BistreamSession
-from engine.cosyvoice3.flow import DiTFlow, modulation_layer_names
+from engine.cosyvoice3.flow import DiTFlow, frame_layer_groups, modulation_layer_names
 from engine.cosyvoice3.frontend import CosyVoice3TextFrontend
 from engine.cosyvoice3.hift import CausalHiFT, CausalHiftStream, SourceNoise, UniformSourceNoise
 from engine.cosyvoice3.model_dir import (
@@ -76,6 +77,11 @@ KIND = "cosyvoice3"
 
 # The source noise generator's seed is the request's seed plus this (independent of the LM's).
 _NOISE_SEED_OFFSET = 1_000_003
+
+
+def _map_afresh_under(mapped: MappedWeights, layers: Sequence[str]) -> None:
+    """Point the mapped weights of these layers at a mapping of their own."""
+    mapped.map_afresh(mapped.under(layers))
 
 
 def seeded_source_noise(seed: int) -> SourceNoise:
@@ -142,15 +148,20 @@ class CosyVoice3Engine(CosyVoice2Engine):
 
     @classmethod
     def _finish_flow(cls, flow: nn.Module, mapped: MappedWeights | None) -> None:
-        """The DiT runs as loaded, on the prepared file's mapped weights (no ``_adapt_flow``:
-        oneDNN's reordered copies ran its products no faster than torch's default kernel on an
-        AVX2 host, and the copy held the flow's 1.3 GB twice while it was made), and keeps
-        each time grid's modulations. Where the modulation Linears are read mapped (float32,
-        bfloat16; the int8 ones are packed copies) they get a mapping of their own, mapped
-        afresh each time a grid is kept: their pages (0.55 GB in float32) are resident only
-        while a grid not seen yet is computed (docs/dev/cosyvoice3-flow.md)."""
-        dit = cast(DiTFlow, flow).decoder.estimator
-        layers = modulation_layer_names(cast(DiTFlow, flow))
+        """Where oneDNN's matmul is the faster one (AVX-512), the float32 DiT blocks' per-frame
+        Linears run on it, on weights reordered a block at a time, each block's read through a
+        mapping of its own that goes once they are reordered: a load holds the 0.8 GB of
+        these weights once, not twice. The modulation Linears stay mapped and each time grid's
+        modulations are kept; where they are read mapped (float32, bfloat16; the int8 ones are
+        packed copies) they get a mapping of their own, mapped afresh each time a grid is kept:
+        their pages (0.55 GB in float32) are resident only while a grid not seen yet is
+        computed (docs/dev/cosyvoice3-flow.md)."""
+        dit_flow = cast(DiTFlow, flow)
+        dit = dit_flow.decoder.estimator
+        if onednn_linears_faster():
+            reread = None if mapped is None else functools.partial(_map_afresh_under, mapped)
+            use_onednn_linears_in_groups(dit_flow, frame_layer_groups(dit_flow), reread)
+        layers = modulation_layer_names(dit_flow)
         names = mapped.under(layers) if mapped is not None else []
         if mapped is None or not names:
             dit.keep_time_biases()

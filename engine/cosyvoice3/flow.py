@@ -124,3 +124,18 @@ def modulation_layer_names(flow: DiTFlow) -> list[str]:
     """Dotted names (in ``flow.pt``) of the DiT's modulation Linears: read only to compute a
     time grid's modulations (engine.cosyvoice3.dit.DiT.keep_time_biases)."""
     return [f"decoder.estimator.{name}" for name in flow.decoder.estimator.modulation_layers()]
+
+
+# Each DiT block's Linears that run on every frame (official key names): the attention's q, k,
+# v and output, the feed-forward's two.
+_FRAME_LAYERS = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "ff.ff.0.0", "ff.ff.2")
+
+
+def frame_layer_groups(flow: DiTFlow) -> list[list[str]]:
+    """Dotted names (in ``flow.pt``) of the Linears each DiT block runs on every frame, one list
+    per block. Not the modulation Linears (once per time grid) nor the input and output
+    projections (under 1 % of a pass)."""
+    return [
+        [f"decoder.estimator.transformer_blocks.{index}.{layer}" for layer in _FRAME_LAYERS]
+        for index in range(flow.args.estimator.depth)
+    ]

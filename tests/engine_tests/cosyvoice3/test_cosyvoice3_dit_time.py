@@ -15,11 +15,12 @@ from torch import nn
 
 from engine.bench.cosyvoice2 import VOICE, add_bench_voice
 from engine.core import prepared
+from engine.core.onednn_layers import OneDnnLinear, onednn_linears_faster
 from engine.core.prepared import PREPARED_DIR
 from engine.core.types import SynthesisOptions
 from engine.cosyvoice3.dit import DiT, DiTBlock
 from engine.cosyvoice3.engine import CosyVoice3Engine
-from engine.cosyvoice3.flow import DiTFlow, modulation_layer_names
+from engine.cosyvoice3.flow import DiTFlow, frame_layer_groups, modulation_layer_names
 from engine.cosyvoice3.model_dir import read_args, read_part
 
 TINY = TESTS / "data" / "cosyvoice3" / "tiny"
@@ -111,7 +112,7 @@ def test_released_modulation_weights_give_the_same_speech(
     for engine in (kept, released):
         add_bench_voice(engine, "Hello there.")
     modulations = [f"{name}.weight" for name in modulation_layer_names(released.models.flow)]
-    others = ["decoder.estimator.transformer_blocks.0.attn.to_q.weight", "input_embedding.weight"]
+    others = ["decoder.estimator.input_embed.proj.weight", "input_embedding.weight"]
     kept_at, others_at = _pointers(kept, modulations), _pointers(released, others)
     for steps, solver, new_grid in ((10, "euler", True), (3, "heun", True), (10, "euler", False)):
         before = _pointers(released, modulations)
@@ -120,3 +121,19 @@ def test_released_modulation_weights_give_the_same_speech(
         assert moved == [new_grid] * len(modulations)
     assert _pointers(kept, modulations) == kept_at  # copies: nothing to release
     assert _pointers(released, others) == others_at
+
+
+def test_the_per_frame_linears_run_on_onednn_where_it_is_faster(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Mapped as the full-size model's weights are: each block's are reordered through a
+    # mapping of their own; the modulation Linears stay mapped.
+    model_dir = tmp_path / "Fun-CosyVoice3-0.5B"
+    shutil.copytree(TINY, model_dir, ignore=shutil.ignore_patterns(PREPARED_DIR))
+    monkeypatch.setattr(prepared, "_COPY_BYTES", 0)
+    flow = CosyVoice3Engine.load(model_dir).models.flow
+    per_frame = [flow.get_submodule(name) for group in frame_layer_groups(flow) for name in group]
+    modulations = [flow.get_submodule(name) for name in modulation_layer_names(flow)]
+    assert len(per_frame) == 6 * flow.args.estimator.depth
+    assert all(isinstance(m, OneDnnLinear) == onednn_linears_faster() for m in per_frame)
+    assert all(type(m) is nn.Linear for m in modulations)
