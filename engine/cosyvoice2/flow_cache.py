@@ -38,8 +38,8 @@ class KVBuffer:
             # Every key in one operand, widened to the queries' type: one fused attention
             # (no score matrix in memory), where a product per page cost twice as much.
             old = self.pages[:-1]
-            k = torch.cat([*(pk.to(q.dtype) for pk, _ in old), k], dim=-2)
-            v = torch.cat([*(pv.to(q.dtype) for _, pv in old), v], dim=-2)
+            k = _joined([pk for pk, _ in old], k)
+            v = _joined([pv for _, pv in old], v)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
 
     def _store(self, k: Tensor, v: Tensor) -> None:
@@ -62,6 +62,15 @@ class KVBuffer:
         twin = KVBuffer(self.dtype)
         twin.pages, twin.length = list(self.pages), self.length
         return twin
+
+
+def _joined(pages: list[Tensor], new: Tensor) -> Tensor:
+    """The pages then ``new`` along the positions, in ``new``'s type. Where that is the type
+    both promote to (float16 pages, float32 keys) cat widens the pages as it copies them,
+    without a widened copy of each first."""
+    if torch.promote_types(pages[0].dtype, new.dtype) != new.dtype:
+        pages = [page.to(new.dtype) for page in pages]
+    return torch.cat([*pages, new], dim=-2)
 
 
 class ConvTail:

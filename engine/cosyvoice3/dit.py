@@ -46,8 +46,14 @@ def _norm(x: Tensor) -> Tensor:
 
 
 def _modulate(x: Tensor, shift: Tensor, scale: Tensor) -> Tensor:
-    """norm(x)·(1 + scale) + shift, with (rows, C) shift and scale for every frame."""
-    return _norm(x) * (1 + scale[:, None]) + shift[:, None]
+    """norm(x)·(1 + scale) + shift, with (rows, C) shift and scale for every frame (the same
+    operations in place on the norm: no buffer per operation)."""
+    return _norm(x).mul_(1 + scale[:, None]).add_(shift[:, None])
+
+
+def _gated_residual(x: Tensor, gate: Tensor, update: Tensor) -> Tensor:
+    """x + gate·update, with (rows, C) gate for every frame; written over ``update``."""
+    return update.mul_(gate.unsqueeze(1)).add_(x)
 
 
 class TimeEmbedding(nn.Module):
@@ -125,13 +131,15 @@ class RotaryAngles(nn.Module):
 
 
 def rotate_first(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate the first ``cos.shape[-1]`` channels of x (rows, t, C) by the angles; the rest
-    pass unchanged (the official projection is rotated before its heads are split)."""
+    """Rotate the first ``cos.shape[-1]`` channels of x (rows, t, C) by the angles, in place
+    (x is a projection's fresh output); the rest stay (the official projection is rotated
+    before its heads are split). Returns x."""
     width = cos.shape[-1]
-    head, rest = x[..., :width], x[..., width:]
+    head = x[..., :width]
     pairs = head.unflatten(-1, (-1, 2))
     turned = torch.stack([-pairs[..., 1], pairs[..., 0]], dim=-1).flatten(-2)
-    return torch.cat([head * cos + turned * sin, rest], dim=-1)
+    head.copy_(head * cos + turned * sin)
+    return x
 
 
 class DiTAttention(nn.Module):
@@ -209,9 +217,8 @@ class DiTBlock(nn.Module):
         bias: Tensor | None,
     ) -> Tensor:
         shift_a, scale_a, gate_a, shift_f, scale_f, gate_f = modulation.chunk(6, dim=1)
-        attended = self.attn(_modulate(x, shift_a, scale_a), rope, kv, bias)
-        x = x + gate_a.unsqueeze(1) * attended
-        return x + gate_f.unsqueeze(1) * self.ff(_modulate(x, shift_f, scale_f))
+        x = _gated_residual(x, gate_a, self.attn(_modulate(x, shift_a, scale_a), rope, kv, bias))
+        return _gated_residual(x, gate_f, self.ff(_modulate(x, shift_f, scale_f)))
 
 
 class FinalNorm(nn.Module):
