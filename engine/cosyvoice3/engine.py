@@ -41,7 +41,6 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 from torch import Tensor, nn
 
-from engine.core.onednn_layers import onednn_linears_faster, use_onednn_linears_in_groups
 from engine.core.stage_times import StageListener, report, since
 from engine.core.text_feed import TextFeed
 from engine.core.types import SynthesisOptions
@@ -52,7 +51,7 @@ from engine.cosyvoice2.lm import BACKBONE_DIR
 from engine.cosyvoice2.prompt import CROSS_LINGUAL, VoiceConditioning
 from engine.cosyvoice2.streaming import MelVocoder
 from engine.cosyvoice3.bistream import CosyVoice3BistreamSession
-from engine.cosyvoice3.flow import DiTFlow, frame_layer_groups, modulation_layer_names
+from engine.cosyvoice3.flow import DiTFlow, modulation_layer_names, use_onednn_frame_linears
 from engine.cosyvoice3.frontend import CosyVoice3TextFrontend
 from engine.cosyvoice3.hift import CausalHiFT, CausalHiftStream, SourceNoise, UniformSourceNoise
 from engine.cosyvoice3.model_dir import (
@@ -158,9 +157,8 @@ class CosyVoice3Engine(CosyVoice2Engine):
         computed (docs/dev/cosyvoice3-flow.md)."""
         dit_flow = cast(DiTFlow, flow)
         dit = dit_flow.decoder.estimator
-        if onednn_linears_faster():
-            reread = None if mapped is None else functools.partial(_map_afresh_under, mapped)
-            use_onednn_linears_in_groups(dit_flow, frame_layer_groups(dit_flow), reread)
+        reread = None if mapped is None else functools.partial(_map_afresh_under, mapped)
+        use_onednn_frame_linears(dit_flow, reread)
         layers = modulation_layer_names(dit_flow)
         names = mapped.under(layers) if mapped is not None else []
         if mapped is None or not names:

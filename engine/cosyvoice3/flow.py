@@ -13,12 +13,13 @@ chunk's frames computed once, keys and values kept per ODE step) are CosyVoice2'
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
 
+from engine.core.onednn_layers import onednn_linears_faster, use_onednn_linears_in_groups
 from engine.core.types import ModelLoadError
 from engine.cosyvoice2.encoder import PreLookahead
 from engine.cosyvoice2.flow import CausalCFM, ChunkCausalFlow, assign_weights
@@ -139,3 +140,15 @@ def frame_layer_groups(flow: DiTFlow) -> list[list[str]]:
         [f"decoder.estimator.transformer_blocks.{index}.{layer}" for layer in _FRAME_LAYERS]
         for index in range(flow.args.estimator.depth)
     ]
+
+
+def use_onednn_frame_linears(
+    flow: DiTFlow, reread: Callable[[Sequence[str]], None] | None = None
+) -> int:
+    """Where oneDNN's matmul is the faster path (:func:`onednn_linears_faster`), swap the float32
+    Linears of :func:`frame_layer_groups` for oneDNN ones, a block at a time (``reread``: as
+    :func:`~engine.core.onednn_layers.use_onednn_linears_in_groups`). Returns how many were
+    swapped: what the engine's load does, for tests to run the kernels the engine runs."""
+    if not onednn_linears_faster():
+        return 0
+    return use_onednn_linears_in_groups(flow, frame_layer_groups(flow), reread)
