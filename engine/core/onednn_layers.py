@@ -56,8 +56,8 @@ def onednn_conv_available() -> bool:
 
 def onednn_linears_faster() -> bool:
     """Whether oneDNN's matmul beats torch's default float32 Linear on this CPU: with AVX-512
-    (a 2-core Zen 4: 1.5x on the CosyVoice3 DiT's products), where an AVX2 Zen 3 measured
-    the same rate on both paths."""
+    (a 2-core Intel Xeon: 1.2-1.3x on the CosyVoice3 DiT's products at 100-200 rows), where an
+    AVX2 Zen 3 measured the same rate on both paths (docs/dev/cosyvoice3-flow.md)."""
     return onednn_linear_available() and torch.backends.cpu.get_cpu_capability() == "AVX512"
 
 
