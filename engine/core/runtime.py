@@ -36,9 +36,9 @@ T = TypeVar("T")
 _ONEDNN_CACHE_CAPACITY = "256"
 # On a CPU with AMX oneDNN runs the int8 HiFT's convolutions on AMX, and JIT-compiles each one
 # for every new input length in ≈ 50 ms (1 ms below AMX; a run 25 % faster does not repay it):
-# a streamed answer's vocoder took five times as long and the process held 2.7 GB instead of
-# 0.95. Capped below AMX they take AVX-512 VNNI. The bfloat16 formats want AMX (the flow's
-# products 1.8×, HiFT 3× as fast), so the cap is applied only to loads without them.
+# a streamed answer's vocoder took five times as long, and the primitives kept doubled the
+# process's memory. Capped below AMX they take AVX-512 VNNI. The bfloat16 formats want AMX
+# (the flow's products 1.8×, HiFT 3× as fast), so the cap is applied only to loads without them.
 _ONEDNN_ISA_BELOW_AMX = "AVX512_CORE_BF16"
 
 
