@@ -149,7 +149,7 @@ class CosyVoice3Engine(CosyVoice2Engine):
     def _finish_flow(cls, flow: nn.Module, mapped: MappedWeights | None) -> None:
         """Where oneDNN's matmul is the faster one (AVX-512), the float32 DiT blocks' per-frame
         Linears run on it, on weights reordered a block at a time, each block's read through a
-        mapping of its own that goes once they are reordered: a load holds the 0.8 GB of
+        mapping of its own that goes once they are reordered: a load holds the 0.74 GB of
         these weights once, not twice. The modulation Linears stay mapped and each time grid's
         modulations are kept; where they are read mapped (float32, bfloat16; the int8 ones are
         packed copies) they get a mapping of their own, mapped afresh each time a grid is kept:
