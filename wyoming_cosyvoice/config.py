@@ -478,7 +478,13 @@ def _server_kinds() -> dict[str, str]:
 
 _SERVER_KINDS = _server_kinds()
 _SECTIONS = ("server", "profiles", "limits", "cache", AUTO_PROFILE)
-_SCHEDULE_KINDS = {"first_hop": "int+", "growth": "float+", "max_hop": "int+", "overlap": "int"}
+_SCHEDULE_KINDS = {
+    "first_hop": "int+",
+    "growth": "float+",
+    "max_hop": "int+",
+    "overlap": "int",
+    "paced": "bool",
+}
 
 
 def _schedule(key: str, value: Any) -> StreamSchedule:

@@ -52,7 +52,9 @@ class StreamSchedule:
     ``official`` reproduces CosyVoice v1 (first chunk after hop+overlap = 120 tokens, fixed hop
     100). ``low_latency`` starts after ``first_hop`` tokens and grows the hop by ``growth`` per
     chunk up to ``max_hop``: the listener hears audio early, later chunks amortise the fixed
-    per-chunk cost.
+    per-chunk cost. ``paced``: each hop after the first no larger than the listener's buffer
+    can cover at this machine's measured speed (engine.core.pacing), the schedule's hops the
+    largest.
     """
 
     name: str = "low_latency"
@@ -62,6 +64,7 @@ class StreamSchedule:
     growth: float = 2.0
     max_hop: int = 100
     overlap: int = 20
+    paced: bool = False
 
 
 OFFICIAL_SCHEDULE = StreamSchedule(name="official", first_hop=100, growth=1.0, max_hop=100)

@@ -35,6 +35,7 @@ from engine.core.constants import (
     SOURCE_CACHE,
     TOKEN_OVERLAP,
 )
+from engine.core.pacing import ChunkPacer
 from engine.core.solver import EXACT_SOLVER
 from engine.core.speed import MelStretcher
 from engine.core.stage_times import StageListener, report, report_flow, since
@@ -176,21 +177,39 @@ def check_schedule(schedule: StreamSchedule) -> None:
         raise ValueError("max_hop must be >= first_hop and growth >= 1")
 
 
+def schedule_pacer(schedule: StreamSchedule) -> ChunkPacer:
+    """The hops of ``schedule`` for one answer, paced where it says so (engine.core.pacing):
+    any size from the smallest chunk the flow can cut."""
+    return ChunkPacer(
+        hop_sizes(schedule),
+        paced=schedule.paced,
+        growth=schedule.growth,
+        smallest=MIN_CHUNK_TOKENS - schedule.overlap,
+        sample_rate=SAMPLE_RATE,
+    )
+
+
 def stream_audio(
     tokens: Iterable[int], vocoder: ChunkVocoder, schedule: StreamSchedule
 ) -> Iterator[torch.Tensor]:
     """Cut a token stream into overlapping chunks per ``schedule`` and yield their audio."""
     check_schedule(schedule)
-    hops = hop_sizes(schedule)
-    hop = next(hops)
+    pacer = schedule_pacer(schedule)
+    hop = pacer.hop
     window: list[int] = []
+    made = 0  # tokens the LM made since the last chunk went out
     for token in tokens:
+        if not window:
+            pacer.started()
         window.append(token)
+        made += 1
         if len(window) >= hop + schedule.overlap:
             chunk = torch.tensor([window[: hop + schedule.overlap]], dtype=torch.int64)
-            yield vocoder.chunk(chunk, finalize=False)
-            window = window[hop:]
-            hop = next(hops)
+            audio = vocoder.chunk(chunk, finalize=False)
+            pacer.delivered(audio.shape[-1], made)
+            yield audio
+            window, made = window[hop:], 0
+            hop = pacer.next()
     if window:
         yield vocoder.chunk(torch.tensor([window], dtype=torch.int64), finalize=True)
 

@@ -48,6 +48,7 @@ from engine.core.engine_base import EngineBase
 from engine.core.estimator_blocks import TransformerBlock
 from engine.core.lm_thread import LmTokens
 from engine.core.onednn_layers import use_onednn_linears
+from engine.core.pacing import ChunkPacer
 from engine.core.runtime import (
     give_back_free_heap,
     pick_weights,
@@ -276,7 +277,7 @@ class CosyVoice2Engine(
         speech, hops = self._speech_stream(voice, cond.flow_prompt, options, seed)
         # The first chunk's tokens (all tokens when not streaming) come from this thread; after
         # that chunk the LM takes turns with the vocoder or runs beside it (engine.core.lm_thread).
-        first = next(hops) if speech is not None else 0
+        first = hops.first() if speech is not None else 0
         inline = first + self.models.flow.args.pre_lookahead_len if speech is not None else None
         tokens = LmTokens(
             lambda: self._kept_tokens(make_tokens(lm_generator)),
@@ -289,7 +290,7 @@ class CosyVoice2Engine(
 
         def waves() -> Generator[torch.Tensor, None, None]:
             if speech is not None:
-                yield from stream_audio(tokens, speech, _starting_with(first, hops))
+                yield from stream_audio(tokens, speech, hops)
                 return
             received = list(tokens)
             if received:
@@ -372,10 +373,10 @@ class CosyVoice2Engine(
         prompt: FlowPrompt,
         options: SynthesisOptions,
         seed: int,
-    ) -> tuple[SpeechStream | None, Iterator[int]]:
+    ) -> tuple[SpeechStream | None, ChunkPacer]:
         """The flow + vocoder stream of one streamed segment and its hops (None: not streamed)."""
         if not options.stream:
-            return None, iter(())
+            return None, ChunkPacer.fixed(iter(()))
         chunk = self.models.flow.chunk_tokens
         flow_weights, flow = pick_weights(self.flows, options.flow_weights)
         hift_weights, hift = pick_weights(self.hifts, options.hift_weights)
@@ -402,11 +403,21 @@ class CosyVoice2Engine(
             )
 
         if options.schedule.name == OFFICIAL_SCHEDULE.name:
-            return speech_stream(prompt, official=True), official_hops(prompt.tokens.shape[1])
+            official = official_hops(prompt.tokens.shape[1])
+            return speech_stream(prompt, official=True), ChunkPacer.fixed(official)
         aligned = self._aligned_prompt(prompt, options.schedule)
         primed = self._primed_stream(voice, aligned, options).fork()
         speech = speech_stream(aligned, official=False, primed=primed)
-        return speech, chunk_hops(options.schedule, chunk, aligned.tokens.shape[1], self.token_rate)
+        hops = chunk_hops(options.schedule, chunk, aligned.tokens.shape[1], self.token_rate)
+        pacer = ChunkPacer(
+            hops,
+            paced=options.schedule.paced,
+            growth=options.schedule.growth,
+            step=chunk,
+            smallest=chunk,
+            sample_rate=self.sample_rate,
+        )
+        return speech, pacer
 
     def _mel_vocoder(
         self, hift: HiFTGenerator, seed: int, options: SynthesisOptions, weights: str
@@ -512,11 +523,6 @@ class CosyVoice2Engine(
             held_back_s=held_back_s,
             hift_context_s=held_back_s,
         )
-
-
-def _starting_with(first: int, rest: Iterator[int]) -> Iterator[int]:
-    yield first
-    yield from rest
 
 
 if TYPE_CHECKING:  # mypy holds the class to the whole surface

@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 
 from engine.core.hift import HiftNoise
+from engine.core.pacing import ChunkPacer
 from engine.core.solver import EXACT_SOLVER
 from engine.core.speed import MelStretcher, stretch_mel
 from engine.core.stage_times import StageListener, report, report_flow, since
@@ -247,20 +248,26 @@ def official_hops(prompt_tokens: int) -> Iterator[int]:
 
 
 def stream_audio(
-    tokens: Iterable[int], speech: SpeechStream, hops: Iterator[int]
+    tokens: Iterable[int], speech: SpeechStream, hops: Iterator[int] | ChunkPacer
 ) -> Iterator[Tensor]:
     """Cut a token stream into chunks of ``hops`` new tokens (each once its look-ahead has
-    arrived) and yield their audio; the rest when the stream ends."""
-    hop = next(hops)
+    arrived) and yield their audio; the rest when the stream ends. A :class:`ChunkPacer`
+    (engine.core.pacing) is told when each chunk's audio goes out, before its next hop."""
+    pacer = ChunkPacer.fixed(hops)
+    hop = pacer.hop
     received: list[int] = []
     sent = 0  # tokens handed to the stream
     covered = 0  # tokens whose audio the chunks so far cover
     for token in tokens:
+        if not received:
+            pacer.started()
         received.append(token)
         if len(received) - covered >= hop + speech.lookahead:
-            yield speech.push(received[sent:], finalize=False)
+            audio = speech.push(received[sent:], finalize=False)
+            pacer.delivered(audio.shape[-1], len(received) - sent)
+            yield audio
             sent, covered = len(received), covered + hop
-            hop = next(hops)
+            hop = pacer.next()
     yield speech.push(received[sent:], finalize=True)
 
 

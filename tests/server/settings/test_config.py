@@ -127,6 +127,8 @@ def test_every_value_can_be_set_by_dotted_key() -> None:
     assert config.limits.max_text_chars == 100
     assert config.profile.schedule.first_hop == 10 and config.profile.schedule.max_hop == 100
     assert config.profile.n_timesteps == 5 and config.warmup is False
+    paced = cli("--set", "profiles.realtime.schedule.paced=false").profile.schedule
+    assert paced.paced is False and paced.first_hop == 21
     # a dedicated flag beats --set
     assert cli("--set", "server.voice=a", "--voice", "b").voice == "b"
 
@@ -176,6 +178,7 @@ def test_a_new_profile_names_every_setting(tmp_path: Path) -> None:
         ("profiles.realtime.schedule.first_hop", 0, "profiles.realtime.schedule.first_hop"),
         ("profiles.realtime.schedule.max_hop", 5, "profiles.realtime.schedule.max_hop"),
         ("profiles.realtime.schedule.hop", 5, "profiles.realtime.schedule.hop"),
+        ("profiles.realtime.schedule.paced", "yes", "profiles.realtime.schedule.paced"),
         ("profiles.realtime.cfg_rate", -1, "profiles.realtime.cfg_rate"),
         ("profiles.realtime.streaming", "no", "profiles.realtime.streaming"),
         ("profiles.realtime.speed", 2, "profiles.realtime.speed"),
