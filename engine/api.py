@@ -50,6 +50,10 @@ class StreamGeometry(ABC):
     def prompt_tail(self, schedule: StreamSchedule) -> int:
         """Prompt tokens the first streamed chunk computes again."""
 
+    @abstractmethod
+    def smallest_hop(self, schedule: StreamSchedule) -> int:
+        """The smallest hop a paced schedule cuts after the first (engine.core.pacing)."""
+
 
 class Engine(Protocol):
     """What every loaded engine offers, whatever its model family."""

@@ -10,8 +10,10 @@ the last one left to play). A paced schedule measures, as the answer streams, wh
 far: the LM's tokens, the flow and the vocoder, whatever ran in between) and cuts the next
 chunk no larger than the listener's buffer can cover, never larger than the schedule's hop and
 never smaller than the family's smallest chunk. Where not even the smallest chunk fits, it
-takes the smallest: the shortest wait. (On a machine that cannot keep up at all, small chunks
-cost a little more in all than the schedule's: that machine wants the ``gapless`` start policy.)
+takes the smallest: the shortest wait. Where even the schedule's hop would take longer to make
+than to play, the listener waits whatever the hop, and the schedule's larger chunks, whose
+fixed costs weigh least, make it wait least in all (that machine wants the ``gapless`` start
+policy).
 
 Pacing moves the seams between chunks, never what a chunk computes: the audio of a seed then
 depends on the machine's speed at its seams (docs/dev/streaming-pace.md).
@@ -74,7 +76,8 @@ class ChunkPacer:
 
     ``growth``: a paced hop is at most this many times the last one. ``step``: a hop is a
     whole number of these tokens (CosyVoice2's attention chunk, 1 for v1);
-    ``smallest``: the smallest hop after the first; ``sample_rate``: the audio's. The stream
+    ``smallest``: the smallest hop after the first; ``token_s``: a token's audio
+    seconds; ``sample_rate``: the audio's. The stream
     tells it when the first token arrived (:meth:`started`) and when each chunk's audio was
     handed on (:meth:`delivered`), then asks for the next hop (:meth:`next`).
     """
@@ -87,11 +90,12 @@ class ChunkPacer:
         growth: float = 2.0,
         step: int = 1,
         smallest: int = 1,
+        token_s: float = 0.0,
         sample_rate: int = 1,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         self._hops, self.paced, self._growth = hops, paced, growth
-        self._step, self._smallest = max(1, step), max(1, smallest)
+        self._step, self._smallest, self._token_s = max(1, step), max(1, smallest), token_s
         self._sample_rate = sample_rate
         self._clock = clock
         self._costs = ChunkCosts()
@@ -99,6 +103,13 @@ class ChunkPacer:
         self._plays_until: float | None = None  # when the audio handed on so far runs out
         self._hop = 0  # the hop of the chunk being made
         self.chosen: list[int] = []  # every hop handed out, for the log and tests
+
+    def __iter__(self) -> ChunkPacer:
+        return self
+
+    def __next__(self) -> int:
+        """The first hop, then each next one (as :meth:`first` and :meth:`next`)."""
+        return self.next() if self.chosen else self.first()
 
     @classmethod
     def fixed(cls, hops: Iterator[int] | ChunkPacer) -> ChunkPacer:
@@ -140,6 +151,8 @@ class ChunkPacer:
         if fit is None:
             return self._take(planned)
         fixed, per_token = fit
+        if fixed + per_token * planned >= self._token_s * planned:
+            return self._take(planned)  # slower than real time: the chunks that cost least
         budget = BUFFER_SHARE * (self._plays_until - self._clock()) - fixed
         fits = int(budget / per_token) if per_token > 0 else planned
         # Growing from the last hop as the schedule grows: a fit read from small chunks

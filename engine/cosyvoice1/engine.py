@@ -40,7 +40,13 @@ from engine.core.types import (
 )
 from engine.core.voice import Voice
 from engine.cosyvoice1.model_dir import PARTS, LoadedModels
-from engine.cosyvoice1.streaming import ChunkVocoder, hop_sizes, stream_audio, whole_audio
+from engine.cosyvoice1.streaming import (
+    ChunkVocoder,
+    hop_sizes,
+    smallest_hop,
+    stream_audio,
+    whole_audio,
+)
 from engine.family_facts import OfFamily, detect_model_kind, family_named
 
 if TYPE_CHECKING:
@@ -71,6 +77,9 @@ class V1StreamGeometry(StreamGeometry):
 
     def prompt_tail(self, schedule: StreamSchedule) -> int:
         return 0
+
+    def smallest_hop(self, schedule: StreamSchedule) -> int:
+        return smallest_hop(schedule)
 
 
 STREAM_GEOMETRY = V1StreamGeometry(

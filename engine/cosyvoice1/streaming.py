@@ -34,6 +34,7 @@ from engine.core.constants import (
     SAMPLE_RATE,
     SOURCE_CACHE,
     TOKEN_OVERLAP,
+    TOKEN_RATE,
 )
 from engine.core.pacing import ChunkPacer
 from engine.core.solver import EXACT_SOLVER
@@ -177,6 +178,11 @@ def check_schedule(schedule: StreamSchedule) -> None:
         raise ValueError("max_hop must be >= first_hop and growth >= 1")
 
 
+def smallest_hop(schedule: StreamSchedule) -> int:
+    """The smallest hop the flow can cut (its chunk holds the overlap too)."""
+    return MIN_CHUNK_TOKENS - schedule.overlap
+
+
 def schedule_pacer(schedule: StreamSchedule) -> ChunkPacer:
     """The hops of ``schedule`` for one answer, paced where it says so (engine.core.pacing):
     any size from the smallest chunk the flow can cut."""
@@ -184,7 +190,8 @@ def schedule_pacer(schedule: StreamSchedule) -> ChunkPacer:
         hop_sizes(schedule),
         paced=schedule.paced,
         growth=schedule.growth,
-        smallest=MIN_CHUNK_TOKENS - schedule.overlap,
+        smallest=smallest_hop(schedule),
+        token_s=1 / TOKEN_RATE,
         sample_rate=SAMPLE_RATE,
     )
 

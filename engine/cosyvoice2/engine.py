@@ -120,6 +120,9 @@ class ChunkedStreamGeometry(StreamGeometry):
         rate = int(self.token_rate)
         return prompt_tail(schedule, self.chunk_tokens, self.lookahead_tokens, rate)
 
+    def smallest_hop(self, schedule: StreamSchedule) -> int:
+        return self.chunk_tokens
+
 
 class CosyVoice2Engine(
     VoicesMixin,
@@ -414,7 +417,8 @@ class CosyVoice2Engine(
             paced=options.schedule.paced,
             growth=options.schedule.growth,
             step=chunk,
-            smallest=chunk,
+            smallest=self.stream_geometry.smallest_hop(options.schedule),
+            token_s=1 / self.token_rate,
             sample_rate=self.sample_rate,
         )
         return speech, pacer

@@ -30,12 +30,13 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from itertools import islice
 from typing import Any
 
 from engine.api import Engine, StreamGeometry
+from engine.core.pacing import ChunkPacer
 from engine.core.stage_times import flow_passes
 from engine.core.start_policy import estimate_speech_seconds
 from wyoming_cosyvoice.auto.stage_costs import CostMeter, StageCosts
@@ -72,45 +73,58 @@ class PlannedChunk:
 def plan_chunks(
     profile: ProfileConfig, n_tokens: int, geometry: StreamGeometry, prompt_frames: int = 0
 ) -> list[PlannedChunk]:
-    """The chunks of ``n_tokens`` speech tokens under ``profile`` (one when not streamed).
+    """The chunks of ``n_tokens`` speech tokens under ``profile`` (one when not streamed), cut
+    at the schedule's own hops (a paced schedule's largest).
 
     ``prompt_frames``: a voice's prompt frames, which the v1 flow computes in every chunk.
     """
+    hops = geometry.hops(profile.schedule)
+    return list(_chunks(profile, n_tokens, geometry, hops, prompt_frames))
+
+
+def _chunks(
+    profile: ProfileConfig,
+    n_tokens: int,
+    geometry: StreamGeometry,
+    hops: Iterator[int],
+    prompt_frames: int,
+) -> Iterator[PlannedChunk]:
+    """:func:`plan_chunks`' chunks one by one, each hop taken from ``hops`` only when the
+    chunk before it has been handed on (a pacer decides it then)."""
     g = geometry
     total_s = n_tokens / g.token_rate
     if not profile.stream_audio:
         frames = prompt_frames + n_tokens * g.frames_per_token
-        return [PlannedChunk(n_tokens, frames, total_s, total_s)]
-    chunks: list[PlannedChunk] = []
+        yield PlannedChunk(n_tokens, frames, total_s, total_s)
+        return
     covered = 0  # tokens whose audio the chunks so far deliver
+    delivered_s = 0.0
+    first = True
     tail = g.prompt_tail(profile.schedule)  # prompt tokens the first chunk computes again
     extra = g.overlap_tokens + tail  # tokens a chunk computes besides its hop
-    for hop in g.hops(profile.schedule):
+    for hop in hops:
         needed = covered + hop + max(g.overlap_tokens, g.lookahead_tokens)
         if needed > n_tokens:
             break
-        first = not chunks
         hop_s = hop / g.token_rate
-        chunks.append(
-            PlannedChunk(
-                tokens=needed,
-                flow_frames=prompt_frames + (hop + extra) * g.frames_per_token,
-                hift_s=hop_s + (0.0 if first else g.hift_context_s),
-                audio_s=hop_s - (g.held_back_s if first else 0.0),
-            )
+        chunk = PlannedChunk(
+            tokens=needed,
+            flow_frames=prompt_frames + (hop + extra) * g.frames_per_token,
+            hift_s=hop_s + (0.0 if first else g.hift_context_s),
+            audio_s=hop_s - (g.held_back_s if first else 0.0),
         )
         covered += hop
+        delivered_s += chunk.audio_s
         extra = g.overlap_tokens
+        first = False
+        yield chunk
     rest = n_tokens - covered
-    chunks.append(
-        PlannedChunk(
-            tokens=n_tokens,
-            flow_frames=prompt_frames + (rest + (0 if chunks else tail)) * g.frames_per_token,
-            hift_s=rest / g.token_rate + (g.hift_context_s if chunks else 0.0),
-            audio_s=total_s - sum(chunk.audio_s for chunk in chunks),
-        )
+    yield PlannedChunk(
+        tokens=n_tokens,
+        flow_frames=prompt_frames + (rest + (tail if first else 0)) * g.frames_per_token,
+        hift_s=rest / g.token_rate + (0.0 if first else g.hift_context_s),
+        audio_s=total_s - delivered_s,
     )
-    return chunks
 
 
 def calibration_tokens(profile: ProfileConfig, geometry: StreamGeometry) -> int:
@@ -181,20 +195,51 @@ def predict(
     flow = costs.flow(loaded_format("flow", profile.flow_weights, loaded))
     hift = costs.hift(loaded_format("hift", profile.hift_weights, loaded))
     clock, made = lm.prefill_s, 1  # the prefill gives the first token
+    hops, pacer = _hops(profile, geometry, lambda: clock)
     ready, durations = [], []
-    for chunk in plan_chunks(profile, n_tokens, geometry, prompt_frames):
-        clock += max(0, chunk.tokens - made) * lm.token_s
+    for chunk in _chunks(profile, n_tokens, geometry, hops, prompt_frames):
+        new_tokens = max(0, chunk.tokens - made)
+        if pacer is not None and made == 1:
+            pacer.started()
+        clock += new_tokens * lm.token_s
         made = max(made, chunk.tokens)
         passes = flow_passes(profile.n_timesteps, profile.cfg_rate, profile.solver)
         clock += flow.seconds(passes * chunk.flow_frames, passes) + hift.seconds(chunk.hift_s)
         ready.append(clock)
         durations.append(max(0.0, chunk.audio_s))
+        if pacer is not None:
+            pacer.delivered(round(durations[-1] * _PACER_RATE), new_tokens + (len(ready) == 1))
     return Prediction(
         first_audio_s=ready[0],
         stall_s=playback_stall(ready, durations),
         compute_s=ready[-1],
         audio_s=sum(durations),
     )
+
+
+# Samples a second the simulated pacer counts the audio in (only their ratio matters).
+_PACER_RATE = 1_000_000
+
+
+def _hops(
+    profile: ProfileConfig, geometry: StreamGeometry, clock: Callable[[], float]
+) -> tuple[Iterator[int], ChunkPacer | None]:
+    """The hops the engine will cut: the schedule's, or a paced schedule's, decided by the
+    engine's own pacer as the predicted chunks are handed on at the predicted times."""
+    hops = geometry.hops(profile.schedule)
+    if not (profile.stream_audio and profile.schedule.paced):
+        return hops, None
+    pacer = ChunkPacer(
+        hops,
+        paced=True,
+        growth=profile.schedule.growth,
+        step=geometry.chunk_tokens,
+        smallest=geometry.smallest_hop(profile.schedule),
+        token_s=1 / geometry.token_rate,
+        sample_rate=_PACER_RATE,
+        clock=clock,
+    )
+    return pacer, pacer
 
 
 # --- the choice -------------------------------------------------------------------------------

@@ -105,6 +105,24 @@ def test_the_prediction_reproduces_the_reference_machines_first_audio() -> None:
     assert realtime.stall_s > 5 * fastest.stall_s > 0
 
 
+@pytest.mark.parametrize(("family", "scale"), [("v1", 1.0), ("v2", 1.5)])
+def test_a_paced_schedule_is_predicted_as_the_engine_paces_it(family: str, scale: float) -> None:
+    """A machine a little faster than real time stalls at each step up of the schedule's
+    doubling hops; the prediction of a paced schedule cuts the hops the engine's pacer would
+    (smaller where the buffer is short) and says so in its stall. A machine slower than real
+    time keeps the schedule's hops."""
+    geometry = V1_GEOMETRY if family == "v1" else V2_GEOMETRY
+    unpaced = replace(FASTEST, schedule=replace(FASTEST.schedule, paced=False))
+    paced = replace(FASTEST, schedule=replace(FASTEST.schedule, paced=True))
+    plain = predict(unpaced, costs(scale), 400, geometry)
+    kept = predict(paced, costs(scale), 400, geometry)
+    assert plain.stall_s > 0.4
+    assert kept.stall_s < 0.6 * plain.stall_s
+    assert kept.first_audio_s == plain.first_audio_s  # the first hop is the schedule's
+    slow = costs(3 * scale)
+    assert predict(paced, slow, 400, geometry) == predict(unpaced, slow, 400, geometry)
+
+
 def test_a_whole_request_is_every_stage_one_after_the_other() -> None:
     batch = CONFIG.profiles["batch"]  # not streamed: one chunk
     c = costs()
