@@ -254,7 +254,9 @@ def run(config: RunConfig) -> dict[str, Any]:
         speaker=speaker,
         stream=True,
         schedule=profile.schedule,
-        seed=SEED,
+        # No fixed seed, as a server's requests (server.seed: null): a fixed one would cut a
+        # paced schedule at its own hops (engine.core.pacing). The token count is forced.
+        seed=None,
         n_timesteps=profile.n_timesteps,
         cfg_rate=profile.cfg_rate,
         solver=profile.solver,

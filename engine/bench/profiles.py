@@ -65,6 +65,7 @@ class BenchProfile:
             "first_hop": s.first_hop,
             "growth": s.growth,
             "max_hop": s.max_hop,
+            "paced": s.paced,
             "n_timesteps": self.n_timesteps,
             "cfg_rate": self.cfg_rate,
             "solver": self.solver,

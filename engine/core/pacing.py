@@ -15,15 +15,19 @@ than to play, the listener waits whatever the hop, and the schedule's larger chu
 fixed costs weigh least, make it wait least in all (that machine wants the ``gapless`` start
 policy).
 
-Pacing moves the seams between chunks, never what a chunk computes: the audio of a seed then
-depends on the machine's speed at its seams (docs/dev/streaming-pace.md).
+Pacing moves the seams between chunks, never what a chunk computes; but where the seams fall
+changes the audio (a vocoder's draws, v1's overlapping windows), so a request with a fixed seed,
+which asks for the same audio every time, is cut at the schedule's own hops
+(:func:`paced_schedule`; docs/dev/streaming-pace.md).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+
+from engine.core.types import StreamSchedule, SynthesisOptions
 
 # The share of the listener's buffer a chunk may take: a chunk costs a little more or less
 # than the last ones said (other programs, the LM's cache growing).
@@ -32,6 +36,12 @@ BUFFER_SHARE = 0.85
 FIT_WINDOW = 3
 # The least share of the latest chunk's cost per token the fit takes as the per-token part.
 MIN_PER_TOKEN_SHARE = 0.5
+
+
+def paced_schedule(options: SynthesisOptions) -> StreamSchedule:
+    """The request's schedule, paced only where it says so and the seed is not fixed."""
+    schedule = options.schedule
+    return schedule if options.seed is None else replace(schedule, paced=False)
 
 
 @dataclass

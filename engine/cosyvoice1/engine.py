@@ -28,6 +28,7 @@ from engine.core.engine_base import EngineBase
 from engine.core.estimator_blocks import TransformerBlock
 from engine.core.lm_thread import LmTokens
 from engine.core.onednn_layers import use_onednn_convs, use_onednn_linears
+from engine.core.pacing import paced_schedule
 from engine.core.runtime import (
     pick_weights,
 )
@@ -279,7 +280,7 @@ class CosyVoiceEngine(EngineBase["FlowModel"], OfFamily):
 
         def waves() -> Generator[torch.Tensor, None, None]:
             if options.stream:
-                yield from stream_audio(tokens, vocoder, options.schedule)
+                yield from stream_audio(tokens, vocoder, paced_schedule(options))
             else:
                 yield whole_audio(tokens, vocoder)
 

@@ -48,7 +48,7 @@ from engine.core.engine_base import EngineBase
 from engine.core.estimator_blocks import TransformerBlock
 from engine.core.lm_thread import LmTokens
 from engine.core.onednn_layers import use_onednn_linears
-from engine.core.pacing import ChunkPacer
+from engine.core.pacing import ChunkPacer, paced_schedule
 from engine.core.runtime import (
     give_back_free_heap,
     pick_weights,
@@ -414,7 +414,7 @@ class CosyVoice2Engine(
         hops = chunk_hops(options.schedule, chunk, aligned.tokens.shape[1], self.token_rate)
         pacer = ChunkPacer(
             hops,
-            paced=options.schedule.paced,
+            paced=paced_schedule(options).paced,
             growth=options.schedule.growth,
             step=chunk,
             smallest=self.stream_geometry.smallest_hop(options.schedule),

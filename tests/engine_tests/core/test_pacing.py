@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterator
+from dataclasses import replace
 
 import pytest
 import torch
 
-from engine.core.pacing import ChunkCosts, ChunkPacer
+from engine.core.pacing import ChunkCosts, ChunkPacer, paced_schedule
+from engine.core.types import LOW_LATENCY_SCHEDULE, SynthesisOptions
 from engine.cosyvoice2.streaming import stream_audio
 
 SAMPLE_RATE = 1000  # samples a second: one sample a millisecond keeps the arithmetic plain
@@ -154,3 +156,11 @@ def test_a_paced_hop_grows_from_the_last_one_as_the_schedule_grows() -> None:
     clock.now = 0.7
     pacer.delivered(10_000, tokens=21)  # then plenty waits
     assert pacer.next() == 42
+
+
+def test_a_fixed_seed_is_cut_at_the_schedules_hops() -> None:
+    """Where the seams fall changes the audio, and a fixed seed asks for the same audio."""
+    paced = replace(LOW_LATENCY_SCHEDULE, paced=True)
+    assert paced_schedule(SynthesisOptions(schedule=paced)).paced
+    assert not paced_schedule(SynthesisOptions(schedule=paced, seed=7)).paced
+    assert not paced_schedule(SynthesisOptions(seed=None)).paced  # the schedule's own say

@@ -10,7 +10,9 @@ import shutil
 import threading
 import wave
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -20,6 +22,7 @@ from parity import stream_atols, waveform_atol
 from torch import nn
 
 from engine.__main__ import main
+from engine.core.pacing import ChunkPacer
 from engine.core.prepared import PREPARED_DIR, PreparedLoad, WeightFormats, prepare_model
 from engine.core.quantize import INT8_LINEAR_TYPES
 from engine.core.types import (
@@ -307,6 +310,43 @@ def test_low_latency_stream_starts_after_its_first_hop_and_the_look_ahead(
     lengths = [len(c.samples) for c in [first, *rest]]
     tokens = [11, 25, 50, 50, 50, 4]
     held = [-HELD_BACK, 0, 0, 0, 0, HELD_BACK]
+    assert lengths == [n * SAMPLES_PER_TOKEN + h for n, h in zip(tokens, held, strict=True)]
+
+
+class SlowTokens(ForcedTokens):
+    """Forced tokens that each take ``token_s`` on ``clock``: an LM as slow as a real one."""
+
+    def __init__(self, tokens: list[int], clock: list[float], token_s: float) -> None:
+        super().__init__(tokens)
+        self.clock, self.token_s = clock, token_s
+
+    def __call__(self, *args: object, **kwargs: object) -> Iterator[int]:
+        for token in super().__call__():
+            self.clock[0] += self.token_s
+            yield token
+
+
+@pytest.mark.parametrize(("seed", "tokens"), [(None, [11, 25, 25, 25, 25, 25, 50, 4]),
+                                              (3, [11, 25, 50, 50, 50, 4])])  # fmt: skip
+def test_a_paced_stream_cuts_what_the_listeners_buffer_covers(
+    fresh: CosyVoice2Engine, monkeypatch: pytest.MonkeyPatch, seed: int | None, tokens: list[int]
+) -> None:
+    """A token costs 30 ms of its 40 ms of audio (a simulated clock): the schedule's 50-token
+    hop would cost 1.5 s while 1 s of audio waits, so a paced stream keeps to 25-token hops
+    until the listener's buffer covers one; a fixed seed asks for the same audio every time
+    and is cut at the schedule's hops."""
+    clock = [0.0]
+
+    class Clocked(ChunkPacer):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **{**kwargs, "clock": lambda: clock[0]})
+
+    monkeypatch.setattr("engine.cosyvoice2.engine.ChunkPacer", Clocked)
+    fresh.models.llm.generate = SlowTokens(_random_tokens(190), clock, 0.03)  # type: ignore[method-assign]
+    paced = replace(LOW_LATENCY_SCHEDULE, paced=True)
+    options = SynthesisOptions(speaker="tester", seed=seed, schedule=paced)
+    lengths = [len(c.samples) for c in fresh.synthesize("Hello.", options)]
+    held = [-HELD_BACK] + [0] * (len(tokens) - 2) + [HELD_BACK]
     assert lengths == [n * SAMPLES_PER_TOKEN + h for n, h in zip(tokens, held, strict=True)]
 
 
