@@ -10,10 +10,10 @@ the last one left to play). A paced schedule measures, as the answer streams, wh
 far: the LM's tokens, the flow and the vocoder, whatever ran in between) and cuts the next
 chunk no larger than the listener's buffer can cover, never larger than the schedule's hop and
 never smaller than the family's smallest chunk. Where not even the smallest chunk fits, it
-takes the smallest: the shortest wait. Where even the schedule's hop would take longer to make
-than to play, the listener waits whatever the hop, and the schedule's larger chunks, whose
-fixed costs weigh least, make it wait least in all (that machine wants the ``gapless`` start
-policy).
+takes the smallest: the shortest wait. Where the chunks cut so far took clearly longer to make
+than to play (a busy machine), the listener waits whatever the hop, and larger chunks, whose
+fixed costs weigh least, make it wait least in all: the hops then grow as the schedule's do
+(that machine wants the ``gapless`` start policy).
 
 Pacing moves the seams between chunks, never what a chunk computes; but where the seams fall
 changes the audio (a vocoder's draws, v1's overlapping windows), so a request with a fixed seed,
@@ -36,6 +36,12 @@ BUFFER_SHARE = 0.85
 FIT_WINDOW = 3
 # The least share of the latest chunk's cost per token the fit takes as the per-token part.
 MIN_PER_TOKEN_SHARE = 0.5
+# How much slower than real time the chunks as cut must be made for larger ones to be cut
+# instead: near real time the measured cost is mostly noise, and a large chunk on noise stalls.
+CLEARLY_SLOWER = 1.15
+# How much larger the largest chunk in the fit must be than the smallest for a line with a
+# fixed part: closer sizes give a slope that is mostly noise.
+MIN_SIZE_SPREAD = 1.5
 
 
 def paced_schedule(options: SynthesisOptions) -> StreamSchedule:
@@ -64,8 +70,10 @@ class ChunkCosts:
             return None
         hops = [hop for hop, _ in window]
         latest_hop, latest_s = window[-1]
-        if len(set(hops)) < 2:  # one size: all of its cost counted per token (the safe side)
-            return 0.0, latest_s / max(1, latest_hop)
+        if max(hops) < MIN_SIZE_SPREAD * min(hops):
+            # Sizes too alike to tell the parts apart (noise would tilt the line): all of the
+            # cost counted per token, the safe side.
+            return 0.0, sum(seconds for _, seconds in window) / sum(hops)
         n = len(window)
         mean_h = sum(hops) / n
         mean_s = sum(seconds for _, seconds in window) / n
@@ -79,17 +87,24 @@ class ChunkCosts:
             return latest_s - floor * latest_hop, floor
         return max(0.0, mean_s - slope * mean_h), slope
 
+    def made_per_token(self) -> float | None:
+        """Seconds per token the latest chunks after the first (until there are some: the
+        first) took in all, fixed parts included (None: none yet)."""
+        window = (self.samples[1:] or self.samples)[-FIT_WINDOW:]
+        if not window:
+            return None
+        return sum(seconds for _, seconds in window) / sum(tokens for tokens, _ in window)
+
 
 class ChunkPacer:
     """The hops of one streamed answer: the schedule's (``hops``), or, ``paced``, each no larger
     than the listener's buffer can cover.
 
     ``growth``: a paced hop is at most this many times the last one. ``step``: a hop is a
-    whole number of these tokens (CosyVoice2's attention chunk, 1 for v1);
-    ``smallest``: the smallest hop after the first; ``token_s``: a token's audio
-    seconds; ``sample_rate``: the audio's. The stream
-    tells it when the first token arrived (:meth:`started`) and when each chunk's audio was
-    handed on (:meth:`delivered`), then asks for the next hop (:meth:`next`).
+    whole number of these tokens (CosyVoice2's attention chunk, 1 for v1). ``smallest``: the
+    smallest hop after the first. ``token_s``: a token's audio seconds. ``sample_rate``: the
+    audio's. The stream tells it when the first token arrived (:meth:`started`) and when each
+    chunk's audio was handed on (:meth:`delivered`), then asks for the next hop (:meth:`next`).
     """
 
     def __init__(
@@ -161,13 +176,16 @@ class ChunkPacer:
         if fit is None:
             return self._take(planned)
         fixed, per_token = fit
-        if fixed + per_token * planned >= self._token_s * planned:
-            return self._take(planned)  # slower than real time: the chunks that cost least
-        budget = BUFFER_SHARE * (self._plays_until - self._clock()) - fixed
-        fits = int(budget / per_token) if per_token > 0 else planned
         # Growing from the last hop as the schedule grows: a fit read from small chunks
         # says least about much larger ones.
         grown = int(self._hop * self._growth)
+        made = self._costs.made_per_token()
+        if made is not None and made >= CLEARLY_SLOWER * self._token_s:
+            # The chunks as cut take clearly longer to make than to play (a busy machine):
+            # larger ones, whose fixed part weighs least, make the listener wait least in all.
+            return self._take(max(self._smallest, min(planned, grown) // self._step * self._step))
+        budget = BUFFER_SHARE * (self._plays_until - self._clock()) - fixed
+        fits = int(budget / per_token) if per_token > 0 else planned
         hop = min(planned, grown, fits) // self._step * self._step
         return self._take(max(self._smallest, hop))
 
