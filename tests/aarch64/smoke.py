@@ -323,7 +323,7 @@ async def describe_and_stream(port: int) -> tuple[dict, int, list[str]]:
 
 
 def check_server() -> None:
-    step("server: the add-on's defaults (all cores, int8 LM, warm-up), /health, describe, stream")
+    step("server: the add-on's defaults (all cores, auto, warm-up), /health, describe, stream")
     port, http_port = free_port(), free_port()
     server = subprocess.Popen(
         [
