@@ -3,8 +3,10 @@
 Checks, in order: what the engine picks for this CPU; that torch on many threads survives here
 exactly when there is no thread ceiling, and that a multi-threaded matrix product after a load
 runs within the ceiling; synthesis with the tiny model in every profile of config.yaml; the int8
-deviations on this CPU's kernels; the real server (warm-up, /health, describe, a streaming
-request); then the tests of PYTEST_RUNS with pytest. Exits non-zero at the first failure.
+deviations on this CPU's kernels; synthesis with the tiny Fun-CosyVoice3 model in every profile
+(its LM int4 where this CPU's int4 kernel is fast, else int8, as the engine falls back); the real
+server (warm-up, /health, describe, a streaming request); then the tests of PYTEST_RUNS with
+pytest. Exits non-zero at the first failure.
 
 Not collected by pytest (no ``test_`` prefix): it needs an Arm CPU and runs for minutes.
 """
@@ -16,6 +18,7 @@ import asyncio
 import json
 import os
 import platform
+import shutil
 import signal
 import socket
 import subprocess
@@ -24,6 +27,7 @@ import tempfile
 import time
 import urllib.request
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -31,8 +35,15 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from parity import parity_files  # noqa: E402  (tests/parity.py, beside this folder)
 
+if TYPE_CHECKING:
+    from engine.prompt.voices import CustomVoice
+
 SRC = Path(__file__).resolve().parents[2]
 TINY = SRC / "tests" / "data" / "tiny_model"
+V3_DATA = SRC / "tests" / "data" / "cosyvoice3"
+TINY_V3 = V3_DATA / "tiny"
+V3_MODEL = "Fun-CosyVoice3-0.5B"  # the official directory's name, which the copy is given
+V3_VOICE = "prompt37"  # the official prompt features stored with the v3 engine cases
 CONFIG = SRC / "config.yaml"
 # What pytest runs on the board: one run per entry, each entry pytest's arguments (paths relative
 # to tests/). A marked subset of the whole suite would be ("-m", "MARKER", ".").
@@ -156,35 +167,86 @@ def check_threads(expect_ceiling: int | None, cache: Path) -> None:
         fail(f"ran on {threads} threads")
 
 
-def check_profiles(cache: Path) -> None:
-    from engine.cosyvoice1.engine import CosyVoiceEngine
+def expected_lm(lm_weights: str) -> str:
+    """The LM format a profile's ``lm_weights`` loads in here: int4 only where its kernel is fast,
+    else int8, as the engine falls back (engine.core.runtime)."""
+    from engine.core.runtime import int4_kernel_for_lm
+
+    return "int8" if lm_weights == "int4" and not int4_kernel_for_lm() else lm_weights
+
+
+def check_profiles(
+    family: str, model_dir: Path, cache: Path, voice: CustomVoice | None = None
+) -> None:
+    """Load ``model_dir`` in each profile's weight formats, as the server does (the LM int4 or
+    int8, the flow and HiFT formats; the int8 caches are written by the first loads and read by
+    the later ones), and speak a sentence in the profile: finite, non-silent audio, in more than
+    one chunk where the profile streams and its first hop is shorter than the answer, the LM in
+    the format this CPU runs."""
+    from engine.family import load_engine
     from wyoming_cosyvoice.config import load_config
 
     config = load_config(CONFIG)
     for name, profile in config.profiles.items():
-        step(f"profile {name}")
+        step(f"{family}: profile {name}")
         start = time.perf_counter()
-        engine = CosyVoiceEngine.load(
-            TINY,
+        engine = load_engine(
+            model_dir,
             lm_int8=profile.lm_weights == "int8",
             lm_int4=profile.lm_weights == "int4",
             flow_int8=profile.flow_weights == "int8",
             hift_bf16=profile.hift_weights == "bf16",
+            hift_int8=profile.hift_weights == "int8",
             cache_dir=cache,
         )
         loaded = time.perf_counter() - start
-        options = profile.options(speaker=None, seed=0, instruct=None, force_tokens=TOKENS)
+        if voice is not None:
+            engine.add_voice(voice)
+        speaker = voice.name if voice is not None else None
+        options = profile.options(speaker=speaker, seed=0, instruct=None, force_tokens=TOKENS)
         start = time.perf_counter()
         chunks = [c.samples for c in engine.synthesize("Hello there. 你好。", options)]
         audio = torch.from_numpy(np.concatenate(chunks)) if chunks else torch.zeros(0)
-        if audio.numel() == 0 or not torch.isfinite(audio).all() or audio.abs().max() == 0:
-            fail(f"profile {name}: no usable audio")
+        formats = {part: names[0] for part, names in engine.weight_formats.items()}
         print(
             f"load {loaded:.1f} s (prepared first: {', '.join(engine.prepared_at_load) or 'none'}; "
-            f"HiFT {engine.hift_dtype}); {len(chunks)} chunks, "
+            f"formats {formats}, HiFT {engine.hift_dtype}); {len(chunks)} chunks, "
             f"{audio.numel() / engine.sample_rate:.2f} s of audio in "
             f"{time.perf_counter() - start:.1f} s"
         )
+        if audio.numel() == 0 or not torch.isfinite(audio).all() or audio.abs().max() == 0:
+            fail(f"{family}, profile {name}: no usable audio")
+        if profile.stream_audio and profile.schedule.first_hop < TOKENS and len(chunks) < 2:
+            fail(f"{family}, profile {name}: the audio was not streamed ({len(chunks)} chunk)")
+        if formats["llm"] != expected_lm(profile.lm_weights):
+            fail(
+                f"{family}, profile {name}: the LM runs {formats['llm']}, expected "
+                f"{expected_lm(profile.lm_weights)} for lm_weights {profile.lm_weights}"
+            )
+
+
+def v3_voice() -> CustomVoice:
+    """The official v3 prompt voice stored with the engine cases (the tiny model has no speakers;
+    the server makes its voices from recordings)."""
+    from engine.prompt.extract import PromptFeatures
+    from engine.prompt.voices import CustomVoice
+
+    cases = torch.load(V3_DATA / "engine_cases.pt", weights_only=True)
+    features = PromptFeatures(
+        cases[f"{V3_VOICE}/embedding"],
+        cases[f"{V3_VOICE}/prompt_tokens"].to(torch.int32),
+        cases[f"{V3_VOICE}/prompt_feat"],
+    )
+    return CustomVoice(V3_VOICE, "Hello there.", "en", features, 1.0, family="cosyvoice3")
+
+
+def check_cosyvoice3_profiles(tmp: Path, cache: Path) -> None:
+    """Fun-CosyVoice3 (tiny model, a copy without prepared files) in every profile."""
+    from engine.core.prepared import PREPARED_DIR
+
+    model_dir = tmp / V3_MODEL
+    shutil.copytree(TINY_V3, model_dir, ignore=shutil.ignore_patterns(PREPARED_DIR))
+    check_profiles("Fun-CosyVoice3", model_dir, cache, voice=v3_voice())
 
 
 def report_deviations(cache: Path) -> None:
@@ -261,7 +323,7 @@ async def describe_and_stream(port: int) -> tuple[dict, int, list[str]]:
 
 
 def check_server() -> None:
-    step("server: the add-on's defaults (all cores, int8 LM, warm-up), /health, describe, stream")
+    step("server: the add-on's defaults (all cores, auto, warm-up), /health, describe, stream")
     port, http_port = free_port(), free_port()
     server = subprocess.Popen(
         [
@@ -357,8 +419,9 @@ def main() -> None:
         cache = Path(tmp) / "int8"
         check_cpu(args.expect_thread_ceiling)
         check_threads(args.expect_thread_ceiling, cache)
-        check_profiles(cache)
+        check_profiles("CosyVoice1", TINY, cache)
         report_deviations(cache)
+        check_cosyvoice3_profiles(Path(tmp), cache)
     check_server()
     run_tests()
     print("\nsmoke test passed", flush=True)
