@@ -102,9 +102,12 @@ LOAD_KEYWORDS: dict[str, dict[str, dict[str, bool]]] = {
     },
 }
 
-# As a server with its default settings loads its profiles of these names: the LM in int8.
+# As a server with its default settings loads its profiles of these names: the LM in int8, the
+# low-latency hops paced (engine.core.pacing).
 BUILTIN_PROFILES = {
-    "realtime": BenchProfile("realtime", LOW_LATENCY_SCHEDULE, lm_weights="int8"),
+    "realtime": BenchProfile(
+        "realtime", replace(LOW_LATENCY_SCHEDULE, paced=True), lm_weights="int8"
+    ),
     "quality": BenchProfile("quality", OFFICIAL_SCHEDULE, lm_weights="int8"),
 }
 DEFAULT_PROFILE = "realtime"
