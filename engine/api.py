@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from engine.core.cpu import CpuChoices
+    from engine.core.pacing import ChunkPacer
     from engine.core.text_feed import TextFeed
     from engine.core.types import AudioChunk, StreamSchedule, SynthesisOptions
     from engine.prompt.voices import ScanResult
@@ -53,6 +54,31 @@ class StreamGeometry(ABC):
     @abstractmethod
     def smallest_hop(self, schedule: StreamSchedule) -> int:
         """The smallest hop a paced schedule cuts after the first (engine.core.pacing)."""
+
+    def pacer(
+        self,
+        schedule: StreamSchedule,
+        *,
+        paced: bool,
+        sample_rate: int,
+        hops: Iterator[int] | None = None,
+        clock: Callable[[], float] | None = None,
+    ) -> ChunkPacer:
+        """The hops of one streamed answer under ``schedule`` (``hops``: the engine's own, else
+        :meth:`hops`), cut as this family cuts them and, ``paced``, each sized to the audio the
+        listener still has (engine.core.pacing; ``clock``: the time it reads)."""
+        from engine.core.pacing import ChunkPacer
+
+        return ChunkPacer(
+            self.hops(schedule) if hops is None else hops,
+            paced=paced,
+            growth=schedule.growth,
+            step=self.chunk_tokens,
+            smallest=self.smallest_hop(schedule),
+            token_s=1 / self.token_rate,
+            sample_rate=sample_rate,
+            clock=clock,
+        )
 
 
 class Engine(Protocol):

@@ -18,16 +18,16 @@ fixed costs weigh least, make it wait least in all: the hops then grow as the sc
 Pacing moves the seams between chunks, never what a chunk computes; but where the seams fall
 changes the audio (a vocoder's draws, v1's overlapping windows), so a request with a fixed seed,
 which asks for the same audio every time, is cut at the schedule's own hops
-(:func:`paced_schedule`; docs/dev/streaming-pace.md).
+(:func:`paces`; docs/dev/streaming-pace.md).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
-from engine.core.types import StreamSchedule, SynthesisOptions
+from engine.core.types import SynthesisOptions
 
 # The share of the listener's buffer a chunk may take: a chunk costs a little more or less
 # than the last ones said (other programs, the LM's cache growing).
@@ -44,10 +44,9 @@ CLEARLY_SLOWER = 1.15
 MIN_SIZE_SPREAD = 1.5
 
 
-def paced_schedule(options: SynthesisOptions) -> StreamSchedule:
-    """The request's schedule, paced only where it says so and the seed is not fixed."""
-    schedule = options.schedule
-    return schedule if options.seed is None else replace(schedule, paced=False)
+def paces(options: SynthesisOptions) -> bool:
+    """Whether the request's chunks are paced: its schedule says so and its seed is not fixed."""
+    return options.schedule.paced and options.seed is None
 
 
 @dataclass
@@ -117,12 +116,12 @@ class ChunkPacer:
         smallest: int = 1,
         token_s: float = 0.0,
         sample_rate: int = 1,
-        clock: Callable[[], float] = time.perf_counter,
+        clock: Callable[[], float] | None = None,
     ) -> None:
         self._hops, self.paced, self._growth = hops, paced, growth
         self._step, self._smallest, self._token_s = max(1, step), max(1, smallest), token_s
         self._sample_rate = sample_rate
-        self._clock = clock
+        self._clock = clock or time.perf_counter
         self._costs = ChunkCosts()
         self._since: float | None = None  # when the chunk being made started costing
         self._plays_until: float | None = None  # when the audio handed on so far runs out

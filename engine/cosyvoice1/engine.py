@@ -28,7 +28,7 @@ from engine.core.engine_base import EngineBase
 from engine.core.estimator_blocks import TransformerBlock
 from engine.core.lm_thread import LmTokens
 from engine.core.onednn_layers import use_onednn_convs, use_onednn_linears
-from engine.core.pacing import paced_schedule
+from engine.core.pacing import paces
 from engine.core.runtime import (
     pick_weights,
 )
@@ -280,7 +280,10 @@ class CosyVoiceEngine(EngineBase["FlowModel"], OfFamily):
 
         def waves() -> Generator[torch.Tensor, None, None]:
             if options.stream:
-                yield from stream_audio(tokens, vocoder, paced_schedule(options))
+                pacer = STREAM_GEOMETRY.pacer(
+                    options.schedule, paced=paces(options), sample_rate=SAMPLE_RATE
+                )
+                yield from stream_audio(tokens, vocoder, options.schedule, pacer)
             else:
                 yield whole_audio(tokens, vocoder)
 

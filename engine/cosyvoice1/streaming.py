@@ -34,7 +34,6 @@ from engine.core.constants import (
     SAMPLE_RATE,
     SOURCE_CACHE,
     TOKEN_OVERLAP,
-    TOKEN_RATE,
 )
 from engine.core.pacing import ChunkPacer
 from engine.core.solver import EXACT_SOLVER
@@ -183,25 +182,16 @@ def smallest_hop(schedule: StreamSchedule) -> int:
     return MIN_CHUNK_TOKENS - schedule.overlap
 
 
-def schedule_pacer(schedule: StreamSchedule) -> ChunkPacer:
-    """The hops of ``schedule`` for one answer, paced where it says so (engine.core.pacing):
-    any size from the smallest chunk the flow can cut."""
-    return ChunkPacer(
-        hop_sizes(schedule),
-        paced=schedule.paced,
-        growth=schedule.growth,
-        smallest=smallest_hop(schedule),
-        token_s=1 / TOKEN_RATE,
-        sample_rate=SAMPLE_RATE,
-    )
-
-
 def stream_audio(
-    tokens: Iterable[int], vocoder: ChunkVocoder, schedule: StreamSchedule
+    tokens: Iterable[int],
+    vocoder: ChunkVocoder,
+    schedule: StreamSchedule,
+    pacer: ChunkPacer | None = None,
 ) -> Iterator[torch.Tensor]:
-    """Cut a token stream into overlapping chunks per ``schedule`` and yield their audio."""
+    """Cut a token stream into overlapping chunks per ``schedule`` and yield their audio, at
+    ``pacer``'s hops (engine.core.pacing; None: the schedule's own)."""
     check_schedule(schedule)
-    pacer = schedule_pacer(schedule)
+    pacer = pacer or ChunkPacer.fixed(hop_sizes(schedule))
     hop = pacer.hop
     window: list[int] = []
     made = 0  # tokens the LM made since the last chunk went out

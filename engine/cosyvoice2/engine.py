@@ -48,7 +48,7 @@ from engine.core.engine_base import EngineBase
 from engine.core.estimator_blocks import TransformerBlock
 from engine.core.lm_thread import LmTokens
 from engine.core.onednn_layers import use_onednn_linears
-from engine.core.pacing import ChunkPacer, paced_schedule
+from engine.core.pacing import ChunkPacer, paces
 from engine.core.runtime import (
     give_back_free_heap,
     pick_weights,
@@ -412,14 +412,8 @@ class CosyVoice2Engine(
         primed = self._primed_stream(voice, aligned, options).fork()
         speech = speech_stream(aligned, official=False, primed=primed)
         hops = chunk_hops(options.schedule, chunk, aligned.tokens.shape[1], self.token_rate)
-        pacer = ChunkPacer(
-            hops,
-            paced=paced_schedule(options).paced,
-            growth=options.schedule.growth,
-            step=chunk,
-            smallest=self.stream_geometry.smallest_hop(options.schedule),
-            token_s=1 / self.token_rate,
-            sample_rate=self.sample_rate,
+        pacer = self.stream_geometry.pacer(
+            options.schedule, paced=paces(options), sample_rate=self.sample_rate, hops=hops
         )
         return speech, pacer
 

@@ -226,19 +226,9 @@ def _hops(
 ) -> tuple[Iterator[int], ChunkPacer | None]:
     """The hops the engine will cut: the schedule's, or a paced schedule's, decided by the
     engine's own pacer as the predicted chunks are handed on at the predicted times."""
-    hops = geometry.hops(profile.schedule)
     if not (profile.stream_audio and profile.schedule.paced):
-        return hops, None
-    pacer = ChunkPacer(
-        hops,
-        paced=True,
-        growth=profile.schedule.growth,
-        step=geometry.chunk_tokens,
-        smallest=geometry.smallest_hop(profile.schedule),
-        token_s=1 / geometry.token_rate,
-        sample_rate=_PACER_RATE,
-        clock=clock,
-    )
+        return geometry.hops(profile.schedule), None
+    pacer = geometry.pacer(profile.schedule, paced=True, sample_rate=_PACER_RATE, clock=clock)
     return pacer, pacer
 
 

@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from engine.core.pacing import ChunkCosts, ChunkPacer, paced_schedule
+from engine.core.pacing import ChunkCosts, ChunkPacer, paces
 from engine.core.types import LOW_LATENCY_SCHEDULE, SynthesisOptions
 from engine.cosyvoice2.streaming import stream_audio
 
@@ -161,6 +161,6 @@ def test_a_paced_hop_grows_from_the_last_one_as_the_schedule_grows() -> None:
 def test_a_fixed_seed_is_cut_at_the_schedules_hops() -> None:
     """Where the seams fall changes the audio, and a fixed seed asks for the same audio."""
     paced = replace(LOW_LATENCY_SCHEDULE, paced=True)
-    assert paced_schedule(SynthesisOptions(schedule=paced)).paced
-    assert not paced_schedule(SynthesisOptions(schedule=paced, seed=7)).paced
-    assert not paced_schedule(SynthesisOptions(seed=None)).paced  # the schedule's own say
+    assert paces(SynthesisOptions(schedule=paced))
+    assert not paces(SynthesisOptions(schedule=paced, seed=7))
+    assert not paces(SynthesisOptions(seed=None))  # the schedule's own say

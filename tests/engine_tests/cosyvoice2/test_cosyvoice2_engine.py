@@ -341,7 +341,7 @@ def test_a_paced_stream_cuts_what_the_listeners_buffer_covers(
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **{**kwargs, "clock": lambda: clock[0]})
 
-    monkeypatch.setattr("engine.cosyvoice2.engine.ChunkPacer", Clocked)
+    monkeypatch.setattr("engine.core.pacing.ChunkPacer", Clocked)
     fresh.models.llm.generate = SlowTokens(_random_tokens(190), clock, 0.03)  # type: ignore[method-assign]
     paced = replace(LOW_LATENCY_SCHEDULE, paced=True)
     options = SynthesisOptions(speaker="tester", seed=seed, schedule=paced)
