@@ -7,6 +7,11 @@ kernel reads them in blocks laid out for that case and computes fbgemm's arithme
 tokens on either kernel. Prompt and text rows (many at once) go through the same layer.
 docs/dev/int8-kernel.md has the design and its measurements.
 
+Many rows at once (a prompt's prefill, v1's text encoder) take oneDNN's int8 GEMM
+(``torch._int_mm``) where the CPU has VNNI or AMX (:func:`int8_matmul_works`): the same
+quantised activations and the same float epilogue around the same integer sums, computed
+several times as fast; the layer's weight is read back from its blocks for the call.
+
 Built by setup.py on x86-64 only; elsewhere (aarch64), or on a CPU without AVX2 and FMA, the
 engine keeps torch's own int8 layer (engine.core.quantize.Int8Linear).
 """
@@ -14,18 +19,53 @@ engine keeps torch's own int8 layer (engine.core.quantize.Int8Linear).
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from types import ModuleType
 
 import torch
 from torch import nn
 
 from engine.core import native
+from engine.core.cpu import read_cpuinfo
+
+# From this many rows on a call takes oneDNN's GEMM where it works (docs/dev/int8-kernel.md:
+# with the weight read back from its blocks it is ahead from ≈ 20 rows on AMX).
+MATMUL_ROWS = 32
+# The CPU features with which oneDNN sums int8 products exactly: without VNNI it adds pairs
+# of products in saturating 16-bit lanes.
+_EXACT_INT8_FEATURES = frozenset({"avx_vnni", "avx512_vnni", "amx_int8"})
 
 
 @functools.cache
 def kernel() -> ModuleType | None:
     """The compiled kernel module if it is built and this CPU can run it, else None."""
     return native.load("int8_avx2")
+
+
+def sums_exact(matmul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> bool:
+    """Whether ``matmul`` (int8 (M, K) x int8 (K, N) -> int32) gives exact sums on the
+    kernel's activations at their worst: codes of 127 against weights of ±127, where 16-bit
+    pair sums would saturate."""
+    gen = torch.Generator().manual_seed(0)
+    codes = torch.randint(0, 128, (32, 256), dtype=torch.int8, generator=gen)
+    codes[::2] = 127
+    weight = torch.randint(-127, 128, (64, 256), dtype=torch.int8, generator=gen)
+    weight[::3] = 127
+    weight[1::3] = -127
+    try:
+        sums = matmul(codes, weight.t())
+    except RuntimeError:
+        return False
+    return torch.equal(sums.long(), codes.long() @ weight.long().t())
+
+
+@functools.cache
+def int8_matmul_works() -> bool:
+    """Whether many-row calls take oneDNN's int8 GEMM here: x86 with VNNI or AMX, where it
+    sums exactly (checked; ``ONEDNN_MAX_CPU_ISA`` may keep oneDNN below them) and faster."""
+    if kernel() is None or not _EXACT_INT8_FEATURES & set(read_cpuinfo().split()):
+        return False
+    return sums_exact(torch._int_mm)
 
 
 def fits(in_features: int) -> bool:
@@ -58,16 +98,31 @@ class Avx2Int8Linear(nn.Module):
         self.register_buffer("scale", native.padded(scales, rowsum.numel()))
         padded_bias = None if bias is None else native.padded(bias, rowsum.numel())
         self.register_buffer("bias", padded_bias)
+        self.matmul_rows = MATMUL_ROWS if int8_matmul_works() else 0  # 0: never
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._linear(
-            x, self.blocks, self.rowsum, self.scale, self.bias, self.out_features, False
+            x,
+            self.blocks,
+            self.rowsum,
+            self.scale,
+            self.bias,
+            self.out_features,
+            False,
+            self.matmul_rows,
         )
 
     def forward_relu(self, x: torch.Tensor) -> torch.Tensor:
         """relu(forward(x)) in one kernel call."""
         return self._linear(
-            x, self.blocks, self.rowsum, self.scale, self.bias, self.out_features, True
+            x,
+            self.blocks,
+            self.rowsum,
+            self.scale,
+            self.bias,
+            self.out_features,
+            True,
+            self.matmul_rows,
         )
 
     def extra_repr(self) -> str:

@@ -13,6 +13,10 @@
 // are symmetric per-channel int8. 7-bit activations keep vpmaddubsw's pair sums inside int16.
 // out = float(acc - zp * rowsum) * (w_scale * x_scale) + bias, then ReLU if asked.
 //
+// Many rows (a prompt's prefill) may take oneDNN's int8 GEMM for the sums instead
+// (``matmul_rows``, chosen in engine/core/int8_avx2.py where those sums are exact): the same
+// codes and the same epilogue, the weight read back from its blocks a slab at a time.
+//
 // The kernels are compiled for AVX2 and FMA only (the pragma below), the module itself for any
 // x86-64: it imports on every x86-64 CPU, and ``supported()`` says whether the kernels may run.
 
@@ -45,6 +49,7 @@ constexpr int64_t kBlockBytes = kRows * kDepth;
 constexpr int kStreams = 4;       // row blocks walked side by side at one activation row
 constexpr int kRowGroup = 4;      // activation rows computed together against one weight load
 constexpr int64_t kTileBytes = 256 * 1024;  // weight bytes kept hot in L2 across row groups
+constexpr int64_t kSlabBytes = 1024 * 1024;  // weight bytes per oneDNN GEMM of many rows
 
 struct QParams {
   float scale;
@@ -236,7 +241,79 @@ void many_rows(const Layer& layer, const uint8_t* xq, int64_t rows, QParams q, i
   }
 }
 
+// Blocks [b0, b1) of rows [r0, r1) of the layer's outputs from their integer sums ``acc`` (a row
+// of ``width`` int32 per activation row from block b0 on): the kernels' own epilogue.
+void finish_rows(const Layer& layer, const int32_t* acc, int64_t width, QParams q, int64_t b0,
+                 int64_t b1, int64_t r0, int64_t r1, float* y) {
+  for (int64_t r = r0; r < r1; ++r)
+    for (int64_t b = b0; b < b1; ++b)
+      store(layer, b,
+            _mm256_loadu_si256(
+                reinterpret_cast<const __m256i*>(acc + r * width + (b - b0) * kRows)),
+            q, y + r * layer.out_features);
+}
+
+// Blocks [b0, b1) of the layer's weight as plain rows of ``dst`` ((whole blocks) x in, int8):
+// eight 32-byte blocks (eight steps of 4 inputs, each for the block's 8 channels) are an 8 x 8
+// matrix of 4-byte words, whose transpose is 32 bytes of each channel's row.
+void unpack_blocks(const Layer& layer, int64_t b0, int64_t b1, int8_t* dst) {
+  const int64_t in = layer.in_features, steps = in / kDepth;
+  for (int64_t b = b0; b < b1; ++b) {
+    const int8_t* src = layer.weight + b * steps * kBlockBytes;
+    int8_t* rows = dst + b * kRows * in;
+    int64_t k = 0;
+    for (; k + 8 <= steps; k += 8) {
+      __m256i v[8];
+      for (int i = 0; i < 8; ++i)
+        v[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + (k + i) * kBlockBytes));
+      __m256i t[8], u[8];
+      for (int i = 0; i < 8; i += 2) {
+        t[i] = _mm256_unpacklo_epi32(v[i], v[i + 1]);
+        t[i + 1] = _mm256_unpackhi_epi32(v[i], v[i + 1]);
+      }
+      for (int i = 0; i < 8; i += 4) {
+        u[i] = _mm256_unpacklo_epi64(t[i], t[i + 2]);
+        u[i + 1] = _mm256_unpackhi_epi64(t[i], t[i + 2]);
+        u[i + 2] = _mm256_unpacklo_epi64(t[i + 1], t[i + 3]);
+        u[i + 3] = _mm256_unpackhi_epi64(t[i + 1], t[i + 3]);
+      }
+      for (int r = 0; r < 4; ++r) {
+        const __m256i lo = _mm256_permute2x128_si256(u[r], u[r + 4], 0x20);
+        const __m256i hi = _mm256_permute2x128_si256(u[r], u[r + 4], 0x31);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(rows + r * in + k * kDepth), lo);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(rows + (r + 4) * in + k * kDepth), hi);
+      }
+    }
+    for (; k < steps; ++k)
+      for (int64_t r = 0; r < kRows; ++r)
+        std::memcpy(rows + r * in + k * kDepth, src + k * kBlockBytes + r * kDepth, kDepth);
+  }
+}
+
 #pragma GCC pop_options
+
+// All rows of codes ``xq`` against the layer by oneDNN's int8 GEMM, a slab of output blocks at a
+// time: each slab's weight is read back from its blocks into a buffer small enough to stay in
+// L2 for the GEMM, and its sums stay there for the epilogue.
+void gemm_rows(const Layer& layer, uint8_t* xq, int64_t rows, QParams q, float* y) {
+  const int64_t in = layer.in_features;
+  const int64_t blocks = (layer.out_features + kRows - 1) / kRows;
+  const int64_t slab = std::max<int64_t>(1, kSlabBytes / (in * kRows));  // blocks a slab
+  const torch::Tensor codes = torch::from_blob(xq, {rows, in}, torch::kInt8);
+  torch::Tensor weight = torch::empty({slab * kRows, in}, torch::kInt8);
+  for (int64_t s0 = 0; s0 < blocks; s0 += slab) {
+    const int64_t n = std::min(slab, blocks - s0);
+    int8_t* dst = weight.data_ptr<int8_t>() - s0 * kRows * in;  // block b at row 8 (b - s0)
+    at::parallel_for(s0, s0 + n, 8, [&](int64_t b0, int64_t b1) {
+      unpack_blocks(layer, b0, b1, dst);
+    });
+    const torch::Tensor acc = at::_int_mm(codes, weight.narrow(0, 0, n * kRows).t());
+    const int32_t* ap = acc.data_ptr<int32_t>();
+    at::parallel_for(0, rows, 1, [&](int64_t r0, int64_t r1) {
+      finish_rows(layer, ap, acc.size(1), q, s0, s0 + n, r0, r1, y);
+    });
+  }
+}
 
 // --- the Python surface ----------------------------------------------------------------------
 
@@ -274,7 +351,8 @@ std::vector<torch::Tensor> pack(const torch::Tensor& weight_in) {
 // one dispatched operator per call (the output's allocation), as torch's own int8 layer.
 torch::Tensor linear(const torch::Tensor& x_in, const torch::Tensor& packed,
                      const torch::Tensor& rowsum, const torch::Tensor& scale,
-                     const c10::optional<torch::Tensor>& bias, int64_t out_features, bool relu) {
+                     const c10::optional<torch::Tensor>& bias, int64_t out_features, bool relu,
+                     int64_t matmul_rows) {
   TORCH_CHECK(x_in.scalar_type() == torch::kFloat32 && x_in.dim() >= 1, "float32 (..., in)");
   const torch::Tensor x = x_in.is_contiguous() ? x_in : x_in.contiguous();
   const int64_t in = x.size(-1), rows = in > 0 ? x.numel() / in : 0;
@@ -297,7 +375,11 @@ torch::Tensor linear(const torch::Tensor& x_in, const torch::Tensor& packed,
   quantize(x.data_ptr<float>(), x.numel(), q, xq.data());
 
   float* yp = y.data_ptr<float>();
-  if (rows == 1) {
+  if (matmul_rows > 0 && rows >= matmul_rows) {
+    // Many rows where oneDNN's int8 GEMM computes the same sums faster (VNNI, AMX: decided in
+    // engine.core.int8_avx2): codes 0..127 are the same bytes as int8.
+    gemm_rows(layer, xq.data(), rows, q, yp);
+  } else if (rows == 1) {
     at::parallel_for(0, blocks, kStreams * 4, [&](int64_t b0, int64_t b1) {
       one_row(layer, xq.data(), q, b0, b1, yp);
     });
@@ -331,5 +413,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack", &pack, "Pack an int8 (out, in) weight into 8x4 blocks; returns (blocks, rowsum)");
   m.def("linear", &linear, "Dynamic int8 Linear on packed blocks", py::arg("x"), py::arg("packed"),
         py::arg("rowsum"), py::arg("scale"), py::arg("bias"), py::arg("out_features"),
-        py::arg("relu"));
+        py::arg("relu"), py::arg("matmul_rows") = 0);
 }

@@ -104,6 +104,53 @@ def test_a_decode_row_is_bit_identical_at_any_thread_count(threads: int) -> None
         torch.set_num_threads(before)
 
 
+needs_exact_gemm = pytest.mark.skipif(
+    not (AVX2_FMA and int8_avx2.int8_matmul_works()),
+    reason="oneDNN sums int8 products exactly only with VNNI or AMX",
+)
+
+
+@needs_exact_gemm
+@pytest.mark.parametrize(
+    ("out", "n_in", "bias"),
+    [(1152, 896, True), (896, 4864, False), (9728, 896, False), (13, 36, True), (100, 100, False)],
+)
+@pytest.mark.parametrize("rows", [32, 33, 222])
+def test_many_rows_on_onednn_are_bit_identical_to_the_kernels(
+    out: int, n_in: int, bias: bool, rows: int
+) -> None:
+    # A prompt's rows take oneDNN's GEMM on the weight read back from the blocks (in slabs
+    # of output blocks, a last block part padding, inputs not a whole number of 32-byte rows):
+    # the same sums and epilogue as the kernel's own many-row loop.
+    reference, ours = _both(out, n_in, bias, seed=out + rows)
+    assert isinstance(ours, int8_avx2.Avx2Int8Linear)
+    assert ours.matmul_rows == int8_avx2.MATMUL_ROWS <= rows
+    kernel_only = copy.deepcopy(ours)
+    kernel_only.matmul_rows = 0
+    x = torch.randn(rows, n_in, generator=torch.Generator().manual_seed(rows)) * 3
+    with torch.inference_mode():
+        assert torch.equal(ours(x), kernel_only(x))
+        assert torch.equal(ours.forward_relu(x), kernel_only.forward_relu(x))
+        assert torch.equal(ours(x), reference(x))
+
+
+def test_onednn_takes_many_rows_only_where_its_sums_are_exact(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def saturating(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        # what 16-bit pair sums without VNNI do to large products
+        return (a.long() @ b.long()).clamp(-(2**15), 2**15 - 1).int()
+
+    assert int8_avx2.sums_exact(lambda a, b: (a.long() @ b.long()).int())
+    assert not int8_avx2.sums_exact(saturating)
+    int8_avx2.int8_matmul_works.cache_clear()
+    try:
+        monkeypatch.setattr(int8_avx2, "read_cpuinfo", lambda: "flags : avx2 fma avx512f")
+        assert not int8_avx2.int8_matmul_works()  # no VNNI: saturating pairs
+    finally:
+        int8_avx2.int8_matmul_works.cache_clear()
+
+
 @needs_kernel
 def test_a_layer_whose_inputs_do_not_fill_its_blocks_keeps_torchs_kernel() -> None:
     reference, ours = _both(16, 30, True, seed=1)  # 30 inputs: not a multiple of 4
