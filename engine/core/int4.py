@@ -46,7 +46,7 @@ from types import ModuleType
 import torch
 from torch import nn
 
-from engine.core import native
+from engine.core import int8_avx2, native
 from engine.core.cpu import ARM_MACHINES, arm_features, read_cpuinfo
 from engine.core.quantize import (
     BIAS,
@@ -233,6 +233,9 @@ class Int4Linear(nn.Module):
             if compiled is None or self.group % GROUP_SIZE:
                 raise RuntimeError("the engine's int4 kernel cannot run this layer here")
             self._avx2 = compiled.linear
+            # Many rows (a prefill) on oneDNN's int8 GEMM where it sums exactly: the int8 LM's
+            # maths on these weights (int4_avx2.cpp, *many rows on oneDNN's int8 GEMM*).
+            self.matmul_rows = int8_avx2.MATMUL_ROWS if int8_avx2.int8_matmul_works() else 0
             # The kernel takes a scale per 32 inputs: a coarser group repeats its scale.
             fine = scales.repeat_interleave(self.group // GROUP_SIZE, dim=1)
             packed = compiled.pack(codes.contiguous(), fine.contiguous())
@@ -270,7 +273,9 @@ class Int4Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel == AVX2:  # any leading shape, float32, one call
-            return self._avx2(x.float(), self.packed, self.bias, self.out_features)
+            return self._avx2(
+                x.float(), self.packed, self.bias, self.out_features, self.matmul_rows
+            )
         rows = x.reshape(-1, self.in_features)
         if self.kernel == KLEIDIAI:
             y = torch.ops.aten._dyn_quant_matmul_4bit(

@@ -35,6 +35,7 @@
 #include <cstring>
 #include <vector>
 
+#include "dynamic_quant.h"  // transpose8x8_epi32
 #include "store_rows.h"
 
 namespace {
@@ -50,6 +51,7 @@ constexpr int64_t kGroupBytes = kCodeBytes + kRows * 2;      // + 8 bfloat16 sca
 constexpr int kStreams = 4;          // blocks walked side by side at one activation row
 constexpr int kRowGroup = 4;         // activation rows computed together against one unpack
 constexpr int64_t kTileBytes = 192 * 1024;  // weight bytes kept hot in L2 across row groups
+constexpr int64_t kSlabBytes = 1024 * 1024;  // int8 weight bytes per oneDNN GEMM of many rows
 
 #pragma GCC push_options
 #pragma GCC target("avx2,fma")
@@ -246,7 +248,127 @@ void many_rows(const Layer& layer, const QuantRows& q, int64_t rows, int64_t b0,
   }
 }
 
+// --- many rows on oneDNN's int8 GEMM -------------------------------------------------------
+//
+// A prompt's prefill is bound by the products, not by reading the weights. Where oneDNN's int8
+// GEMM sums exactly (VNNI, AMX: engine.core.int8_avx2) a call of many rows takes per-channel
+// int8 weights and per-row int8 activations (KleidiAI's activations on Arm): each channel's
+// 4-bit weights requantised to int8 over the channel (w8 = round((u - 8) * s_group /
+// s_channel), s_channel = 8 * max |s_group| / 127, so |w8| <= 127), each activation row
+// quantised symmetrically (q = round(x * 127 / max |x|)), y = acc * (s_channel * s_row) + bias.
+// A slab of channels at a time, in L2.
+
+// Blocks [b0, b1) requantised into plain int8 rows of ``dst`` (8 a block), each channel's
+// scale into ``scale`` (indexed by channel).
+void requantize_blocks(const Layer& layer, int64_t b0, int64_t b1, int8_t* dst, float* scale) {
+  const int64_t in = layer.in_features, groups = in / kGroup, stride = groups * kGroupBytes;
+  const __m256i low = _mm256_set1_epi8(0x0F), eight = _mm256_set1_epi32(8);
+  const __m256i byte = _mm256_set1_epi32(0xFF);
+  const __m256 sign = _mm256_set1_ps(-0.0f), zero = _mm256_setzero_ps();
+  for (int64_t b = b0; b < b1; ++b) {
+    const uint8_t* w = layer.weight + b * stride;
+    __m256 peak = zero;
+    for (int64_t g = 0; g < groups; ++g)
+      peak = _mm256_max_ps(peak, _mm256_andnot_ps(sign, group_scales(w + g * kGroupBytes)));
+    const __m256 channel_scale = _mm256_mul_ps(peak, _mm256_set1_ps(8.0f / 127.0f));
+    // 1 / channel_scale; 0 for a channel of zero weights (scale 0, codes 8)
+    const __m256 inverse = _mm256_and_ps(_mm256_div_ps(_mm256_set1_ps(1.0f), channel_scale),
+                                         _mm256_cmp_ps(peak, zero, _CMP_GT_OQ));
+    _mm256_storeu_ps(scale + b * kRows, channel_scale);
+    int8_t* rows = dst + b * kRows * in;
+    for (int64_t g = 0; g < groups; ++g) {
+      const __m256 ratio = _mm256_mul_ps(group_scales(w + g * kGroupBytes), inverse);
+      __m256i words[8];  // lo / hi nibbles of each 32-byte part: inputs 8p..8p+3, 8p+4..8p+7
+      for (int p = 0; p < 4; ++p) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + g * kGroupBytes + 32 * p));
+        for (int half = 0; half < 2; ++half) {
+          const __m256i codes = half ? _mm256_and_si256(_mm256_srli_epi16(v, 4), low)
+                                     : _mm256_and_si256(v, low);
+          __m256i packed = _mm256_setzero_si256();
+          for (int j = 0; j < 4; ++j) {
+            const __m256i u = _mm256_and_si256(_mm256_srli_epi32(codes, 8 * j), byte);
+            const __m256 f = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(u, eight)), ratio);
+            const __m256i q = _mm256_cvtps_epi32(f);  // half to even
+            packed = _mm256_or_si256(packed, _mm256_slli_epi32(_mm256_and_si256(q, byte), 8 * j));
+          }
+          words[2 * p + half] = packed;
+        }
+      }
+      transpose8x8_epi32(words);  // words[c]: channel c's 32 inputs in order
+      for (int c = 0; c < kRows; ++c)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(rows + c * in + g * kGroup), words[c]);
+    }
+  }
+}
+
+// Rows [r0, r1) of x (``in`` wide) quantised symmetrically to int8, each with its scale.
+void quantize_rows_whole(const float* x, int64_t r0, int64_t r1, int64_t in, int8_t* codes,
+                         float* scales) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  for (int64_t r = r0; r < r1; ++r) {
+    const float* xr = x + r * in;
+    __m256 peak = _mm256_setzero_ps();
+    for (int64_t k = 0; k < in; k += 8)
+      peak = _mm256_max_ps(peak, _mm256_andnot_ps(sign, _mm256_loadu_ps(xr + k)));
+    const float amax = max_abs8(peak);
+    scales[r] = amax / 127.f;
+    const __m256 inverse = _mm256_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+    for (int64_t k = 0; k < in; k += 8) {
+      const __m256i q = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xr + k), inverse));
+      alignas(32) int32_t t[8];
+      _mm256_store_si256(reinterpret_cast<__m256i*>(t), q);
+      for (int j = 0; j < 8; ++j) codes[r * in + k + j] = static_cast<int8_t>(t[j]);
+    }
+  }
+}
+
+// Rows [r0, r1) of blocks [b0, b1) from their sums (a row of ``width`` from block b0 on).
+void finish_rows(const Layer& layer, const int32_t* acc, int64_t width, const float* scale,
+                 const float* row_scales, int64_t b0, int64_t b1, int64_t r0, int64_t r1,
+                 float* y) {
+  for (int64_t r = r0; r < r1; ++r) {
+    const __m256 row_scale = _mm256_set1_ps(row_scales[r]);
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t i = (b - b0) * kRows;
+      const __m256 sums = _mm256_cvtepi32_ps(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(acc + r * width + i)));
+      const __m256 both = _mm256_mul_ps(_mm256_loadu_ps(scale + i), row_scale);
+      const __m256 out = layer.bias != nullptr
+                             ? _mm256_fmadd_ps(sums, both, _mm256_loadu_ps(layer.bias + b * kRows))
+                             : _mm256_mul_ps(sums, both);
+      store_block(y + r * layer.out_features, b * kRows, layer.out_features, out);
+    }
+  }
+}
+
 #pragma GCC pop_options
+
+void gemm_rows(const Layer& layer, const float* x, int64_t rows, float* y) {
+  const int64_t in = layer.in_features;
+  const int64_t blocks = (layer.out_features + kRows - 1) / kRows;
+  const int64_t slab = std::max<int64_t>(1, kSlabBytes / (in * kRows));  // blocks a slab
+  const torch::Tensor codes = torch::empty({rows, in}, torch::kInt8);
+  std::vector<float> row_scales(static_cast<size_t>(rows));
+  at::parallel_for(0, rows, 8, [&](int64_t r0, int64_t r1) {
+    quantize_rows_whole(x, r0, r1, in, codes.data_ptr<int8_t>(), row_scales.data());
+  });
+  torch::Tensor weight = torch::empty({slab * kRows, in}, torch::kInt8);
+  std::vector<float> scale(static_cast<size_t>(slab * kRows));
+  for (int64_t s0 = 0; s0 < blocks; s0 += slab) {
+    const int64_t n = std::min(slab, blocks - s0);
+    // block b at row 8 (b - s0) of the slab, its channels' scales at 8 (b - s0)
+    int8_t* dst = weight.data_ptr<int8_t>() - s0 * kRows * in;
+    float* sp = scale.data() - s0 * kRows;
+    at::parallel_for(s0, s0 + n, 4, [&](int64_t b0, int64_t b1) {
+      requantize_blocks(layer, b0, b1, dst, sp);
+    });
+    const torch::Tensor acc = at::_int_mm(codes, weight.narrow(0, 0, n * kRows).t());
+    const int32_t* ap = acc.data_ptr<int32_t>();
+    at::parallel_for(0, rows, 1, [&](int64_t r0, int64_t r1) {
+      finish_rows(layer, ap, acc.size(1), scale.data(), row_scales.data(), s0, s0 + n, r0, r1, y);
+    });
+  }
+}
 
 // --- the Python surface ----------------------------------------------------------------------
 
@@ -293,7 +415,8 @@ torch::Tensor pack(const torch::Tensor& codes_in, const torch::Tensor& scales_in
 
 // x (..., in; float32) -> (..., out; float32).
 torch::Tensor linear(const torch::Tensor& x_in, const torch::Tensor& packed,
-                     const c10::optional<torch::Tensor>& bias, int64_t out_features) {
+                     const c10::optional<torch::Tensor>& bias, int64_t out_features,
+                     int64_t matmul_rows) {
   TORCH_CHECK(x_in.scalar_type() == torch::kFloat32 && x_in.dim() >= 1, "float32 (..., in)");
   const torch::Tensor x = x_in.is_contiguous() ? x_in : x_in.contiguous();
   const int64_t in = x.size(-1), rows = in > 0 ? x.numel() / in : 0;
@@ -309,9 +432,13 @@ torch::Tensor linear(const torch::Tensor& x_in, const torch::Tensor& packed,
   torch::Tensor y = torch::empty(out_shape, x.options());
   if (rows == 0) return y;
 
+  float* yp = y.data_ptr<float>();
+  if (matmul_rows > 0 && rows >= matmul_rows) {
+    gemm_rows(layer, x.data_ptr<float>(), rows, yp);
+    return y;
+  }
   QuantRows q;
   quantize_rows(x.data_ptr<float>(), rows, in, &q);
-  float* yp = y.data_ptr<float>();
   if (rows == 1) {
     at::parallel_for(0, blocks, kStreams * 4, [&](int64_t b0, int64_t b1) {
       one_row(layer, q, b0, b1, yp);
@@ -348,7 +475,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("supported", &supported, "Whether this CPU has AVX2 and FMA (the kernels need both)");
   m.def("pack", &pack, "Pack int4 codes and bfloat16 group scales into 8-channel blocks");
   m.def("linear", &linear, "Int4 Linear on packed blocks", py::arg("x"), py::arg("packed"),
-        py::arg("bias"), py::arg("out_features"));
+        py::arg("bias"), py::arg("out_features"), py::arg("matmul_rows") = 0);
   m.def("quantize_activations", &quantize_activations,
         "The int8 codes and per-group scales the kernel computes an activation row with");
 }
