@@ -19,6 +19,7 @@ engine keeps torch's own int8 layer (engine.core.quantize.Int8Linear).
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Callable
 from types import ModuleType
 
@@ -27,6 +28,8 @@ from torch import nn
 
 from engine.core import native
 from engine.core.cpu import read_cpuinfo
+
+_LOGGER = logging.getLogger(__name__)
 
 # From this many rows on a call takes oneDNN's GEMM where it works (docs/dev/int8-kernel.md:
 # with the weight read back from its blocks it is ahead from ≈ 20 rows on AMX).
@@ -65,7 +68,12 @@ def int8_matmul_works() -> bool:
     sums exactly (checked; ``ONEDNN_MAX_CPU_ISA`` may keep oneDNN below them) and faster."""
     if kernel() is None or not _EXACT_INT8_FEATURES & set(read_cpuinfo().split()):
         return False
-    return sums_exact(torch._int_mm)
+    works = sums_exact(torch._int_mm)
+    if works:
+        _LOGGER.info("The LM reads prompts with oneDNN's int8 GEMM (VNNI/AMX)")
+    else:
+        _LOGGER.info("oneDNN's int8 GEMM does not sum exactly here: the LM's kernels read prompts")
+    return works
 
 
 def fits(in_features: int) -> bool:
