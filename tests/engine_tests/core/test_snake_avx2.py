@@ -183,7 +183,10 @@ def test_the_int8_hift_runs_every_residual_snake_on_the_kernel(
     monkeypatch.setattr(hift_int8, "snake_kernel", lambda: None)
     torch_path = wave()
     assert len(torch_calls) == len(fused_calls)
-    assert float((fused - torch_path).norm() / torch_path.norm()) < 0.005
+    # A few codes apart (the kernel's own sin), amplified by the vocoder: 0.0004-0.0032 with
+    # oneDNN on AMX, up to 0.0062 on AVX-512 VNNI or AVX-VNNI (where the int8 HiFT caps it, a
+    # Zen 4, an N100), at 1 and 2 threads and either ATen path; a wrong Snake is ~100 %.
+    assert float((fused - torch_path).norm() / torch_path.norm()) < 0.01
 
 
 def test_without_the_kernel_an_int8_conv_takes_the_torch_path(
