@@ -35,7 +35,6 @@
 #include <cstring>
 #include <vector>
 
-#include "dynamic_quant.h"  // transpose8x8_epi32
 #include "store_rows.h"
 
 namespace {
@@ -258,9 +257,10 @@ void many_rows(const Layer& layer, const QuantRows& q, int64_t rows, int64_t b0,
 // quantised symmetrically (q = round(x * 127 / max |x|)), y = acc * (s_channel * s_row) + bias.
 // A slab of channels at a time, in L2.
 
-// Blocks [b0, b1) requantised into plain int8 rows of ``dst`` (8 a block), each channel's
-// scale into ``scale`` (indexed by channel).
-void requantize_blocks(const Layer& layer, int64_t b0, int64_t b1, int8_t* dst, float* scale) {
+// Blocks [b0, b1) requantised into plain int8 rows of ``dst`` (8 a block, block ``first`` at
+// row 0), each channel's scale into ``scale`` (from block ``first``'s first channel on).
+void requantize_blocks(const Layer& layer, int64_t b0, int64_t b1, int64_t first, int8_t* dst,
+                       float* scale) {
   const int64_t in = layer.in_features, groups = in / kGroup, stride = groups * kGroupBytes;
   const __m256i low = _mm256_set1_epi8(0x0F), eight = _mm256_set1_epi32(8);
   const __m256i byte = _mm256_set1_epi32(0xFF);
@@ -274,8 +274,8 @@ void requantize_blocks(const Layer& layer, int64_t b0, int64_t b1, int8_t* dst, 
     // 1 / channel_scale; 0 for a channel of zero weights (scale 0, codes 8)
     const __m256 inverse = _mm256_and_ps(_mm256_div_ps(_mm256_set1_ps(1.0f), channel_scale),
                                          _mm256_cmp_ps(peak, zero, _CMP_GT_OQ));
-    _mm256_storeu_ps(scale + b * kRows, channel_scale);
-    int8_t* rows = dst + b * kRows * in;
+    _mm256_storeu_ps(scale + (b - first) * kRows, channel_scale);
+    int8_t* rows = dst + (b - first) * kRows * in;
     for (int64_t g = 0; g < groups; ++g) {
       const __m256 ratio = _mm256_mul_ps(group_scales(w + g * kGroupBytes), inverse);
       __m256i words[8];  // lo / hi nibbles of each 32-byte part: inputs 8p..8p+3, 8p+4..8p+7
@@ -356,11 +356,8 @@ void gemm_rows(const Layer& layer, const float* x, int64_t rows, float* y) {
   std::vector<float> scale(static_cast<size_t>(slab * kRows));
   for (int64_t s0 = 0; s0 < blocks; s0 += slab) {
     const int64_t n = std::min(slab, blocks - s0);
-    // block b at row 8 (b - s0) of the slab, its channels' scales at 8 (b - s0)
-    int8_t* dst = weight.data_ptr<int8_t>() - s0 * kRows * in;
-    float* sp = scale.data() - s0 * kRows;
     at::parallel_for(s0, s0 + n, 4, [&](int64_t b0, int64_t b1) {
-      requantize_blocks(layer, b0, b1, dst, sp);
+      requantize_blocks(layer, b0, b1, s0, weight.data_ptr<int8_t>(), scale.data());
     });
     const torch::Tensor acc = at::_int_mm(codes, weight.narrow(0, 0, n * kRows).t());
     const int32_t* ap = acc.data_ptr<int32_t>();

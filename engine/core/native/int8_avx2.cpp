@@ -32,7 +32,6 @@
 #include <cstring>
 #include <vector>
 
-#include "dynamic_quant.h"
 #include "store_rows.h"
 
 namespace {
@@ -52,6 +51,83 @@ constexpr int kRowGroup = 4;      // activation rows computed together against o
 constexpr int64_t kTileBytes = 256 * 1024;  // weight bytes kept hot in L2 across row groups
 constexpr int64_t kSlabBytes = 1024 * 1024;  // weight bytes per oneDNN GEMM of many rows
 
+struct QParams {
+  float scale;
+  int32_t zero_point;
+};
+
+// torch's choice of affine parameters for dynamic quantisation with reduce_range (0..127):
+// the range always includes 0, and the zero point comes from the end with the smaller error.
+QParams choose_qparams(float lo, float hi) {
+  lo = std::min(lo, 0.f);
+  hi = std::max(hi, 0.f);
+  constexpr int32_t qmin = 0, qmax = 127;
+  double scale = (static_cast<double>(hi) - lo) / (qmax - qmin);
+  if (static_cast<float>(scale) == 0.0f || std::isinf(1.0f / static_cast<float>(scale))) {
+    scale = 0.1;
+  }
+  const double zp_from_min = qmin - lo / scale;
+  const double zp_from_max = qmax - hi / scale;
+  const double zp_from_min_error = std::abs(qmin) - std::abs(lo / scale);
+  const double zp_from_max_error = std::abs(qmax) - std::abs(hi / scale);
+  const double zp = zp_from_min_error < zp_from_max_error ? zp_from_min : zp_from_max;
+  int32_t nudged;
+  if (zp < qmin) {
+    nudged = qmin;
+  } else if (zp > qmax) {
+    nudged = qmax;
+  } else {
+    nudged = static_cast<int32_t>(std::nearbyint(zp));
+  }
+  return {static_cast<float>(scale), nudged};
+}
+
+void min_max(const float* x, int64_t n, float* lo, float* hi) {
+  __m256 vlo = _mm256_set1_ps(0.f), vhi = _mm256_set1_ps(0.f);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 v = _mm256_loadu_ps(x + i);
+    vlo = _mm256_min_ps(vlo, v);
+    vhi = _mm256_max_ps(vhi, v);
+  }
+  alignas(32) float l[8], h[8];
+  _mm256_store_ps(l, vlo);
+  _mm256_store_ps(h, vhi);
+  float mn = 0.f, mx = 0.f;
+  for (int j = 0; j < 8; ++j) {
+    mn = std::min(mn, l[j]);
+    mx = std::max(mx, h[j]);
+  }
+  for (; i < n; ++i) {
+    mn = std::min(mn, x[i]);
+    mx = std::max(mx, x[i]);
+  }
+  *lo = mn;
+  *hi = mx;
+}
+
+// round(x / scale) + zero_point, clamped to 0..127. Rounding half to even, as nearbyint in the
+// default rounding mode and as vcvtps2dq.
+void quantize(const float* x, int64_t n, QParams q, uint8_t* out) {
+  const float inverse = 1.0f / q.scale;
+  const __m256 vinv = _mm256_set1_ps(inverse);
+  const __m256 vzp = _mm256_set1_ps(static_cast<float>(q.zero_point));
+  const __m256i vmin = _mm256_setzero_si256(), vmax = _mm256_set1_epi32(127);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    __m256i v = _mm256_cvtps_epi32(_mm256_fmadd_ps(_mm256_loadu_ps(x + i), vinv, vzp));
+    v = _mm256_min_epi32(_mm256_max_epi32(v, vmin), vmax);
+    alignas(32) int32_t t[8];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(t), v);
+    for (int j = 0; j < 8; ++j) out[i + j] = static_cast<uint8_t>(t[j]);
+  }
+  for (; i < n; ++i) {
+    const float zp = static_cast<float>(q.zero_point);
+    const int32_t v = static_cast<int32_t>(std::nearbyint(std::fma(x[i], inverse, zp)));
+    out[i] = static_cast<uint8_t>(std::min(127, std::max(0, v)));
+  }
+}
+
 struct Layer {
   const int8_t* weight;   // packed blocks
   const int32_t* rowsum;  // per output channel, padded to whole blocks
@@ -63,8 +139,12 @@ struct Layer {
 
 inline void store(const Layer& layer, int64_t block, __m256i acc, QParams q, float* y) {
   const int64_t n0 = block * kRows;
-  __m256 out = dequantize8(acc, layer.rowsum + n0, layer.scale + n0,
-                           layer.bias != nullptr ? layer.bias + n0 : nullptr, q);
+  const __m256i rowsum = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(layer.rowsum + n0));
+  acc = _mm256_sub_epi32(acc, _mm256_mullo_epi32(rowsum, _mm256_set1_epi32(q.zero_point)));
+  const __m256 scale = _mm256_mul_ps(_mm256_loadu_ps(layer.scale + n0), _mm256_set1_ps(q.scale));
+  __m256 out = layer.bias != nullptr
+                   ? _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc), scale, _mm256_loadu_ps(layer.bias + n0))
+                   : _mm256_mul_ps(_mm256_cvtepi32_ps(acc), scale);
   if (layer.relu) out = _mm256_max_ps(out, _mm256_setzero_ps());
   store_block(y, n0, layer.out_features, out);
 }
@@ -173,14 +253,14 @@ void finish_rows(const Layer& layer, const int32_t* acc, int64_t width, QParams 
             q, y + r * layer.out_features);
 }
 
-// Blocks [b0, b1) of the layer's weight as plain rows of ``dst`` ((whole blocks) x in, int8):
-// eight 32-byte blocks (eight steps of 4 inputs, each for the block's 8 channels) are an 8 x 8
-// matrix of 4-byte words, whose transpose is 32 bytes of each channel's row.
-void unpack_blocks(const Layer& layer, int64_t b0, int64_t b1, int8_t* dst) {
+// Blocks [b0, b1) of the layer's weight as plain rows of ``dst`` (8 int8 rows of ``in`` a block,
+// block ``first`` at row 0): eight 32-byte blocks (eight steps of 4 inputs, each for the block's
+// 8 channels) are an 8 x 8 matrix of 4-byte words, whose transpose is 32 bytes of each row.
+void unpack_blocks(const Layer& layer, int64_t b0, int64_t b1, int64_t first, int8_t* dst) {
   const int64_t in = layer.in_features, steps = in / kDepth;
   for (int64_t b = b0; b < b1; ++b) {
     const int8_t* src = layer.weight + b * steps * kBlockBytes;
-    int8_t* rows = dst + b * kRows * in;
+    int8_t* rows = dst + (b - first) * kRows * in;
     int64_t k = 0;
     for (; k + 8 <= steps; k += 8) {
       __m256i v[8];
@@ -209,9 +289,9 @@ void gemm_rows(const Layer& layer, uint8_t* xq, int64_t rows, QParams q, float* 
   torch::Tensor weight = torch::empty({slab * kRows, in}, torch::kInt8);
   for (int64_t s0 = 0; s0 < blocks; s0 += slab) {
     const int64_t n = std::min(slab, blocks - s0);
-    int8_t* dst = weight.data_ptr<int8_t>() - s0 * kRows * in;  // block b at row 8 (b - s0)
+    int8_t* dst = weight.data_ptr<int8_t>();
     at::parallel_for(s0, s0 + n, 8, [&](int64_t b0, int64_t b1) {
-      unpack_blocks(layer, b0, b1, dst);
+      unpack_blocks(layer, b0, b1, s0, dst);
     });
     const torch::Tensor acc = at::_int_mm(codes, weight.narrow(0, 0, n * kRows).t());
     const int32_t* ap = acc.data_ptr<int32_t>();
