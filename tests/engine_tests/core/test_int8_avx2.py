@@ -4,6 +4,7 @@ dynamic Linear (the products the int8 LM's tolerances were measured on)."""
 from __future__ import annotations
 
 import copy
+import os
 import platform
 import warnings
 
@@ -149,6 +150,16 @@ def test_onednn_takes_many_rows_only_where_its_sums_are_exact(
         assert not int8_avx2.int8_matmul_works()  # no VNNI: saturating pairs
     finally:
         int8_avx2.int8_matmul_works.cache_clear()
+
+
+def test_a_cpu_with_vnni_or_amx_reads_prompts_on_onednn() -> None:
+    # Where the sums are exact the prompt must not fall back to the slower loop unnoticed; an
+    # ONEDNN_MAX_CPU_ISA below VNNI turns it off (the suite is run so on other CPUs' paths).
+    flags = set(read_cpuinfo().split())
+    isa = os.environ.get("ONEDNN_MAX_CPU_ISA", os.environ.get("DNNL_MAX_CPU_ISA", "")).upper()
+    below_vnni = isa in {"SSE41", "AVX", "AVX2", "AVX512_CORE"}
+    expected = AVX2_FMA and bool(flags & {"avx_vnni", "avx512_vnni", "amx_int8"}) and not below_vnni
+    assert int8_avx2.int8_matmul_works() == expected
 
 
 @needs_kernel
