@@ -47,11 +47,13 @@ def kernel() -> ModuleType | None:
 
 def sums_exact(matmul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> bool:
     """Whether ``matmul`` (int8 (M, K) x int8 (K, N) -> int32) gives exact sums on the
-    kernel's activations at their worst: codes of 127 against weights of ±127, where 16-bit
-    pair sums would saturate."""
+    activations the kernels give it at their worst (the int8 kernel's 7-bit codes, the int4
+    path's signed ones): codes of ±127 against weights of ±127, where 16-bit pair sums would
+    saturate."""
     gen = torch.Generator().manual_seed(0)
-    codes = torch.randint(0, 128, (32, 256), dtype=torch.int8, generator=gen)
-    codes[::2] = 127
+    codes = torch.randint(-127, 128, (32, 256), dtype=torch.int8, generator=gen)
+    codes[::4] = 127
+    codes[1::4] = -127
     weight = torch.randint(-127, 128, (64, 256), dtype=torch.int8, generator=gen)
     weight[::3] = 127
     weight[1::3] = -127
