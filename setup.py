@@ -38,8 +38,15 @@ def _native() -> dict:
             extra_link_args=["-fopenmp"],
         )
         # the LM's int8 and int4 Linear; the int8 HiFT's Snake + activation quantisation;
-        # the Qwen2 LM's RMS norm; the LMs' decode-step attention
-        for name in ("int8_avx2", "int4_avx2", "snake_avx2", "norm_avx2", "attention_avx2")
+        # the Qwen2 LM's RMS norm; the LMs' decode-step attention; their decode step in one call
+        for name in (
+            "int8_avx2",
+            "int4_avx2",
+            "snake_avx2",
+            "norm_avx2",
+            "attention_avx2",
+            "decode_step_avx2",
+        )
     ]
     return {"ext_modules": kernels, "cmdclass": {"build_ext": BuildExtension}}
 

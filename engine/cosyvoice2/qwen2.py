@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from engine.core import native
+from engine.core import decode_step, native
 from engine.core.decode_attention import attend_one
 from engine.core.hparams import ModelConfigError
 from engine.core.quantize import lm_int8_linear
@@ -339,6 +339,9 @@ class Qwen2Model(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(Qwen2DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        # The decode step in one native call (engine.core.decode_step), built from the layers
+        # at each prefill: (the layers it was built from, the step or None where it cannot run).
+        self._native_step: tuple[tuple[nn.Module, ...], Any] | None = None
 
     def _layers(self) -> Iterable[Qwen2DecoderLayer]:
         return cast(Iterable[Qwen2DecoderLayer], self.layers)
@@ -377,11 +380,26 @@ class Qwen2Model(nn.Module):
         cos = cos[start:length].to(dtype=x.dtype, device=x.device)
         sin = sin[start:length].to(dtype=x.dtype, device=x.device)
         if t == 1 and b == 1:
+            step = self._native_layers(x)
+            if step is not None:
+                x = step.step(x, cache.kv, start, cos[0], sin[0])
+                cache.length = length
+                return self.norm(x)
             return self._decode_position(x, cache, cos[0], sin[0])
+        self._native_step = None  # a prefill starts each answer: the step is built anew
         for i, layer in enumerate(self._layers()):
             x = layer.forward_cached(x, cache, i, start, cos, sin)
         cache.length = length
         return self.norm(x)
+
+    def _native_layers(self, x: Tensor) -> Any | None:
+        """The native decode step over these layers, where every one of them runs natively."""
+        if not decode_step.runs(x, self.cfg.head_dim):
+            return None
+        layers = tuple(self._layers())
+        if self._native_step is None or self._native_step[0] != layers:
+            self._native_step = (layers, _native_qwen2_layers(layers, self.cfg))
+        return self._native_step[1]
 
     def _decode_position(self, x: Tensor, cache: KVCache, cos: Tensor, sin: Tensor) -> Tensor:
         start = cache.length
@@ -395,6 +413,36 @@ class Qwen2Model(nn.Module):
             x = layer.decode_position(x, slot, k, v, cos, sin)
         cache.length = length
         return self.norm(x)
+
+
+def _native_qwen2_layers(layers: Sequence[Qwen2DecoderLayer], cfg: Qwen2Config) -> Any | None:
+    """The native step's copy of ``layers`` (the same tensors), or None unless each layer's
+    q/k/v, output and fused gate/up and down products are the engine's kernels and its norms
+    float32."""
+    step = decode_step.kernel()
+    assert step is not None
+    native_layers = []
+    for layer in layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
+        if attn.qkv_proj is None or mlp.gate_up_proj is None or _norm_kernel() is None:
+            return None
+        if any(w.dtype != torch.float32 or not w.is_contiguous() for w in norms):
+            return None
+        linears = [
+            decode_step.native_linear(m)
+            for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        ]
+        if any(linear is None for linear in linears):
+            return None
+        native_layers.append(step.Qwen2Layer(norms[0].detach(), norms[1].detach(), *linears))
+    return step.Qwen2Layers(
+        native_layers,
+        cfg.num_attention_heads,
+        cfg.num_key_value_heads,
+        cfg.head_dim,
+        cfg.rms_norm_eps,
+    )
 
 
 class Qwen2CausalLM(nn.Module):

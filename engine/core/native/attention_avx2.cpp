@@ -214,6 +214,9 @@ torch::Tensor decode_attention(const torch::Tensor& q_in, const torch::Tensor& k
 
 }  // namespace
 
+// As a torch operator too: the decode step (decode_step_avx2.cpp) calls it from C++.
+TORCH_LIBRARY_FRAGMENT(engine, m) { m.def("decode_attention", &decode_attention); }
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "An LM decode step's attention in one call for AVX2 CPUs (engine.core.decode_attention)";
   m.def("supported", &supported, "Whether this CPU has AVX2 and FMA (the kernel needs both)");

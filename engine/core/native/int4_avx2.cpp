@@ -467,6 +467,9 @@ std::vector<torch::Tensor> quantize_activations(const torch::Tensor& x_in) {
 
 }  // namespace
 
+// As a torch operator too: the decode step (decode_step_avx2.cpp) calls it from C++.
+TORCH_LIBRARY_FRAGMENT(engine, m) { m.def("int4_linear", &linear); }
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "Group-wise int4 Linear for AVX2 CPUs, int8 activations (engine.core.int4)";
   m.def("supported", &supported, "Whether this CPU has AVX2 and FMA (the kernels need both)");

@@ -392,6 +392,9 @@ int64_t threads_in_a_loop() {
 
 }  // namespace
 
+// As a torch operator too: the decode step (decode_step_avx2.cpp) calls it from C++.
+TORCH_LIBRARY_FRAGMENT(engine, m) { m.def("int8_linear", &linear); }
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "Dynamic int8 Linear for AVX2 CPUs, bit-identical to fbgemm's (engine.core.int8_avx2)";
   m.def("supported", &supported, "Whether this CPU has AVX2 and FMA (the kernels need both)");

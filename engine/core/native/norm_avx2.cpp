@@ -78,6 +78,9 @@ torch::Tensor rms_norm(const torch::Tensor& x_in, const torch::Tensor& weight, d
 
 }  // namespace
 
+// As a torch operator too: the decode step (decode_step_avx2.cpp) calls it from C++.
+TORCH_LIBRARY_FRAGMENT(engine, m) { m.def("rms_norm", &rms_norm); }
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "RMS normalisation in one operator for AVX2 CPUs (engine.cosyvoice2.qwen2.RMSNorm)";
   m.def("supported", &supported, "Whether this CPU has AVX2 and FMA (the kernel needs both)");
