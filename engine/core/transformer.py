@@ -22,12 +22,13 @@ import math
 import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import cast
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from engine.core import decode_step
 from engine.core.decode_attention import attend_one
 from engine.core.hparams import EncoderArgs
 
@@ -398,6 +399,9 @@ class RelPosEncoder(nn.Module):
         self.encoders = nn.ModuleList(EncoderLayer(args) for _ in range(args.num_blocks))
         self.after_norm = nn.LayerNorm(args.output_size, eps=1e-5)
         self.xscale = math.sqrt(args.output_size)
+        # The decode step in one native call (engine.core.decode_step), built from the layers
+        # at each prefill: (the layers it was built from, the step or None where it cannot run).
+        self._native_step: tuple[tuple[nn.Module, ...], Any] | None = None
 
     def _layers(self) -> Iterable[EncoderLayer]:
         """The layers of ``encoders``, typed (a ModuleList yields plain modules)."""
@@ -469,6 +473,7 @@ class RelPosEncoder(nn.Module):
             raise ValueError(f"KV cache full: {length} > {cache.max_len} positions")
         if t == 1 and b == 1 and cache.key_mask is None and lengths is None:
             return self._decode_position(x, cache)
+        self._native_step = None  # a prefill starts each answer: the step is built anew
         if lengths is not None:
             if start != 0:
                 raise ValueError("lengths is only accepted by the first prefill")
@@ -499,10 +504,70 @@ class RelPosEncoder(nn.Module):
         keys = kv[:, 0, :, :length].unbind(0)  # per layer (h, L, d_k)
         values = kv[:, 1, :, :length].unbind(0)
         x = self._input(x)
-        for layer, slot, k, v in zip(self._layers(), slots, keys, values, strict=True):
-            x = layer.decode_position(x, slot, k, v, length)
+        step = self._native_layers(x, length)
+        if step is not None:
+            x = step.step(x, cache.kv, start)
+        else:
+            for layer, slot, k, v in zip(self._layers(), slots, keys, values, strict=True):
+                x = layer.decode_position(x, slot, k, v, length)
         cache.length = length
         return self.after_norm(x)
+
+    def _native_layers(self, x: Tensor, length: int) -> Any | None:
+        """The native decode step over these layers, holding the positional rows of ``length``
+        positions, where every layer runs natively."""
+        if not decode_step.runs(x, self.args.output_size // self.args.attention_heads):
+            return None
+        layers = tuple(self._layers())
+        built = self._native_step
+        if built is None or built[0] != layers:
+            built = self._native_step = (layers, _native_rel_pos_layers(layers))
+        step = built[1]
+        if step is not None and step.positions_held() < length:
+            blocks = -(-length // ROW_BLOCK)
+            rows = [layer.self_attn._row_blocks(blocks) for layer in layers]  # noqa: SLF001
+            step.hold_position_blocks(rows, ROW_BLOCK)
+        return step
+
+
+def _native_rel_pos_layers(layers: tuple[EncoderLayer, ...]) -> Any | None:
+    """The native step's copy of ``layers`` (the same tensors), or None unless each layer's
+    q/k/v (fused), output and feed-forward products are the engine's kernels, its activation
+    ReLU and its norms float32."""
+    step = decode_step.kernel()
+    assert step is not None
+    native_layers = []
+    eps = None
+    for layer in layers:
+        attn, ff = layer.self_attn, layer.feed_forward
+        ln_a, ln_b = layer._norms  # noqa: SLF001
+        norms = (ln_a.weight, ln_a.bias, ln_b.weight, ln_b.bias)
+        if attn.linear_qkv is None or ff.act is not F.relu or ln_a.eps != ln_b.eps:
+            return None
+        if eps is not None and ln_a.eps != eps:
+            return None
+        eps = ln_a.eps
+        if any(w is None or w.dtype != torch.float32 for w in norms):
+            return None
+        relu = decode_step.native_linear(ff.w_1, relu=True)
+        w_1 = relu or decode_step.native_linear(ff.w_1)
+        linears = [decode_step.native_linear(m) for m in (attn.linear_qkv, attn.linear_out, ff.w_2)]
+        if w_1 is None or any(linear is None for linear in linears):
+            return None
+        qkv, out, w_2 = linears
+        native_layers.append(
+            step.RelPosLayer(
+                *(w.detach() for w in norms),
+                attn._uv_biases(),  # noqa: SLF001
+                qkv,
+                out,
+                w_1,
+                w_2,
+                relu is not None,
+            )
+        )
+    first = layers[0].self_attn
+    return step.RelPosLayers(native_layers, first.h, first.d_k, eps)
 
 
 def store_position_rows(module: nn.Module, positions: int = STORED_POSITIONS) -> None:

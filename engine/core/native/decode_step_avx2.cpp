@@ -14,9 +14,12 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/extension.h>
 
+#include <algorithm>
+#include <climits>
 #include <cmath>
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -161,6 +164,109 @@ class Qwen2Layers {
   c10::TypedOperatorHandle<AttentionFn> attention_;
 };
 
+// A CosyVoice-300M LM layer's weights (engine.core.transformer.EncoderLayer): its two
+// LayerNorms', pos_bias_u and pos_bias_v stacked (2, h, d_k), its four Linear layers (q/k/v
+// fused) and whether the first feed-forward layer applies the ReLU itself.
+struct RelPosLayer {
+  at::Tensor norm_a_weight, norm_a_bias, norm_b_weight, norm_b_bias, uv_biases;
+  std::shared_ptr<Linear> qkv, out, w_1, w_2;
+  bool w_1_relu;
+};
+
+// Per layer, blocks of ``block`` rows each; every layer has at least ``count`` of them.
+struct PositionRows {
+  std::vector<std::vector<at::Tensor>> blocks;
+  int64_t block, count;
+  int64_t positions() const { return block * count; }
+};
+
+// The layers of engine.core.transformer.RelPosEncoder (relative positions, pre-LN, ReLU
+// feed-forward), for its single-sequence decode step.
+class RelPosLayers {
+ public:
+  RelPosLayers(std::vector<RelPosLayer> layers, int64_t heads, int64_t head_dim, double eps)
+      : layers_(std::move(layers)),
+        heads_(heads),
+        head_dim_(head_dim),
+        eps_(eps),
+        scale_(1.0 / std::sqrt(static_cast<double>(head_dim))),
+        attention_(engine_op<AttentionFn>("engine::decode_attention")) {}
+
+  // Each layer's positional rows, blocks of ``block`` relative positions in position order
+  // (RelPosAttention._row_blocks). Only ever grows: steps of other answers may be reading the
+  // rows held now (each takes the set it starts with).
+  void hold_position_blocks(std::vector<std::vector<at::Tensor>> blocks, int64_t block) {
+    TORCH_CHECK(blocks.size() == layers_.size(), "one list of blocks per layer");
+    int64_t count = INT64_MAX;
+    for (const auto& layer_blocks : blocks) {
+      count = std::min(count, static_cast<int64_t>(layer_blocks.size()));
+    }
+    auto held = std::make_shared<const PositionRows>(PositionRows{std::move(blocks), block, count});
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (rows_ == nullptr || held->positions() > rows_->positions()) rows_ = std::move(held);
+  }
+
+  // How many positions the rows held cover.
+  int64_t positions_held() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return rows_ == nullptr ? 0 : rows_->positions();
+  }
+
+  // x (1, 1, d) at position ``start`` (after the input layer) -> the last layer's output.
+  at::Tensor step(const at::Tensor& x_in, const at::Tensor& kv_cache, int64_t start) const {
+    TORCH_CHECK(kv_cache.dim() == 6 && kv_cache.size(0) == static_cast<int64_t>(layers_.size()) &&
+                    kv_cache.size(2) == 1 && kv_cache.size(3) == heads_ &&
+                    kv_cache.size(5) == head_dim_,
+                "kv: (layers, 2, 1, heads, max_len, head_dim) of this model");
+    TORCH_CHECK(start >= 0 && start < kv_cache.size(4), "position ", start, " outside the cache");
+    const int64_t length = start + 1;
+    std::shared_ptr<const PositionRows> rows;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      rows = rows_;
+    }
+    TORCH_CHECK(rows != nullptr && rows->positions() >= length, "positional rows for ", length,
+                " positions not held");
+    const int64_t block = rows->block, count = (length + block - 1) / block;
+    pybind11::gil_scoped_release no_gil;
+    const int64_t d = heads_ * head_dim_;
+    const at::Tensor kv = kv_cache.select(2, 0);  // (layers, 2, h, max_len, d_k)
+    at::Tensor x = x_in;
+    for (size_t i = 0; i < layers_.size(); ++i) {
+      const RelPosLayer& layer = layers_[i];
+      const at::Tensor layer_kv = kv.select(0, static_cast<int64_t>(i));
+      const at::Tensor h = at::layer_norm(x, {d}, layer.norm_a_weight, layer.norm_a_bias, eps_);
+      const at::Tensor qkv = (*layer.qkv)(h).view({3, heads_, head_dim_});
+      layer_kv.select(2, start).copy_(qkv.narrow(0, 1, 2));
+      const std::vector<at::Tensor> uv =
+          (qkv.select(0, 0) + layer.uv_biases).view({2, heads_, 1, head_dim_}).unbind(0);
+      // the rows of relative positions L-1 ... 0: the blocks they fall in, highest first, the
+      // first cut to the positions used
+      std::vector<at::Tensor> pieces;
+      for (int64_t b = count - 1; b >= 0; --b) pieces.push_back(rows->blocks[i][b]);
+      pieces[0] = pieces[0].narrow(1, count * block - length, length - (count - 1) * block);
+      const at::Tensor keys = layer_kv.select(0, 0).narrow(1, 0, length);
+      const at::Tensor values = layer_kv.select(0, 1).narrow(1, 0, length);
+      const at::Tensor heads_out = attention_.call(uv[0], keys, values, scale_,
+                                                   uv[1].reshape({heads_, head_dim_}), pieces);
+      x = x + (*layer.out)(heads_out.view({1, 1, d}));
+      const at::Tensor h2 = at::layer_norm(x, {d}, layer.norm_b_weight, layer.norm_b_bias, eps_);
+      at::Tensor hidden = (*layer.w_1)(h2);
+      if (!layer.w_1_relu) hidden = at::relu(hidden);
+      x = x + (*layer.w_2)(hidden);
+    }
+    return x;
+  }
+
+ private:
+  std::vector<RelPosLayer> layers_;
+  int64_t heads_, head_dim_;
+  double eps_, scale_;
+  c10::TypedOperatorHandle<AttentionFn> attention_;
+  mutable std::mutex mutex_;
+  std::shared_ptr<const PositionRows> rows_;
+};
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -185,4 +291,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("eps"))
       .def("step", &Qwen2Layers::step, py::arg("x"), py::arg("kv"), py::arg("start"),
            py::arg("cos"), py::arg("sin"));
+  py::class_<RelPosLayer>(m, "RelPosLayer")
+      .def(py::init<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
+                    std::shared_ptr<Linear>, std::shared_ptr<Linear>, std::shared_ptr<Linear>,
+                    std::shared_ptr<Linear>, bool>(),
+           py::arg("norm_a_weight"), py::arg("norm_a_bias"), py::arg("norm_b_weight"),
+           py::arg("norm_b_bias"), py::arg("uv_biases"), py::arg("qkv"), py::arg("out"),
+           py::arg("w_1"), py::arg("w_2"), py::arg("w_1_relu"));
+  py::class_<RelPosLayers>(m, "RelPosLayers")
+      .def(py::init<std::vector<RelPosLayer>, int64_t, int64_t, double>(), py::arg("layers"),
+           py::arg("heads"), py::arg("head_dim"), py::arg("eps"))
+      .def("hold_position_blocks", &RelPosLayers::hold_position_blocks, py::arg("blocks"),
+           py::arg("block"))
+      .def("positions_held", &RelPosLayers::positions_held)
+      .def("step", &RelPosLayers::step, py::arg("x"), py::arg("kv"), py::arg("start"));
 }

@@ -1,6 +1,7 @@
 """The decode step in one native call (engine/core/native/decode_step_avx2.cpp): built where the
 kernels it calls are, taken wherever every layer is one of them, and bit for bit the Python
-path's results (the same operators in the same order)."""
+path's results (the same operators in the same order) for both LM layouts: Qwen2 (CosyVoice2,
+Fun-CosyVoice3) and relative positions (CosyVoice-300M)."""
 
 from __future__ import annotations
 
@@ -9,12 +10,17 @@ import platform
 
 import pytest
 import torch
+from conftest import TINY_MODEL
+from torch import nn
 
 from engine.core import decode_step
 from engine.core.cpu import read_cpuinfo
 from engine.core.int4 import Int4Linear, int4_format_parts, pack_int4_format
-from engine.core.quantize import install_int8_layers
-from engine.core.transformer import KVCache
+from engine.core.quantize import install_int8_layers, int8_parts, pack_lm_int8
+from engine.core.quantize import int8_layer_names as v1_int8_layer_names
+from engine.core.transformer import ROW_BLOCK, KVCache, RelPosEncoder
+from engine.cosyvoice1.hparams import load_model_args
+from engine.cosyvoice1.llm import TransformerLM
 from engine.cosyvoice2.qwen2 import (
     Qwen2Config,
     Qwen2Model,
@@ -123,3 +129,101 @@ def test_the_step_runs_only_where_its_kernels_take_the_row() -> None:
         assert not decode_step.runs(row.double(), CONFIG.head_dim)
         assert not decode_step.runs(row, 12)  # not a multiple of 8
     assert not decode_step.runs(row, CONFIG.head_dim)  # autograd on
+
+
+# --- relative positions (CosyVoice-300M) -----------------------------------------------------
+
+# Past the first block of positional rows: the steps cross into the second.
+V1_PREFILL, V1_STEPS = 5, ROW_BLOCK + 10
+
+
+def _v1_encoder(lm_weights: str) -> RelPosEncoder:
+    """The tiny CosyVoice-300M LM's decoder stack, its layers packed as a prepared file of
+    ``lm_weights`` packs them."""
+    args = load_model_args(TINY_MODEL / "cosyvoice.yaml")
+    model = TransformerLM(args.llm).eval()
+    model.load_state_dict(torch.load(TINY_MODEL / "llm.pt", weights_only=True))
+    names = v1_int8_layer_names(model)
+    if lm_weights == "int8":
+        parts = int8_parts(model, names)
+        install_int8_layers(model, {name: pack_lm_int8(parts, name) for name in names})
+    elif lm_weights == "int4":
+        parts = int4_format_parts(model, names)
+        install_int8_layers(model, {name: pack_int4_format(parts, name) for name in names})
+    return model.llm
+
+
+class _V1Answer:
+    """One answer's prefill and decode steps, a step at a time (answers can take turns)."""
+
+    def __init__(self, encoder: RelPosEncoder, seed: int) -> None:
+        self.encoder = encoder
+        gen = torch.Generator().manual_seed(seed)
+        self.rows = torch.randn(1, V1_PREFILL + V1_STEPS, encoder.args.input_size, generator=gen)
+        self.cache = encoder.new_cache(1, V1_PREFILL + V1_STEPS)
+        self.outs: list[torch.Tensor] = []
+        with torch.inference_mode():
+            encoder.forward_cached(self.rows[:, :V1_PREFILL], self.cache)
+
+    def step(self, *, native: bool) -> None:
+        i = self.cache.length
+        with torch.inference_mode():
+            if not native:
+                self.encoder._native_step = (tuple(self.encoder.encoders), None)  # noqa: SLF001
+            self.outs.append(self.encoder.forward_cached(self.rows[:, i : i + 1], self.cache))
+
+
+def _v1_reference(encoder: RelPosEncoder, seed: int) -> _V1Answer:
+    answer = _V1Answer(encoder, seed)
+    for _ in range(V1_STEPS):
+        answer.step(native=False)
+    return answer
+
+
+def _same(answer: _V1Answer, reference: _V1Answer) -> bool:
+    return torch.equal(torch.cat(answer.outs, 1), torch.cat(reference.outs, 1)) and torch.equal(
+        answer.cache.kv, reference.cache.kv
+    )
+
+
+@pytest.mark.parametrize("lm_weights", ["int8", "int4"])
+def test_a_rel_pos_step_is_bit_for_bit_the_python_path(lm_weights: str) -> None:
+    encoder = _v1_encoder(lm_weights)
+    answer = _V1Answer(encoder, seed=1)
+    for _ in range(V1_STEPS):
+        answer.step(native=True)
+    assert encoder._native_step is not None and encoder._native_step[1] is not None  # noqa: SLF001
+    assert _same(answer, _v1_reference(encoder, seed=1))
+
+
+def test_answers_taking_turns_each_read_their_own_positions() -> None:
+    """A second answer's prefill rebuilds the step while the first is past a block boundary:
+    each answer's steps still read the positional rows of its own length."""
+    encoder = _v1_encoder("int8")
+    first = _V1Answer(encoder, seed=1)
+    for _ in range(ROW_BLOCK):
+        first.step(native=True)
+    second = _V1Answer(encoder, seed=2)
+    while len(second.outs) < V1_STEPS:
+        second.step(native=True)
+        if len(first.outs) < V1_STEPS:
+            first.step(native=True)
+    assert _same(first, _v1_reference(encoder, seed=1))
+    assert _same(second, _v1_reference(encoder, seed=2))
+
+
+def test_a_float_rel_pos_stack_keeps_the_python_path() -> None:
+    encoder = _v1_encoder("float32")
+    answer = _V1Answer(encoder, seed=1)
+    answer.step(native=True)
+    assert encoder._native_step is not None and encoder._native_step[1] is None  # noqa: SLF001
+
+
+def test_a_silu_feed_forward_keeps_the_python_path() -> None:
+    """The native step computes ReLU feed-forward layers (the LM's); others stay in Python."""
+    encoder = _v1_encoder("int8")
+    for layer in encoder.encoders:
+        layer.feed_forward.act = nn.functional.silu
+    answer = _V1Answer(encoder, seed=1)
+    answer.step(native=True)
+    assert encoder._native_step is not None and encoder._native_step[1] is None  # noqa: SLF001
