@@ -50,12 +50,13 @@ def native_linear(module: nn.Module, relu: bool = False) -> Any | None:
     return None
 
 
-def runs(x: torch.Tensor, head_size: int) -> bool:
-    """Whether a decode step of the row ``x`` with heads of ``head_size`` may run natively."""
+def runs(x: torch.Tensor, kv: torch.Tensor, head_size: int) -> bool:
+    """Whether a decode step of the row ``x`` on the cache ``kv`` with heads of ``head_size``
+    may run natively: float32 on the CPU without autograd, heads the attention kernel takes."""
     return (
         kernel() is not None
-        and x.dtype == torch.float32
-        and x.device.type == "cpu"
+        and x.dtype == kv.dtype == torch.float32
+        and x.device.type == kv.device.type == "cpu"
         and not torch.is_grad_enabled()
         and attention_runs(head_size)
     )

@@ -499,24 +499,24 @@ class RelPosEncoder(nn.Module):
         """The decode step of one sequence: x (1, 1, input_size) → (1, 1, output_size)."""
         start = cache.length
         length = start + 1
-        kv = cache.kv[:, :, 0]  # (layers, 2, h, max_len, d_k)
-        slots = kv[:, :, :, start].unbind(0)  # per layer (2, h, d_k): this position's K/V
-        keys = kv[:, 0, :, :length].unbind(0)  # per layer (h, L, d_k)
-        values = kv[:, 1, :, :length].unbind(0)
         x = self._input(x)
-        step = self._native_layers(x, length)
+        step = self._native_layers(x, cache, length)
         if step is not None:
             x = step.step(x, cache.kv, start)
         else:
+            kv = cache.kv[:, :, 0]  # (layers, 2, h, max_len, d_k)
+            slots = kv[:, :, :, start].unbind(0)  # per layer (2, h, d_k): this position's K/V
+            keys = kv[:, 0, :, :length].unbind(0)  # per layer (h, L, d_k)
+            values = kv[:, 1, :, :length].unbind(0)
             for layer, slot, k, v in zip(self._layers(), slots, keys, values, strict=True):
                 x = layer.decode_position(x, slot, k, v, length)
         cache.length = length
         return self.after_norm(x)
 
-    def _native_layers(self, x: Tensor, length: int) -> Any | None:
+    def _native_layers(self, x: Tensor, cache: KVCache, length: int) -> Any | None:
         """The native decode step over these layers, holding the positional rows of ``length``
         positions, where every layer runs natively."""
-        if not decode_step.runs(x, self.args.output_size // self.args.attention_heads):
+        if not decode_step.runs(x, cache.kv, self.args.output_size // self.args.attention_heads):
             return None
         layers = tuple(self._layers())
         built = self._native_step

@@ -380,7 +380,7 @@ class Qwen2Model(nn.Module):
         cos = cos[start:length].to(dtype=x.dtype, device=x.device)
         sin = sin[start:length].to(dtype=x.dtype, device=x.device)
         if t == 1 and b == 1:
-            step = self._native_layers(x)
+            step = self._native_layers(x, cache)
             if step is not None:
                 x = step.step(x, cache.kv, start, cos[0], sin[0])
                 cache.length = length
@@ -392,9 +392,9 @@ class Qwen2Model(nn.Module):
         cache.length = length
         return self.norm(x)
 
-    def _native_layers(self, x: Tensor) -> Any | None:
+    def _native_layers(self, x: Tensor, cache: KVCache) -> Any | None:
         """The native decode step over these layers, where every one of them runs natively."""
-        if not decode_step.runs(x, self.cfg.head_dim):
+        if not decode_step.runs(x, cache.kv, self.cfg.head_dim):
             return None
         layers = tuple(self._layers())
         if self._native_step is None or self._native_step[0] != layers:
@@ -422,10 +422,13 @@ def _native_qwen2_layers(layers: Sequence[Qwen2DecoderLayer], cfg: Qwen2Config) 
     step = decode_step.kernel()
     assert step is not None
     native_layers = []
+    eps = layers[0].input_layernorm.eps
     for layer in layers:
         attn, mlp = layer.self_attn, layer.mlp
         norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
         if attn.qkv_proj is None or mlp.gate_up_proj is None or _norm_kernel() is None:
+            return None
+        if layer.input_layernorm.eps != eps or layer.post_attention_layernorm.eps != eps:
             return None
         if any(w.dtype != torch.float32 or not w.is_contiguous() for w in norms):
             return None
@@ -437,11 +440,7 @@ def _native_qwen2_layers(layers: Sequence[Qwen2DecoderLayer], cfg: Qwen2Config) 
             return None
         native_layers.append(step.Qwen2Layer(norms[0].detach(), norms[1].detach(), *linears))
     return step.Qwen2Layers(
-        native_layers,
-        cfg.num_attention_heads,
-        cfg.num_key_value_heads,
-        cfg.head_dim,
-        cfg.rms_norm_eps,
+        native_layers, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, eps
     )
 
 

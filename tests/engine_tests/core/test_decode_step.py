@@ -122,13 +122,16 @@ def test_a_prefill_builds_the_step_from_the_layers_it_then_has() -> None:
 
 
 def test_the_step_runs_only_where_its_kernels_take_the_row() -> None:
-    """Float32 CPU rows without autograd, heads the attention kernel is compiled for."""
+    """Float32 CPU rows and caches without autograd, heads the attention kernel is compiled
+    for."""
     row = torch.randn(1, 1, CONFIG.hidden_size)
+    kv = torch.zeros(3, 2, 1, 2, 8, CONFIG.head_dim)
     with torch.inference_mode():
-        assert decode_step.runs(row, CONFIG.head_dim)
-        assert not decode_step.runs(row.double(), CONFIG.head_dim)
-        assert not decode_step.runs(row, 12)  # not a multiple of 8
-    assert not decode_step.runs(row, CONFIG.head_dim)  # autograd on
+        assert decode_step.runs(row, kv, CONFIG.head_dim)
+        assert not decode_step.runs(row.double(), kv, CONFIG.head_dim)
+        assert not decode_step.runs(row, kv.bfloat16(), CONFIG.head_dim)
+        assert not decode_step.runs(row, kv, 12)  # not a multiple of 8
+    assert not decode_step.runs(row, kv, CONFIG.head_dim)  # autograd on
 
 
 # --- relative positions (CosyVoice-300M) -----------------------------------------------------
