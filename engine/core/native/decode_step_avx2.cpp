@@ -1,13 +1,13 @@
 // An LM's decode step (one new position of one sequence) through all of its layers in one call.
 //
-// Why: a decode step is ~20 small operators per layer around the matrix kernels (norms, rotary
-// positions, the cache write, attention, residual adds, SwiGLU), each dispatched from Python.
-// On two server cores a CosyVoice2 int4 step spent 7-8 of its 19 ms outside the matrix
-// kernels, a fifth of the calling thread's samples in the Python interpreter itself. Here the
-// same operators run in the same order from C++: the engine's kernels through torch's
-// dispatcher (each kernel module registers its functions as ``engine::`` operators) and torch's
-// own operators for the rest, so the results are bit for bit those of the Python path
-// (engine.cosyvoice2.qwen2). The GIL is released for the whole step.
+// Why: around its matrix products a decode step is about twenty small operators a layer (norms,
+// rotary positions or position biases, the cache write, attention, residual adds, SwiGLU), and
+// dispatched one by one from Python they cost a CosyVoice2 int4 step about two thirds of the
+// time of its products, much of it in the Python interpreter itself. Here the same operators
+// run in the same order from C++: the engine's kernels through torch's dispatcher (each kernel
+// module registers its functions as ``engine::`` operators) and torch's own operators for the
+// rest, so the results are bit for bit those of the Python paths (engine.cosyvoice2.qwen2,
+// engine.core.transformer). The GIL is released for the whole step.
 //
 // The module has no kernels of its own; ``supported()`` says whether the kernels it calls run.
 
@@ -15,12 +15,10 @@
 #include <torch/extension.h>
 
 #include <algorithm>
-#include <climits>
 #include <cmath>
 #include <cstdint>
 #include <memory>
 #include <mutex>
-#include <string>
 #include <vector>
 
 namespace {
@@ -197,11 +195,13 @@ class RelPosLayers {
   // rows held now (each takes the set it starts with).
   void hold_position_blocks(std::vector<std::vector<at::Tensor>> blocks, int64_t block) {
     TORCH_CHECK(blocks.size() == layers_.size(), "one list of blocks per layer");
+    TORCH_CHECK(block > 0, "blocks of at least one row");
     int64_t count = INT64_MAX;
     for (const auto& layer_blocks : blocks) {
       count = std::min(count, static_cast<int64_t>(layer_blocks.size()));
     }
-    auto held = std::make_shared<const PositionRows>(PositionRows{std::move(blocks), block, count});
+    auto held =
+        std::make_shared<const PositionRows>(PositionRows{std::move(blocks), block, count});
     std::lock_guard<std::mutex> lock(mutex_);
     if (rows_ == nullptr || held->positions() > rows_->positions()) rows_ = std::move(held);
   }
@@ -274,7 +274,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("supported", &supported, "Whether this CPU runs the kernels the step calls (AVX2, FMA)");
   py::class_<Linear, std::shared_ptr<Linear>>(m, "Linear");
   py::class_<Int8Linear, Linear, std::shared_ptr<Int8Linear>>(m, "Int8Linear")
-      .def(py::init<at::Tensor, at::Tensor, at::Tensor, c10::optional<at::Tensor>, int64_t, bool>(),
+      .def(py::init<at::Tensor, at::Tensor, at::Tensor, c10::optional<at::Tensor>, int64_t,
+                    bool>(),
            py::arg("blocks"), py::arg("rowsum"), py::arg("scale"), py::arg("bias"),
            py::arg("out_features"), py::arg("relu"));
   py::class_<Int4Linear, Linear, std::shared_ptr<Int4Linear>>(m, "Int4Linear")
