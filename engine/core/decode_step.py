@@ -3,8 +3,8 @@
 kernels.
 
 A decode step is ~20 small operators per layer around the matrix products; dispatched from
-Python they cost about two thirds of the time of a CosyVoice2 step's int4 products. The native step
-runs the same operators in the same order (the engine's kernels and torch's own), so its
+Python they cost about two thirds of the time of a CosyVoice2 step's int4 products. The native
+step runs the same operators in the same order (the engine's kernels and torch's own), so its
 results are bit for bit the Python path's; the families keep that path for every other case
 (float32 layers, other kernels, autograd) and as the reference the tests hold it to.
 """
