@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import platform
+import threading
 
 import pytest
 import torch
@@ -230,3 +231,33 @@ def test_a_silu_feed_forward_keeps_the_python_path() -> None:
     answer = _V1Answer(encoder, seed=1)
     answer.step(native=True)
     assert encoder._native_step is not None and encoder._native_step[1] is None  # noqa: SLF001
+
+
+def test_answers_in_threads_at_once_each_get_their_own_steps() -> None:
+    """The step releases the GIL: answers decoding on one model in several threads (as with
+    ``parallel_sentences: 2``), their steps at the same time, each get what they get alone."""
+    qwen2 = _quantised("int4")
+    rel_pos = _v1_encoder("int8")
+    qwen2_alone = _decode(qwen2, native=True)[0]
+    rel_pos_alone = _v1_reference(rel_pos, seed=1)
+    results: dict[str, list] = {"qwen2": [], "rel_pos": []}
+
+    def qwen2_answer() -> None:
+        torch.set_num_threads(1)  # one thread each: the threads, not OpenMP teams, overlap
+        results["qwen2"].append(_decode(qwen2, native=True)[0])
+
+    def rel_pos_answer() -> None:
+        torch.set_num_threads(1)
+        answer = _V1Answer(rel_pos, seed=1)
+        for _ in range(V1_STEPS):
+            answer.step(native=True)
+        results["rel_pos"].append(answer)
+
+    threads = [threading.Thread(target=f) for f in (qwen2_answer, rel_pos_answer) * 2]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(results["qwen2"]) == len(results["rel_pos"]) == 2
+    assert all(torch.equal(out, qwen2_alone) for out in results["qwen2"])
+    assert all(_same(answer, rel_pos_alone) for answer in results["rel_pos"])
