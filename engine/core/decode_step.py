@@ -29,9 +29,9 @@ def kernel() -> ModuleType | None:
     """The compiled step, where built and this CPU runs the kernels it calls."""
     step = native.load("decode_step_avx2")
     # The step calls the other kernels as torch operators: importing them registers those.
-    for name in ("int8_avx2", "int4_avx2", "norm_avx2", "attention_avx2"):
-        if native.load(name) is None:
-            return None
+    kernels = ("int8_avx2", "int4_avx2", "norm_avx2", "attention_avx2")
+    if step is None or any(native.load(name) is None for name in kernels):
+        return None
     return step
 
 

@@ -537,20 +537,17 @@ def _native_rel_pos_layers(layers: tuple[EncoderLayer, ...]) -> Any | None:
     step = decode_step.kernel()
     assert step is not None
     native_layers = []
-    eps = None
+    eps = layers[0]._norms[0].eps  # noqa: SLF001
     for layer in layers:
         attn, ff = layer.self_attn, layer.feed_forward
         ln_a, ln_b = layer._norms  # noqa: SLF001
         norms = (ln_a.weight, ln_a.bias, ln_b.weight, ln_b.bias)
-        if attn.linear_qkv is None or ff.act is not F.relu or ln_a.eps != ln_b.eps:
+        if attn.linear_qkv is None or ff.act is not F.relu or not ln_a.eps == ln_b.eps == eps:
             return None
-        if eps is not None and ln_a.eps != eps:
-            return None
-        eps = ln_a.eps
         if any(w is None or w.dtype != torch.float32 for w in norms):
             return None
         relu = decode_step.native_linear(ff.w_1, relu=True)
-        w_1 = relu or decode_step.native_linear(ff.w_1)
+        w_1 = relu if relu is not None else decode_step.native_linear(ff.w_1)
         linears = [decode_step.native_linear(m) for m in (attn.linear_qkv, attn.linear_out, ff.w_2)]
         if w_1 is None or any(linear is None for linear in linears):
             return None

@@ -426,7 +426,7 @@ def _native_qwen2_layers(layers: Sequence[Qwen2DecoderLayer], cfg: Qwen2Config) 
     for layer in layers:
         attn, mlp = layer.self_attn, layer.mlp
         norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
-        if attn.qkv_proj is None or mlp.gate_up_proj is None or _norm_kernel() is None:
+        if attn.qkv_proj is None or mlp.gate_up_proj is None:
             return None
         if layer.input_layernorm.eps != eps or layer.post_attention_layernorm.eps != eps:
             return None
