@@ -29,12 +29,14 @@ def _native() -> dict:
         return {}
 
     # -fopenmp: at::parallel_for is OpenMP in torch's headers (serial without it); the libgomp
-    # it links is the one torch has already loaded (same soname).
+    # it links is the one torch has already loaded (same soname). -g0 overrides the -g of
+    # Python's own flags: debug information for torch's templates doubles the compile time of
+    # every install and image build and makes each module twenty times larger.
     kernels = [
         CppExtension(
             f"engine.core.native.{name}",
             [f"engine/core/native/{name}.cpp"],
-            extra_compile_args=["-O3", "-fopenmp"],
+            extra_compile_args=["-O3", "-g0", "-fopenmp"],
             extra_link_args=["-fopenmp"],
         )
         # the LM's int8 and int4 Linear; the int8 HiFT's Snake + activation quantisation;

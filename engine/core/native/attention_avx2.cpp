@@ -20,7 +20,11 @@
 // x86-64: it imports on every x86-64 CPU, and ``supported()`` says whether it may run.
 
 #include <ATen/Parallel.h>
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/_softmax.h>
+#include <ATen/ops/empty.h>
+#include <torch/csrc/utils/pybind.h>
+#include <torch/library.h>
 
 #include <immintrin.h>
 
@@ -159,20 +163,20 @@ void dispatch_blocks(int blocks, Run& run) {
   }
 }
 
-void check_rows(const torch::Tensor& t, const char* what, int64_t heads, int64_t d) {
-  TORCH_CHECK(t.scalar_type() == torch::kFloat32 && t.dim() == 3, what, ": float32 (H, L, D)");
+void check_rows(const at::Tensor& t, const char* what, int64_t heads, int64_t d) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat && t.dim() == 3, what, ": float32 (H, L, D)");
   TORCH_CHECK(t.size(0) == heads && t.size(2) == d, what, ": (H, L, D) of the query's H and D");
   TORCH_CHECK(t.stride(2) == 1, what, ": its rows must be contiguous");
 }
 
 // q (H, G, D), keys and values (H, L, D) -> (H, G, D); pos_query (H, D) with pos_rows pieces
 // (H, n_i, D), sum n_i = L, or None and no pieces.
-torch::Tensor decode_attention(const torch::Tensor& q_in, const torch::Tensor& keys,
-                               const torch::Tensor& values, double scale,
-                               const c10::optional<torch::Tensor>& pos_query,
-                               const std::vector<torch::Tensor>& pos_rows) {
-  TORCH_CHECK(q_in.scalar_type() == torch::kFloat32 && q_in.dim() == 3, "q: float32 (H, G, D)");
-  const torch::Tensor q = q_in.contiguous();
+at::Tensor decode_attention(const at::Tensor& q_in, const at::Tensor& keys,
+                            const at::Tensor& values, double scale,
+                            const c10::optional<at::Tensor>& pos_query,
+                            const std::vector<at::Tensor>& pos_rows) {
+  TORCH_CHECK(q_in.scalar_type() == at::kFloat && q_in.dim() == 3, "q: float32 (H, G, D)");
+  const at::Tensor q = q_in.contiguous();
   const int64_t heads = q.size(0), group = q.size(1), d = q.size(2);
   TORCH_CHECK(d % 8 == 0 && d >= 8 && d <= 8 * kMaxBlocks, "head size a multiple of 8 up to ",
               8 * kMaxBlocks);
@@ -180,11 +184,11 @@ torch::Tensor decode_attention(const torch::Tensor& q_in, const torch::Tensor& k
   check_rows(values, "values", heads, d);
   const int64_t length = keys.size(1);
   TORCH_CHECK(values.size(1) == length && length > 0, "keys and values: the same L > 0");
-  torch::Tensor qp;
+  at::Tensor qp;
   std::vector<Rows> pieces;
   if (pos_query.has_value()) {
     qp = pos_query->contiguous();
-    TORCH_CHECK(qp.scalar_type() == torch::kFloat32 && qp.numel() == heads * d,
+    TORCH_CHECK(qp.scalar_type() == at::kFloat && qp.numel() == heads * d,
                 "pos_query: float32 (H, D)");
     TORCH_CHECK(!pos_rows.empty(), "pos_query needs its positional rows");
     int64_t total = 0;
@@ -197,14 +201,14 @@ torch::Tensor decode_attention(const torch::Tensor& q_in, const torch::Tensor& k
   } else {
     TORCH_CHECK(pos_rows.empty(), "pos_rows need a pos_query");
   }
-  torch::Tensor scores = torch::empty({heads * group, length}, q.options());
-  torch::Tensor out = torch::empty({heads, group, d}, q.options());
+  at::Tensor scores = at::empty({heads * group, length}, q.options());
+  at::Tensor out = at::empty({heads, group, d}, q.options());
   const float* qpp = qp.defined() ? qp.data_ptr<float>() : nullptr;
   auto run = [&](auto d8) {
     constexpr int D8 = decltype(d8)::value;
     score<D8>(q.data_ptr<float>(), keys.data_ptr<float>(), heads, group, length, keys.stride(0),
               keys.stride(1), static_cast<float>(scale), qpp, pieces, scores.data_ptr<float>());
-    const torch::Tensor probs = at::_softmax(scores, 1, false);
+    const at::Tensor probs = at::_softmax(scores, 1, false);
     combine<D8>(probs.data_ptr<float>(), values.data_ptr<float>(), heads, group, length,
                 values.stride(0), values.stride(1), out.data_ptr<float>());
   };
@@ -223,5 +227,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention,
         "softmax(scale * q.K + [pos_query.P]) . V for one position: (H, G, D)", py::arg("q"),
         py::arg("keys"), py::arg("values"), py::arg("scale"), py::arg("pos_query") = py::none(),
-        py::arg("pos_rows") = std::vector<torch::Tensor>{});
+        py::arg("pos_rows") = std::vector<at::Tensor>{});
 }

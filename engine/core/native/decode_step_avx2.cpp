@@ -11,8 +11,14 @@
 //
 // The module has no kernels of its own; ``supported()`` says whether the kernels it calls run.
 
+#include <ATen/TensorOperators.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
-#include <torch/extension.h>
+#include <ATen/ops/add.h>
+#include <ATen/ops/layer_norm.h>
+#include <ATen/ops/relu.h>
+#include <ATen/ops/silu.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include <algorithm>
 #include <cmath>

@@ -24,7 +24,12 @@
 // x86-64: it imports on every x86-64 CPU, and ``supported()`` says whether the kernels may run.
 
 #include <ATen/Parallel.h>
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/_int_mm.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <torch/csrc/utils/pybind.h>
+#include <torch/library.h>
 
 #include <immintrin.h>
 
@@ -347,19 +352,19 @@ void gemm_rows(const Layer& layer, const float* x, int64_t rows, float* y) {
   const int64_t in = layer.in_features;
   const int64_t blocks = (layer.out_features + kRows - 1) / kRows;
   const int64_t slab = std::max<int64_t>(1, kSlabBytes / (in * kRows));  // blocks a slab
-  const torch::Tensor codes = torch::empty({rows, in}, torch::kInt8);
+  const at::Tensor codes = at::empty({rows, in}, at::kChar);
   std::vector<float> row_scales(static_cast<size_t>(rows));
   at::parallel_for(0, rows, 8, [&](int64_t r0, int64_t r1) {
     quantize_rows_whole(x, r0, r1, in, codes.data_ptr<int8_t>(), row_scales.data());
   });
-  torch::Tensor weight = torch::empty({slab * kRows, in}, torch::kInt8);
+  at::Tensor weight = at::empty({slab * kRows, in}, at::kChar);
   std::vector<float> scale(static_cast<size_t>(slab * kRows));
   for (int64_t s0 = 0; s0 < blocks; s0 += slab) {
     const int64_t n = std::min(slab, blocks - s0);
     at::parallel_for(s0, s0 + n, 4, [&](int64_t b0, int64_t b1) {
       requantize_blocks(layer, b0, b1, s0, weight.data_ptr<int8_t>(), scale.data());
     });
-    const torch::Tensor acc = at::_int_mm(codes, weight.narrow(0, 0, n * kRows).t());
+    const at::Tensor acc = at::_int_mm(codes, weight.narrow(0, 0, n * kRows).t());
     const int32_t* ap = acc.data_ptr<int32_t>();
     at::parallel_for(0, rows, 1, [&](int64_t r0, int64_t r1) {
       finish_rows(layer, ap, acc.size(1), scale.data(), row_scales.data(), s0, s0 + n, r0, r1, y);
@@ -371,18 +376,18 @@ void gemm_rows(const Layer& layer, const float* x, int64_t rows, float* y) {
 
 // codes (out x in/2, uint8: two codes a byte, the even input's in the low nibble) and scales
 // (out x in/32, bfloat16) -> the packed blocks (uint8), channels padded with code 8 and scale 0.
-torch::Tensor pack(const torch::Tensor& codes_in, const torch::Tensor& scales_in) {
-  TORCH_CHECK(codes_in.scalar_type() == torch::kUInt8 && codes_in.dim() == 2,
+at::Tensor pack(const at::Tensor& codes_in, const at::Tensor& scales_in) {
+  TORCH_CHECK(codes_in.scalar_type() == at::kByte && codes_in.dim() == 2,
               "uint8 codes of shape (out, in / 2)");
-  TORCH_CHECK(scales_in.scalar_type() == torch::kBFloat16 && scales_in.dim() == 2,
+  TORCH_CHECK(scales_in.scalar_type() == at::kBFloat16 && scales_in.dim() == 2,
               "bfloat16 scales of shape (out, in / 32)");
-  const torch::Tensor codes = codes_in.contiguous(), scales = scales_in.contiguous();
+  const at::Tensor codes = codes_in.contiguous(), scales = scales_in.contiguous();
   const int64_t out = codes.size(0), in = 2 * codes.size(1);
   TORCH_CHECK(in % kGroup == 0, "in_features must be a multiple of ", kGroup);
   TORCH_CHECK(scales.size(0) == out && scales.size(1) == in / kGroup,
               "one scale per output channel and group of ", kGroup);
   const int64_t blocks = (out + kRows - 1) / kRows, groups = in / kGroup;
-  torch::Tensor packed = torch::zeros({blocks * groups * kGroupBytes}, torch::kUInt8);
+  at::Tensor packed = at::zeros({blocks * groups * kGroupBytes}, at::kByte);
   const uint8_t* src = codes.data_ptr<uint8_t>();
   const uint16_t* sc = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::BFloat16>());
   uint8_t* dst = packed.data_ptr<uint8_t>();
@@ -411,11 +416,11 @@ torch::Tensor pack(const torch::Tensor& codes_in, const torch::Tensor& scales_in
 }
 
 // x (..., in; float32) -> (..., out; float32).
-torch::Tensor linear(const torch::Tensor& x_in, const torch::Tensor& packed,
-                     const c10::optional<torch::Tensor>& bias, int64_t out_features,
-                     int64_t matmul_rows) {
-  TORCH_CHECK(x_in.scalar_type() == torch::kFloat32 && x_in.dim() >= 1, "float32 (..., in)");
-  const torch::Tensor x = x_in.is_contiguous() ? x_in : x_in.contiguous();
+at::Tensor linear(const at::Tensor& x_in, const at::Tensor& packed,
+                  const c10::optional<at::Tensor>& bias, int64_t out_features,
+                  int64_t matmul_rows) {
+  TORCH_CHECK(x_in.scalar_type() == at::kFloat && x_in.dim() >= 1, "float32 (..., in)");
+  const at::Tensor x = x_in.is_contiguous() ? x_in : x_in.contiguous();
   const int64_t in = x.size(-1), rows = in > 0 ? x.numel() / in : 0;
   TORCH_CHECK(in % kGroup == 0, "in_features must be a multiple of ", kGroup);
   const int64_t blocks = (out_features + kRows - 1) / kRows;
@@ -426,7 +431,7 @@ torch::Tensor linear(const torch::Tensor& x_in, const torch::Tensor& packed,
                     out_features};
   std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
   out_shape.back() = out_features;
-  torch::Tensor y = torch::empty(out_shape, x.options());
+  at::Tensor y = at::empty(out_shape, x.options());
   if (rows == 0) return y;
 
   float* yp = y.data_ptr<float>();
@@ -451,15 +456,15 @@ torch::Tensor linear(const torch::Tensor& x_in, const torch::Tensor& packed,
 
 // The activations as the kernel quantises them, for the tests: (codes int8 (rows, in),
 // scales float32 (rows, in / 32)).
-std::vector<torch::Tensor> quantize_activations(const torch::Tensor& x_in) {
-  TORCH_CHECK(x_in.scalar_type() == torch::kFloat32 && x_in.dim() == 2, "float32 (rows, in)");
-  const torch::Tensor x = x_in.contiguous();
+std::vector<at::Tensor> quantize_activations(const at::Tensor& x_in) {
+  TORCH_CHECK(x_in.scalar_type() == at::kFloat && x_in.dim() == 2, "float32 (rows, in)");
+  const at::Tensor x = x_in.contiguous();
   const int64_t rows = x.size(0), in = x.size(1);
   TORCH_CHECK(in % kGroup == 0, "in_features must be a multiple of ", kGroup);
   QuantRows q;
   quantize_rows(x.data_ptr<float>(), rows, in, &q);
-  torch::Tensor codes = torch::empty({rows, in}, torch::kInt8);
-  torch::Tensor scales = torch::empty({rows, in / kGroup}, torch::kFloat32);
+  at::Tensor codes = at::empty({rows, in}, at::kChar);
+  at::Tensor scales = at::empty({rows, in / kGroup}, at::kFloat);
   std::memcpy(codes.data_ptr<int8_t>(), q.codes.data(), q.codes.size());
   std::memcpy(scales.data_ptr<float>(), q.scale.data(), q.scale.size() * sizeof(float));
   return {codes, scales};

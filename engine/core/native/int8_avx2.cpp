@@ -21,7 +21,13 @@
 // x86-64: it imports on every x86-64 CPU, and ``supported()`` says whether the kernels may run.
 
 #include <ATen/Parallel.h>
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/_int_mm.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
+#include <ATen/ops/zeros.h>
+#include <torch/csrc/utils/pybind.h>
+#include <torch/library.h>
 
 #include <immintrin.h>
 
@@ -285,15 +291,15 @@ void gemm_rows(const Layer& layer, uint8_t* xq, int64_t rows, QParams q, float* 
   const int64_t in = layer.in_features;
   const int64_t blocks = (layer.out_features + kRows - 1) / kRows;
   const int64_t slab = std::max<int64_t>(1, kSlabBytes / (in * kRows));  // blocks a slab
-  const torch::Tensor codes = torch::from_blob(xq, {rows, in}, torch::kInt8);
-  torch::Tensor weight = torch::empty({slab * kRows, in}, torch::kInt8);
+  const at::Tensor codes = at::from_blob(xq, {rows, in}, at::kChar);
+  at::Tensor weight = at::empty({slab * kRows, in}, at::kChar);
   for (int64_t s0 = 0; s0 < blocks; s0 += slab) {
     const int64_t n = std::min(slab, blocks - s0);
     int8_t* dst = weight.data_ptr<int8_t>();
     at::parallel_for(s0, s0 + n, 8, [&](int64_t b0, int64_t b1) {
       unpack_blocks(layer, b0, b1, s0, dst);
     });
-    const torch::Tensor acc = at::_int_mm(codes, weight.narrow(0, 0, n * kRows).t());
+    const at::Tensor acc = at::_int_mm(codes, weight.narrow(0, 0, n * kRows).t());
     const int32_t* ap = acc.data_ptr<int32_t>();
     at::parallel_for(0, rows, 1, [&](int64_t r0, int64_t r1) {
       finish_rows(layer, ap, acc.size(1), q, s0, s0 + n, r0, r1, y);
@@ -305,15 +311,15 @@ void gemm_rows(const Layer& layer, uint8_t* xq, int64_t rows, QParams q, float* 
 
 // weight (out x in, int8, symmetric) -> (blocks, rowsum): blocks of 8 output channels, each
 // 4 inputs of the 8 channels in turn; channels padded with zeros to a whole block.
-std::vector<torch::Tensor> pack(const torch::Tensor& weight_in) {
-  TORCH_CHECK(weight_in.scalar_type() == torch::kInt8 && weight_in.dim() == 2,
+std::vector<at::Tensor> pack(const at::Tensor& weight_in) {
+  TORCH_CHECK(weight_in.scalar_type() == at::kChar && weight_in.dim() == 2,
               "an int8 weight of shape (out, in)");
-  const torch::Tensor weight = weight_in.contiguous();
+  const at::Tensor weight = weight_in.contiguous();
   const int64_t out = weight.size(0), in = weight.size(1);
   TORCH_CHECK(in % kDepth == 0, "in_features must be a multiple of ", kDepth);
   const int64_t blocks = (out + kRows - 1) / kRows, steps = in / kDepth;
-  torch::Tensor packed = torch::zeros({blocks * kRows * in}, torch::kInt8);
-  torch::Tensor rowsum = torch::zeros({blocks * kRows}, torch::kInt32);
+  at::Tensor packed = at::zeros({blocks * kRows * in}, at::kChar);
+  at::Tensor rowsum = at::zeros({blocks * kRows}, at::kInt);
   const int8_t* src = weight.data_ptr<int8_t>();
   int8_t* dst = packed.data_ptr<int8_t>();
   int32_t* sums = rowsum.data_ptr<int32_t>();
@@ -335,12 +341,12 @@ std::vector<torch::Tensor> pack(const torch::Tensor& weight_in) {
 
 // x (..., in; float32) -> (..., out; float32). Shapes are handled here, not by views in Python:
 // one dispatched operator per call (the output's allocation), as torch's own int8 layer.
-torch::Tensor linear(const torch::Tensor& x_in, const torch::Tensor& packed,
-                     const torch::Tensor& rowsum, const torch::Tensor& scale,
-                     const c10::optional<torch::Tensor>& bias, int64_t out_features, bool relu,
-                     int64_t matmul_rows) {
-  TORCH_CHECK(x_in.scalar_type() == torch::kFloat32 && x_in.dim() >= 1, "float32 (..., in)");
-  const torch::Tensor x = x_in.is_contiguous() ? x_in : x_in.contiguous();
+at::Tensor linear(const at::Tensor& x_in, const at::Tensor& packed,
+                  const at::Tensor& rowsum, const at::Tensor& scale,
+                  const c10::optional<at::Tensor>& bias, int64_t out_features, bool relu,
+                  int64_t matmul_rows) {
+  TORCH_CHECK(x_in.scalar_type() == at::kFloat && x_in.dim() >= 1, "float32 (..., in)");
+  const at::Tensor x = x_in.is_contiguous() ? x_in : x_in.contiguous();
   const int64_t in = x.size(-1), rows = in > 0 ? x.numel() / in : 0;
   const int64_t blocks = (out_features + kRows - 1) / kRows;
   TORCH_CHECK(packed.numel() == blocks * kRows * in, "packed weight does not match the input");
@@ -351,7 +357,7 @@ torch::Tensor linear(const torch::Tensor& x_in, const torch::Tensor& packed,
                     bias ? bias->data_ptr<float>() : nullptr, in, out_features, relu};
   std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
   out_shape.back() = out_features;
-  torch::Tensor y = torch::empty(out_shape, x.options());
+  at::Tensor y = at::empty(out_shape, x.options());
   if (rows == 0) return y;
 
   float lo, hi;

@@ -14,7 +14,10 @@
 // The kernel is compiled for AVX2 and FMA only (the pragma below), the module itself for any
 // x86-64: it imports on every x86-64 CPU, and ``supported()`` says whether it may run.
 
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty_like.h>
+#include <torch/csrc/utils/pybind.h>
+#include <torch/library.h>
 
 #include <immintrin.h>
 
@@ -59,13 +62,13 @@ void normalise_row(const float* x, const float* w, int64_t n, float eps, float* 
 #pragma GCC pop_options
 
 // x (..., d; float32), weight (d; float32) -> (..., d).
-torch::Tensor rms_norm(const torch::Tensor& x_in, const torch::Tensor& weight, double eps) {
-  TORCH_CHECK(x_in.scalar_type() == torch::kFloat32 && x_in.dim() >= 1, "float32 (..., d)");
-  TORCH_CHECK(weight.scalar_type() == torch::kFloat32 && weight.dim() == 1 &&
+at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& weight, double eps) {
+  TORCH_CHECK(x_in.scalar_type() == at::kFloat && x_in.dim() >= 1, "float32 (..., d)");
+  TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.dim() == 1 &&
                   weight.is_contiguous() && weight.size(0) == x_in.size(-1),
               "a contiguous float32 weight of the last dimension's size");
-  const torch::Tensor x = x_in.is_contiguous() ? x_in : x_in.contiguous();
-  torch::Tensor y = torch::empty_like(x);
+  const at::Tensor x = x_in.is_contiguous() ? x_in : x_in.contiguous();
+  at::Tensor y = at::empty_like(x);
   const int64_t d = x.size(-1), rows = d > 0 ? x.numel() / d : 0;
   const float* xp = x.data_ptr<float>();
   const float* wp = weight.data_ptr<float>();

@@ -23,7 +23,9 @@
 // x86-64: it imports on every x86-64 CPU, and ``supported()`` says whether the kernels may run.
 
 #include <ATen/Parallel.h>
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include <immintrin.h>
 
@@ -154,17 +156,17 @@ void quantize(const float* y, int64_t n, float inverse, int32_t zero_point, uint
 // --- the Python surface ----------------------------------------------------------------------
 
 struct Snake {
-  torch::Tensor x;                 // (1, C, 1, L) float32, channels-last contiguous
+  at::Tensor x;                 // (1, C, 1, L) float32, channels-last contiguous
   std::vector<float> alpha, inverse;
   int64_t channels, steps;
 };
 
-Snake prepare(const torch::Tensor& x_in, const torch::Tensor& alpha_in) {
-  TORCH_CHECK(x_in.scalar_type() == torch::kFloat32 && x_in.dim() == 4 && x_in.size(0) == 1 &&
+Snake prepare(const at::Tensor& x_in, const at::Tensor& alpha_in) {
+  TORCH_CHECK(x_in.scalar_type() == at::kFloat && x_in.dim() == 4 && x_in.size(0) == 1 &&
                   x_in.size(2) == 1,
               "a float32 (1, C, 1, L) activation");
   TORCH_CHECK(alpha_in.numel() == x_in.size(1), "one alpha per channel");
-  TORCH_CHECK(alpha_in.scalar_type() == torch::kFloat32 && alpha_in.is_contiguous(),
+  TORCH_CHECK(alpha_in.scalar_type() == at::kFloat && alpha_in.is_contiguous(),
               "float32 alphas");
   Snake s;
   s.x = x_in.contiguous(at::MemoryFormat::ChannelsLast);
@@ -197,27 +199,27 @@ Range snake_into(const Snake& s, float* y) {
   return all;
 }
 
-torch::Tensor empty_like_activation(int64_t channels, int64_t steps, torch::ScalarType dtype) {
-  return torch::empty({1, channels, 1, steps},
-                      torch::TensorOptions().dtype(dtype).memory_format(at::MemoryFormat::ChannelsLast));
+at::Tensor empty_like_activation(int64_t channels, int64_t steps, at::ScalarType dtype) {
+  return at::empty({1, channels, 1, steps},
+                   at::TensorOptions().dtype(dtype).memory_format(at::MemoryFormat::ChannelsLast));
 }
 
 // Snake(x) as float32 (1, C, 1, L) channels-last: the kernel's first pass on its own.
-torch::Tensor snake(const torch::Tensor& x, const torch::Tensor& alpha) {
+at::Tensor snake(const at::Tensor& x, const at::Tensor& alpha) {
   const Snake s = prepare(x, alpha);
-  torch::Tensor y = empty_like_activation(s.channels, s.steps, torch::kFloat32);
+  at::Tensor y = empty_like_activation(s.channels, s.steps, at::kFloat);
   snake_into(s, y.data_ptr<float>());
   return y;
 }
 
 // Snake(x), ``left`` zero steps before it, as uint8 (1, C, 1, left + L) channels-last with its
 // scale and zero point (the torch path's quantize_activation of F.pad(Snake(x), (left, 0))).
-std::tuple<torch::Tensor, double, int64_t> snake_quantize(const torch::Tensor& x,
-                                                          const torch::Tensor& alpha, int64_t left) {
+std::tuple<at::Tensor, double, int64_t> snake_quantize(const at::Tensor& x,
+                                                       const at::Tensor& alpha, int64_t left) {
   TORCH_CHECK(left >= 0, "left padding must be >= 0");
   const Snake s = prepare(x, alpha);
   const int64_t n = s.channels * s.steps;
-  const torch::Tensor scratch = torch::empty({n}, torch::kFloat32);  // not zeroed: all written
+  const at::Tensor scratch = at::empty({n}, at::kFloat);  // not zeroed: all written
   const float* y = scratch.data_ptr<float>();
   const Range range = snake_into(s, scratch.data_ptr<float>());
 
@@ -226,7 +228,7 @@ std::tuple<torch::Tensor, double, int64_t> snake_quantize(const torch::Tensor& x
   const int32_t zero_point =
       std::min(kQmax, std::max(0, static_cast<int32_t>(std::nearbyint(-lo / scale))));
 
-  torch::Tensor q = empty_like_activation(s.channels, left + s.steps, torch::kUInt8);
+  at::Tensor q = empty_like_activation(s.channels, left + s.steps, at::kByte);
   uint8_t* out = q.data_ptr<uint8_t>();
   std::memset(out, zero_point, static_cast<size_t>(left * s.channels));
   out += left * s.channels;
