@@ -120,7 +120,7 @@ def skew(raw: Tensor, t: int, length: int) -> Tensor:
     return raw.as_strided(size, stride, raw.storage_offset() + t - 1)
 
 
-def _weight_key(w: Tensor) -> tuple:
+def weight_key(w: Tensor) -> tuple:
     """Identity of a weight's current values: storage + in-place version (changes on reload)."""
     try:
         version = w._version
@@ -256,7 +256,7 @@ class RelPosAttention(nn.Module):
         storage).
         """
         w, held = self.linear_pos.weight, self.pos_rows
-        key = (_weight_key(w), None if held is None else _weight_key(held))
+        key = (weight_key(w), None if held is None else weight_key(held))
         cached = self._pos_cache
         if cached is None or cached[0] != key:
             cached = (key, [] if held is None else list(held.unbind(0)))
@@ -317,7 +317,7 @@ class RelPosAttention(nn.Module):
     def _uv_biases(self) -> Tensor:
         """(2, h, d_k): pos_bias_u and pos_bias_v stacked, rebuilt when either changes."""
         u, v = self.pos_bias_u, self.pos_bias_v
-        key = (_weight_key(u), _weight_key(v))
+        key = (weight_key(u), weight_key(v))
         cached = self._uv_cache
         if cached is None or cached[0] != key:
             with torch.no_grad():
@@ -497,9 +497,23 @@ class RelPosEncoder(nn.Module):
 
     def _decode_position(self, x: Tensor, cache: KVCache) -> Tensor:
         """The decode step of one sequence: x (1, 1, input_size) → (1, 1, output_size)."""
+        return self.decode_input_row(self.input_row(x), cache)
+
+    def input_row(self, x: Tensor) -> Tensor:
+        """The input layer's output for one position, x (1, 1, input_size) → (1, 1, d): a
+        decode step's first operation, for callers that keep it per input (it depends on
+        nothing else)."""
+        return self._input(x)
+
+    def decode_input_row(self, x: Tensor, cache: KVCache) -> Tensor:
+        """The decode step of one sequence from its input row (1, 1, d) as :meth:`input_row`
+        gives it, without a key mask → (1, 1, output_size)."""
         start = cache.length
         length = start + 1
-        x = self._input(x)
+        if length > cache.max_len:
+            raise ValueError(f"KV cache full: {length} > {cache.max_len} positions")
+        if cache.key_mask is not None or x.shape[:2] != (1, 1):
+            raise ValueError("a decode step from an input row is one position of one sequence")
         step = self._native_layers(x, cache, length)
         if step is not None:
             x = step.step(x, cache.kv, start)

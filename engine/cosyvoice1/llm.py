@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from engine.core.lm_step import SpeechTokenLM, StepOut, TokenIds, token_ids
-from engine.core.transformer import KVCache, RelPosEncoder
+from engine.core.transformer import KVCache, RelPosEncoder, weight_key
 from engine.cosyvoice1.hparams import LLMArgs
 
 
@@ -34,6 +34,10 @@ class TransformerLM(SpeechTokenLM):
         self.llm_decoder = nn.Linear(args.llm_output_size, args.speech_token_size + 1)
         self.speech_embedding = nn.Embedding(args.speech_token_size, d)
         self.spk_embed_affine_layer = nn.Linear(args.spk_embed_dim, d)
+        # The LM's input row for each speech token decoded so far (4 KB each): a decode step's
+        # input layer (a float32 1024 x 1024 product) depends on its token alone. Kept with
+        # the identity of the weights it was computed from; a reload starts it afresh.
+        self._input_rows: tuple[tuple, dict[int, Tensor]] | None = None
 
     @property
     def _device(self) -> torch.device:
@@ -88,11 +92,29 @@ class TransformerLM(SpeechTokenLM):
 
     def decode_step(self, tokens: Tensor | int, cache: KVCache) -> StepOut:
         """Feed the previous token(s) (B,) (or one int) and return the next step's outputs."""
+        if isinstance(tokens, int) and cache.key_mask is None and not torch.is_grad_enabled():
+            hidden = self.llm.decode_input_row(self._input_row(tokens), cache)[:, -1]
+            return StepOut(hidden, self.llm_decoder(hidden))
         if isinstance(tokens, int):
             tokens = torch.tensor([tokens], device=self._device)
         x = self.speech_embedding(tokens.view(-1, 1))  # (B, 1, D)
         hidden = self.llm.forward_cached(x, cache)[:, -1]
         return StepOut(hidden, self.llm_decoder(hidden))
+
+    def _input_row(self, token: int) -> Tensor:
+        """The input layer's output (1, 1, D) for ``token``, computed once per token."""
+        key = (
+            weight_key(self.speech_embedding.weight),
+            *(weight_key(p) for p in self.llm.embed.parameters()),
+        )
+        held = self._input_rows
+        if held is None or held[0] != key:
+            held = self._input_rows = (key, {})
+        row = held[1].get(token)
+        if row is None:
+            ids = torch.tensor([[token]], device=self._device)
+            row = held[1][token] = self.llm.input_row(self.speech_embedding(ids))
+        return row
 
     @staticmethod
     def length_limits(n_tts_text: int) -> tuple[int, int]:

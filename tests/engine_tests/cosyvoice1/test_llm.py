@@ -172,3 +172,50 @@ def test_batched_decode_matches_single(model, fx):
     for row, case in enumerate(("sft", "instruct")):
         got = torch.stack([lg[row] for lg in logits])
         torch.testing.assert_close(got, fx[f"{case}/logits"][:4], atol=ATOL_LOGITS, rtol=0)
+
+
+def _decoded_from_scratch(lm: TransformerLM, lm_input: torch.Tensor, tokens: list[int]) -> list:
+    """Each step's logits with the input layer computed anew at every step."""
+    cache = lm.new_cache(lm_input.shape[1] + len(tokens))
+    logits = [lm.prefill(lm_input, cache).logits]
+    for token in tokens[:-1]:
+        x = lm.speech_embedding(torch.tensor([[token]]))
+        hidden = lm.llm.forward_cached(x, cache)[:, -1]
+        logits.append(lm.llm_decoder(hidden))
+    return logits
+
+
+def test_a_token_decoded_again_reuses_its_input_row(fx, monkeypatch):
+    """A speech token's input row is computed once: later steps with it give what computing
+    it anew gives, bit for bit; changed input-layer weights start the rows afresh."""
+    args = load_model_args(DATA / "tiny_model" / "cosyvoice.yaml")
+    lm = TransformerLM(args.llm).eval()
+    lm.load_state_dict(torch.load(DATA / "tiny_model" / "llm.pt", weights_only=True), strict=True)
+    tokens = [3, 7, 3, 3, 9, 7, 3, 1]
+    distinct = len(set(tokens[:-1]))
+    calls: list[int] = []
+    real_input_row = lm.llm.input_row
+    monkeypatch.setattr(lm.llm, "input_row", lambda x: calls.append(1) or real_input_row(x))
+
+    def decoded() -> tuple[list, int]:
+        """The answer's logits and how many input rows its decode steps computed."""
+        before = len(calls)
+        with torch.inference_mode():
+            lm_input = lm.build_input(*_inputs(fx, "sft"))
+            cache = lm.new_cache(lm_input.shape[1] + len(tokens))
+            logits = [lm.prefill(lm_input, cache).logits]
+            logits += [lm.decode_step(token, cache).logits for token in tokens[:-1]]
+            computed = len(calls) - before
+            expected = _decoded_from_scratch(lm, lm_input, tokens)
+        for got, want in zip(logits, expected, strict=True):
+            assert torch.equal(got, want)
+        return logits, computed
+
+    first, computed = decoded()
+    assert computed == distinct
+    assert decoded()[1] == 0  # a second answer computes none
+    with torch.no_grad():
+        lm.llm.embed.out[0].weight.mul_(1.5)
+    changed, computed = decoded()
+    assert computed == distinct
+    assert not torch.equal(first[1], changed[1])
