@@ -49,13 +49,17 @@ def top_sorted(probs: Tensor, k: int) -> tuple[Tensor, Tensor]:
 
     Found with ``topk(k + 1)`` instead of sorting the whole vocabulary (0.3 ms of a 17 ms token):
     ties inside are put in index order as a stable sort would; a tie across the cut needs the
-    full order to know which tokens are in, so it falls back to the sort.
+    full order to know which tokens are in, so it falls back to the sort. Few calls: each
+    runs on caches the decode step has just flushed.
     """
     n = probs.numel()
     if 0 < k < n:
         values, indices = probs.topk(k + 1)
-        if values[k - 1] != values[k]:
-            order = torch.from_numpy(np.lexsort((indices.numpy(), -values.numpy()))[:k])
+        v = values.numpy()
+        if v[k - 1] != v[k]:
+            if not (v[1:k] == v[: k - 1]).any():  # no tie inside: topk's order is the stable one
+                return values[:k], indices[:k]
+            order = torch.from_numpy(np.lexsort((indices.numpy(), -v))[:k])
             return values[order], indices[order]
     values, indices = probs.sort(descending=True, stable=True)
     return values[:k], indices[:k]
@@ -65,11 +69,11 @@ def nucleus_candidates(logp: Tensor, top_p: float, top_k: int) -> tuple[Tensor, 
     """(probs, indices) of the nucleus of ``logp`` (V,): unrenormalised, in sorted order."""
     probs = logp.float().softmax(dim=0)
     head, head_idx = top_sorted(probs, top_k)
-    # Mass kept *before* each token, summed sequentially in float32 like the reference loop
-    # (torch.cumsum would accumulate in float64). Monotone, so a count gives the cut.
-    values = head.numpy()
-    before = np.concatenate(([np.float32(0.0)], np.cumsum(values[:-1], dtype=np.float32)))
-    keep = max(1, int(np.count_nonzero(before < np.float32(top_p))))
+    # The mass kept before each token after the first, summed sequentially in float32 like
+    # the reference loop (torch.cumsum would accumulate in float64). Monotone, so a count
+    # gives the cut; the first token is always kept.
+    before = np.cumsum(head.numpy()[:-1], dtype=np.float32)
+    keep = 1 + int(np.count_nonzero(before < np.float32(top_p)))
     return head[:keep], head_idx[:keep]
 
 
