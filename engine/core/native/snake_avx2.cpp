@@ -156,7 +156,7 @@ void quantize(const float* y, int64_t n, float inverse, int32_t zero_point, uint
 // --- the Python surface ----------------------------------------------------------------------
 
 struct Snake {
-  at::Tensor x;                 // (1, C, 1, L) float32, channels-last contiguous
+  at::Tensor x;  // (1, C, 1, L) float32, channels-last contiguous
   std::vector<float> alpha, inverse;
   int64_t channels, steps;
 };
