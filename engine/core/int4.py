@@ -233,7 +233,7 @@ class Int4Linear(nn.Module):
             if compiled is None or self.group % GROUP_SIZE:
                 raise RuntimeError("the engine's int4 kernel cannot run this layer here")
             self._avx2 = compiled.linear
-            # Many rows (a prefill) on oneDNN's int8 GEMM where it sums exactly: per-channel
+            # Many rows (a prefill) on an int8 GEMM where it sums exactly: per-channel
             # int8 weights made from these, per-row int8 activations (int4_avx2.cpp).
             self.matmul_rows = int8_avx2.MATMUL_ROWS if int8_avx2.int8_matmul_works() else 0
             # The kernel takes a scale per 32 inputs: a coarser group repeats its scale.

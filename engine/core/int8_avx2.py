@@ -7,10 +7,12 @@ kernel reads them in blocks laid out for that case and computes fbgemm's arithme
 tokens on either kernel. Prompt and text rows (many at once) go through the same layer.
 docs/dev/int8-kernel.md has the design and its measurements.
 
-Many rows at once (a prompt's prefill, v1's text encoder) take oneDNN's int8 GEMM
-(``torch._int_mm``) where the CPU has VNNI or AMX (:func:`int8_matmul_works`): the same
-quantised activations and the same float epilogue around the same integer sums, computed
-several times as fast; the layer's weight is read back from its blocks for the call.
+Many rows at once (a prompt's prefill, v1's text encoder) take an int8 GEMM where the CPU has
+VNNI or AMX (:func:`int8_matmul_works`): the same quantised activations and the same float
+epilogue around the same integer sums, computed several times as fast; the layer's weight is
+read back from its blocks for the call. The sums come from AMX's tiles where the process may use
+them (native/amx_int8.h: oneDNN may be capped below AMX for the int8 HiFT), else from oneDNN
+(``torch._int_mm``).
 
 Built by setup.py on x86-64 only; elsewhere (aarch64), or on a CPU without AVX2 and FMA, the
 engine keeps torch's own int8 layer (engine.core.quantize.Int8Linear).
@@ -66,13 +68,16 @@ def sums_exact(matmul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> 
 
 @functools.cache
 def int8_matmul_works() -> bool:
-    """Whether many-row calls take oneDNN's int8 GEMM here: x86 with VNNI or AMX, where it
-    sums exactly (checked; ``ONEDNN_MAX_CPU_ISA`` may keep oneDNN below them) and faster."""
-    if kernel() is None or not _EXACT_INT8_FEATURES & set(read_cpuinfo().split()):
+    """Whether many-row calls take an int8 GEMM here: x86 with VNNI or AMX, where oneDNN's
+    sums exactly (checked; ``ONEDNN_MAX_CPU_ISA`` may keep oneDNN below them) and faster. The
+    kernels then compute the sums on AMX's tiles where the process may use them."""
+    compiled = kernel()
+    if compiled is None or not _EXACT_INT8_FEATURES & set(read_cpuinfo().split()):
         return False
     works = sums_exact(torch._int_mm)
     if works:
-        _LOGGER.info("The LM reads prompts with oneDNN's int8 GEMM (VNNI/AMX)")
+        on = "AMX's tiles" if compiled.amx_ready() else "oneDNN's int8 GEMM"
+        _LOGGER.info("The LM reads prompts with %s", on)
     else:
         _LOGGER.info("oneDNN's int8 GEMM does not sum exactly here: the LM's kernels read prompts")
     return works

@@ -40,6 +40,7 @@
 #include <cstring>
 #include <vector>
 
+#include "amx_int8.h"
 #include "store_rows.h"
 
 namespace {
@@ -55,7 +56,7 @@ constexpr int64_t kGroupBytes = kCodeBytes + kRows * 2;      // + 8 bfloat16 sca
 constexpr int kStreams = 4;          // blocks walked side by side at one activation row
 constexpr int kRowGroup = 4;         // activation rows computed together against one unpack
 constexpr int64_t kTileBytes = 192 * 1024;  // weight bytes kept hot in L2 across row groups
-constexpr int64_t kSlabBytes = 1024 * 1024;  // int8 weight bytes per oneDNN GEMM of many rows
+constexpr int64_t kSlabBytes = 1024 * 1024;  // int8 weight bytes per GEMM of many rows
 
 #pragma GCC push_options
 #pragma GCC target("avx2,fma")
@@ -252,20 +253,21 @@ void many_rows(const Layer& layer, const QuantRows& q, int64_t rows, int64_t b0,
   }
 }
 
-// --- many rows on oneDNN's int8 GEMM -------------------------------------------------------
+// --- many rows on an int8 GEMM -------------------------------------------------------------
 //
-// A prompt's prefill is bound by the products, not by reading the weights. Where oneDNN's int8
-// GEMM sums exactly (VNNI, AMX: engine.core.int8_avx2) a call of many rows takes per-channel
+// A prompt's prefill is bound by the products, not by reading the weights. Where an int8 GEMM
+// sums exactly (VNNI, AMX: engine.core.int8_avx2) a call of many rows takes per-channel
 // int8 weights and per-row int8 activations (KleidiAI's activations on Arm): each channel's
 // 4-bit weights requantised to int8 over the channel (w8 = round((u - 8) * s_group /
 // s_channel), s_channel = 8 * max |s_group| / 127, so |w8| <= 127), each activation row
 // quantised symmetrically (q = round(x * 127 / max |x|)), y = acc * (s_channel * s_row) + bias.
 // A slab of channels at a time, in L2.
 
-// Blocks [b0, b1) requantised into plain int8 rows of ``dst`` (8 a block, block ``first`` at
-// row 0), each channel's scale into ``scale`` (from block ``first``'s first channel on).
-void requantize_blocks(const Layer& layer, int64_t b0, int64_t b1, int64_t first, int8_t* dst,
-                       float* scale) {
+// Blocks [b0, b1) requantised into ``dst`` (block ``first``'s channels first) as plain int8
+// rows, 8 a block, or in AMX's tile order (``tiled``: amx_int8.h), each channel's scale into
+// ``scale`` (from block ``first``'s first channel on).
+void requantize_blocks(const Layer& layer, int64_t b0, int64_t b1, int64_t first, bool tiled,
+                       int8_t* dst, float* scale) {
   const int64_t in = layer.in_features, groups = in / kGroup, stride = groups * kGroupBytes;
   const __m256i low = _mm256_set1_epi8(0x0F), eight = _mm256_set1_epi32(8);
   const __m256i byte = _mm256_set1_epi32(0xFF);
@@ -298,6 +300,14 @@ void requantize_blocks(const Layer& layer, int64_t b0, int64_t b1, int64_t first
           }
           words[2 * p + half] = packed;
         }
+      }
+      if (tiled) {  // words[q]: inputs 4q..4q+3 of the group, each channel's in turn
+        const int64_t channel = (b - first) * kRows;
+        for (int q = 0; q < 8; ++q)
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(
+                                  dst + amx_int8::tile_offset(channel, g * 8 + q, in)),
+                              words[q]);
+        continue;
       }
       transpose8x8_epi32(words);  // words[c]: channel c's 32 inputs in order
       for (int c = 0; c < kRows; ++c)
@@ -348,23 +358,42 @@ void finish_rows(const Layer& layer, const int32_t* acc, int64_t width, const fl
 
 #pragma GCC pop_options
 
+// All rows of x against the layer by integer GEMM, a slab of output blocks at a time: each
+// slab's weight is requantised into a buffer small enough to stay in L2 for the GEMM, and its
+// sums stay there for the epilogue. The sums come from AMX's tiles where this process may use
+// them and the inputs are whole tile rows (amx_int8.h), else from oneDNN's int8 GEMM.
 void gemm_rows(const Layer& layer, const float* x, int64_t rows, float* y) {
   const int64_t in = layer.in_features;
   const int64_t blocks = (layer.out_features + kRows - 1) / kRows;
-  const int64_t slab = std::max<int64_t>(1, kSlabBytes / (in * kRows));  // blocks a slab
-  const at::Tensor codes = at::empty({rows, in}, at::kChar);
+  const bool amx = in % amx_int8::kDepth == 0 && amx_int8::ready();
+  int64_t slab = std::max<int64_t>(1, kSlabBytes / (in * kRows));  // blocks a slab
+  if (amx) slab = std::max<int64_t>(4, slab / 4 * 4);  // whole pairs of 16-channel tiles
+  // AMX reads whole pairs of 16-row tiles: rows past the last are zeros.
+  const int64_t padded = amx ? amx_int8::pairs(rows) * amx_int8::kPair : rows;
+  const at::Tensor codes = at::empty({padded, in}, at::kChar);
+  int8_t* cp = codes.data_ptr<int8_t>();
+  std::memset(cp + rows * in, 0, static_cast<size_t>((padded - rows) * in));
   std::vector<float> row_scales(static_cast<size_t>(rows));
   at::parallel_for(0, rows, 8, [&](int64_t r0, int64_t r1) {
-    quantize_rows_whole(x, r0, r1, in, codes.data_ptr<int8_t>(), row_scales.data());
+    quantize_rows_whole(x, r0, r1, in, cp, row_scales.data());
   });
   at::Tensor weight = at::empty({slab * kRows, in}, at::kChar);
   std::vector<float> scale(static_cast<size_t>(slab * kRows));
   for (int64_t s0 = 0; s0 < blocks; s0 += slab) {
     const int64_t n = std::min(slab, blocks - s0);
+    if (amx && n % 4 != 0)  // the last tile pair's missing channels
+      std::memset(weight.data_ptr<int8_t>(), 0, static_cast<size_t>(weight.numel()));
     at::parallel_for(s0, s0 + n, 4, [&](int64_t b0, int64_t b1) {
-      requantize_blocks(layer, b0, b1, s0, weight.data_ptr<int8_t>(), scale.data());
+      requantize_blocks(layer, b0, b1, s0, amx, weight.data_ptr<int8_t>(), scale.data());
     });
-    const at::Tensor acc = at::_int_mm(codes, weight.narrow(0, 0, n * kRows).t());
+    at::Tensor acc;
+    if (amx) {
+      const int64_t pairs = amx_int8::pairs(n * kRows);
+      acc = at::empty({padded, pairs * amx_int8::kPair}, at::kInt);
+      amx_int8::sums(cp, rows, in, weight.data_ptr<int8_t>(), pairs, acc.data_ptr<int32_t>());
+    } else {
+      acc = at::_int_mm(codes, weight.narrow(0, 0, n * kRows).t());
+    }
     const int32_t* ap = acc.data_ptr<int32_t>();
     at::parallel_for(0, rows, 1, [&](int64_t r0, int64_t r1) {
       finish_rows(layer, ap, acc.size(1), scale.data(), row_scales.data(), s0, s0 + n, r0, r1, y);

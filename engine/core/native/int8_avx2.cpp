@@ -13,9 +13,10 @@
 // are symmetric per-channel int8. 7-bit activations keep vpmaddubsw's pair sums inside int16.
 // out = float(acc - zp * rowsum) * (w_scale * x_scale) + bias, then ReLU if asked.
 //
-// Many rows (a prompt's prefill) may take oneDNN's int8 GEMM for the sums instead
-// (``matmul_rows``, chosen in engine/core/int8_avx2.py where those sums are exact): the same
-// codes and the same epilogue, the weight read back from its blocks a slab at a time.
+// Many rows (a prompt's prefill) may take an int8 GEMM for the sums instead (``matmul_rows``,
+// chosen in engine/core/int8_avx2.py where those sums are exact): AMX's tiles where this process
+// may use them (amx_int8.h), else oneDNN's; the same codes and the same epilogue, the weight
+// read back from its blocks a slab at a time.
 //
 // The kernels are compiled for AVX2 and FMA only (the pragma below), the module itself for any
 // x86-64: it imports on every x86-64 CPU, and ``supported()`` says whether the kernels may run.
@@ -24,7 +25,6 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/_int_mm.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/from_blob.h>
 #include <ATen/ops/zeros.h>
 #include <torch/csrc/utils/pybind.h>
 #include <torch/library.h>
@@ -38,6 +38,7 @@
 #include <cstring>
 #include <vector>
 
+#include "amx_int8.h"
 #include "store_rows.h"
 
 namespace {
@@ -55,7 +56,7 @@ constexpr int64_t kBlockBytes = kRows * kDepth;
 constexpr int kStreams = 4;       // row blocks walked side by side at one activation row
 constexpr int kRowGroup = 4;      // activation rows computed together against one weight load
 constexpr int64_t kTileBytes = 256 * 1024;  // weight bytes kept hot in L2 across row groups
-constexpr int64_t kSlabBytes = 1024 * 1024;  // weight bytes per oneDNN GEMM of many rows
+constexpr int64_t kSlabBytes = 1024 * 1024;  // weight bytes per GEMM of many rows
 
 struct QParams {
   float scale;
@@ -282,29 +283,88 @@ void unpack_blocks(const Layer& layer, int64_t b0, int64_t b1, int64_t first, in
   }
 }
 
+// Blocks [b0, b1) in AMX's tile order (amx_int8.h; block ``first``'s channels first): a block's
+// 32 bytes for 4 inputs are already the tile's 4-byte groups of its 8 channels.
+void tile_blocks(const Layer& layer, int64_t b0, int64_t b1, int64_t first, int8_t* dst) {
+  const int64_t in = layer.in_features, steps = in / kDepth;
+  for (int64_t b = b0; b < b1; ++b) {
+    const int8_t* src = layer.weight + b * steps * kBlockBytes;
+    const int64_t channel = (b - first) * kRows;
+    for (int64_t k = 0; k < steps; ++k)
+      std::memcpy(dst + amx_int8::tile_offset(channel, k, in), src + k * kBlockBytes,
+                  kBlockBytes);
+  }
+}
+
 #pragma GCC pop_options
 
-// All rows of codes ``xq`` against the layer by oneDNN's int8 GEMM, a slab of output blocks at a
-// time: each slab's weight is read back from its blocks into a buffer small enough to stay in
-// L2 for the GEMM, and its sums stay there for the epilogue.
-void gemm_rows(const Layer& layer, uint8_t* xq, int64_t rows, QParams q, float* y) {
+// All rows of codes ``xq`` against the layer by integer GEMM, a slab of output blocks at a time:
+// each slab's weight is read back from its blocks into a buffer small enough to stay in L2 for
+// the GEMM, and its sums stay there for the epilogue. The sums come from AMX's tiles where this
+// process may use them and the inputs are whole tile rows (amx_int8.h), else from oneDNN's
+// int8 GEMM.
+void gemm_rows(const Layer& layer, const uint8_t* xq, int64_t rows, QParams q, float* y) {
   const int64_t in = layer.in_features;
   const int64_t blocks = (layer.out_features + kRows - 1) / kRows;
-  const int64_t slab = std::max<int64_t>(1, kSlabBytes / (in * kRows));  // blocks a slab
-  const at::Tensor codes = at::from_blob(xq, {rows, in}, at::kChar);
+  const bool amx = in % amx_int8::kDepth == 0 && amx_int8::ready();
+  int64_t slab = std::max<int64_t>(1, kSlabBytes / (in * kRows));  // blocks a slab
+  if (amx) slab = std::max<int64_t>(4, slab / 4 * 4);  // whole pairs of 16-channel tiles
+  // AMX reads whole pairs of 16-row tiles: rows past the last are zeros.
+  const int64_t padded = amx ? amx_int8::pairs(rows) * amx_int8::kPair : rows;
+  const at::Tensor codes = at::empty({padded, in}, at::kChar);
+  int8_t* cp = codes.data_ptr<int8_t>();
+  std::memcpy(cp, xq, static_cast<size_t>(rows * in));
+  std::memset(cp + rows * in, 0, static_cast<size_t>((padded - rows) * in));
   at::Tensor weight = at::empty({slab * kRows, in}, at::kChar);
+  int8_t* dst = weight.data_ptr<int8_t>();
   for (int64_t s0 = 0; s0 < blocks; s0 += slab) {
     const int64_t n = std::min(slab, blocks - s0);
-    int8_t* dst = weight.data_ptr<int8_t>();
+    if (amx && n % 4 != 0)  // the last tile pair's missing channels
+      std::memset(dst, 0, static_cast<size_t>(weight.numel()));
     at::parallel_for(s0, s0 + n, 8, [&](int64_t b0, int64_t b1) {
-      unpack_blocks(layer, b0, b1, s0, dst);
+      if (amx)
+        tile_blocks(layer, b0, b1, s0, dst);
+      else
+        unpack_blocks(layer, b0, b1, s0, dst);
     });
-    const at::Tensor acc = at::_int_mm(codes, weight.narrow(0, 0, n * kRows).t());
+    at::Tensor acc;
+    if (amx) {
+      const int64_t pairs = amx_int8::pairs(n * kRows);
+      acc = at::empty({padded, pairs * amx_int8::kPair}, at::kInt);
+      amx_int8::sums(cp, rows, in, dst, pairs, acc.data_ptr<int32_t>());
+    } else {
+      acc = at::_int_mm(codes, weight.narrow(0, 0, n * kRows).t());
+    }
     const int32_t* ap = acc.data_ptr<int32_t>();
     at::parallel_for(0, rows, 1, [&](int64_t r0, int64_t r1) {
       finish_rows(layer, ap, acc.size(1), q, s0, s0 + n, r0, r1, y);
     });
   }
+}
+
+// codes (m, k) . weight (n, k)^T -> int32 (m, n) on AMX's tiles (k a multiple of 64): the
+// many-row GEMM's sums, for the engine's check that they are exact here and for the tests.
+at::Tensor amx_matmul(const at::Tensor& codes_in, const at::Tensor& weight_in) {
+  TORCH_CHECK(amx_int8::ready(), "this process cannot use AMX's int8 tiles");
+  TORCH_CHECK(codes_in.scalar_type() == at::kChar && codes_in.dim() == 2 &&
+                  weight_in.scalar_type() == at::kChar && weight_in.dim() == 2 &&
+                  codes_in.size(1) == weight_in.size(1),
+              "int8 (m, k) codes and an int8 (n, k) weight");
+  const int64_t m = codes_in.size(0), k = codes_in.size(1), n = weight_in.size(0);
+  TORCH_CHECK(k % amx_int8::kDepth == 0, "k must be a multiple of ", amx_int8::kDepth);
+  const at::Tensor codes = codes_in.contiguous(), weight = weight_in.contiguous();
+  const int64_t rows = amx_int8::pairs(m) * amx_int8::kPair;
+  const int64_t pairs = amx_int8::pairs(n);
+  at::Tensor x = at::zeros({rows, k}, at::kChar);
+  std::memcpy(x.data_ptr<int8_t>(), codes.data_ptr<int8_t>(), static_cast<size_t>(m * k));
+  at::Tensor tiled = at::zeros({pairs * amx_int8::kPair, k}, at::kChar);
+  const int8_t* w = weight.data_ptr<int8_t>();
+  int8_t* t = tiled.data_ptr<int8_t>();
+  for (int64_t c = 0; c < n; ++c)
+    for (int64_t g = 0; g < k / 4; ++g) std::memcpy(t + amx_int8::tile_offset(c, g, k), w + c * k + 4 * g, 4);
+  at::Tensor out = at::empty({rows, pairs * amx_int8::kPair}, at::kInt);
+  amx_int8::sums(x.data_ptr<int8_t>(), m, k, t, pairs, out.data_ptr<int32_t>());
+  return out.narrow(0, 0, m).narrow(1, 0, n).contiguous();
 }
 
 // --- the Python surface ----------------------------------------------------------------------
@@ -405,6 +465,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "Dynamic int8 Linear for AVX2 CPUs, bit-identical to fbgemm's (engine.core.int8_avx2)";
   m.def("supported", &supported, "Whether this CPU has AVX2 and FMA (the kernels need both)");
   m.def("threads_in_a_loop", &threads_in_a_loop, "Threads one of the kernel's loops runs on");
+  m.def("amx_ready", &amx_int8::ready, "Whether this process may use AMX's int8 tiles here");
+  m.def("amx_matmul", &amx_matmul, "codes (m, k) . weight (n, k)^T in int32 on AMX's tiles");
   m.def("pack", &pack, "Pack an int8 (out, in) weight into 8x4 blocks; returns (blocks, rowsum)");
   m.def("linear", &linear, "Dynamic int8 Linear on packed blocks", py::arg("x"), py::arg("packed"),
         py::arg("rowsum"), py::arg("scale"), py::arg("bias"), py::arg("out_features"),

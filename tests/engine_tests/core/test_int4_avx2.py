@@ -160,7 +160,9 @@ def _requantised(codes: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tenso
 @pytest.mark.skipif(
     not int8_avx2.int8_matmul_works(), reason="oneDNN sums int8 exactly only with VNNI or AMX"
 )
-@pytest.mark.parametrize(("out", "inputs", "rows"), [(300, 896, 37), (13, 4864, 32), (9, 96, 222)])
+@pytest.mark.parametrize(
+    ("out", "inputs", "rows"), [(300, 896, 37), (13, 4864, 32), (9, 96, 222), (1300, 896, 40)]
+)
 def test_many_rows_take_per_channel_int8_weights_and_per_row_activations(
     out: int, inputs: int, rows: int
 ) -> None:

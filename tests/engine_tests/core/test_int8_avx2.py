@@ -135,6 +135,29 @@ def test_many_rows_on_onednn_are_bit_identical_to_the_kernels(
         assert torch.equal(ours(x), reference(x))
 
 
+needs_amx = pytest.mark.skipif(
+    not (AVX2_FMA and int8_avx2.kernel() is not None and int8_avx2.kernel().amx_ready()),
+    reason="AMX's int8 tiles (Intel Xeon since Sapphire Rapids) and Linux's leave to use them",
+)
+
+
+@needs_amx
+@pytest.mark.parametrize(
+    ("rows", "depth", "channels"), [(1, 64, 1), (33, 896, 1152), (222, 4864, 40), (17, 128, 300)]
+)
+def test_amx_tiles_give_the_exact_integer_sums(rows: int, depth: int, channels: int) -> None:
+    # The many-row GEMM's sums on AMX (rows and channels not whole tiles, codes at ±127, where
+    # anything narrower than int32 sums would saturate): the same integers oneDNN's give.
+    gen = torch.Generator().manual_seed(rows + channels)
+    codes = torch.randint(-127, 128, (rows, depth), dtype=torch.int8, generator=gen)
+    weight = torch.randint(-127, 128, (channels, depth), dtype=torch.int8, generator=gen)
+    codes[::2] = 127
+    weight[::3] = -127
+    sums = int8_avx2.kernel().amx_matmul(codes, weight)
+    assert sums.dtype == torch.int32
+    assert torch.equal(sums.long(), codes.long() @ weight.long().T)
+
+
 def test_onednn_takes_many_rows_only_where_its_sums_are_exact(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
