@@ -49,11 +49,12 @@ inline bool ready() {
 inline int64_t pairs(int64_t n) { return (n + kPair - 1) / kPair; }
 
 // Byte offset of inputs 4q..4q+3 of output channel ``c`` in a weight in tile order ``in``
-// inputs wide.
-inline int64_t tile_offset(int64_t c, int64_t q, int64_t in) {
-  const int64_t steps = in / kDepth;
-  return ((c / kTile * steps + q / kTile) * kTile + q % kTile) * kDepth + (c % kTile) * 4;
+// inputs wide: column(c, in) + quad(q) (apart: a channel's column is computed once, not per
+// 4 inputs).
+inline int64_t column(int64_t c, int64_t in) {
+  return c / kTile * (in / kDepth) * kTileBytes + c % kTile * 4;
 }
+inline int64_t quad(int64_t q) { return q / kTile * kTileBytes + q % kTile * kDepth; }
 
 struct alignas(64) TileConfig {
   uint8_t palette = 1;

@@ -283,6 +283,7 @@ void requantize_blocks(const Layer& layer, int64_t b0, int64_t b1, int64_t first
                                          _mm256_cmp_ps(peak, zero, _CMP_GT_OQ));
     _mm256_storeu_ps(scale + (b - first) * kRows, channel_scale);
     int8_t* rows = dst + (b - first) * kRows * in;
+    int8_t* column = dst + (tiled ? amx_int8::column((b - first) * kRows, in) : 0);
     for (int64_t g = 0; g < groups; ++g) {
       const __m256 ratio = _mm256_mul_ps(group_scales(w + g * kGroupBytes), inverse);
       __m256i words[8];  // lo / hi nibbles of each 32-byte part: inputs 8p..8p+3, 8p+4..8p+7
@@ -302,10 +303,8 @@ void requantize_blocks(const Layer& layer, int64_t b0, int64_t b1, int64_t first
         }
       }
       if (tiled) {  // words[q]: inputs 4q..4q+3 of the group, each channel's in turn
-        const int64_t channel = (b - first) * kRows;
         for (int q = 0; q < 8; ++q)
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(
-                                  dst + amx_int8::tile_offset(channel, g * 8 + q, in)),
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(column + amx_int8::quad(g * 8 + q)),
                               words[q]);
         continue;
       }

@@ -289,10 +289,10 @@ void tile_blocks(const Layer& layer, int64_t b0, int64_t b1, int64_t first, int8
   const int64_t in = layer.in_features, steps = in / kDepth;
   for (int64_t b = b0; b < b1; ++b) {
     const int8_t* src = layer.weight + b * steps * kBlockBytes;
-    const int64_t channel = (b - first) * kRows;
+    int8_t* column = dst + amx_int8::column((b - first) * kRows, in);
     for (int64_t k = 0; k < steps; ++k)
-      std::memcpy(dst + amx_int8::tile_offset(channel, k, in), src + k * kBlockBytes,
-                  kBlockBytes);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(column + amx_int8::quad(k)),
+                          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + k * kBlockBytes)));
   }
 }
 
@@ -361,7 +361,8 @@ at::Tensor amx_matmul(const at::Tensor& codes_in, const at::Tensor& weight_in) {
   const int8_t* w = weight.data_ptr<int8_t>();
   int8_t* t = tiled.data_ptr<int8_t>();
   for (int64_t c = 0; c < n; ++c)
-    for (int64_t g = 0; g < k / 4; ++g) std::memcpy(t + amx_int8::tile_offset(c, g, k), w + c * k + 4 * g, 4);
+    for (int64_t g = 0; g < k / 4; ++g)
+      std::memcpy(t + amx_int8::column(c, k) + amx_int8::quad(g), w + c * k + 4 * g, 4);
   at::Tensor out = at::empty({rows, pairs * amx_int8::kPair}, at::kInt);
   amx_int8::sums(x.data_ptr<int8_t>(), m, k, t, pairs, out.data_ptr<int32_t>());
   return out.narrow(0, 0, m).narrow(1, 0, n).contiguous();
