@@ -376,6 +376,8 @@ void gemm_rows(const Layer& layer, const float* x, int64_t rows, float* y) {
   at::parallel_for(0, rows, 8, [&](int64_t r0, int64_t r1) {
     quantize_rows_whole(x, r0, r1, in, cp, row_scales.data());
   });
+  // A small layer: a buffer no larger than its weight (in whole tile pairs on AMX).
+  slab = std::min(slab, amx ? (blocks + 3) / 4 * 4 : blocks);
   at::Tensor weight = at::empty({slab * kRows, in}, at::kChar);
   std::vector<float> scale(static_cast<size_t>(slab * kRows));
   for (int64_t s0 = 0; s0 < blocks; s0 += slab) {

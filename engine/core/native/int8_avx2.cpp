@@ -315,6 +315,8 @@ void gemm_rows(const Layer& layer, const uint8_t* xq, int64_t rows, QParams q, f
   int8_t* cp = codes.data_ptr<int8_t>();
   std::memcpy(cp, xq, static_cast<size_t>(rows * in));
   std::memset(cp + rows * in, 0, static_cast<size_t>((padded - rows) * in));
+  // A small layer: a buffer no larger than its weight (in whole tile pairs on AMX).
+  slab = std::min(slab, amx ? (blocks + 3) / 4 * 4 : blocks);
   at::Tensor weight = at::empty({slab * kRows, in}, at::kChar);
   int8_t* dst = weight.data_ptr<int8_t>();
   for (int64_t s0 = 0; s0 < blocks; s0 += slab) {
