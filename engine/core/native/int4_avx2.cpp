@@ -25,7 +25,6 @@
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
-#include <ATen/ops/_int_mm.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
 #include <torch/csrc/utils/pybind.h>
@@ -41,6 +40,7 @@
 #include <vector>
 
 #include "amx_int8.h"
+#include "slab_gemm.h"
 #include "store_rows.h"
 
 namespace {
@@ -357,44 +357,27 @@ void finish_rows(const Layer& layer, const int32_t* acc, int64_t width, const fl
 
 #pragma GCC pop_options
 
-// All rows of x against the layer by integer GEMM, a slab of output blocks at a time: each
-// slab's weight is requantised into a buffer small enough to stay in L2 for the GEMM, and its
-// sums stay there for the epilogue. The sums come from AMX's tiles where this process may use
-// them and the inputs are whole tile rows (amx_int8.h), else from oneDNN's int8 GEMM.
+// All rows of x against the layer by integer GEMM, a slab of output blocks at a time
+// (slab_gemm.h): each slab's weight requantised for the GEMM, its sums read by the epilogue
+// while they are in L2.
 void gemm_rows(const Layer& layer, const float* x, int64_t rows, float* y) {
   const int64_t in = layer.in_features;
   const int64_t blocks = (layer.out_features + kRows - 1) / kRows;
-  const bool amx = in % amx_int8::kDepth == 0 && amx_int8::ready();
-  int64_t slab = std::max<int64_t>(1, kSlabBytes / (in * kRows));  // blocks a slab
-  if (amx) slab = std::max<int64_t>(4, slab / 4 * 4);  // whole pairs of 16-channel tiles
-  // AMX reads whole pairs of 16-row tiles: rows past the last are zeros.
-  const int64_t padded = amx ? amx_int8::pairs(rows) * amx_int8::kPair : rows;
-  const at::Tensor codes = at::empty({padded, in}, at::kChar);
-  int8_t* cp = codes.data_ptr<int8_t>();
-  std::memset(cp + rows * in, 0, static_cast<size_t>((padded - rows) * in));
+  const SlabGemm gemm(in, rows, blocks, kSlabBytes);
+  const at::Tensor codes = gemm.codes();
   std::vector<float> row_scales(static_cast<size_t>(rows));
   at::parallel_for(0, rows, 8, [&](int64_t r0, int64_t r1) {
-    quantize_rows_whole(x, r0, r1, in, cp, row_scales.data());
+    quantize_rows_whole(x, r0, r1, in, codes.data_ptr<int8_t>(), row_scales.data());
   });
-  // A small layer: a buffer no larger than its weight (in whole tile pairs on AMX).
-  slab = std::min(slab, amx ? (blocks + 3) / 4 * 4 : blocks);
-  at::Tensor weight = at::empty({slab * kRows, in}, at::kChar);
-  std::vector<float> scale(static_cast<size_t>(slab * kRows));
-  for (int64_t s0 = 0; s0 < blocks; s0 += slab) {
-    const int64_t n = std::min(slab, blocks - s0);
-    if (amx && n % 4 != 0)  // the last tile pair's missing channels
-      std::memset(weight.data_ptr<int8_t>(), 0, static_cast<size_t>(weight.numel()));
+  const at::Tensor weight = gemm.weight();
+  std::vector<float> scale(static_cast<size_t>(gemm.slab * kRows));
+  for (int64_t s0 = 0; s0 < blocks; s0 += gemm.slab) {
+    const int64_t n = std::min(gemm.slab, blocks - s0);
+    gemm.clear(weight, n);
     at::parallel_for(s0, s0 + n, 4, [&](int64_t b0, int64_t b1) {
-      requantize_blocks(layer, b0, b1, s0, amx, weight.data_ptr<int8_t>(), scale.data());
+      requantize_blocks(layer, b0, b1, s0, gemm.amx, weight.data_ptr<int8_t>(), scale.data());
     });
-    at::Tensor acc;
-    if (amx) {
-      const int64_t pairs = amx_int8::pairs(n * kRows);
-      acc = at::empty({padded, pairs * amx_int8::kPair}, at::kInt);
-      amx_int8::sums(cp, rows, in, weight.data_ptr<int8_t>(), pairs, acc.data_ptr<int32_t>());
-    } else {
-      acc = at::_int_mm(codes, weight.narrow(0, 0, n * kRows).t());
-    }
+    const at::Tensor acc = gemm.sums(codes, weight, n);
     const int32_t* ap = acc.data_ptr<int32_t>();
     at::parallel_for(0, rows, 1, [&](int64_t r0, int64_t r1) {
       finish_rows(layer, ap, acc.size(1), scale.data(), row_scales.data(), s0, s0 + n, r0, r1, y);

@@ -23,7 +23,6 @@
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
-#include <ATen/ops/_int_mm.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
 #include <torch/csrc/utils/pybind.h>
@@ -39,6 +38,7 @@
 #include <vector>
 
 #include "amx_int8.h"
+#include "slab_gemm.h"
 #include "store_rows.h"
 
 namespace {
@@ -298,45 +298,27 @@ void tile_blocks(const Layer& layer, int64_t b0, int64_t b1, int64_t first, int8
 
 #pragma GCC pop_options
 
-// All rows of codes ``xq`` against the layer by integer GEMM, a slab of output blocks at a time:
-// each slab's weight is read back from its blocks into a buffer small enough to stay in L2 for
-// the GEMM, and its sums stay there for the epilogue. The sums come from AMX's tiles where this
-// process may use them and the inputs are whole tile rows (amx_int8.h), else from oneDNN's
-// int8 GEMM.
+// All rows of codes ``xq`` against the layer by integer GEMM, a slab of output blocks at a time
+// (slab_gemm.h): each slab's weight read back from its blocks for the GEMM, its sums read by the
+// epilogue while they are in L2.
 void gemm_rows(const Layer& layer, const uint8_t* xq, int64_t rows, QParams q, float* y) {
   const int64_t in = layer.in_features;
   const int64_t blocks = (layer.out_features + kRows - 1) / kRows;
-  const bool amx = in % amx_int8::kDepth == 0 && amx_int8::ready();
-  int64_t slab = std::max<int64_t>(1, kSlabBytes / (in * kRows));  // blocks a slab
-  if (amx) slab = std::max<int64_t>(4, slab / 4 * 4);  // whole pairs of 16-channel tiles
-  // AMX reads whole pairs of 16-row tiles: rows past the last are zeros.
-  const int64_t padded = amx ? amx_int8::pairs(rows) * amx_int8::kPair : rows;
-  const at::Tensor codes = at::empty({padded, in}, at::kChar);
-  int8_t* cp = codes.data_ptr<int8_t>();
-  std::memcpy(cp, xq, static_cast<size_t>(rows * in));
-  std::memset(cp + rows * in, 0, static_cast<size_t>((padded - rows) * in));
-  // A small layer: a buffer no larger than its weight (in whole tile pairs on AMX).
-  slab = std::min(slab, amx ? (blocks + 3) / 4 * 4 : blocks);
-  at::Tensor weight = at::empty({slab * kRows, in}, at::kChar);
+  const SlabGemm gemm(in, rows, blocks, kSlabBytes);
+  const at::Tensor codes = gemm.codes();  // codes 0..127 are the same bytes as int8
+  std::memcpy(codes.data_ptr<int8_t>(), xq, static_cast<size_t>(rows * in));
+  const at::Tensor weight = gemm.weight();
   int8_t* dst = weight.data_ptr<int8_t>();
-  for (int64_t s0 = 0; s0 < blocks; s0 += slab) {
-    const int64_t n = std::min(slab, blocks - s0);
-    if (amx && n % 4 != 0)  // the last tile pair's missing channels
-      std::memset(dst, 0, static_cast<size_t>(weight.numel()));
+  for (int64_t s0 = 0; s0 < blocks; s0 += gemm.slab) {
+    const int64_t n = std::min(gemm.slab, blocks - s0);
+    gemm.clear(weight, n);
     at::parallel_for(s0, s0 + n, 8, [&](int64_t b0, int64_t b1) {
-      if (amx)
+      if (gemm.amx)
         tile_blocks(layer, b0, b1, s0, dst);
       else
         unpack_blocks(layer, b0, b1, s0, dst);
     });
-    at::Tensor acc;
-    if (amx) {
-      const int64_t pairs = amx_int8::pairs(n * kRows);
-      acc = at::empty({padded, pairs * amx_int8::kPair}, at::kInt);
-      amx_int8::sums(cp, rows, in, dst, pairs, acc.data_ptr<int32_t>());
-    } else {
-      acc = at::_int_mm(codes, weight.narrow(0, 0, n * kRows).t());
-    }
+    const at::Tensor acc = gemm.sums(codes, weight, n);
     const int32_t* ap = acc.data_ptr<int32_t>();
     at::parallel_for(0, rows, 1, [&](int64_t r0, int64_t r1) {
       finish_rows(layer, ap, acc.size(1), q, s0, s0 + n, r0, r1, y);
