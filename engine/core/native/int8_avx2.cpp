@@ -291,8 +291,7 @@ void tile_blocks(const Layer& layer, int64_t b0, int64_t b1, int64_t first, int8
     const int8_t* src = layer.weight + b * steps * kBlockBytes;
     int8_t* column = dst + amx_int8::column((b - first) * kRows, in);
     for (int64_t k = 0; k < steps; ++k)
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(column + amx_int8::quad(k)),
-                          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + k * kBlockBytes)));
+      std::memcpy(column + amx_int8::quad(k), src + k * kBlockBytes, kBlockBytes);
   }
 }
 
