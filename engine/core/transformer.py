@@ -467,12 +467,12 @@ class RelPosEncoder(nn.Module):
         for the rest of the sequence (relative distances between real tokens are unchanged).
         """
         b, t, _ = x.shape
+        if t == 1 and b == 1 and cache.key_mask is None and lengths is None:
+            return self.decode_input_row(self.input_row(x), cache)  # checks the room itself
         start = cache.length
         length = start + t
         if length > cache.max_len:
             raise ValueError(f"KV cache full: {length} > {cache.max_len} positions")
-        if t == 1 and b == 1 and cache.key_mask is None and lengths is None:
-            return self._decode_position(x, cache)
         self._native_step = None  # a prefill starts each answer: the step is built anew
         if lengths is not None:
             if start != 0:
@@ -494,10 +494,6 @@ class RelPosEncoder(nn.Module):
             x = layer.forward_cached(x, cache, i, start, mask)
         cache.length = length
         return self.after_norm(x)
-
-    def _decode_position(self, x: Tensor, cache: KVCache) -> Tensor:
-        """The decode step of one sequence: x (1, 1, input_size) → (1, 1, output_size)."""
-        return self.decode_input_row(self.input_row(x), cache)
 
     def input_row(self, x: Tensor) -> Tensor:
         """The input layer's output for one position, x (1, 1, input_size) → (1, 1, d): a
