@@ -1,0 +1,126 @@
+"""An LM's packed weights moved onto transparent huge pages, where Linux offers them.
+
+A decode step reads every weight of the LM once per token, a few hundred MB in order. On 4 KB
+pages that is tens of thousands of TLB misses per token, each a page-table walk beside the
+stream; on 2 MB pages a few hundred. Linux gives anonymous memory huge pages where the
+program asks (``madvise(MADV_HUGEPAGE)``, the default "madvise" mode of most distributions) or
+everywhere ("always"); torch's allocator never asks. So after a load the LM's weight buffers
+(the int8 and int4 kernels' packed layouts, whatever else is large) are copied, one after the
+other, into one anonymous mapping marked for huge pages, and the modules hold views of it. The
+maths is untouched: the same bytes, elsewhere.
+
+Each buffer's old memory is freed as soon as its copy is made and handed back to the system
+(``malloc_trim`` where the C library has it), so the load's peak grows by about one buffer.
+Where the kernel offers no transparent huge pages ("never", not Linux) nothing moves.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+import mmap
+import sys
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+from torch import nn
+
+_LOGGER = logging.getLogger(__name__)
+
+_THP = Path("/sys/kernel/mm/transparent_hugepage")
+# Buffers smaller than this stay where they are (biases, scales): they are a few per cent of
+# the bytes a token reads.
+MIN_BYTES = 64 * 1024
+# Each moved buffer starts on a cache line, as torch's own allocations do.
+_ALIGN = 64
+# Freed memory is handed back to the system after every this many bytes copied.
+_TRIM_EVERY = 64 * 2**20
+
+
+def huge_page_size() -> int | None:
+    """The size of a transparent huge page where anonymous memory may ask for them, else None
+    (not Linux, the mode "never", or no ``MADV_HUGEPAGE`` in this Python)."""
+    if not sys.platform.startswith("linux") or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return None
+    try:
+        if "[never]" in (_THP / "enabled").read_text():
+            return None
+        return int((_THP / "hpage_pmd_size").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _malloc_trim() -> None:
+    """Return the C library's free memory to the system, where it can (glibc)."""
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name)
+        trim = libc.malloc_trim
+    except (OSError, AttributeError, TypeError):
+        return
+    trim.argtypes = [ctypes.c_size_t]
+    trim(0)
+
+
+def _large_buffers(modules: Iterable[nn.Module]) -> list[tuple[nn.Module, str, int, int]]:
+    """(module, name, address, bytes) of every contiguous CPU buffer of at least ``MIN_BYTES``
+    inside ``modules``, each module once (LMs share modules: engine.core.shared_layers). No
+    tensor is held: each one's memory can go as soon as it has moved."""
+    seen: set[int] = set()
+    found = []
+    for root in modules:
+        for module in root.modules():
+            if id(module) in seen:
+                continue
+            seen.add(id(module))
+            for name, buffer in module.named_buffers(recurse=False):
+                size = buffer.numel() * buffer.element_size()
+                if buffer.device.type == "cpu" and buffer.is_contiguous() and size >= MIN_BYTES:
+                    found.append((module, name, buffer.data_ptr(), size))
+    return found
+
+
+def _padded(size: int) -> int:
+    return -(-size // _ALIGN) * _ALIGN
+
+
+def move_to_huge_pages(modules: Iterable[nn.Module]) -> int:
+    """Move the large buffers of ``modules`` into one mapping on transparent huge pages; the
+    bytes moved (0 where the system offers none). A buffer held by several modules moves once
+    and stays one tensor."""
+    page = huge_page_size()
+    if page is None:
+        return 0
+    buffers = _large_buffers(modules)
+    total = sum(
+        _padded(size) for size in {address: size for _, _, address, size in buffers}.values()
+    )
+    if total == 0:
+        return 0
+    # Room to start on a huge page boundary. Pages of the mapping nothing is copied to are
+    # never touched, so they take no memory.
+    arena = mmap.mmap(-1, total + page, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    arena.madvise(mmap.MADV_HUGEPAGE)
+    # The views below keep the mapping alive: torch.frombuffer holds a reference to it.
+    memory = torch.frombuffer(arena, dtype=torch.uint8)
+    offset = -memory.data_ptr() % page
+    moved: dict[int, torch.Tensor] = {}  # by the old buffer's address
+    since_trim = 0
+    for module, name, address, size in buffers:
+        if address not in moved:
+            buffer = getattr(module, name)
+            view = memory[offset : offset + size].view(buffer.dtype).view(buffer.shape)
+            view.copy_(buffer)
+            del buffer
+            moved[address] = view
+            offset += _padded(size)
+            since_trim += size
+        setattr(module, name, moved[address])  # the old buffer goes with its last holder
+        if since_trim >= _TRIM_EVERY:
+            _malloc_trim()
+            since_trim = 0
+    _malloc_trim()
+    _LOGGER.info("Moved %.0f MB of LM weights onto %d KB pages", total / 1e6, page // 1024)
+    return total

@@ -1,0 +1,115 @@
+"""The LM's weights on transparent huge pages (engine.core.huge_pages): the same bytes in one
+mapping Linux may back with huge pages, nothing moved where it offers none."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import TINY_MODEL
+from torch import nn
+
+from engine.core import huge_pages
+from engine.core.huge_pages import MIN_BYTES, huge_page_size, move_to_huge_pages
+from engine.core.prepared import PREPARED_DIR
+from engine.cosyvoice1.engine import CosyVoiceEngine
+
+
+class _Layer(nn.Module):
+    """A Linear whose weight and bias are buffers, as the int8 and int4 kernels' layers."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor) -> None:
+        super().__init__()
+        self.register_buffer("weight", weight)
+        self.register_buffer("bias", bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+def _advised(address: int) -> bool:
+    """Whether the mapping holding ``address`` may be backed by huge pages (/proc/self/smaps)."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            start, end = (int(part, 16) for part in head.split("-"))
+            inside = start <= address < end
+        elif inside and head == "THPeligible:":
+            return line.split()[1] == "1"
+    return False
+
+
+def _stack() -> tuple[nn.Module, nn.Module]:
+    torch.manual_seed(0)
+    shared = torch.randn(256, 256)  # 256 KB: moves; held by both layers
+    first = _Layer(shared, torch.randn(256))  # the bias (1 KB) stays
+    second = _Layer(shared, torch.randn(256))
+    third = _Layer(torch.randn(128, 256), torch.randn(128))
+    return nn.Sequential(first, third), nn.Sequential(second)
+
+
+def test_moved_buffers_compute_the_same_from_one_mapping() -> None:
+    one, two = _stack()
+    x = torch.randn(3, 256)
+    before = (one[0](x), one[1](x), two[0](x))
+    biases = [layer.bias.data_ptr() for layer in (one[0], one[1], two[0])]
+    old = [one[0].weight.data_ptr(), one[1].weight.data_ptr()]
+    moved = move_to_huge_pages([one, two])
+    after = (one[0](x), one[1](x), two[0](x))
+    assert all(torch.equal(b, a) for b, a in zip(before, after, strict=True))
+    # Small buffers stay where they were; a buffer two modules hold stays one tensor.
+    assert [layer.bias.data_ptr() for layer in (one[0], one[1], two[0])] == biases
+    assert one[0].weight is two[0].weight
+    page = huge_page_size()
+    weights = [one[0].weight, one[1].weight]
+    if page is None:  # nothing to move to: nothing moved
+        assert moved == 0
+        assert [w.data_ptr() for w in weights] == old
+        return
+    assert moved == (256 + 128) * 256 * 4  # each large buffer once, whole cache lines
+    assert [w.data_ptr() for w in weights] != old
+    # In one mapping, from its first huge page boundary on, each on a cache line.
+    assert weights[0].data_ptr() % page == 0
+    assert weights[1].data_ptr() == weights[0].data_ptr() + 256 * 256 * 4
+    assert all(_advised(w.data_ptr()) for w in weights)
+
+
+def test_nothing_moves_where_the_kernel_offers_no_huge_pages(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "hpage_pmd_size").write_text("2097152\n")
+    monkeypatch.setattr(huge_pages, "_THP", tmp_path)
+    (tmp_path / "enabled").write_text("always [madvise] never\n")
+    assert huge_page_size() == 2097152
+    (tmp_path / "enabled").write_text("always madvise [never]\n")
+    assert huge_page_size() is None
+    one, two = _stack()
+    old = one[0].weight.data_ptr()
+    assert move_to_huge_pages([one, two]) == 0
+    assert one[0].weight.data_ptr() == old
+
+
+def test_a_loaded_int8_lm_reads_its_weights_from_the_mapping(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = tmp_path / "CosyVoice-300M-SFT"
+    shutil.copytree(TINY_MODEL, model, ignore=shutil.ignore_patterns(PREPARED_DIR))
+    cache = tmp_path / "cache"
+    offered = huge_page_size() is not None
+    # The tiny LM's layers are smaller than the full-size model's: all of them move here.
+    assert MIN_BYTES > 1024
+    monkeypatch.setattr(huge_pages, "MIN_BYTES", 1024)
+    moved = CosyVoiceEngine.load(model, threads=1, lm_int8=True, cache_dir=cache).models.llm
+    monkeypatch.setattr(huge_pages, "huge_page_size", lambda: None)
+    kept = CosyVoiceEngine.load(model, threads=1, lm_int8=True, cache_dir=cache).models.llm
+    large = [b for b in moved.buffers() if b.numel() * b.element_size() >= 1024]
+    assert large
+    assert all(_advised(b.data_ptr()) == offered for b in large)
+    assert not any(_advised(b.data_ptr()) for b in kept.buffers())
+    # The same bytes, so the same maths.
+    for (name, a), (_, b) in zip(moved.named_buffers(), kept.named_buffers(), strict=True):
+        assert torch.equal(a, b), name
