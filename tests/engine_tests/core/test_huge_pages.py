@@ -21,6 +21,9 @@ from engine.cosyvoice1.engine import CosyVoiceEngine
 class _Layer(nn.Module):
     """A Linear whose weight and bias are buffers, as the int8 and int4 kernels' layers."""
 
+    weight: torch.Tensor
+    bias: torch.Tensor
+
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor) -> None:
         super().__init__()
         self.register_buffer("weight", weight)
@@ -43,29 +46,29 @@ def _advised(address: int) -> bool:
     return False
 
 
-def _stack() -> tuple[nn.Module, nn.Module]:
+def _layers() -> tuple[_Layer, _Layer, _Layer]:
     torch.manual_seed(0)
-    shared = torch.randn(256, 256)  # 256 KB: moves; held by both layers
+    shared = torch.randn(256, 256)  # 256 KB: moves; held by the first two layers
     first = _Layer(shared, torch.randn(256))  # the bias (1 KB) stays
     second = _Layer(shared, torch.randn(256))
     third = _Layer(torch.randn(128, 256), torch.randn(128))
-    return nn.Sequential(first, third), nn.Sequential(second)
+    return first, second, third
 
 
 def test_moved_buffers_compute_the_same_from_one_mapping() -> None:
-    one, two = _stack()
+    layers = _layers()
+    first, second, third = layers
     x = torch.randn(3, 256)
-    before = (one[0](x), one[1](x), two[0](x))
-    biases = [layer.bias.data_ptr() for layer in (one[0], one[1], two[0])]
-    old = [one[0].weight.data_ptr(), one[1].weight.data_ptr()]
-    moved = move_to_huge_pages([one, two])
-    after = (one[0](x), one[1](x), two[0](x))
-    assert all(torch.equal(b, a) for b, a in zip(before, after, strict=True))
+    before = [layer(x) for layer in layers]
+    biases = [layer.bias.data_ptr() for layer in layers]
+    old = [first.weight.data_ptr(), third.weight.data_ptr()]
+    moved = move_to_huge_pages([nn.Sequential(first, third), second])
+    assert all(torch.equal(b, layer(x)) for b, layer in zip(before, layers, strict=True))
     # Small buffers stay where they were; a buffer two modules hold stays one tensor.
-    assert [layer.bias.data_ptr() for layer in (one[0], one[1], two[0])] == biases
-    assert one[0].weight is two[0].weight
+    assert [layer.bias.data_ptr() for layer in layers] == biases
+    assert first.weight is second.weight
     page = huge_page_size()
-    weights = [one[0].weight, one[1].weight]
+    weights = [first.weight, third.weight]
     if page is None:  # nothing to move to: nothing moved
         assert moved == 0
         assert [w.data_ptr() for w in weights] == old
@@ -87,10 +90,10 @@ def test_nothing_moves_where_the_kernel_offers_no_huge_pages(
     assert huge_page_size() == 2097152
     (tmp_path / "enabled").write_text("always madvise [never]\n")
     assert huge_page_size() is None
-    one, two = _stack()
-    old = one[0].weight.data_ptr()
-    assert move_to_huge_pages([one, two]) == 0
-    assert one[0].weight.data_ptr() == old
+    layers = _layers()
+    old = layers[0].weight.data_ptr()
+    assert move_to_huge_pages(layers) == 0
+    assert layers[0].weight.data_ptr() == old
 
 
 def test_a_loaded_int8_lm_reads_its_weights_from_the_mapping(
