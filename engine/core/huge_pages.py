@@ -2,7 +2,7 @@
 
 A decode step reads every weight of the LM once per token, a few hundred MB in order. On 4 KB
 pages that is tens of thousands of TLB misses per token, each a page-table walk beside the
-stream; on 2 MB pages a few hundred. Linux gives anonymous memory huge pages where the
+stream; on 2 MB pages about a hundred. Linux gives anonymous memory huge pages where the
 program asks (``madvise(MADV_HUGEPAGE)``, the default "madvise" mode of most distributions) or
 everywhere ("always"); torch's allocator never asks. So after a load the LM's weight buffers
 (the int8 and int4 kernels' packed layouts, whatever else is large) are copied, one after the
@@ -16,8 +16,6 @@ Where the kernel offers no transparent huge pages ("never", not Linux) nothing m
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import logging
 import mmap
 import sys
@@ -26,6 +24,8 @@ from pathlib import Path
 
 import torch
 from torch import nn
+
+from engine.core.runtime import give_back_free_heap
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -50,18 +50,6 @@ def huge_page_size() -> int | None:
         return int((_THP / "hpage_pmd_size").read_text())
     except (OSError, ValueError):
         return None
-
-
-def _malloc_trim() -> None:
-    """Return the C library's free memory to the system, where it can (glibc)."""
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name)
-        trim = libc.malloc_trim
-    except (OSError, AttributeError, TypeError):
-        return
-    trim.argtypes = [ctypes.c_size_t]
-    trim(0)
 
 
 def _large_buffers(modules: Iterable[nn.Module]) -> list[tuple[nn.Module, str, int, int]]:
@@ -119,8 +107,8 @@ def move_to_huge_pages(modules: Iterable[nn.Module]) -> int:
             since_trim += size
         setattr(module, name, moved[address])  # the old buffer goes with its last holder
         if since_trim >= _TRIM_EVERY:
-            _malloc_trim()
+            give_back_free_heap()
             since_trim = 0
-    _malloc_trim()
-    _LOGGER.info("Moved %.0f MB of LM weights onto %d KB pages", total / 1e6, page // 1024)
+    give_back_free_heap()
+    _LOGGER.info("The LM's weights (%.0f MB) on %d KB huge pages", total / 1e6, page // 1024)
     return total
