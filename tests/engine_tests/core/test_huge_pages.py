@@ -34,15 +34,17 @@ class _Layer(nn.Module):
 
 
 def _advised(address: int) -> bool:
-    """Whether the mapping holding ``address`` may be backed by huge pages (/proc/self/smaps)."""
+    """Whether the mapping holding ``address`` was advised to take huge pages (its ``VmFlags``
+    in /proc/self/smaps hold ``hg``): whether Linux then backs it with them depends on the
+    memory it has free."""
     inside = False
     for line in Path("/proc/self/smaps").read_text().splitlines():
         head = line.split()[0]
         if "-" in head and not head.endswith(":"):
             start, end = (int(part, 16) for part in head.split("-"))
             inside = start <= address < end
-        elif inside and head == "THPeligible:":
-            return line.split()[1] == "1"
+        elif inside and head == "VmFlags:":
+            return "hg" in line.split()[1:]
     return False
 
 
