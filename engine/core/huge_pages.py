@@ -35,6 +35,8 @@ _THP = Path("/sys/kernel/mm/transparent_hugepage")
 MIN_BYTES = 64 * 1024
 # Each moved buffer starts on a cache line, as torch's own allocations do.
 _ALIGN = 64
+# Linux's number for the advice (Python's mmap names it from 3.13).
+_MADV_POPULATE_WRITE = 23
 # Freed memory is handed back to the system after every this many bytes copied.
 _TRIM_EVERY = 64 * 2**20
 
@@ -50,6 +52,17 @@ def huge_page_size() -> int | None:
         return int((_THP / "hpage_pmd_size").read_text())
     except (OSError, ValueError):
         return None
+
+
+def _populate(arena: mmap.mmap, start: int, size: int) -> None:
+    """Fault the pages the copies will write in one call (``MADV_POPULATE_WRITE``, Linux 5.14):
+    on a VM whose free memory goes back to the host a page fault per huge page in the copy loop
+    measured five times slower. Older kernels refuse it; then the copies fault them."""
+    length = -(-size // mmap.PAGESIZE) * mmap.PAGESIZE
+    try:
+        arena.madvise(getattr(mmap, "MADV_POPULATE_WRITE", _MADV_POPULATE_WRITE), start, length)
+    except OSError:
+        pass
 
 
 def _large_buffers(modules: Iterable[nn.Module]) -> list[tuple[nn.Module, str, int, int]]:
@@ -94,6 +107,7 @@ def move_to_huge_pages(modules: Iterable[nn.Module]) -> int:
     # The views below keep the mapping alive: torch.frombuffer holds a reference to it.
     memory = torch.frombuffer(arena, dtype=torch.uint8)
     offset = -memory.data_ptr() % page
+    _populate(arena, offset, total)
     moved: dict[int, torch.Tensor] = {}  # by the old buffer's address
     since_trim = 0
     for module, name, address, size in buffers:
