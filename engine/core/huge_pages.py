@@ -16,6 +16,7 @@ Where the kernel offers no transparent huge pages ("never", not Linux) nothing m
 
 from __future__ import annotations
 
+import bisect
 import logging
 import mmap
 import sys
@@ -65,10 +66,30 @@ def _populate(arena: mmap.mmap, start: int, size: int) -> None:
         pass
 
 
+def _anonymous_ranges() -> list[tuple[int, int]]:
+    """The address ranges of this process's anonymous memory (heap and anonymous mappings:
+    inode 0 in /proc/self/maps), sorted."""
+    ranges = []
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        fields = line.split()
+        if len(fields) >= 5 and fields[4] == "0":
+            start, end = (int(part, 16) for part in fields[0].split("-"))
+            ranges.append((start, end))
+    return sorted(ranges)
+
+
+def _in_ranges(ranges: list[tuple[int, int]], start: int, size: int) -> bool:
+    index = bisect.bisect_right(ranges, (start, sys.maxsize)) - 1
+    return index >= 0 and ranges[index][0] <= start and start + size <= ranges[index][1]
+
+
 def _large_buffers(modules: Iterable[nn.Module]) -> list[tuple[nn.Module, str, int, int]]:
     """(module, name, address, bytes) of every contiguous CPU buffer of at least ``MIN_BYTES``
-    inside ``modules``, each module once (LMs share modules: engine.core.shared_layers). No
-    tensor is held: each one's memory can go as soon as it has moved."""
+    in anonymous memory inside ``modules``, each module once (LMs share modules:
+    engine.core.shared_layers). A buffer read from a mapped file (a prepared file's table whose
+    rows are read as needed) stays: a copy would make all of it resident. No tensor is held:
+    each one's memory can go as soon as it has moved."""
+    anonymous = _anonymous_ranges()
     seen: set[int] = set()
     found = []
     for root in modules:
@@ -78,7 +99,12 @@ def _large_buffers(modules: Iterable[nn.Module]) -> list[tuple[nn.Module, str, i
             seen.add(id(module))
             for name, buffer in module.named_buffers(recurse=False):
                 size = buffer.numel() * buffer.element_size()
-                if buffer.device.type == "cpu" and buffer.is_contiguous() and size >= MIN_BYTES:
+                if (
+                    buffer.device.type == "cpu"
+                    and buffer.is_contiguous()
+                    and size >= MIN_BYTES
+                    and _in_ranges(anonymous, buffer.data_ptr(), size)
+                ):
                     found.append((module, name, buffer.data_ptr(), size))
     return found
 
