@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar, cast
 import torch
 from torch import nn
 
+from engine.core.huge_pages import move_to_huge_pages
 from engine.core.runtime import (
     audio_chunks,
     extra_weight_formats,
@@ -26,7 +27,6 @@ from engine.core.runtime import (
     setup_cpu,
     weight_combinations,
 )
-from engine.core.huge_pages import move_to_huge_pages
 from engine.core.shared_layers import share_unchanged_layers
 from engine.core.start_policy import GAPLESS, estimate_speech_seconds, hold_until_gapless
 from engine.core.types import AudioChunk, SynthesisOptions
