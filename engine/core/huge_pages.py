@@ -5,9 +5,10 @@ pages that is tens of thousands of TLB misses per token, each a page-table walk 
 stream; on 2 MB pages about a hundred. Linux gives anonymous memory huge pages where the
 program asks (``madvise(MADV_HUGEPAGE)``, the default "madvise" mode of most distributions) or
 everywhere ("always"); torch's allocator never asks. So after a load the LM's weight buffers
-(the int8 and int4 kernels' packed layouts, whatever else is large) are copied, one after the
-other, into one anonymous mapping marked for huge pages, and the modules hold views of it. The
-maths is untouched: the same bytes, elsewhere.
+in anonymous memory (the int8 and int4 kernels' packed layouts, whatever else is large) are
+copied, one after the other, into one anonymous mapping marked for huge pages, and the modules
+hold views of it. The maths is untouched: the same bytes, elsewhere. Tables read from a
+prepared file as needed stay mapped: a copy would make every row resident.
 
 Each buffer's old memory is freed as soon as its copy is made and handed back to the system
 (``malloc_trim`` where the C library has it), so the load's peak grows by about one buffer.
@@ -57,8 +58,9 @@ def huge_page_size() -> int | None:
 
 def _populate(arena: mmap.mmap, start: int, size: int) -> None:
     """Fault the pages the copies will write in one call (``MADV_POPULATE_WRITE``, Linux 5.14):
-    on a VM whose free memory goes back to the host a page fault per huge page in the copy loop
-    measured five times slower. Older kernels refuse it; then the copies fault them."""
+    one fault per huge page inside the copies was several times slower on a VM whose freed
+    memory goes back to its host (docs/dev/performance-notes.md). Older kernels refuse the
+    advice; then the copies fault the pages."""
     length = -(-size // mmap.PAGESIZE) * mmap.PAGESIZE
     try:
         arena.madvise(getattr(mmap, "MADV_POPULATE_WRITE", _MADV_POPULATE_WRITE), start, length)
@@ -126,8 +128,8 @@ def move_to_huge_pages(modules: Iterable[nn.Module]) -> int:
     )
     if total == 0:
         return 0
-    # Room to start on a huge page boundary. Pages of the mapping nothing is copied to are
-    # never touched, so they take no memory.
+    # Room to start on a huge page boundary. Only the pages the copies fill become resident
+    # (the last huge page whole where the mapping holds all of it).
     arena = mmap.mmap(-1, total + page, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     arena.madvise(mmap.MADV_HUGEPAGE)
     # The views below keep the mapping alive: torch.frombuffer holds a reference to it.
