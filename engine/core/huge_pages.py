@@ -56,6 +56,18 @@ def huge_page_size() -> int | None:
         return None
 
 
+def _advised_mapping(size: int) -> mmap.mmap | None:
+    """A private anonymous mapping of ``size`` bytes advised to take huge pages, or None where
+    the system refuses either (the weights then stay where they are: a hint, not a need)."""
+    try:
+        arena = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        arena.madvise(mmap.MADV_HUGEPAGE)
+    except OSError as err:
+        _LOGGER.debug("No mapping on huge pages for the LM's weights: %s", err)
+        return None
+    return arena
+
+
 def _populate(arena: mmap.mmap, start: int, size: int) -> None:
     """Fault the pages the copies will write in one call (``MADV_POPULATE_WRITE``, Linux 5.14):
     one fault per huge page inside the copies was several times slower on a VM whose freed
@@ -71,8 +83,12 @@ def _populate(arena: mmap.mmap, start: int, size: int) -> None:
 def _anonymous_ranges() -> list[tuple[int, int]]:
     """The address ranges of this process's anonymous memory (heap and anonymous mappings:
     inode 0 in /proc/self/maps), sorted."""
-    ranges = []
-    for line in Path("/proc/self/maps").read_text().splitlines():
+    ranges: list[tuple[int, int]] = []
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return ranges  # nothing known to be anonymous: nothing moves
+    for line in maps.splitlines():
         fields = line.split()
         if len(fields) >= 5 and fields[4] == "0":
             start, end = (int(part, 16) for part in fields[0].split("-"))
@@ -130,8 +146,9 @@ def move_to_huge_pages(modules: Iterable[nn.Module]) -> int:
         return 0
     # Room to start on a huge page boundary. Only the pages the copies fill become resident
     # (the last huge page whole where the mapping holds all of it).
-    arena = mmap.mmap(-1, total + page, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    arena.madvise(mmap.MADV_HUGEPAGE)
+    arena = _advised_mapping(total + page)
+    if arena is None:
+        return 0
     # The views below keep the mapping alive: torch.frombuffer holds a reference to it.
     memory = torch.frombuffer(arena, dtype=torch.uint8)
     offset = -memory.data_ptr() % page

@@ -98,6 +98,21 @@ def test_nothing_moves_where_the_kernel_offers_no_huge_pages(
     assert layers[0].weight.data_ptr() == old
 
 
+def test_a_refused_mapping_leaves_the_weights_where_they_are(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # E.g. a sandbox that forbids the advice: a hint, so the load goes on without it.
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise OSError(22, "Invalid argument")
+
+    monkeypatch.setattr(huge_pages, "huge_page_size", lambda: 2 * 2**20)
+    monkeypatch.setattr(huge_pages.mmap, "mmap", refuse)
+    layers = _layers()
+    old = [layer.weight.data_ptr() for layer in layers]
+    assert move_to_huge_pages(layers) == 0
+    assert [layer.weight.data_ptr() for layer in layers] == old
+
+
 def test_a_loaded_int8_lm_reads_its_weights_from_the_mapping(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
