@@ -11,7 +11,8 @@ hold views of it. The maths is untouched: the same bytes, elsewhere. Tables read
 prepared file as needed stay mapped: a copy would make every row resident.
 
 Each buffer's old memory is freed as soon as its copy is made and handed back to the system
-(``malloc_trim`` where the C library has it), so the load's peak grows by about one buffer.
+(``malloc_trim`` where the C library has it, every ``_TRIM_EVERY`` bytes copied), so the
+load's peak grows by at most that much.
 Where the kernel offers no transparent huge pages ("never", not Linux) nothing moves.
 """
 
